@@ -1,0 +1,117 @@
+// hobbit.h - C API of the hobbitpy expert runtime.
+//
+// The runtime keeps the routed experts of a MoE GGUF model on disk and runs them
+// through a budgeted pool of slots in memory, loaded on demand by an I/O thread.
+// It plugs into the patched libllama through llama_moe_offload (see llama.h).
+//
+// Usage sketch:
+//     struct hobbit_model_info info;
+//     hobbit_inspect_model(path, &info, err, sizeof(err));      // validate, sizes, minimum budget
+//     struct hobbit_params p = hobbit_default_params();
+//     p.budget_bytes = ...;                                      // >= info.min_budget_bytes
+//     hobbit_request_offload(&p, err, sizeof(err));              // arms the next model load on this thread
+//     model = llama_model_load_from_file(path, mparams);         // the runtime attaches itself
+//     rt = hobbit_runtime_of_model(model);                       // borrowed, freed with the model
+//     ... llama_decode ...; hobbit_runtime_get_stats(rt, &stats);
+//
+// No C++ exception crosses this boundary: entry points return a hobbit_status and
+// write a message naming the file and the problem into err.
+
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#    define HOBBIT_API __declspec(dllexport)
+#else
+#    define HOBBIT_API __attribute__((visibility("default")))
+#endif
+
+struct llama_model;
+typedef struct hobbit_runtime hobbit_runtime;
+
+enum hobbit_status {
+    HOBBIT_STATUS_OK             =  0,
+    HOBBIT_STATUS_ERROR_IO       = -1, // cannot open or read a file
+    HOBBIT_STATUS_ERROR_FORMAT   = -2, // not a GGUF, truncated, inconsistent tensors
+    HOBBIT_STATUS_ERROR_BUDGET   = -3, // budget below the minimum
+    HOBBIT_STATUS_ERROR_NOT_MOE  = -4, // the model has no routed experts
+    HOBBIT_STATUS_ERROR_INVALID  = -5, // bad argument
+    HOBBIT_STATUS_ERROR_INTERNAL = -6,
+};
+
+struct hobbit_params {
+    int64_t budget_bytes;    // bytes for expert slots; >= hobbit_model_info.min_budget_bytes
+    int32_t prefetch_layers; // 0 = load on demand only; 1 = also prefetch the next layer's experts of the previous token
+    bool    direct_io;       // read with O_DIRECT (bypassing the page cache) where the file system allows it
+};
+
+struct hobbit_model_info {
+    char    arch[64];              // general.architecture
+    int32_t n_layer;               // transformer blocks
+    int32_t n_layer_moe;           // blocks with routed experts (0 = dense model)
+    int32_t n_expert;              // routed experts per MoE block
+    int32_t n_expert_used;         // experts selected per token
+    int32_t n_embd;                // hidden size
+    int64_t expert_bytes;          // bytes of one expert, all projections (the size of a slot)
+    int64_t expert_bytes_total;    // bytes of every routed expert in the file
+    int64_t min_budget_bytes;      // smallest budget: one token's top-k
+    int64_t file_bytes;            // size of the GGUF file
+    bool    uniform;               // every MoE block has the same expert shapes and types (required to offload)
+};
+
+struct hobbit_stats {
+    int64_t expert_hits;           // selected experts found in the pool (counted once per layer and ubatch)
+    int64_t expert_misses;         // selected experts loaded on demand
+    int64_t expert_inplace;        // selected experts computed in place from the mapped file (no free slot in a large ubatch)
+    int64_t bytes_read;            // bytes read from the file into slots (on demand and prefetch)
+    int64_t n_reads;               // expert loads completed
+    int64_t prefetch_issued;       // prefetch loads queued
+    int64_t prefetch_used;         // prefetched experts later selected while still cached
+    int64_t loads_overlapped;      // loads that completed while no dispatch was waiting (I/O under compute)
+    int64_t stall_us;              // time dispatch waited for loads
+    int64_t io_us;                 // time the I/O thread spent reading
+    int64_t peak_pool_bytes;       // most slot bytes ever holding an expert
+    int64_t budget_bytes;          // budget the pool was sized from
+    int64_t pool_bytes;            // bytes allocated for slots (n_slot * expert_bytes)
+    int32_t n_slot;                // slots in the pool
+    bool    direct_io;             // O_DIRECT actually in use
+};
+
+HOBBIT_API struct hobbit_params hobbit_default_params(void);
+
+// validate a GGUF file and describe its experts; works for dense models too (n_layer_moe = 0)
+HOBBIT_API enum hobbit_status hobbit_inspect_model(const char * path, struct hobbit_model_info * info, char * err, size_t err_size);
+
+// arm the next llama_model_load_from_file() on this thread to attach an expert runtime
+HOBBIT_API enum hobbit_status hobbit_request_offload(const struct hobbit_params * params, char * err, size_t err_size);
+
+// disarm a request whose load did not happen (the load consumes it otherwise)
+HOBBIT_API void hobbit_cancel_offload_request(void);
+
+// why the runtime could not attach during the last load on this thread; false if it did
+HOBBIT_API bool hobbit_last_attach_error(char * buf, size_t size);
+
+// the runtime attached to a model, or NULL; owned by the model
+HOBBIT_API hobbit_runtime * hobbit_runtime_of_model(const struct llama_model * model);
+
+HOBBIT_API void hobbit_runtime_get_stats(const hobbit_runtime * rt, struct hobbit_stats * stats);
+HOBBIT_API void hobbit_runtime_reset_stats(hobbit_runtime * rt);
+
+// last error of the runtime (a failed read during decode); returns true and fills buf if there is one
+HOBBIT_API bool hobbit_runtime_get_error(const hobbit_runtime * rt, char * buf, size_t size);
+HOBBIT_API void hobbit_runtime_clear_error(hobbit_runtime * rt);
+
+// ggml abort callback (llama_set_abort_callback with data = the runtime): stops a decode
+// whose expert loads failed, so it returns an error instead of garbage
+HOBBIT_API bool hobbit_abort_callback(void * rt);
+
+#ifdef __cplusplus
+}
+#endif

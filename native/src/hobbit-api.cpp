@@ -1,0 +1,110 @@
+// hobbit-api.cpp - the C boundary: catches every exception, returns hobbit_status.
+#include "hobbit.h"
+
+#include "hobbit-error.h"
+#include "hobbit-runtime.h"
+
+#include "llama.h"
+
+#include <cstdio>
+#include <string>
+
+static void write_error(char * err, size_t err_size, const std::string & msg) {
+    if (err != nullptr && err_size > 0) {
+        snprintf(err, err_size, "%s", msg.c_str());
+    }
+}
+
+// params for the load armed on this thread, and why the last attach failed
+static thread_local hobbit_params g_pending_params;
+static thread_local std::string   g_attach_error;
+
+static const llama_moe_offload * hobbit_attach(const llama_model * model, const char * path, void * user_data) {
+    (void) user_data;
+    g_attach_error.clear();
+    try {
+        auto * rt = new hobbit_runtime(model, path, g_pending_params);
+        return rt->offload();
+    } catch (const std::exception & e) {
+        g_attach_error = e.what();
+        fprintf(stderr, "hobbitpy: %s\n", e.what());
+        return nullptr;
+    }
+}
+
+extern "C" {
+
+struct hobbit_params hobbit_default_params(void) {
+    hobbit_params p = {};
+    p.budget_bytes    = 0;
+    p.prefetch_layers = 0;
+    p.direct_io       = true;
+    return p;
+}
+
+enum hobbit_status hobbit_inspect_model(const char * path, struct hobbit_model_info * info, char * err, size_t err_size) {
+    if (path == nullptr || info == nullptr) {
+        write_error(err, err_size, "hobbit_inspect_model: path and info are required");
+        return HOBBIT_STATUS_ERROR_INVALID;
+    }
+    try {
+        *info = expert_index::from_file(path).info;
+        return HOBBIT_STATUS_OK;
+    } catch (const hobbit_error & e) {
+        write_error(err, err_size, e.what());
+        return e.status;
+    } catch (const std::exception & e) {
+        write_error(err, err_size, std::string(path) + ": " + e.what());
+        return HOBBIT_STATUS_ERROR_INTERNAL;
+    }
+}
+
+enum hobbit_status hobbit_request_offload(const struct hobbit_params * params, char * err, size_t err_size) {
+    if (params == nullptr || params->budget_bytes <= 0) {
+        write_error(err, err_size, "hobbit_request_offload: a positive budget_bytes is required");
+        return HOBBIT_STATUS_ERROR_INVALID;
+    }
+    g_pending_params = *params;
+    g_attach_error.clear();
+    llama_moe_offload_request_next_load(&hobbit_attach, nullptr);
+    return HOBBIT_STATUS_OK;
+}
+
+void hobbit_cancel_offload_request(void) {
+    llama_moe_offload_request_next_load(nullptr, nullptr);
+}
+
+bool hobbit_last_attach_error(char * buf, size_t size) {
+    write_error(buf, size, g_attach_error);
+    return !g_attach_error.empty();
+}
+
+hobbit_runtime * hobbit_runtime_of_model(const struct llama_model * model) {
+    const llama_moe_offload * off = model ? llama_model_get_moe_offload(model) : nullptr;
+    return off ? (hobbit_runtime *) off->ctx : nullptr;
+}
+
+void hobbit_runtime_get_stats(const hobbit_runtime * rt, struct hobbit_stats * stats) {
+    *stats = rt->stats();
+}
+
+void hobbit_runtime_reset_stats(hobbit_runtime * rt) {
+    rt->reset_stats();
+}
+
+bool hobbit_runtime_get_error(const hobbit_runtime * rt, char * buf, size_t size) {
+    std::string msg;
+    const bool failed = rt->error(msg);
+    write_error(buf, size, msg);
+    return failed;
+}
+
+void hobbit_runtime_clear_error(hobbit_runtime * rt) {
+    rt->clear_error();
+}
+
+bool hobbit_abort_callback(void * rt) {
+    return rt != nullptr && ((const hobbit_runtime *) rt)->failed();
+}
+
+} // extern "C"

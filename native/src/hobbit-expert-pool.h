@@ -1,0 +1,61 @@
+// hobbit-expert-pool.h - a fixed set of slots, each holding the weights of one expert
+// (every projection), with a slot table (layer, expert) -> slot and pin counts.
+//
+// The pool's weights are ggml tensors [n_in, n_out, n_slot] of the model's expert type,
+// so a MoE layer's expert matmul runs on them with slot ids instead of expert ids.
+// Not thread-safe: the runtime guards it with its mutex.
+#pragma once
+
+#include "hobbit-expert-store.h"
+
+#include "ggml-backend.h"
+#include "ggml.h"
+
+#include <vector>
+
+enum class slot_state {
+    empty,   // holds nothing
+    loading, // a read into it is queued or running; not evictable
+    ready,   // holds (layer, expert)
+};
+
+struct pool_slot {
+    int        layer      = -1;
+    int        expert     = -1;
+    slot_state state      = slot_state::empty;
+    int        pins       = 0;     // users that need the data to stay (the layer being computed)
+    bool       prefetched = false; // loaded by a prefetch and not selected since
+};
+
+class expert_pool {
+public:
+    // shape: the expert tensors of one MoE layer (all offloaded layers share it)
+    expert_pool(const expert_layer_layout & shape, int n_layer, int n_expert, int n_slot);
+    ~expert_pool();
+    expert_pool(const expert_pool &) = delete;
+    expert_pool & operator=(const expert_pool &) = delete;
+
+    int n_slot() const { return (int) slots.size(); }
+    ggml_tensor * weights(int proj) const { return tensors[proj]; }
+
+    // where a load into slot writes each projection (NULL for absent projections)
+    void slot_data(int slot, void * dst[LLAMA_MOE_PROJ_COUNT]) const;
+
+    int  find(int layer, int expert) const { return slot_of[layer*n_expert + expert]; }
+    // slot now belongs to (layer, expert) and is loading; the previous owner is forgotten
+    void assign(int slot, int layer, int expert);
+    // a failed load leaves the slot empty
+    void clear(int slot);
+
+    int  n_used() const { return n_used_; }  // slots that hold or are loading an expert
+
+    std::vector<pool_slot> slots;
+
+private:
+    int n_expert;
+    int n_used_ = 0;
+    std::vector<int> slot_of; // [n_layer * n_expert], -1 when not in the pool
+    ggml_context * ctx = nullptr;
+    ggml_backend_buffer_t buffer = nullptr;
+    ggml_tensor * tensors[LLAMA_MOE_PROJ_COUNT] = {};
+};

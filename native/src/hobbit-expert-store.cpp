@@ -1,0 +1,247 @@
+#include "hobbit-expert-store.h"
+
+#include "hobbit-error.h"
+
+#include "ggml.h"
+#include "gguf.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+static const char * proj_tensor_suffix[LLAMA_MOE_PROJ_COUNT] = {
+    "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_up_exps.weight",
+};
+
+static constexpr size_t DIRECT_IO_ALIGN = 4096;
+
+bool expert_layer_layout::has_experts() const {
+    return proj[LLAMA_MOE_PROJ_DOWN].present;
+}
+
+uint64_t expert_layer_layout::n_bytes() const {
+    uint64_t n = 0;
+    for (const auto & p : proj) {
+        n += p.present ? p.n_bytes : 0;
+    }
+    return n;
+}
+
+static std::string errno_text() {
+    return std::strerror(errno);
+}
+
+// integer metadata of any width; -1 if absent
+static int64_t gguf_get_int(const gguf_context * ctx, const std::string & key) {
+    const int64_t id = gguf_find_key(ctx, key.c_str());
+    if (id < 0) {
+        return -1;
+    }
+    switch (gguf_get_kv_type(ctx, id)) {
+        case GGUF_TYPE_UINT8:  return gguf_get_val_u8(ctx, id);
+        case GGUF_TYPE_INT8:   return gguf_get_val_i8(ctx, id);
+        case GGUF_TYPE_UINT16: return gguf_get_val_u16(ctx, id);
+        case GGUF_TYPE_INT16:  return gguf_get_val_i16(ctx, id);
+        case GGUF_TYPE_UINT32: return gguf_get_val_u32(ctx, id);
+        case GGUF_TYPE_INT32:  return gguf_get_val_i32(ctx, id);
+        case GGUF_TYPE_UINT64: return (int64_t) gguf_get_val_u64(ctx, id);
+        case GGUF_TYPE_INT64:  return gguf_get_val_i64(ctx, id);
+        default:               return -1;
+    }
+}
+
+expert_index expert_index::from_file(const std::string & path) {
+    expert_index idx;
+    idx.path = path;
+    hobbit_model_info & info = idx.info;
+
+    struct stat st;
+    if (stat(path.c_str(), &st) != 0) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_IO, path + ": cannot open model file: " + errno_text());
+    }
+    if (S_ISDIR(st.st_mode)) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_IO, path + ": is a directory, not a GGUF model file");
+    }
+    info.file_bytes = st.st_size;
+
+    {
+        const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+        if (fd < 0) {
+            throw hobbit_error(HOBBIT_STATUS_ERROR_IO, path + ": cannot open model file: " + errno_text());
+        }
+        char magic[4] = {0, 0, 0, 0};
+        const ssize_t n = pread(fd, magic, sizeof(magic), 0);
+        close(fd);
+        if (n != (ssize_t) sizeof(magic) || memcmp(magic, "GGUF", 4) != 0) {
+            throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, path + ": not a GGUF file (it does not start with the GGUF magic)");
+        }
+    }
+
+    gguf_init_params gparams = { /*no_alloc*/ true, /*ctx*/ nullptr };
+    std::unique_ptr<gguf_context, decltype(&gguf_free)> ctx(gguf_init_from_file(path.c_str(), gparams), gguf_free);
+    if (!ctx) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, path + ": the GGUF header is corrupt or truncated");
+    }
+
+    // every tensor's data must lie inside the file: a truncated download fails here, not mid-run
+    const uint64_t data_offset = gguf_get_data_offset(ctx.get());
+    for (int64_t t = 0; t < gguf_get_n_tensors(ctx.get()); ++t) {
+        const uint64_t end = data_offset + gguf_get_tensor_offset(ctx.get(), t) + gguf_get_tensor_size(ctx.get(), t);
+        if (end > (uint64_t) info.file_bytes) {
+            throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, path + ": truncated: tensor '" + gguf_get_tensor_name(ctx.get(), t) +
+                "' ends at byte " + std::to_string(end) + " but the file has " + std::to_string(info.file_bytes) + " bytes");
+        }
+    }
+
+    const int64_t arch_id = gguf_find_key(ctx.get(), "general.architecture");
+    if (arch_id < 0 || gguf_get_kv_type(ctx.get(), arch_id) != GGUF_TYPE_STRING) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, path + ": no general.architecture in the GGUF metadata; not a model file");
+    }
+    const std::string arch = gguf_get_val_str(ctx.get(), arch_id);
+    snprintf(info.arch, sizeof(info.arch), "%s", arch.c_str());
+
+    info.n_layer       = (int32_t) std::max<int64_t>(0, gguf_get_int(ctx.get(), arch + ".block_count"));
+    info.n_expert      = (int32_t) std::max<int64_t>(0, gguf_get_int(ctx.get(), arch + ".expert_count"));
+    info.n_expert_used = (int32_t) std::max<int64_t>(0, gguf_get_int(ctx.get(), arch + ".expert_used_count"));
+    info.n_embd        = (int32_t) std::max<int64_t>(0, gguf_get_int(ctx.get(), arch + ".embedding_length"));
+    info.uniform       = true;
+
+    idx.layers.resize(info.n_layer);
+    const expert_layer_layout * first = nullptr;
+    for (int il = 0; il < info.n_layer; ++il) {
+        expert_layer_layout & layer = idx.layers[il];
+        for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
+            const std::string name = "blk." + std::to_string(il) + "." + proj_tensor_suffix[p];
+            const int64_t t = gguf_find_tensor(ctx.get(), name.c_str());
+            if (t < 0) {
+                continue;
+            }
+            expert_proj_layout & pl = layer.proj[p];
+            const int64_t * ne = gguf_get_tensor_ne(ctx.get(), t);
+            pl.present = true;
+            pl.type    = gguf_get_tensor_type(ctx.get(), t);
+            pl.ne[0]   = ne[0];
+            pl.ne[1]   = ne[1];
+            pl.ne[2]   = ne[2];
+            if (ne[2] != info.n_expert || ne[3] != 1) {
+                throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, path + ": tensor '" + name + "' has " + std::to_string(ne[2]) +
+                    " experts but the metadata says " + std::to_string(info.n_expert));
+            }
+            pl.n_bytes = ggml_row_size((ggml_type) pl.type, ne[0]) * ne[1];
+            pl.offset  = data_offset + gguf_get_tensor_offset(ctx.get(), t);
+        }
+        if (layer.proj[LLAMA_MOE_PROJ_DOWN].present != (layer.proj[LLAMA_MOE_PROJ_UP].present || layer.proj[LLAMA_MOE_PROJ_GATE_UP].present)) {
+            throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, path + ": layer " + std::to_string(il) + " has an incomplete set of expert tensors");
+        }
+        if (!layer.has_experts()) {
+            continue;
+        }
+        info.n_layer_moe++;
+        info.expert_bytes_total += (int64_t) layer.n_bytes() * info.n_expert;
+        if (first == nullptr) {
+            first = &layer;
+            continue;
+        }
+        for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
+            const auto & a = first->proj[p];
+            const auto & b = layer.proj[p];
+            if (a.present != b.present || a.type != b.type || a.ne[0] != b.ne[0] || a.ne[1] != b.ne[1]) {
+                info.uniform = false;
+            }
+        }
+    }
+    if (first != nullptr) {
+        info.expert_bytes     = (int64_t) first->n_bytes();
+        info.min_budget_bytes = info.expert_bytes * info.n_expert_used;
+    }
+    return idx;
+}
+
+expert_store::expert_store(const expert_index & index, bool direct_io) : index(index) {
+    fd = open(index.path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_IO, index.path + ": cannot open model file: " + errno_text());
+    }
+    if (direct_io) {
+        fd_direct = open(index.path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+        uint64_t max_slice = 0;
+        for (const auto & layer : index.layers) {
+            for (const auto & p : layer.proj) {
+                max_slice = std::max(max_slice, p.present ? p.n_bytes : 0);
+            }
+        }
+        bounce_size = (max_slice + 2*DIRECT_IO_ALIGN + DIRECT_IO_ALIGN - 1) / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN;
+        if (fd_direct >= 0 && posix_memalign(&bounce, DIRECT_IO_ALIGN, bounce_size) != 0) {
+            bounce = nullptr;
+            close(fd_direct);
+            fd_direct = -1;
+        }
+    }
+}
+
+expert_store::~expert_store() {
+    if (fd >= 0) {
+        close(fd);
+    }
+    if (fd_direct >= 0) {
+        close(fd_direct);
+    }
+    free(bounce);
+}
+
+void expert_store::read_at(uint64_t offset, uint64_t n_bytes, void * dst) {
+    if (fd_direct >= 0) {
+        // O_DIRECT wants aligned offsets, sizes and buffers: read the aligned span around
+        // the slice into the bounce buffer and copy the slice out
+        const uint64_t beg = offset / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN;
+        const uint64_t end = (offset + n_bytes + DIRECT_IO_ALIGN - 1) / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN;
+        uint64_t done = 0;
+        while (beg + done < offset + n_bytes) {
+            const ssize_t n = pread(fd_direct, (char *) bounce + done, end - beg - done, beg + done);
+            if (n < 0 && errno == EINTR) {
+                continue;
+            }
+            if (n < 0 && errno == EINVAL && done == 0) {
+                // this file system does not do O_DIRECT after all: stay buffered
+                close(fd_direct);
+                fd_direct = -1;
+                return read_at(offset, n_bytes, dst);
+            }
+            if (n <= 0) {
+                throw hobbit_error(HOBBIT_STATUS_ERROR_IO, index.path + ": read of " + std::to_string(n_bytes) + " bytes at offset " +
+                    std::to_string(offset) + " failed: " + (n < 0 ? errno_text() : std::string("unexpected end of file")));
+            }
+            done += n;
+        }
+        memcpy(dst, (char *) bounce + (offset - beg), n_bytes);
+        return;
+    }
+    uint64_t done = 0;
+    while (done < n_bytes) {
+        const ssize_t n = pread(fd, (char *) dst + done, n_bytes - done, offset + done);
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n <= 0) {
+            throw hobbit_error(HOBBIT_STATUS_ERROR_IO, index.path + ": read of " + std::to_string(n_bytes) + " bytes at offset " +
+                std::to_string(offset) + " failed: " + (n < 0 ? errno_text() : std::string("unexpected end of file")));
+        }
+        done += n;
+    }
+}
+
+void expert_store::read_expert(int il, int e, void * const dst[LLAMA_MOE_PROJ_COUNT]) {
+    const expert_layer_layout & layer = index.layers.at(il);
+    for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
+        const expert_proj_layout & pl = layer.proj[p];
+        if (!pl.present || dst[p] == nullptr) {
+            continue;
+        }
+        read_at(pl.offset + (uint64_t) e * pl.n_bytes, pl.n_bytes, dst[p]);
+    }
+}

@@ -1,0 +1,63 @@
+// hobbit-expert-store.h - where every routed expert lives in the GGUF file, and
+// reading one into memory.
+//
+// Experts are stacked per projection (blk.N.ffn_{gate,up,down,gate_up}_exps.weight,
+// [n_in, n_out, n_expert]); expert e of layer N is one contiguous slice of each, so a
+// load is one read per projection.
+#pragma once
+
+#include "hobbit.h"
+#include "llama.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+struct expert_proj_layout {
+    bool     present = false;
+    int      type    = -1;      // ggml_type
+    int64_t  ne[3]   = {0, 0, 0}; // n_in, n_out, n_expert
+    uint64_t offset  = 0;       // file offset of expert 0
+    uint64_t n_bytes = 0;       // bytes of one expert's slice
+};
+
+struct expert_layer_layout {
+    expert_proj_layout proj[LLAMA_MOE_PROJ_COUNT];
+    bool has_experts() const;
+    uint64_t n_bytes() const;   // one expert, all projections
+};
+
+// the index of a model's experts, built from the GGUF header only
+struct expert_index {
+    std::string path;
+    hobbit_model_info info = {};
+    std::vector<expert_layer_layout> layers; // [n_layer]
+
+    // throws hobbit_error naming the file and what is wrong
+    static expert_index from_file(const std::string & path);
+};
+
+// reads expert slices from the file; one instance per reading thread
+class expert_store {
+public:
+    // direct_io: try O_DIRECT; falls back to buffered reads where the file system refuses it
+    expert_store(const expert_index & index, bool direct_io);
+    ~expert_store();
+    expert_store(const expert_store &) = delete;
+    expert_store & operator=(const expert_store &) = delete;
+
+    // read every projection of expert e of layer il into dst[proj] (NULL = skip the projection).
+    // Blocking. Throws hobbit_error on a failed or short read.
+    void read_expert(int il, int e, void * const dst[LLAMA_MOE_PROJ_COUNT]);
+
+    bool direct_io() const { return fd_direct >= 0; }
+
+private:
+    void read_at(uint64_t offset, uint64_t n_bytes, void * dst);
+
+    const expert_index & index;
+    int fd          = -1;  // buffered
+    int fd_direct   = -1;  // O_DIRECT, or -1
+    void * bounce   = nullptr; // aligned buffer for O_DIRECT reads
+    size_t bounce_size = 0;
+};

@@ -1,0 +1,72 @@
+#include "hobbit-io-scheduler.h"
+
+#include "hobbit-error.h"
+
+#include <chrono>
+
+io_scheduler::io_scheduler(expert_store & store, const expert_index & index, done_fn on_done)
+        : store(store), index(index), on_done(std::move(on_done)) {
+    worker = std::thread([this] { loop(); });
+}
+
+io_scheduler::~io_scheduler() {
+    {
+        std::lock_guard<std::mutex> lock(mtx);
+        closing = true;
+        on_demand.clear();
+        prefetches.clear();
+    }
+    cv.notify_all();
+    worker.join();
+}
+
+void io_scheduler::submit(const std::vector<load_task> & tasks) {
+    {
+        std::lock_guard<std::mutex> lock(mtx);
+        for (const load_task & task : tasks) {
+            (task.prefetch ? prefetches : on_demand).push_back(task);
+        }
+    }
+    cv.notify_one();
+}
+
+std::deque<load_task> io_scheduler::drop_prefetches(const std::function<bool(const load_task &)> & pred) {
+    std::deque<load_task> dropped;
+    std::lock_guard<std::mutex> lock(mtx);
+    for (auto it = prefetches.begin(); it != prefetches.end();) {
+        if (pred(*it)) {
+            dropped.push_back(*it);
+            it = prefetches.erase(it);
+        } else {
+            ++it;
+        }
+    }
+    return dropped;
+}
+
+void io_scheduler::loop() {
+    for (;;) {
+        load_task task;
+        {
+            std::unique_lock<std::mutex> lock(mtx);
+            cv.wait(lock, [this] { return closing || !on_demand.empty() || !prefetches.empty(); });
+            if (closing) {
+                return;
+            }
+            std::deque<load_task> & q = on_demand.empty() ? prefetches : on_demand;
+            task = q.front();
+            q.pop_front();
+        }
+
+        // blocking read, outside the lock: submits and drops go on meanwhile
+        const auto t0 = std::chrono::steady_clock::now();
+        std::string error;
+        try {
+            store.read_expert(task.layer, task.expert, task.dst);
+        } catch (const std::exception & e) {
+            error = e.what();
+        }
+        const int64_t us = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
+        on_done(task, error, error.empty() ? index.layers[task.layer].n_bytes() : 0, us);
+    }
+}

@@ -1,0 +1,54 @@
+// hobbit-io-scheduler.h - one I/O thread draining a priority queue of expert loads.
+//
+// On-demand loads (a layer is waiting for them) go before prefetches; within a class,
+// first come first served. A started read cannot be cancelled; a queued prefetch can be
+// dropped. Completion is reported through a callback on the I/O thread.
+#pragma once
+
+#include "hobbit-expert-store.h"
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+struct load_task {
+    int  slot;
+    int  layer;
+    int  expert;
+    bool prefetch;                          // false: a dispatch waits for it
+    void * dst[LLAMA_MOE_PROJ_COUNT];       // where each projection goes
+};
+
+class io_scheduler {
+public:
+    // on_done(task, error, n_bytes, us): error is empty on success; called on the I/O thread
+    using done_fn = std::function<void(const load_task &, const std::string & error, uint64_t n_bytes, int64_t us)>;
+
+    io_scheduler(expert_store & store, const expert_index & index, done_fn on_done);
+    ~io_scheduler(); // closes: drops queued tasks, finishes the running one, joins
+
+    // queue loads, all at once (the thread sees none of them before all are queued); does not block
+    void submit(const std::vector<load_task> & tasks);
+
+    // drop queued (not started) prefetches for which pred returns true; returns them
+    std::deque<load_task> drop_prefetches(const std::function<bool(const load_task &)> & pred);
+
+private:
+    void loop();
+
+    expert_store &       store;
+    const expert_index & index;
+    done_fn              on_done;
+
+    std::mutex              mtx;
+    std::condition_variable cv;
+    std::deque<load_task>   on_demand;
+    std::deque<load_task>   prefetches;
+    bool                    closing = false;
+    std::thread             worker;
+};

@@ -1,0 +1,293 @@
+#include "hobbit-runtime.h"
+
+#include "hobbit-error.h"
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstring>
+
+static int64_t now_us() {
+    return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+static std::string mib(int64_t n_bytes) {
+    char buf[64];
+    snprintf(buf, sizeof(buf), "%.1f MB", n_bytes / (1024.0 * 1024.0));
+    return buf;
+}
+
+hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & path, const hobbit_params & params)
+        : index(expert_index::from_file(path)), params(params) {
+    const hobbit_model_info & info = index.info;
+    if (info.n_layer_moe == 0) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_NOT_MOE, path + ": the model has no routed experts (a dense model); nothing to offload");
+    }
+    if (!info.uniform) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, path + ": expert tensors differ in type or shape between layers; "
+            "one pool per expert shape is not supported yet");
+    }
+    if (params.budget_bytes < info.min_budget_bytes) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_BUDGET, path + ": expert budget " + mib(params.budget_bytes) + " is below the minimum of " +
+            mib(info.min_budget_bytes) + " (" + std::to_string(info.n_expert_used) + " experts of one token)");
+    }
+
+    std::vector<int> moe_layers;
+    const expert_layer_layout * shape = nullptr;
+    for (int il = 0; il < info.n_layer; ++il) {
+        if (index.layers[il].has_experts()) {
+            moe_layers.push_back(il);
+            shape = shape ? shape : &index.layers[il];
+        }
+    }
+
+    // the model must hold exactly the tensors the file index describes
+    if (model != nullptr) {
+        for (int il : moe_layers) {
+            for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
+                const ggml_tensor * t = llama_model_get_expert_tensor(model, il, (llama_moe_proj) p);
+                const expert_proj_layout & pl = index.layers[il].proj[p];
+                if ((t != nullptr) != pl.present || (t && (t->type != pl.type || t->ne[0] != pl.ne[0] || t->ne[1] != pl.ne[1] || t->ne[2] != pl.ne[2]))) {
+                    throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, path + ": layer " + std::to_string(il) +
+                        ": the loaded expert tensors do not match the file's");
+                }
+            }
+        }
+    }
+
+    const int64_t n_expert_total = (int64_t) moe_layers.size() * info.n_expert;
+    const int n_slot = (int) std::min<int64_t>(params.budget_bytes / info.expert_bytes, n_expert_total);
+
+    pool   = std::make_unique<expert_pool>(*shape, info.n_layer, info.n_expert, n_slot);
+    policy = cache_policy_make_lru(n_slot);
+    if (params.prefetch_layers > 0) {
+        predictor = predictor_make_previous_token(moe_layers);
+    }
+    store = std::make_unique<expert_store>(index, params.direct_io);
+    io    = std::make_unique<io_scheduler>(*store, index,
+        [this](const load_task & t, const std::string & err, uint64_t n, int64_t us) { on_load_done(t, err, n, us); });
+
+    dispatch_uds.resize(info.n_layer);
+    layers.resize(info.n_layer);
+    for (int il : moe_layers) {
+        dispatch_uds[il] = { this, il };
+        llama_moe_offload_layer & lo = layers[il];
+        for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
+            lo.pool[p] = pool->weights(p);
+        }
+        lo.n_slot      = n_slot;
+        lo.dispatch    = &hobbit_runtime::dispatch_op;
+        lo.dispatch_ud = &dispatch_uds[il];
+    }
+    offload_desc.n_layer  = info.n_layer;
+    offload_desc.layers   = layers.data();
+    offload_desc.ctx      = this;
+    offload_desc.free_ctx = [](void * ctx) { delete (hobbit_runtime *) ctx; };
+
+    stats_.budget_bytes = params.budget_bytes;
+    stats_.pool_bytes   = (int64_t) n_slot * info.expert_bytes;
+    stats_.n_slot       = n_slot;
+    stats_.direct_io    = store->direct_io();
+}
+
+hobbit_runtime::~hobbit_runtime() {
+    io.reset(); // stop the I/O thread before the pool it writes into goes away
+}
+
+void hobbit_runtime::dispatch_op(ggml_tensor * dst, int ith, int nth, void * ud) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    const auto * d = (const dispatch_ud *) ud;
+    d->rt->dispatch(dst, d->il);
+}
+
+int hobbit_runtime::take_slot() {
+    std::vector<int> candidates;
+    for (int s = 0; s < pool->n_slot(); ++s) {
+        const pool_slot & slot = pool->slots[s];
+        if (slot.state == slot_state::empty) {
+            return s;
+        }
+        if (slot.state == slot_state::ready && slot.pins == 0) {
+            candidates.push_back(s);
+        }
+    }
+    return candidates.empty() ? -1 : policy->choose_victim(candidates);
+}
+
+void hobbit_runtime::dispatch(ggml_tensor * dst, int il) {
+    const ggml_tensor * sel = dst->src[0];
+    const int n_used   = (int) sel->ne[0];
+    const int n_tokens = (int) sel->ne[1];
+    const int n_expert = index.info.n_expert;
+    int32_t * out_slot    = (int32_t *) dst->data;            // plane 0
+    int32_t * out_inplace = out_slot + (size_t) n_used * n_tokens; // plane 1
+
+    // selection as ids [n_tokens][n_used] (the top-k view is not contiguous)
+    std::vector<int32_t> ids((size_t) n_used * n_tokens);
+    std::vector<int> n_pairs(n_expert, 0);
+    std::vector<int> order;
+    for (int t = 0; t < n_tokens; ++t) {
+        for (int k = 0; k < n_used; ++k) {
+            const int32_t e = *(const int32_t *) ((const char *) sel->data + t*sel->nb[1] + k*sel->nb[0]);
+            ids[(size_t) t*n_used + k] = e;
+            if (e >= 0 && e < n_expert && n_pairs[e]++ == 0) {
+                order.push_back(e);
+            }
+        }
+    }
+    // when the ubatch needs more experts than there are slots, the experts with the most
+    // tokens get the slots and the rest run in place
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return n_pairs[a] > n_pairs[b]; });
+
+    // without an in-place pass in the graph every selected expert must get a slot
+    const bool must_fit = (int64_t) n_used * n_tokens <= pool->n_slot();
+
+    std::vector<int> slot_of_expert(n_expert, -1);
+    std::vector<load_task> loads;
+    std::unique_lock<std::mutex> lock(mtx);
+
+    if (!failed()) {
+        // the previous layer's matmuls are done: its slots may go
+        for (int s : pinned) {
+            pool->slots[s].pins--;
+        }
+        pinned.clear();
+
+        for (int e : order) {
+            int s = pool->find(il, e);
+            if (s >= 0) {
+                stats_.expert_hits++;
+                if (pool->slots[s].prefetched) {
+                    stats_.prefetch_used++;
+                    pool->slots[s].prefetched = false;
+                }
+                policy->on_access(s);
+            } else {
+                s = take_slot();
+                while (s < 0 && must_fit && !failed()) {
+                    // only prefetches stand in the way: drop the queued ones, wait for the running one
+                    for (const load_task & t : io->drop_prefetches([](const load_task &) { return true; })) {
+                        pool->clear(t.slot);
+                    }
+                    s = take_slot();
+                    if (s < 0) {
+                        cv_loaded.wait(lock);
+                        s = take_slot();
+                    }
+                }
+                if (s < 0) {
+                    stats_.expert_inplace++;
+                    continue;
+                }
+                stats_.expert_misses++;
+                pool->assign(s, il, e);
+                policy->on_insert(s, il, e);
+                load_task task = { s, il, e, /*prefetch*/ false, {} };
+                pool->slot_data(s, task.dst);
+                loads.push_back(task);
+            }
+            pool->slots[s].pins++;
+            pinned.push_back(s);
+            slot_of_expert[e] = s;
+        }
+
+        if (predictor && n_tokens == 1) {
+            predictor->observe(il, ids);
+            std::vector<std::pair<int, int>> wanted;
+            predictor->predict(il, wanted);
+            for (const auto & [l, e] : wanted) {
+                if (pool->find(l, e) >= 0) {
+                    continue;
+                }
+                const int s = take_slot();
+                if (s < 0) {
+                    break;
+                }
+                pool->assign(s, l, e);
+                pool->slots[s].prefetched = true;
+                policy->on_insert(s, l, e);
+                load_task task = { s, l, e, /*prefetch*/ true, {} };
+                pool->slot_data(s, task.dst);
+                loads.push_back(task);
+                stats_.prefetch_issued++;
+            }
+        }
+        io->submit(loads);
+        stats_.peak_pool_bytes = std::max<int64_t>(stats_.peak_pool_bytes, (int64_t) pool->n_used() * index.info.expert_bytes);
+
+        // block until every slot this layer uses holds its expert
+        const int64_t t0 = now_us();
+        n_waiting++;
+        cv_loaded.wait(lock, [&] {
+            return failed() || std::all_of(pinned.begin(), pinned.end(), [&](int s) { return pool->slots[s].state == slot_state::ready; });
+        });
+        n_waiting--;
+        stats_.stall_us += now_us() - t0;
+    }
+
+    if (failed()) {
+        // the abort callback stops the graph before these ids are used; -1 keeps the
+        // matmuls harmless until then
+        std::fill(out_slot, out_slot + (size_t) 2*n_used*n_tokens, -1);
+        return;
+    }
+    for (size_t i = 0; i < ids.size(); ++i) {
+        const int32_t e = ids[i];
+        const int s = (e >= 0 && e < n_expert) ? slot_of_expert[e] : -1;
+        out_slot[i]    = s;
+        out_inplace[i] = s < 0 ? e : -1;
+    }
+}
+
+void hobbit_runtime::on_load_done(const load_task & task, const std::string & error, uint64_t n_bytes, int64_t us) {
+    {
+        std::lock_guard<std::mutex> lock(mtx);
+        stats_.io_us += us;
+        if (!error.empty()) {
+            pool->clear(task.slot);
+            if (!has_error.load()) {
+                error_msg = error;
+                has_error.store(true, std::memory_order_release);
+            }
+        } else {
+            pool->slots[task.slot].state = slot_state::ready;
+            stats_.bytes_read += (int64_t) n_bytes;
+            stats_.n_reads++;
+            if (n_waiting == 0) {
+                stats_.loads_overlapped++;
+            }
+        }
+    }
+    cv_loaded.notify_all();
+}
+
+hobbit_stats hobbit_runtime::stats() const {
+    std::lock_guard<std::mutex> lock(mtx);
+    return stats_;
+}
+
+void hobbit_runtime::reset_stats() {
+    std::lock_guard<std::mutex> lock(mtx);
+    const hobbit_stats keep = stats_;
+    stats_ = {};
+    stats_.budget_bytes    = keep.budget_bytes;
+    stats_.pool_bytes      = keep.pool_bytes;
+    stats_.n_slot          = keep.n_slot;
+    stats_.direct_io       = keep.direct_io;
+    stats_.peak_pool_bytes = (int64_t) pool->n_used() * index.info.expert_bytes;
+}
+
+bool hobbit_runtime::error(std::string & msg) const {
+    std::lock_guard<std::mutex> lock(mtx);
+    msg = error_msg;
+    return has_error.load();
+}
+
+void hobbit_runtime::clear_error() {
+    std::lock_guard<std::mutex> lock(mtx);
+    error_msg.clear();
+    has_error.store(false);
+}

@@ -1,0 +1,69 @@
+// hobbit-runtime.h - the expert runtime of one model: pool, policy, predictor, I/O
+// thread and the dispatch op that libllama calls after each MoE router.
+#pragma once
+
+#include "hobbit-cache-policy.h"
+#include "hobbit-expert-pool.h"
+#include "hobbit-expert-store.h"
+#include "hobbit-io-scheduler.h"
+#include "hobbit-predictor.h"
+
+#include "hobbit.h"
+#include "llama.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+struct hobbit_runtime {
+    // throws hobbit_error (bad file, budget below the minimum, non-uniform experts)
+    hobbit_runtime(const llama_model * model, const std::string & path, const hobbit_params & params);
+    ~hobbit_runtime();
+
+    const llama_moe_offload * offload() const { return &offload_desc; }
+
+    hobbit_stats stats() const;
+    void reset_stats();
+
+    bool error(std::string & msg) const;
+    void clear_error();
+    bool failed() const { return has_error.load(std::memory_order_acquire); }
+
+private:
+    struct dispatch_ud {
+        hobbit_runtime * rt;
+        int il;
+    };
+
+    static void dispatch_op(ggml_tensor * dst, int ith, int nth, void * ud);
+    // runs on the compute thread, blocking until this layer's experts are in the pool
+    void dispatch(ggml_tensor * dst, int il);
+    // a slot for a new expert, or -1 if every slot is pinned or loading; needs mtx
+    int  take_slot();
+    void on_load_done(const load_task & task, const std::string & error, uint64_t n_bytes, int64_t us);
+
+    expert_index  index;
+    hobbit_params params;
+
+    std::unique_ptr<expert_pool>    pool;
+    std::unique_ptr<cache_policy_i> policy;
+    std::unique_ptr<predictor_i>    predictor;
+    std::unique_ptr<expert_store>   store;
+    std::unique_ptr<io_scheduler>   io;   // last: its thread stops before the rest goes
+
+    std::vector<dispatch_ud>             dispatch_uds;
+    std::vector<llama_moe_offload_layer> layers;
+    llama_moe_offload                    offload_desc = {};
+
+    mutable std::mutex      mtx;      // guards pool, policy, predictor, stats_, pinned, n_waiting
+    std::condition_variable cv_loaded;
+    std::vector<int>        pinned;   // slots pinned by the last dispatch
+    int                     n_waiting = 0;
+    hobbit_stats            stats_ = {};
+
+    std::atomic<bool> has_error{false};
+    std::string       error_msg;      // guarded by mtx
+};

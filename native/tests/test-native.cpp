@@ -1,0 +1,208 @@
+// test-native.cpp - unit tests of the runtime's parts on a GGUF written here.
+// Exits non-zero on the first failure; prints one line per test.
+#include "hobbit-cache-policy.h"
+#include "hobbit-error.h"
+#include "hobbit-expert-pool.h"
+#include "hobbit-expert-store.h"
+#include "hobbit-io-scheduler.h"
+
+#include "ggml.h"
+#include "gguf.h"
+
+#include <unistd.h>
+
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#define CHECK(cond) do { if (!(cond)) { fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond); exit(1); } } while (0)
+
+static const int N_LAYER = 3, N_EXPERT = 4, N_USED = 2, N_EMBD = 64, N_FF = 96;
+
+// byte b of expert e, layer il, projection p: distinct everywhere, so a read from the
+// wrong offset is caught
+static uint8_t pattern(int il, int p, int e, size_t b) {
+    return (uint8_t) (il*131 + p*37 + e*17 + b*7 + (b >> 8));
+}
+
+// a MoE-shaped GGUF: layer 1 is dense, layers 0 and 2 have F32 experts
+static std::string write_model(const std::string & path) {
+    ggml_init_params ip = { 64*ggml_tensor_overhead(), nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+    gguf_context * g = gguf_init_empty();
+    gguf_set_val_str(g, "general.architecture", "llama");
+    gguf_set_val_u32(g, "llama.block_count", N_LAYER);
+    gguf_set_val_u32(g, "llama.expert_count", N_EXPERT);
+    gguf_set_val_u32(g, "llama.expert_used_count", N_USED);
+    std::vector<std::vector<uint8_t>> data;
+    data.reserve(16);
+    for (int il = 0; il < N_LAYER; il += 2) {
+        const char * names[3] = { "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps" };
+        for (int p = 0; p < 3; ++p) {
+            const int64_t n_in = p == 2 ? N_FF : N_EMBD, n_out = p == 2 ? N_EMBD : N_FF;
+            ggml_tensor * t = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, n_in, n_out, N_EXPERT);
+            ggml_set_name(t, ("blk." + std::to_string(il) + "." + names[p] + ".weight").c_str());
+            data.emplace_back(ggml_nbytes(t));
+            const size_t per = ggml_nbytes(t) / N_EXPERT;
+            for (int e = 0; e < N_EXPERT; ++e) {
+                for (size_t b = 0; b < per; ++b) {
+                    data.back()[e*per + b] = pattern(il, p, e, b);
+                }
+            }
+            gguf_add_tensor(g, t);
+            gguf_set_tensor_data(g, t->name, data.back().data());
+        }
+    }
+    CHECK(gguf_write_to_file(g, path.c_str(), false));
+    gguf_free(g);
+    ggml_free(ctx);
+    return path;
+}
+
+static void check_expert_bytes(const std::vector<std::vector<uint8_t>> & buf, int il, int e) {
+    for (int p = 0; p < 3; ++p) {
+        for (size_t b = 0; b < buf[p].size(); ++b) {
+            CHECK(buf[p][b] == pattern(il, p, e, b));
+        }
+    }
+}
+
+static void test_index(const std::string & path) {
+    expert_index idx = expert_index::from_file(path);
+    CHECK(idx.info.n_layer == N_LAYER);
+    CHECK(idx.info.n_layer_moe == 2);
+    CHECK(idx.info.n_expert == N_EXPERT);
+    CHECK(idx.info.uniform);
+    CHECK(!idx.layers[1].has_experts());
+    const int64_t expert_bytes = 3 * (int64_t) N_EMBD * N_FF * 4;
+    CHECK(idx.info.expert_bytes == expert_bytes);
+    CHECK(idx.info.min_budget_bytes == N_USED * expert_bytes);
+    CHECK(idx.info.expert_bytes_total == 2 * N_EXPERT * expert_bytes);
+    printf("ok index\n");
+}
+
+static void test_store(const std::string & path, bool direct) {
+    expert_index idx = expert_index::from_file(path);
+    expert_store store(idx, direct);
+    for (int il : {0, 2}) {
+        for (int e = 0; e < N_EXPERT; ++e) {
+            std::vector<std::vector<uint8_t>> buf(3);
+            void * dst[LLAMA_MOE_PROJ_COUNT] = {};
+            for (int p = 0; p < 3; ++p) {
+                buf[p].resize(idx.layers[il].proj[p].n_bytes);
+                dst[p] = buf[p].data();
+            }
+            store.read_expert(il, e, dst);
+            check_expert_bytes(buf, il, e);
+        }
+    }
+    printf("ok store (direct_io requested=%d, in use=%d)\n", direct, store.direct_io());
+}
+
+static void test_truncated(const std::string & path) {
+    const std::string cut = path + ".cut";
+    CHECK(system(("head -c 20000 '" + path + "' > '" + cut + "'").c_str()) == 0);
+    bool threw = false;
+    try {
+        expert_index::from_file(cut);
+    } catch (const hobbit_error & e) {
+        threw = true;
+        CHECK(e.status == HOBBIT_STATUS_ERROR_FORMAT);
+        CHECK(std::string(e.what()).find("truncated") != std::string::npos);
+        CHECK(std::string(e.what()).find(cut) != std::string::npos);
+    }
+    CHECK(threw);
+    unlink(cut.c_str());
+    printf("ok truncated\n");
+}
+
+static void test_lru() {
+    auto lru = cache_policy_make_lru(4);
+    for (int s = 0; s < 4; ++s) {
+        lru->on_insert(s, 0, s);
+    }
+    lru->on_access(0);
+    lru->on_access(2);
+    CHECK(lru->choose_victim({0, 1, 2, 3}) == 1);
+    CHECK(lru->choose_victim({0, 2, 3}) == 3);
+    CHECK(lru->choose_victim({0, 2}) == 0);
+    printf("ok lru\n");
+}
+
+static void test_pool(const std::string & path) {
+    expert_index idx = expert_index::from_file(path);
+    expert_pool pool(idx.layers[0], N_LAYER, N_EXPERT, 3);
+    CHECK(pool.n_slot() == 3);
+    CHECK(pool.weights(LLAMA_MOE_PROJ_UP)->ne[2] == 3);
+    CHECK(pool.weights(LLAMA_MOE_PROJ_GATE_UP) == nullptr);
+    CHECK(pool.find(2, 1) == -1);
+    pool.assign(1, 2, 1);
+    CHECK(pool.find(2, 1) == 1 && pool.n_used() == 1);
+    pool.assign(1, 0, 3); // evicts (2, 1)
+    CHECK(pool.find(2, 1) == -1 && pool.find(0, 3) == 1 && pool.n_used() == 1);
+    pool.clear(1);
+    CHECK(pool.find(0, 3) == -1 && pool.n_used() == 0);
+    void * dst[LLAMA_MOE_PROJ_COUNT];
+    pool.slot_data(2, dst);
+    CHECK((char *) dst[LLAMA_MOE_PROJ_DOWN] == (char *) pool.weights(LLAMA_MOE_PROJ_DOWN)->data + 2*pool.weights(LLAMA_MOE_PROJ_DOWN)->nb[2]);
+    printf("ok pool\n");
+}
+
+// on-demand loads overtake queued prefetches, and every load lands its exact bytes
+static void test_scheduler(const std::string & path) {
+    expert_index idx = expert_index::from_file(path);
+    expert_store store(idx, false);
+    std::mutex mtx;
+    std::condition_variable cv;
+    std::vector<int> done_order;
+    std::vector<std::vector<std::vector<uint8_t>>> bufs(8, std::vector<std::vector<uint8_t>>(3));
+    {
+        io_scheduler io(store, idx, [&](const load_task & t, const std::string & err, uint64_t, int64_t) {
+            CHECK(err.empty());
+            std::lock_guard<std::mutex> lock(mtx);
+            done_order.push_back(t.slot);
+            cv.notify_all();
+        });
+        std::vector<load_task> tasks;
+        for (int i = 0; i < 8; ++i) {
+            load_task t = { i, i < 4 ? 0 : 2, i % N_EXPERT, /*prefetch*/ i < 7, {} };
+            for (int p = 0; p < 3; ++p) {
+                bufs[i][p].resize(idx.layers[t.layer].proj[p].n_bytes);
+                t.dst[p] = bufs[i][p].data();
+            }
+            tasks.push_back(t);
+        }
+        io.submit(tasks);
+        std::unique_lock<std::mutex> lock(mtx);
+        cv.wait(lock, [&] { return done_order.size() == 8; });
+    }
+    // queued together, the on-demand load (slot 7) goes first
+    int pos = -1;
+    for (size_t i = 0; i < done_order.size(); ++i) {
+        if (done_order[i] == 7) pos = (int) i;
+    }
+    CHECK(pos == 0);
+    for (int i = 0; i < 8; ++i) {
+        check_expert_bytes(bufs[i], i < 4 ? 0 : 2, i % N_EXPERT);
+    }
+    printf("ok scheduler (on-demand completed at position %d of 8)\n", pos);
+}
+
+int main(int argc, char ** argv) {
+    const std::string dir = argc > 1 ? argv[1] : "/tmp";
+    const std::string path = write_model(dir + "/hobbit-native-test-" + std::to_string(getpid()) + ".gguf");
+    test_index(path);
+    test_store(path, false);
+    test_store(path, true);
+    test_truncated(path);
+    test_lru();
+    test_pool(path);
+    test_scheduler(path);
+    unlink(path.c_str());
+    printf("all native tests passed\n");
+    return 0;
+}

@@ -1,0 +1,112 @@
+"""The native libraries: where they are, and the cffi binding of hobbit.h.
+
+libllama and libggml* (patched llama.cpp) and libhobbit (the expert runtime) are
+installed in ``hobbitpy/lib``. llama-cpp-python loads that libllama through
+``LLAMA_CPP_LIB_PATH``, which ``hobbitpy/__init__.py`` sets before importing it, so
+its ``Llama`` and ``libhobbit`` share one llama.cpp in the process.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sysconfig
+
+import cffi
+
+
+def _package_data_root() -> pathlib.Path:
+    """The folder holding lib/ and data/: next to this file in a wheel install; in an
+    editable install the built files stay in site-packages while the sources do not."""
+    here = pathlib.Path(__file__).resolve().parent
+    candidates = [here] + [pathlib.Path(sysconfig.get_path(k)) / "hobbitpy" for k in ("platlib", "purelib")]
+    for root in candidates:
+        if (root / "lib" / "libhobbit.so").exists():
+            return root
+    raise ImportError("hobbitpy's native libraries are missing (looked in "
+                      + ", ".join(str(c / "lib") for c in candidates) + "); reinstall hobbitpy")
+
+
+_ROOT = _package_data_root()
+LIB_DIR = _ROOT / "lib"
+DATA_DIR = _ROOT / "data"
+
+# mirrors native/include/hobbit.h (cffi ABI mode computes the layouts from this)
+_CDEF = """
+typedef struct hobbit_runtime hobbit_runtime;
+struct llama_model;
+
+enum hobbit_status {
+    HOBBIT_STATUS_OK             =  0,
+    HOBBIT_STATUS_ERROR_IO       = -1,
+    HOBBIT_STATUS_ERROR_FORMAT   = -2,
+    HOBBIT_STATUS_ERROR_BUDGET   = -3,
+    HOBBIT_STATUS_ERROR_NOT_MOE  = -4,
+    HOBBIT_STATUS_ERROR_INVALID  = -5,
+    HOBBIT_STATUS_ERROR_INTERNAL = -6,
+};
+
+struct hobbit_params {
+    int64_t budget_bytes;
+    int32_t prefetch_layers;
+    bool    direct_io;
+};
+
+struct hobbit_model_info {
+    char    arch[64];
+    int32_t n_layer;
+    int32_t n_layer_moe;
+    int32_t n_expert;
+    int32_t n_expert_used;
+    int32_t n_embd;
+    int64_t expert_bytes;
+    int64_t expert_bytes_total;
+    int64_t min_budget_bytes;
+    int64_t file_bytes;
+    bool    uniform;
+};
+
+struct hobbit_stats {
+    int64_t expert_hits;
+    int64_t expert_misses;
+    int64_t expert_inplace;
+    int64_t bytes_read;
+    int64_t n_reads;
+    int64_t prefetch_issued;
+    int64_t prefetch_used;
+    int64_t loads_overlapped;
+    int64_t stall_us;
+    int64_t io_us;
+    int64_t peak_pool_bytes;
+    int64_t budget_bytes;
+    int64_t pool_bytes;
+    int32_t n_slot;
+    bool    direct_io;
+};
+
+struct hobbit_params hobbit_default_params(void);
+enum hobbit_status hobbit_inspect_model(const char * path, struct hobbit_model_info * info, char * err, size_t err_size);
+enum hobbit_status hobbit_request_offload(const struct hobbit_params * params, char * err, size_t err_size);
+void hobbit_cancel_offload_request(void);
+bool hobbit_last_attach_error(char * buf, size_t size);
+hobbit_runtime * hobbit_runtime_of_model(const struct llama_model * model);
+void hobbit_runtime_get_stats(const hobbit_runtime * rt, struct hobbit_stats * stats);
+void hobbit_runtime_reset_stats(hobbit_runtime * rt);
+bool hobbit_runtime_get_error(const hobbit_runtime * rt, char * buf, size_t size);
+void hobbit_runtime_clear_error(hobbit_runtime * rt);
+bool hobbit_abort_callback(void * rt);
+"""
+
+ffi = cffi.FFI()
+ffi.cdef(_CDEF)
+lib = ffi.dlopen(str(LIB_DIR / "libhobbit.so"))
+
+ERROR_BUFFER_SIZE = 1024
+
+
+def error_buffer():
+    """A char buffer for the ``err`` argument of the C API."""
+    return ffi.new("char[]", ERROR_BUFFER_SIZE)
+
+
+def to_str(buf) -> str:
+    return ffi.string(buf).decode("utf-8", "replace")

@@ -1,0 +1,17 @@
+"""Errors hobbitpy raises; each message names the file and what is wrong."""
+
+
+class HobbitError(Exception):
+    """Base class of hobbitpy's errors."""
+
+
+class ModelFileError(HobbitError):
+    """The model file is missing, unreadable, not a GGUF, truncated or inconsistent."""
+
+
+class BudgetError(HobbitError):
+    """The expert budget is below the minimum the model needs."""
+
+
+class ExpertReadError(HobbitError):
+    """Reading an expert from disk failed during a run."""

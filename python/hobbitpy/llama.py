@@ -1,0 +1,98 @@
+"""hobbitpy.Llama: llama-cpp-python's Llama on the patched llama.cpp, with the routed
+experts served from a budgeted cache.
+
+Everything llama_cpp.Llama offers (completion, chat completion, streaming, the
+OpenAI-style server) works unchanged; the offload is configured by one extra
+argument and attached while the model loads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import llama_cpp
+
+from ._native import error_buffer, ffi, lib, to_str
+from .config import OffloadConfig
+from .errors import BudgetError, ExpertReadError, HobbitError, ModelFileError
+from .memory import OffloadPlan, plan_offload
+from .model_file import ModelInfo, inspect_model
+
+
+class Llama(llama_cpp.Llama):
+    """A drop-in for ``llama_cpp.Llama``; ``offload`` says how experts are served."""
+
+    def __init__(self, model_path: str | os.PathLike, *, offload: OffloadConfig | None = None, **kwargs):
+        model_path = os.fspath(model_path)
+        offload = offload if offload is not None else OffloadConfig()
+        self._runtime = ffi.NULL
+        self._abort_cb = None
+        self.model_info: ModelInfo = inspect_model(model_path)
+        self.offload_plan: OffloadPlan = plan_offload(self.model_info, offload, kwargs.get("n_ctx", 512))
+
+        if self.offload_plan.budget_bytes is not None:
+            err = error_buffer()
+            if lib.hobbit_request_offload(offload.to_native(self.offload_plan.budget_bytes), err, len(err)) != 0:
+                raise HobbitError(to_str(err))
+        try:
+            super().__init__(model_path=model_path, **kwargs)
+        except ValueError as e:
+            why = error_buffer()
+            if lib.hobbit_last_attach_error(why, len(why)):
+                raise HobbitError(to_str(why)) from e
+            raise ModelFileError(f"{model_path}: llama.cpp could not load the model ({e})") from e
+        finally:
+            lib.hobbit_cancel_offload_request()  # never leak the request into another load
+
+        if self.offload_plan.budget_bytes is not None:
+            model_ptr = ctypes.cast(self._model.model, ctypes.c_void_p).value
+            self._runtime = lib.hobbit_runtime_of_model(ffi.cast("struct llama_model *", model_ptr))
+            if self._runtime == ffi.NULL:
+                raise HobbitError(f"{model_path}: the expert runtime did not attach")
+            # a failed expert read stops the decode (llama_decode returns "aborted")
+            # instead of letting it finish on missing weights
+            self._abort_cb = llama_cpp.ggml_abort_callback(int(ffi.cast("uintptr_t", lib.hobbit_abort_callback)))
+            runtime_ptr = ctypes.c_void_p(int(ffi.cast("uintptr_t", self._runtime)))
+            llama_cpp.llama_set_abort_callback(self._ctx.ctx, self._abort_cb, runtime_ptr)
+
+    @property
+    def offloaded(self) -> bool:
+        """True when the experts run through the expert cache."""
+        return self._runtime != ffi.NULL
+
+    def eval(self, tokens):
+        try:
+            super().eval(tokens)
+        except RuntimeError as e:
+            self._raise_read_error(e)
+            raise
+
+    def _raise_read_error(self, cause: Exception) -> None:
+        if self._runtime == ffi.NULL:
+            return
+        msg = error_buffer()
+        if lib.hobbit_runtime_get_error(self._runtime, msg, len(msg)):
+            lib.hobbit_runtime_clear_error(self._runtime)
+            raise ExpertReadError(f"expert load failed during decode: {to_str(msg)}") from cause
+
+    def offload_stats(self) -> dict | None:
+        """Counters of the expert cache since load (or the last reset); None without offload."""
+        if self._runtime == ffi.NULL:
+            return None
+        s = ffi.new("struct hobbit_stats *")
+        lib.hobbit_runtime_get_stats(self._runtime, s)
+        return {name: (bool(v) if isinstance(v, bool) else int(v))
+                for name, v in ((f, getattr(s, f)) for f in dir(s))}
+
+    def reset_offload_stats(self) -> None:
+        if self._runtime != ffi.NULL:
+            lib.hobbit_runtime_reset_stats(self._runtime)
+
+    def close(self) -> None:
+        # the runtime belongs to the model and goes with it
+        self._runtime = ffi.NULL
+        super().close()
+
+
+__all__ = ["Llama", "OffloadConfig", "BudgetError", "ExpertReadError", "HobbitError", "ModelFileError"]

@@ -1,0 +1,62 @@
+"""What a GGUF model file holds, checked before anything loads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import os
+
+from ._native import error_buffer, ffi, lib, to_str
+from .errors import ModelFileError
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    arch: str
+    n_layer: int
+    n_layer_moe: int
+    """Blocks with routed experts; 0 for a dense model."""
+    n_expert: int
+    n_expert_used: int
+    n_embd: int
+    expert_bytes: int
+    """One expert, all its projections: the size of a cache slot."""
+    expert_bytes_total: int
+    min_budget_bytes: int
+    """One token's top-k experts."""
+    file_bytes: int
+    uniform: bool
+    """Every MoE block has the same expert shapes and types."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_layer_moe > 0
+
+    @property
+    def resident_bytes(self) -> int:
+        """Everything but the routed experts: what stays in memory in any case."""
+        return self.file_bytes - self.expert_bytes_total
+
+
+def inspect_model(path: str | os.PathLike) -> ModelInfo:
+    """Validate a GGUF file; raises ModelFileError naming the file and the problem."""
+    path = os.fspath(path)
+    info = ffi.new("struct hobbit_model_info *")
+    err = error_buffer()
+    status = lib.hobbit_inspect_model(path.encode(), info, err, len(err))
+    if status != lib.HOBBIT_STATUS_OK:
+        raise ModelFileError(to_str(err))
+    return ModelInfo(
+        path=path,
+        arch=to_str(info.arch),
+        n_layer=info.n_layer,
+        n_layer_moe=info.n_layer_moe,
+        n_expert=info.n_expert,
+        n_expert_used=info.n_expert_used,
+        n_embd=info.n_embd,
+        expert_bytes=info.expert_bytes,
+        expert_bytes_total=info.expert_bytes_total,
+        min_budget_bytes=info.min_budget_bytes,
+        file_bytes=info.file_bytes,
+        uniform=bool(info.uniform),
+    )

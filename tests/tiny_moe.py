@@ -1,0 +1,311 @@
+"""Tiny random-weight MoE GGUF models for tests.
+
+`make_tiny_moe()` writes a small Mixture-of-Experts GGUF that STOCK llama.cpp
+loads and runs, so tests can compare hobbitpy's expert offloading against the
+reference without downloading real weights.
+
+Supported `arch` values (all checked against llama.cpp's src/models/*.cpp):
+
+* "llama"    -- Mixtral layout: routed experts only, softmax router, SiLU.
+                Expert width comes from `llama.feed_forward_length`.
+* "qwen2moe" -- routed experts + one shared expert gated by a sigmoid of
+                `ffn_gate_inp_shexp` (a 1-D [n_embd] weight).
+* "gpt-oss"  -- (llama.cpp arch name for OpenAI's gpt-oss, LLM_ARCH_OPENAI_MOE)
+                per-expert biases (ffn_*_exps.bias), a router bias, attention
+                sinks, attn_output.bias, post-attention norm, and sliding-window
+                attention on every other layer.  Chosen over olmoe because it
+                exercises the bias tensors an offloader must move along with the
+                expert weights.
+
+Weights are random but deterministic given `seed`, and scaled so activations
+stay O(1): linear weights ~ N(0, 1/fan_in), norms = 1.  The router is given
+std 1.0 so its logits are large and different tokens pick different experts
+(a weak router would send every token to the same top-k and hide routing bugs).
+
+The tokenizer is copied verbatim (every `tokenizer.*` key) from a vocab-only
+GGUF in the llama.cpp tree, e.g. models/ggml-vocab-llama-spm.gguf (32000
+tokens, the smallest) -- any vocab works with any arch here, because llama.cpp
+picks the tokenizer from `tokenizer.ggml.model`, not from the architecture.
+
+CLI:  python tests/tiny_moe.py OUT.gguf --arch qwen2moe --vocab .../ggml-vocab-llama-spm.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+import numpy as np
+import gguf
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFValueType as VT
+
+ARCHES = ("llama", "qwen2moe", "gpt-oss")
+
+QK_K = 256  # super-block size of the k-quants (Q4_K etc.)
+
+
+# --------------------------------------------------------------------------
+# tokenizer copy
+# --------------------------------------------------------------------------
+
+def _field_value(field):
+    """Return (value, vtype, sub_type) of a GGUFReader field, ready for
+    GGUFWriter.add_key_value.  Strings are kept as raw bytes so tokens that are
+    not valid UTF-8 on their own survive the round trip unchanged."""
+    main = field.types[0]
+    if main == VT.ARRAY:
+        sub = field.types[-1]
+        if sub == VT.STRING:
+            return [bytes(field.parts[i]) for i in field.data], main, sub
+        # numeric arrays: each element is its own 1-element part
+        vals = np.concatenate([field.parts[i] for i in field.data]) if len(field.data) else []
+        return [v.item() for v in vals], main, sub
+    if main == VT.STRING:
+        return bytes(field.parts[field.data[0]]), main, None
+    return field.parts[field.data[0]][0].item(), main, None
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter, vocab_gguf) -> int:
+    """Copy every tokenizer.* key from `vocab_gguf`; return n_vocab."""
+    reader = gguf.GGUFReader(str(vocab_gguf))
+    n_vocab = None
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        val, vtype, sub = _field_value(field)
+        writer.add_key_value(key, val, vtype, sub_type=sub)
+        if key == "tokenizer.ggml.tokens":
+            n_vocab = len(val)
+    if n_vocab is None:
+        raise ValueError(f"{vocab_gguf}: no tokenizer.ggml.tokens array")
+    return n_vocab
+
+
+# --------------------------------------------------------------------------
+# quantization
+# --------------------------------------------------------------------------
+
+def _quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """Plain numpy Q4_K quantizer (gguf 0.19's gguf.quants.quantize raises
+    NotImplementedError for Q4_K; it can only dequantize it).
+
+    Not the optimal search ggml uses, just a straight min/max fit, but the
+    byte layout is exactly block_q4_K (checked against gguf.quants.dequantize):
+        d (f16) | dmin (f16) | scales[12] (6-bit sc/min packed) | qs[128]
+    value = d*sc[j]*q - dmin*m[j], q in 0..15, 8 sub-blocks of 32 values.
+    """
+    rows_shape = x.shape[:-1]
+    if x.shape[-1] % QK_K:
+        raise ValueError(f"Q4_K needs the row length to be a multiple of {QK_K}, got {x.shape[-1]}")
+    blocks = x.astype(np.float32).reshape(-1, 8, 32)            # (nb, sub, 32)
+    nb = blocks.shape[0]
+
+    mn = np.minimum(blocks.min(axis=-1), 0.0)                    # min <= 0, so m >= 0
+    mx = blocks.max(axis=-1)
+    sub_scale = (mx - mn) / 15.0                                 # per sub-block step
+    sub_min = -mn                                                # per sub-block offset
+
+    d = sub_scale.max(axis=-1) / 63.0                            # super-block scales (6-bit)
+    dmin = sub_min.max(axis=-1) / 63.0
+    d = d.astype(np.float16).astype(np.float32)                  # what the decoder will see
+    dmin = dmin.astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d[:, None] > 0, np.rint(sub_scale / d[:, None]), 0).clip(0, 63).astype(np.uint8)
+        m = np.where(dmin[:, None] > 0, np.rint(sub_min / dmin[:, None]), 0).clip(0, 63).astype(np.uint8)
+        step = d[:, None] * sc                                   # effective (nb, 8)
+        off = dmin[:, None] * m
+        q = np.where(step[..., None] > 0,
+                     np.rint((blocks + off[..., None]) / step[..., None]), 0)
+    q = q.clip(0, 15).astype(np.uint8)                           # (nb, 8, 32)
+
+    # 6-bit scale/min packing (see Q4_K.get_scale_min in gguf/quants.py)
+    scales = np.zeros((nb, 12), dtype=np.uint8)
+    scales[:, 0:4] = (sc[:, 0:4] & 0x3F) | ((sc[:, 4:8] >> 4) << 6)
+    scales[:, 4:8] = (m[:, 0:4] & 0x3F) | ((m[:, 4:8] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:8] & 0x0F) | ((m[:, 4:8] & 0x0F) << 4)
+
+    # nibbles: byte k of 32-byte group g holds sub-block 2g (low) and 2g+1 (high)
+    q = q.reshape(nb, 4, 2, 32)
+    qs = (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(nb, 128)
+
+    out = np.concatenate([
+        d.astype(np.float16).view(np.uint8).reshape(nb, 2),
+        dmin.astype(np.float16).view(np.uint8).reshape(nb, 2),
+        scales, qs], axis=1)
+    return out.reshape(*rows_shape, -1)
+
+
+def _encode(x: np.ndarray, type_name: str) -> tuple[np.ndarray, QT | None]:
+    """Convert a float32 tensor to (array, raw_dtype) for GGUFWriter.add_tensor."""
+    if type_name == "F32":
+        return x.astype(np.float32), None
+    if type_name == "F16":
+        return x.astype(np.float16), None
+    qtype = QT[type_name]
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    if x.shape[-1] % block:
+        raise ValueError(f"{type_name} needs the row length to be a multiple of {block}, "
+                         f"got {x.shape[-1]} (tensor shape {x.shape})")
+    if qtype == QT.Q4_K:
+        return _quantize_q4_k(x), qtype
+    return gguf.quants.quantize(x.astype(np.float32), qtype), qtype
+
+
+_FILE_TYPE = {
+    "F32": gguf.LlamaFileType.ALL_F32,
+    "F16": gguf.LlamaFileType.MOSTLY_F16,
+    "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_S,   # descriptive only
+    "MXFP4": gguf.LlamaFileType.MOSTLY_MXFP4_MOE,
+}
+
+
+# --------------------------------------------------------------------------
+# model
+# --------------------------------------------------------------------------
+
+def make_tiny_moe(path, arch="llama", *, vocab_gguf, n_layer=4, n_expert=8, n_expert_used=2,
+                  n_embd=128, n_ff=256, n_ff_shared=256, n_head=4, n_head_kv=2,
+                  expert_type="Q8_0", seed=0, n_ctx_train=512) -> pathlib.Path:
+    """Write a tiny random MoE GGUF to `path` and return it as a Path.
+
+    n_ff is the width of each routed expert; n_ff_shared the width of the
+    qwen2moe shared expert (ignored by other arches).  expert_type is the
+    ggml type of ffn_{gate,up,down}_exps.weight: "F32", "F16", "Q8_0",
+    "Q4_0", "MXFP4" (anything gguf.quants.quantize handles) or "Q4_K"
+    (own quantizer; needs n_embd and n_ff to be multiples of 256).
+    """
+    if arch not in ARCHES:
+        raise ValueError(f"arch must be one of {ARCHES}, got {arch!r}")
+    if n_embd % n_head or n_head % n_head_kv:
+        raise ValueError("n_embd must divide by n_head and n_head by n_head_kv")
+    if not 0 < n_expert_used <= n_expert:
+        raise ValueError("need 0 < n_expert_used <= n_expert")
+
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+    n_embd_kv = head_dim * n_head_kv
+
+    def normal(*shape, std):
+        return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
+
+    def linear(n_out, n_in):
+        # numpy shape is ggml's ne reversed: ggml {n_in, n_out} == numpy (n_out, n_in)
+        return normal(n_out, n_in, std=1.0 / np.sqrt(n_in))
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}-moe")
+
+    # ---- hparams ----------------------------------------------------------
+    # generic keys read by llama_model_base::load_hparams for every arch
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)      # llama: this IS the expert width
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)       # required by all three arches
+    w.add_expert_count(n_expert)
+    w.add_expert_used_count(n_expert_used)
+    if arch in ("qwen2moe", "gpt-oss"):
+        # gpt-oss: required; qwen2moe: optional but otherwise n_ff/n_expert_used
+        w.add_expert_feed_forward_length(n_ff)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(n_ff_shared)
+    if arch == "gpt-oss":
+        # required (get_key without default); every 2nd layer uses SWA
+        w.add_sliding_window(128)
+    w.add_file_type(_FILE_TYPE.get(expert_type, gguf.LlamaFileType.GUESSED))
+
+    n_vocab = _copy_tokenizer(w, vocab_gguf)
+
+    # ---- tensors ----------------------------------------------------------
+    # dense weights F16 (like real models), norms/biases/router/sinks F32
+    # (ggml wants F32 for those: norms multiply elementwise, sinks go into
+    # soft_max_ext, the router logits drive top-k selection).
+    def add(name, arr, type_name="F32"):
+        data, raw = _encode(arr, type_name)
+        w.add_tensor(name, data, raw_dtype=raw)
+
+    add("token_embd.weight", normal(n_vocab, n_embd, std=1.0), "F16")
+
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        add(p + "attn_norm.weight", np.ones(n_embd, np.float32))
+        add(p + "attn_q.weight", linear(n_head * head_dim, n_embd), "F16")
+        add(p + "attn_k.weight", linear(n_embd_kv, n_embd), "F16")
+        add(p + "attn_v.weight", linear(n_embd_kv, n_embd), "F16")
+        add(p + "attn_output.weight", linear(n_embd, n_head * head_dim), "F16")
+        if arch == "gpt-oss":
+            add(p + "attn_output.bias", normal(n_embd, std=0.02))
+            add(p + "attn_sinks.weight", normal(n_head, std=0.5))
+            add(p + "post_attention_norm.weight", np.ones(n_embd, np.float32))
+        else:
+            add(p + "ffn_norm.weight", np.ones(n_embd, np.float32))
+
+        # router: std 1.0 -> sharp, token-dependent top-k
+        add(p + "ffn_gate_inp.weight", normal(n_expert, n_embd, std=1.0))
+        if arch == "gpt-oss":
+            add(p + "ffn_gate_inp.bias", normal(n_expert, std=0.1))
+
+        # routed experts, stacked numpy (n_expert, n_out, n_in) == ggml {n_in, n_out, n_expert}
+        add(p + "ffn_gate_exps.weight", normal(n_expert, n_ff, n_embd, std=1.0 / np.sqrt(n_embd)), expert_type)
+        add(p + "ffn_up_exps.weight", normal(n_expert, n_ff, n_embd, std=1.0 / np.sqrt(n_embd)), expert_type)
+        add(p + "ffn_down_exps.weight", normal(n_expert, n_embd, n_ff, std=1.0 / np.sqrt(n_ff)), expert_type)
+        if arch == "gpt-oss":
+            # per-expert biases: ggml {n_out, n_expert} == numpy (n_expert, n_out)
+            add(p + "ffn_gate_exps.bias", normal(n_expert, n_ff, std=0.1))
+            add(p + "ffn_up_exps.bias", normal(n_expert, n_ff, std=0.1))
+            add(p + "ffn_down_exps.bias", normal(n_expert, n_embd, std=0.1))
+
+        if arch == "qwen2moe":
+            # shared expert; ffn_gate_inp_shexp is 1-D {n_embd}: one sigmoid gate per token
+            add(p + "ffn_gate_inp_shexp.weight", normal(n_embd, std=1.0 / np.sqrt(n_embd)))
+            add(p + "ffn_gate_shexp.weight", linear(n_ff_shared, n_embd), "F16")
+            add(p + "ffn_up_shexp.weight", linear(n_ff_shared, n_embd), "F16")
+            add(p + "ffn_down_shexp.weight", linear(n_embd, n_ff_shared), "F16")
+
+    add("output_norm.weight", np.ones(n_embd, np.float32))
+    # untied, independent output matrix: with output == token_embd the greedy
+    # argmax tends to repeat the input token forever
+    add("output.weight", linear(n_vocab, n_embd), "F16")
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="write a tiny random-weight MoE GGUF")
+    ap.add_argument("out")
+    ap.add_argument("--arch", default="llama", choices=ARCHES)
+    ap.add_argument("--vocab", required=True, help="vocab-only GGUF, e.g. llama.cpp/models/ggml-vocab-llama-spm.gguf")
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--n-expert", type=int, default=8)
+    ap.add_argument("--n-expert-used", type=int, default=2)
+    ap.add_argument("--n-embd", type=int, default=128)
+    ap.add_argument("--n-ff", type=int, default=256)
+    ap.add_argument("--n-ff-shared", type=int, default=256)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--n-head-kv", type=int, default=2)
+    ap.add_argument("--expert-type", default="Q8_0")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--n-ctx-train", type=int, default=512)
+    a = ap.parse_args(argv)
+    out = make_tiny_moe(a.out, a.arch, vocab_gguf=a.vocab, n_layer=a.n_layer, n_expert=a.n_expert,
+                        n_expert_used=a.n_expert_used, n_embd=a.n_embd, n_ff=a.n_ff,
+                        n_ff_shared=a.n_ff_shared, n_head=a.n_head, n_head_kv=a.n_head_kv,
+                        expert_type=a.expert_type, seed=a.seed, n_ctx_train=a.n_ctx_train)
+    print(f"{out}  {out.stat().st_size} bytes")
+
+
+if __name__ == "__main__":
+    main()
