@@ -181,7 +181,9 @@ def make_tiny_moe(path, arch="llama", *, vocab_gguf, n_layer=4, n_expert=8, n_ex
         raise ValueError(f"arch must be one of {ARCHES}, got {arch!r}")
     if n_embd % n_head or n_head % n_head_kv:
         raise ValueError("n_embd must divide by n_head and n_head by n_head_kv")
-    if not 0 < n_expert_used <= n_expert:
+    if n_expert == 0 and arch != "llama":
+        raise ValueError("a dense model (n_expert=0) is only made for arch 'llama'")
+    if n_expert and not 0 < n_expert_used <= n_expert:
         raise ValueError("need 0 < n_expert_used <= n_expert")
 
     path = pathlib.Path(path)
@@ -211,8 +213,9 @@ def make_tiny_moe(path, arch="llama", *, vocab_gguf, n_layer=4, n_expert=8, n_ex
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)       # required by all three arches
-    w.add_expert_count(n_expert)
-    w.add_expert_used_count(n_expert_used)
+    if n_expert:
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(n_expert_used)
     if arch in ("qwen2moe", "gpt-oss"):
         # gpt-oss: required; qwen2moe: optional but otherwise n_ff/n_expert_used
         w.add_expert_feed_forward_length(n_ff)
@@ -233,6 +236,13 @@ def make_tiny_moe(path, arch="llama", *, vocab_gguf, n_layer=4, n_expert=8, n_ex
         data, raw = _encode(arr, type_name)
         w.add_tensor(name, data, raw_dtype=raw)
 
+    # routed experts go last in the file, so a test can cut into expert data alone
+    # (the rest stays mapped and intact) to provoke a read error mid-run
+    deferred = []
+
+    def add_expert(name, arr, type_name):
+        deferred.append((name, arr, type_name))
+
     add("token_embd.weight", normal(n_vocab, n_embd, std=1.0), "F16")
 
     for i in range(n_layer):
@@ -249,15 +259,21 @@ def make_tiny_moe(path, arch="llama", *, vocab_gguf, n_layer=4, n_expert=8, n_ex
         else:
             add(p + "ffn_norm.weight", np.ones(n_embd, np.float32))
 
+        if n_expert == 0:
+            add(p + "ffn_gate.weight", linear(n_ff, n_embd), "F16")
+            add(p + "ffn_up.weight", linear(n_ff, n_embd), "F16")
+            add(p + "ffn_down.weight", linear(n_embd, n_ff), "F16")
+            continue
+
         # router: std 1.0 -> sharp, token-dependent top-k
         add(p + "ffn_gate_inp.weight", normal(n_expert, n_embd, std=1.0))
         if arch == "gpt-oss":
             add(p + "ffn_gate_inp.bias", normal(n_expert, std=0.1))
 
         # routed experts, stacked numpy (n_expert, n_out, n_in) == ggml {n_in, n_out, n_expert}
-        add(p + "ffn_gate_exps.weight", normal(n_expert, n_ff, n_embd, std=1.0 / np.sqrt(n_embd)), expert_type)
-        add(p + "ffn_up_exps.weight", normal(n_expert, n_ff, n_embd, std=1.0 / np.sqrt(n_embd)), expert_type)
-        add(p + "ffn_down_exps.weight", normal(n_expert, n_embd, n_ff, std=1.0 / np.sqrt(n_ff)), expert_type)
+        add_expert(p + "ffn_gate_exps.weight", normal(n_expert, n_ff, n_embd, std=1.0 / np.sqrt(n_embd)), expert_type)
+        add_expert(p + "ffn_up_exps.weight", normal(n_expert, n_ff, n_embd, std=1.0 / np.sqrt(n_embd)), expert_type)
+        add_expert(p + "ffn_down_exps.weight", normal(n_expert, n_embd, n_ff, std=1.0 / np.sqrt(n_ff)), expert_type)
         if arch == "gpt-oss":
             # per-expert biases: ggml {n_out, n_expert} == numpy (n_expert, n_out)
             add(p + "ffn_gate_exps.bias", normal(n_expert, n_ff, std=0.1))
@@ -275,6 +291,8 @@ def make_tiny_moe(path, arch="llama", *, vocab_gguf, n_layer=4, n_expert=8, n_ex
     # untied, independent output matrix: with output == token_embd the greedy
     # argmax tends to repeat the input token forever
     add("output.weight", linear(n_vocab, n_embd), "F16")
+    for name, arr, type_name in deferred:
+        add(name, arr, type_name)
 
     w.write_header_to_file()
     w.write_kv_data_to_file()

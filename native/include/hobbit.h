@@ -48,7 +48,7 @@ enum hobbit_status {
 
 struct hobbit_params {
     int64_t budget_bytes;    // bytes for expert slots; >= hobbit_model_info.min_budget_bytes
-    int32_t prefetch_layers; // 0 = load on demand only; 1 = also prefetch the next layer's experts of the previous token
+    int32_t prefetch_layers; // 0 = load on demand only; 1 = during decode, also prefetch the experts the next layer's router picks on this layer's input
     bool    direct_io;       // read with O_DIRECT (bypassing the page cache) where the file system allows it
 };
 
@@ -74,7 +74,7 @@ struct hobbit_stats {
     int64_t n_reads;               // expert loads completed
     int64_t prefetch_issued;       // prefetch loads queued
     int64_t prefetch_used;         // prefetched experts later selected while still cached
-    int64_t loads_overlapped;      // loads that completed while no dispatch was waiting (I/O under compute)
+    int64_t loads_overlapped;      // loads that completed while the graph computed between two MoE layers, no dispatch waiting
     int64_t stall_us;              // time dispatch waited for loads
     int64_t io_us;                 // time the I/O thread spent reading
     int64_t peak_pool_bytes;       // most slot bytes ever holding an expert

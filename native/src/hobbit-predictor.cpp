@@ -1,42 +1,57 @@
 #include "hobbit-predictor.h"
 
+#include <algorithm>
 #include <map>
+#include <numeric>
 
 namespace {
 
-class previous_token_predictor : public predictor_i {
+class next_layer_gate_predictor : public predictor_i {
 public:
-    explicit previous_token_predictor(const std::vector<int> & moe_layers) {
-        for (size_t i = 0; i + 1 < moe_layers.size(); ++i) {
-            next_layer[moe_layers[i]] = moe_layers[i + 1];
+    next_layer_gate_predictor(std::vector<router_weights> routers, int n_embd, int n_predict)
+            : routers(std::move(routers)), n_embd(n_embd), n_predict(n_predict) {
+        for (size_t i = 0; i < this->routers.size(); ++i) {
+            position[this->routers[i].il] = i;
         }
     }
 
-    void observe(int il, const std::vector<int32_t> & selected) override {
-        last[il] = selected;
-    }
+    void predict(int il, const float * x, std::vector<std::pair<int, int>> & out) override {
+        const auto pos = position.find(il);
+        if (pos == position.end() || pos->second + 1 >= routers.size()) {
+            return;
+        }
+        const router_weights & next = routers[pos->second + 1];
+        const int n_expert = (int) (next.w.size() / n_embd);
 
-    void predict(int il, std::vector<std::pair<int, int>> & out) override {
-        const auto nl = next_layer.find(il);
-        if (nl == next_layer.end()) {
-            return;
+        // gating is monotonic in the logits (softmax or sigmoid), so the top logits
+        // are the top experts
+        std::vector<float> logits(n_expert);
+        for (int e = 0; e < n_expert; ++e) {
+            const float * row = next.w.data() + (size_t) e * n_embd;
+            float acc = 0.0f;
+            for (int i = 0; i < n_embd; ++i) {
+                acc += row[i] * x[i];
+            }
+            logits[e] = acc;
         }
-        const auto it = last.find(nl->second);
-        if (it == last.end()) {
-            return;
-        }
-        for (int32_t e : it->second) {
-            out.emplace_back(nl->second, e);
+        std::vector<int> order(n_expert);
+        std::iota(order.begin(), order.end(), 0);
+        const int k = std::min(n_predict, n_expert);
+        std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) { return logits[a] > logits[b]; });
+        for (int i = 0; i < k; ++i) {
+            out.emplace_back(next.il, order[i]);
         }
     }
 
 private:
-    std::map<int, int> next_layer;              // MoE layer -> the MoE layer after it
-    std::map<int, std::vector<int32_t>> last;   // the last selection of each layer
+    std::vector<router_weights> routers;
+    std::map<int, size_t> position; // layer -> index in routers
+    int n_embd;
+    int n_predict;
 };
 
 } // namespace
 
-std::unique_ptr<predictor_i> predictor_make_previous_token(const std::vector<int> & moe_layers) {
-    return std::make_unique<previous_token_predictor>(moe_layers);
+std::unique_ptr<predictor_i> predictor_make_next_layer_gate(std::vector<router_weights> routers, int n_embd, int n_predict) {
+    return std::make_unique<next_layer_gate_predictor>(std::move(routers), n_embd, n_predict);
 }

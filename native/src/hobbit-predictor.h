@@ -1,8 +1,10 @@
 // hobbit-predictor.h - which experts the next layers will want, so they can be
 // loaded while the current layer computes.
 //
-// One interface, one implementation per predictor (the previous token's choice here;
-// HOBBIT's stacked gating and Fate's cross-layer gate plug in the same way).
+// One interface, one implementation per predictor. Here: the next MoE layer's router
+// applied to the current layer's router input (HOBBIT §3.3 with depth 1, Fate's
+// cross-layer gate): hidden states change little from one layer to the next, so the
+// next router on the current input names most of the experts it will pick.
 #pragma once
 
 #include <cstdint>
@@ -13,12 +15,16 @@
 struct predictor_i {
     virtual ~predictor_i() = default;
 
-    // the router of layer il selected these experts ([n_tokens][n_used], row-major)
-    virtual void observe(int il, const std::vector<int32_t> & selected) = 0;
-
+    // x: the router input of layer il for one token ([n_embd] floats); appends the
     // experts of later layers worth loading now, most wanted first, as (layer, expert)
-    virtual void predict(int il, std::vector<std::pair<int, int>> & out) = 0;
+    virtual void predict(int il, const float * x, std::vector<std::pair<int, int>> & out) = 0;
 };
 
-// the experts that the next MoE layer selected for the previous token (temporal locality)
-std::unique_ptr<predictor_i> predictor_make_previous_token(const std::vector<int> & moe_layers);
+struct router_weights {
+    int il = -1;               // layer the router belongs to
+    std::vector<float> w;      // [n_expert][n_embd], row-major
+};
+
+// routers: the router of every MoE layer in layer order; predicts the top n_predict
+// experts of the next MoE layer
+std::unique_ptr<predictor_i> predictor_make_next_layer_gate(std::vector<router_weights> routers, int n_embd, int n_predict);

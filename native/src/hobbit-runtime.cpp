@@ -17,6 +17,33 @@ static std::string mib(int64_t n_bytes) {
     return buf;
 }
 
+// every MoE layer's router as floats, whatever its type and wherever it lives
+static std::vector<router_weights> load_routers(const llama_model * model, const std::vector<int> & moe_layers) {
+    std::vector<router_weights> routers;
+    for (int il : moe_layers) {
+        const ggml_tensor * t = llama_model_get_router_tensor(model, il);
+        if (t == nullptr) {
+            continue;
+        }
+        std::vector<uint8_t> raw(ggml_nbytes(t));
+        ggml_backend_tensor_get(t, raw.data(), 0, raw.size());
+        router_weights r;
+        r.il = il;
+        r.w.resize(ggml_nelements(t));
+        if (t->type == GGML_TYPE_F32) {
+            memcpy(r.w.data(), raw.data(), raw.size());
+        } else {
+            const auto * traits = ggml_get_type_traits(t->type);
+            if (traits->to_float == nullptr) {
+                throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, std::string("router ") + t->name + " has a type that cannot be read as floats");
+            }
+            traits->to_float(raw.data(), r.w.data(), ggml_nelements(t));
+        }
+        routers.push_back(std::move(r));
+    }
+    return routers;
+}
+
 hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & path, const hobbit_params & params)
         : index(expert_index::from_file(path)), params(params) {
     const hobbit_model_info & info = index.info;
@@ -55,13 +82,14 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         }
     }
 
+    last_moe_layer = moe_layers.back();
     const int64_t n_expert_total = (int64_t) moe_layers.size() * info.n_expert;
     const int n_slot = (int) std::min<int64_t>(params.budget_bytes / info.expert_bytes, n_expert_total);
 
     pool   = std::make_unique<expert_pool>(*shape, info.n_layer, info.n_expert, n_slot);
     policy = cache_policy_make_lru(n_slot);
-    if (params.prefetch_layers > 0) {
-        predictor = predictor_make_previous_token(moe_layers);
+    if (params.prefetch_layers > 0 && model != nullptr) {
+        predictor = predictor_make_next_layer_gate(load_routers(model, moe_layers), info.n_embd, info.n_expert_used);
     }
     store = std::make_unique<expert_store>(index, params.direct_io);
     io    = std::make_unique<io_scheduler>(*store, index,
@@ -194,10 +222,10 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il) {
             slot_of_expert[e] = s;
         }
 
-        if (predictor && n_tokens == 1) {
-            predictor->observe(il, ids);
+        const ggml_tensor * x = dst->src[3]; // router input [n_embd, n_tokens]
+        if (predictor && n_tokens == 1 && x->type == GGML_TYPE_F32 && x->ne[0] == index.info.n_embd) {
             std::vector<std::pair<int, int>> wanted;
-            predictor->predict(il, wanted);
+            predictor->predict(il, (const float *) x->data, wanted);
             for (const auto & [l, e] : wanted) {
                 if (pool->find(l, e) >= 0) {
                     continue;
@@ -226,6 +254,7 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il) {
         });
         n_waiting--;
         stats_.stall_us += now_us() - t0;
+        last_dispatch_il = il;
     }
 
     if (failed()) {
@@ -256,7 +285,8 @@ void hobbit_runtime::on_load_done(const load_task & task, const std::string & er
             pool->slots[task.slot].state = slot_state::ready;
             stats_.bytes_read += (int64_t) n_bytes;
             stats_.n_reads++;
-            if (n_waiting == 0) {
+            // nobody waits and the graph is between two MoE layers: this read ran under compute
+            if (n_waiting == 0 && last_dispatch_il >= 0 && last_dispatch_il != last_moe_layer) {
                 stats_.loads_overlapped++;
             }
         }

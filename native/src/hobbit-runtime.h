@@ -58,10 +58,12 @@ private:
     std::vector<llama_moe_offload_layer> layers;
     llama_moe_offload                    offload_desc = {};
 
-    mutable std::mutex      mtx;      // guards pool, policy, predictor, stats_, pinned, n_waiting
+    mutable std::mutex      mtx;      // guards pool, policy, predictor, stats_, pinned, n_waiting, last_dispatch_il
     std::condition_variable cv_loaded;
     std::vector<int>        pinned;   // slots pinned by the last dispatch
     int                     n_waiting = 0;
+    int                     last_dispatch_il = -1; // layer of the latest dispatch
+    int                     last_moe_layer   = -1; // after its dispatch the graph is about to end
     hobbit_stats            stats_ = {};
 
     std::atomic<bool> has_error{false};

@@ -26,7 +26,7 @@ def _add_run_parser(sub) -> None:
     mem.add_argument("--no-offload", action="store_true",
                      help="run stock llama.cpp (every expert mapped from the file): the reference")
     p.add_argument("--prefetch", action="store_true",
-                   help="prefetch the next layer's experts of the previous token while a layer computes")
+                   help="while a layer computes, prefetch the experts the next layer's router picks on its input")
     p.add_argument("--no-direct-io", action="store_true", help="read experts through the page cache")
     p.add_argument("--stats-json", metavar="FILE", help="write run statistics as JSON to FILE")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
@@ -69,11 +69,9 @@ def _run(args) -> int:
     with llm:
         ctx = llm._ctx.ctx
         llama_cpp.llama_perf_context_reset(ctx)
-        n_tokens = 0
         try:
             for chunk in llm.create_completion(args.prompt, max_tokens=args.n_predict, temperature=args.temp,
                                                seed=args.seed, stream=True):
-                n_tokens += 1
                 sys.stdout.write(chunk["choices"][0]["text"])
                 sys.stdout.flush()
         except HobbitError as e:
@@ -86,7 +84,8 @@ def _run(args) -> int:
             "model": args.model,
             "offload": llm.offloaded,
             "n_prompt_tokens": int(perf.n_p_eval),
-            "n_tokens": n_tokens,
+            # every sampled token but the last is evaluated, one per decode step
+            "n_tokens": int(perf.n_eval) + 1,
             "prefill_ms": float(perf.t_p_eval_ms),
             "decode_tok_s": (perf.n_eval / perf.t_eval_ms * 1000.0) if perf.t_eval_ms > 0 else None,
             "n_decode_evals": int(perf.n_eval),

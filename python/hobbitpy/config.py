@@ -18,7 +18,7 @@ class OffloadConfig:
     """Expert cache budget in MiB; None sizes it from the memory actually available."""
 
     prefetch_layers: int = 0
-    """0 loads on demand only; 1 also prefetches, during decode, the experts the next layer chose for the previous token."""
+    """0 loads on demand only; 1 also prefetches, during decode, the experts the next layer's router picks on the current layer's input."""
 
     direct_io: bool = True
     """Read experts with O_DIRECT (no double caching in the page cache) where the file system allows it."""

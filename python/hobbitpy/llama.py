@@ -89,10 +89,17 @@ class Llama(llama_cpp.Llama):
         if self._runtime != ffi.NULL:
             lib.hobbit_runtime_reset_stats(self._runtime)
 
+    def __enter__(self) -> "Llama":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         # the runtime belongs to the model and goes with it
         self._runtime = ffi.NULL
-        super().close()
+        if hasattr(self, "_stack"):  # not there when __init__ failed before llama_cpp's part
+            super().close()
 
 
 __all__ = ["Llama", "OffloadConfig", "BudgetError", "ExpertReadError", "HobbitError", "ModelFileError"]

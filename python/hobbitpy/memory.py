@@ -29,9 +29,9 @@ def _read_int(path: pathlib.Path) -> int | None:
 def _stat_field(path: pathlib.Path, field: str) -> int:
     try:
         for line in path.read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key == field:
-                return int(value)
+            parts = line.split()
+            if len(parts) >= 2 and parts[0] == field:
+                return int(parts[1])
     except OSError:
         pass
     return 0

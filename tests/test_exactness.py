@@ -1,0 +1,83 @@
+"""With one precision, offloaded logits equal stock llama.cpp's bit for bit, at any
+cache size, for every MoE variant build_moe_ffn handles; and the cache accounts for
+exactly what it did."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hobbitpy
+from conftest import ARCHES, MB, run_logits, tiny_model
+
+# budgets as a function of the model: the minimum (one token's top-k: prefill runs
+# mostly in place), one slot more, half the experts, every expert
+BUDGETS = {
+    "min": lambda info: info.min_budget_bytes,
+    "min+1": lambda info: info.min_budget_bytes + info.expert_bytes,
+    "half": lambda info: info.expert_bytes_total // 2,
+    "all": lambda info: info.expert_bytes_total,
+}
+
+_reference: dict = {}
+
+
+def reference(path):
+    if path not in _reference:
+        _reference[path] = run_logits(path, hobbitpy.OffloadConfig(enabled=False))
+    return _reference[path]
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS))
+@pytest.mark.parametrize("arch", ARCHES)
+def test_offloaded_logits_equal_stock(model_dir, arch, budget):
+    path = tiny_model(model_dir, arch)
+    ref_scores, ref_text, ref_stats, info = reference(path)
+    assert ref_stats is None  # the reference really ran without the runtime
+
+    budget_bytes = BUDGETS[budget](info)
+    scores, text, stats, _ = run_logits(path, hobbitpy.OffloadConfig(cache_mb=budget_bytes / MB))
+
+    assert np.isfinite(ref_scores).all()
+    assert scores.shape == ref_scores.shape
+    # bit for bit, not approximately
+    assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
+    assert text == ref_text
+
+    assert stats["expert_misses"] > 0
+    assert stats["peak_pool_bytes"] <= stats["budget_bytes"]
+    assert stats["pool_bytes"] <= budget_bytes
+    # without prefetch every byte read is a miss loaded on demand
+    assert stats["bytes_read"] == stats["expert_misses"] * info.expert_bytes
+    assert stats["prefetch_issued"] == 0
+    if budget == "min":
+        assert stats["expert_inplace"] > 0, "a prompt wider than the pool must run some experts in place"
+    if budget == "all":
+        # every expert fits: each is read at most once
+        assert stats["expert_misses"] <= info.n_layer_moe * info.n_expert
+        assert stats["expert_inplace"] == 0
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_exact_with_thread_counts_and_more_experts(model_dir, n_threads):
+    # 16 experts, top-4: a different routing width and a thread count of 1
+    path = tiny_model(model_dir, "llama", n_expert=16, n_expert_used=4)
+    ref_scores, ref_text, _, info = run_logits(path, hobbitpy.OffloadConfig(enabled=False), n_threads=n_threads)
+    scores, text, stats, _ = run_logits(path, hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total / 3 / MB),
+                                        n_threads=n_threads)
+    assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
+    assert text == ref_text
+    assert stats["expert_hits"] > 0 and stats["expert_misses"] > 0
+
+
+def test_offload_does_not_read_experts_at_load(model_dir):
+    path = tiny_model(model_dir, "llama")
+    info = hobbitpy.inspect_model(path)
+    llm = hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total / 2 / MB),
+                         n_ctx=64, verbose=False)
+    try:
+        stats = llm.offload_stats()
+        assert stats["bytes_read"] == 0 and stats["peak_pool_bytes"] == 0
+        assert stats["n_slot"] == (info.expert_bytes_total // 2) // info.expert_bytes
+    finally:
+        llm.close()
