@@ -12,7 +12,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import hobbitpy  # noqa: E402  (sets LLAMA_CPP_LIB_PATH before llama_cpp loads)
 from hobbitpy._native import DATA_DIR  # noqa: E402
-from tiny_moe import make_tiny_moe  # noqa: E402
+from hobbitpy.synthetic_moe import make_synthetic_moe  # noqa: E402
 
 VOCAB = DATA_DIR / "ggml-vocab-llama-spm.gguf"
 ARCHES = ["llama", "qwen2moe", "gpt-oss"]
@@ -35,7 +35,7 @@ def tiny_model(model_dir: pathlib.Path, arch: str = "llama", **kw) -> pathlib.Pa
     key = (arch, tuple(sorted(kw.items())))
     if key not in _built:
         name = f"tiny-{arch}-" + "-".join(f"{k}{v}" for k, v in sorted(kw.items())) + ".gguf"
-        _built[key] = make_tiny_moe(model_dir / name, arch, vocab_gguf=VOCAB, **kw)
+        _built[key] = make_synthetic_moe(model_dir / name, arch, vocab_gguf=VOCAB, **kw)
     return _built[key]
 
 

@@ -1,33 +1,30 @@
-"""Tiny random-weight MoE GGUF models for tests.
+"""Random-weight MoE GGUF models of any shape, for tests and throughput benchmarks.
 
-`make_tiny_moe()` writes a small Mixture-of-Experts GGUF that STOCK llama.cpp
-loads and runs, so tests can compare hobbitpy's expert offloading against the
-reference without downloading real weights.
+`make_synthetic_moe()` writes a Mixture-of-Experts GGUF that stock llama.cpp loads
+and runs, so tests can compare hobbitpy's expert offloading against the reference
+without downloading real weights, and benchmarks can use models of real size.
 
 Supported `arch` values (all checked against llama.cpp's src/models/*.cpp):
 
 * "llama"    -- Mixtral layout: routed experts only, softmax router, SiLU.
                 Expert width comes from `llama.feed_forward_length`.
+                n_expert=0 makes a dense model (for the "dense model" paths).
 * "qwen2moe" -- routed experts + one shared expert gated by a sigmoid of
                 `ffn_gate_inp_shexp` (a 1-D [n_embd] weight).
 * "gpt-oss"  -- (llama.cpp arch name for OpenAI's gpt-oss, LLM_ARCH_OPENAI_MOE)
                 per-expert biases (ffn_*_exps.bias), a router bias, attention
                 sinks, attn_output.bias, post-attention norm, and sliding-window
-                attention on every other layer.  Chosen over olmoe because it
-                exercises the bias tensors an offloader must move along with the
-                expert weights.
+                attention on every other layer.
 
 Weights are random but deterministic given `seed`, and scaled so activations
-stay O(1): linear weights ~ N(0, 1/fan_in), norms = 1.  The router is given
-std 1.0 so its logits are large and different tokens pick different experts
-(a weak router would send every token to the same top-k and hide routing bugs).
+stay O(1): linear weights ~ N(0, 1/fan_in), norms = 1.  The router has std 1.0
+so different tokens pick different experts; random weights route at random (no
+reuse between tokens): the hardest case for any cache.
 
 The tokenizer is copied verbatim (every `tokenizer.*` key) from a vocab-only
-GGUF in the llama.cpp tree, e.g. models/ggml-vocab-llama-spm.gguf (32000
-tokens, the smallest) -- any vocab works with any arch here, because llama.cpp
-picks the tokenizer from `tokenizer.ggml.model`, not from the architecture.
+GGUF; by default llama.cpp's llama-spm vocab shipped in hobbitpy/data.
 
-CLI:  python tests/tiny_moe.py OUT.gguf --arch qwen2moe --vocab .../ggml-vocab-llama-spm.gguf
+CLI:  python scripts/make_synthetic_moe.py OUT.gguf --arch llama --n-layer 16 --n-embd 1024 --n-ff 4096
 """
 
 from __future__ import annotations
@@ -166,10 +163,10 @@ _FILE_TYPE = {
 # model
 # --------------------------------------------------------------------------
 
-def make_tiny_moe(path, arch="llama", *, vocab_gguf, n_layer=4, n_expert=8, n_expert_used=2,
+def make_synthetic_moe(path, arch="llama", *, vocab_gguf=None, n_layer=4, n_expert=8, n_expert_used=2,
                   n_embd=128, n_ff=256, n_ff_shared=256, n_head=4, n_head_kv=2,
                   expert_type="Q8_0", seed=0, n_ctx_train=512) -> pathlib.Path:
-    """Write a tiny random MoE GGUF to `path` and return it as a Path.
+    """Write a random MoE GGUF to `path` and return it as a Path (defaults: tiny).
 
     n_ff is the width of each routed expert; n_ff_shared the width of the
     qwen2moe shared expert (ignored by other arches).  expert_type is the
@@ -186,6 +183,9 @@ def make_tiny_moe(path, arch="llama", *, vocab_gguf, n_layer=4, n_expert=8, n_ex
     if n_expert and not 0 < n_expert_used <= n_expert:
         raise ValueError("need 0 < n_expert_used <= n_expert")
 
+    if vocab_gguf is None:
+        from ._native import DATA_DIR
+        vocab_gguf = DATA_DIR / "ggml-vocab-llama-spm.gguf"
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -302,10 +302,10 @@ def make_tiny_moe(path, arch="llama", *, vocab_gguf, n_layer=4, n_expert=8, n_ex
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="write a tiny random-weight MoE GGUF")
+    ap = argparse.ArgumentParser(description="write a random-weight MoE GGUF")
     ap.add_argument("out")
     ap.add_argument("--arch", default="llama", choices=ARCHES)
-    ap.add_argument("--vocab", required=True, help="vocab-only GGUF, e.g. llama.cpp/models/ggml-vocab-llama-spm.gguf")
+    ap.add_argument("--vocab", default=None, help="vocab-only GGUF (default: llama.cpp's llama-spm vocab)")
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-expert", type=int, default=8)
     ap.add_argument("--n-expert-used", type=int, default=2)
@@ -318,7 +318,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-ctx-train", type=int, default=512)
     a = ap.parse_args(argv)
-    out = make_tiny_moe(a.out, a.arch, vocab_gguf=a.vocab, n_layer=a.n_layer, n_expert=a.n_expert,
+    out = make_synthetic_moe(a.out, a.arch, vocab_gguf=a.vocab, n_layer=a.n_layer, n_expert=a.n_expert,
                         n_expert_used=a.n_expert_used, n_embd=a.n_embd, n_ff=a.n_ff,
                         n_ff_shared=a.n_ff_shared, n_head=a.n_head, n_head_kv=a.n_head_kv,
                         expert_type=a.expert_type, seed=a.seed, n_ctx_train=a.n_ctx_train)
