@@ -100,10 +100,13 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     for (int il : moe_layers) {
         dispatch_uds[il] = { this, il };
         llama_moe_offload_layer & lo = layers[il];
+        lo.n_pool = 1; // one precision for now; mixed precision adds a pool per level
         for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
-            lo.pool[p] = pool->weights(p);
+            lo.pools[0].w[p] = pool->weights(p);
         }
-        lo.n_slot      = n_slot;
+        lo.pools[0].n_slot = n_slot;
+        // experts run in place only when a ubatch selects more pairs than there are slots
+        lo.inplace_min_pairs = n_slot + 1;
         lo.dispatch    = &hobbit_runtime::dispatch_op;
         lo.dispatch_ud = &dispatch_uds[il];
     }
@@ -150,8 +153,9 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il) {
     const int n_used   = (int) sel->ne[0];
     const int n_tokens = (int) sel->ne[1];
     const int n_expert = index.info.n_expert;
-    int32_t * out_slot    = (int32_t *) dst->data;            // plane 0
-    int32_t * out_inplace = out_slot + (size_t) n_used * n_tokens; // plane 1
+    const int n_plane = (int) dst->ne[2];                       // pools + the in-place plane
+    int32_t * out_slot    = (int32_t *) dst->data;               // plane 0: the pool
+    int32_t * out_inplace = out_slot + (size_t) (n_plane - 1) * n_used * n_tokens; // last plane
 
     // selection as ids [n_tokens][n_used] (the top-k view is not contiguous)
     std::vector<int32_t> ids((size_t) n_used * n_tokens);
@@ -171,7 +175,7 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il) {
     std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return n_pairs[a] > n_pairs[b]; });
 
     // without an in-place pass in the graph every selected expert must get a slot
-    const bool must_fit = (int64_t) n_used * n_tokens <= pool->n_slot();
+    const bool must_fit = (int64_t) n_used * n_tokens < layers[il].inplace_min_pairs;
 
     std::vector<int> slot_of_expert(n_expert, -1);
     std::vector<load_task> loads;
@@ -260,7 +264,7 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il) {
     if (failed()) {
         // the abort callback stops the graph before these ids are used; -1 keeps the
         // matmuls harmless until then
-        std::fill(out_slot, out_slot + (size_t) 2*n_used*n_tokens, -1);
+        std::fill(out_slot, out_slot + (size_t) n_plane*n_used*n_tokens, -1);
         return;
     }
     for (size_t i = 0; i < ids.size(); ++i) {

@@ -15,7 +15,7 @@ from .model_file import ModelInfo
 
 # compute buffers, logits, the Python process itself: kept free on top of the
 # weights and the KV cache when the budget is derived from available memory
-HEADROOM_BYTES = 384 * MB
+HEADROOM_BYTES = 160 * MB
 
 
 def _read_int(path: pathlib.Path) -> int | None:

@@ -1,0 +1,35 @@
+"""hobbitpy.Llama is a drop-in for llama_cpp.Llama: chat completion and streaming
+work through the offloaded model and give the stock results."""
+
+from __future__ import annotations
+
+import llama_cpp
+
+import hobbitpy
+from conftest import MB, tiny_model
+
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name a colour."}]
+
+
+def _chat_and_stream(path, offload):
+    with hobbitpy.Llama(path, offload=offload, n_ctx=256, verbose=False, n_threads=2,
+                        chat_format="llama-2") as llm:
+        chat = llm.create_chat_completion(messages=MESSAGES, max_tokens=12, temperature=0.0)
+        pieces = [c["choices"][0]["text"] for c in
+                  llm.create_completion("In the beginning", max_tokens=12, temperature=0.0, stream=True)]
+        return chat["choices"][0]["message"]["content"], "".join(pieces), llm.offloaded
+
+
+def test_chat_and_streaming_match_stock(model_dir):
+    path = tiny_model(model_dir, "gpt-oss")
+    info = hobbitpy.inspect_model(path)
+    stock = _chat_and_stream(path, hobbitpy.OffloadConfig(enabled=False))
+    offl = _chat_and_stream(path, hobbitpy.OffloadConfig(cache_mb=info.min_budget_bytes * 2 / MB))
+    assert stock[2] is False and offl[2] is True
+    assert offl[:2] == stock[:2]
+    assert len(stock[1]) > 0
+
+
+def test_is_a_llama_cpp_llama(model_dir):
+    assert issubclass(hobbitpy.Llama, llama_cpp.Llama)
