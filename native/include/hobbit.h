@@ -50,6 +50,7 @@ struct hobbit_params {
     int64_t budget_bytes;    // bytes for expert slots; >= hobbit_model_info.min_budget_bytes
     int32_t prefetch_layers; // 0 = load on demand only; 1 = during decode, also prefetch the experts the next layer's router picks on this layer's input
     bool    direct_io;       // read with O_DIRECT (bypassing the page cache) where the file system allows it
+    int32_t n_io_threads;    // threads reading experts (2 keeps the disk busy while one copies; 1 = strict queue order)
 };
 
 struct hobbit_model_info {
@@ -76,7 +77,7 @@ struct hobbit_stats {
     int64_t prefetch_used;         // prefetched experts later selected while still cached
     int64_t loads_overlapped;      // loads that completed while the graph computed between two MoE layers, no dispatch waiting
     int64_t stall_us;              // time dispatch waited for loads
-    int64_t io_us;                 // time the I/O thread spent reading
+    int64_t io_us;                 // time the I/O threads spent reading (summed over threads)
     int64_t peak_pool_bytes;       // most slot bytes ever holding an expert
     int64_t budget_bytes;          // budget the pool was sized from
     int64_t pool_bytes;            // bytes allocated for slots (n_slot * expert_bytes)

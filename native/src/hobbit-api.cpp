@@ -39,6 +39,7 @@ struct hobbit_params hobbit_default_params(void) {
     p.budget_bytes    = 0;
     p.prefetch_layers = 0;
     p.direct_io       = true;
+    p.n_io_threads    = 2;
     return p;
 }
 

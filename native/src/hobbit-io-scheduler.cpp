@@ -2,11 +2,17 @@
 
 #include "hobbit-error.h"
 
+#include <algorithm>
 #include <chrono>
 
-io_scheduler::io_scheduler(expert_store & store, const expert_index & index, done_fn on_done)
-        : store(store), index(index), on_done(std::move(on_done)) {
-    worker = std::thread([this] { loop(); });
+io_scheduler::io_scheduler(const expert_index & index, bool direct_io, int n_threads, done_fn on_done)
+        : index(index), on_done(std::move(on_done)) {
+    for (int i = 0; i < std::max(1, n_threads); ++i) {
+        stores.push_back(std::make_unique<expert_store>(index, direct_io));
+    }
+    for (auto & store : stores) {
+        workers.emplace_back([this, s = store.get()] { loop(*s); });
+    }
 }
 
 io_scheduler::~io_scheduler() {
@@ -17,7 +23,9 @@ io_scheduler::~io_scheduler() {
         prefetches.clear();
     }
     cv.notify_all();
-    worker.join();
+    for (auto & w : workers) {
+        w.join();
+    }
 }
 
 void io_scheduler::submit(const std::vector<load_task> & tasks) {
@@ -44,7 +52,7 @@ std::deque<load_task> io_scheduler::drop_prefetches(const std::function<bool(con
     return dropped;
 }
 
-void io_scheduler::loop() {
+void io_scheduler::loop(expert_store & store) {
     for (;;) {
         load_task task;
         {

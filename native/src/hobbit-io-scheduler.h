@@ -1,8 +1,9 @@
-// hobbit-io-scheduler.h - one I/O thread draining a priority queue of expert loads.
+// hobbit-io-scheduler.h - I/O threads draining one priority queue of expert loads.
 //
 // On-demand loads (a layer is waiting for them) go before prefetches; within a class,
 // first come first served. A started read cannot be cancelled; a queued prefetch can be
-// dropped. Completion is reported through a callback on the I/O thread.
+// dropped. Completion is reported through a callback on the I/O thread that read it.
+// Two threads keep the disk busy while one of them copies an O_DIRECT bounce buffer.
 #pragma once
 
 #include "hobbit-expert-store.h"
@@ -11,6 +12,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -29,8 +31,11 @@ public:
     // on_done(task, error, n_bytes, us): error is empty on success; called on the I/O thread
     using done_fn = std::function<void(const load_task &, const std::string & error, uint64_t n_bytes, int64_t us)>;
 
-    io_scheduler(expert_store & store, const expert_index & index, done_fn on_done);
-    ~io_scheduler(); // closes: drops queued tasks, finishes the running one, joins
+    // n_threads readers, each with its own file handles (throws hobbit_error if the file cannot be opened)
+    io_scheduler(const expert_index & index, bool direct_io, int n_threads, done_fn on_done);
+    ~io_scheduler(); // closes: drops queued tasks, finishes the running reads, joins
+
+    bool direct_io() const { return stores.front()->direct_io(); }
 
     // queue loads, all at once (the thread sees none of them before all are queued); does not block
     void submit(const std::vector<load_task> & tasks);
@@ -39,9 +44,9 @@ public:
     std::deque<load_task> drop_prefetches(const std::function<bool(const load_task &)> & pred);
 
 private:
-    void loop();
+    void loop(expert_store & store);
 
-    expert_store &       store;
+    std::vector<std::unique_ptr<expert_store>> stores; // one per thread
     const expert_index & index;
     done_fn              on_done;
 
@@ -50,5 +55,5 @@ private:
     std::deque<load_task>   on_demand;
     std::deque<load_task>   prefetches;
     bool                    closing = false;
-    std::thread             worker;
+    std::vector<std::thread> workers;
 };

@@ -91,8 +91,7 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     if (params.prefetch_layers > 0 && model != nullptr) {
         predictor = predictor_make_next_layer_gate(load_routers(model, moe_layers), info.n_embd, info.n_expert_used);
     }
-    store = std::make_unique<expert_store>(index, params.direct_io);
-    io    = std::make_unique<io_scheduler>(*store, index,
+    io = std::make_unique<io_scheduler>(index, params.direct_io, params.n_io_threads,
         [this](const load_task & t, const std::string & err, uint64_t n, int64_t us) { on_load_done(t, err, n, us); });
 
     dispatch_uds.resize(info.n_layer);
@@ -118,7 +117,7 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     stats_.budget_bytes = params.budget_bytes;
     stats_.pool_bytes   = (int64_t) n_slot * info.expert_bytes;
     stats_.n_slot       = n_slot;
-    stats_.direct_io    = store->direct_io();
+    stats_.direct_io    = io->direct_io();
 }
 
 hobbit_runtime::~hobbit_runtime() {

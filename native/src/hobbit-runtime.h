@@ -51,8 +51,7 @@ private:
     std::unique_ptr<expert_pool>    pool;
     std::unique_ptr<cache_policy_i> policy;
     std::unique_ptr<predictor_i>    predictor;
-    std::unique_ptr<expert_store>   store;
-    std::unique_ptr<io_scheduler>   io;   // last: its thread stops before the rest goes
+    std::unique_ptr<io_scheduler>   io;   // last: its threads stop before the rest goes
 
     std::vector<dispatch_ud>             dispatch_uds;
     std::vector<llama_moe_offload_layer> layers;

@@ -155,13 +155,12 @@ static void test_pool(const std::string & path) {
 // on-demand loads overtake queued prefetches, and every load lands its exact bytes
 static void test_scheduler(const std::string & path) {
     expert_index idx = expert_index::from_file(path);
-    expert_store store(idx, false);
     std::mutex mtx;
     std::condition_variable cv;
     std::vector<int> done_order;
     std::vector<std::vector<std::vector<uint8_t>>> bufs(8, std::vector<std::vector<uint8_t>>(3));
     {
-        io_scheduler io(store, idx, [&](const load_task & t, const std::string & err, uint64_t, int64_t) {
+        io_scheduler io(idx, /*direct_io*/ false, /*n_threads*/ 1, [&](const load_task & t, const std::string & err, uint64_t, int64_t) {
             CHECK(err.empty());
             std::lock_guard<std::mutex> lock(mtx);
             done_order.push_back(t.slot);

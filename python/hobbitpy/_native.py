@@ -49,6 +49,7 @@ struct hobbit_params {
     int64_t budget_bytes;
     int32_t prefetch_layers;
     bool    direct_io;
+    int32_t n_io_threads;
 };
 
 struct hobbit_model_info {

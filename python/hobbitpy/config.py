@@ -23,9 +23,14 @@ class OffloadConfig:
     direct_io: bool = True
     """Read experts with O_DIRECT (no double caching in the page cache) where the file system allows it."""
 
+    io_threads: int = 2
+    """Threads reading experts: 2 keeps the disk busy while one copies out of its O_DIRECT buffer."""
+
     def __post_init__(self) -> None:
         if self.cache_mb is not None and not self.cache_mb > 0:
             raise ValueError(f"cache_mb must be positive, got {self.cache_mb}")
+        if self.io_threads < 1:
+            raise ValueError(f"io_threads must be at least 1, got {self.io_threads}")
         if self.prefetch_layers not in (0, 1):
             raise ValueError(f"prefetch_layers must be 0 or 1, got {self.prefetch_layers}")
 
@@ -41,4 +46,5 @@ class OffloadConfig:
         params.budget_bytes = budget_bytes
         params.prefetch_layers = self.prefetch_layers
         params.direct_io = self.direct_io
+        params.n_io_threads = self.io_threads
         return params
