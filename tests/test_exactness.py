@@ -81,3 +81,19 @@ def test_offload_does_not_read_experts_at_load(model_dir):
         assert stats["n_slot"] == (info.expert_bytes_total // 2) // info.expert_bytes
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("budget", ["min", "half"])
+def test_mixed_expert_types_get_one_pool_each(model_dir, budget):
+    # odd layers keep their down projection in F16, even ones in Q8_0 (like Q4_K_M's
+    # Q6_K / Q4_K mix): two expert signatures, two pools, still bit-exact
+    path = tiny_model(model_dir, "qwen2moe", down_type_odd_layers="F16")
+    ref_scores, ref_text, _, info = reference(path)
+    assert not info.uniform
+    budget_bytes = BUDGETS[budget](info)
+    scores, text, stats, _ = run_logits(path, hobbitpy.OffloadConfig(cache_mb=budget_bytes / MB))
+    assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
+    assert text == ref_text
+    assert stats["expert_misses"] > 0
+    assert stats["peak_pool_bytes"] <= stats["pool_bytes"] <= budget_bytes
+    assert stats["n_slot"] >= 2 * info.n_expert_used  # every pool holds a token's top-k

@@ -60,11 +60,11 @@ struct hobbit_model_info {
     int32_t n_expert;              // routed experts per MoE block
     int32_t n_expert_used;         // experts selected per token
     int32_t n_embd;                // hidden size
-    int64_t expert_bytes;          // bytes of one expert, all projections (the size of a slot)
+    int64_t expert_bytes;          // bytes of one expert of the first MoE block, all projections (the size of its slot)
     int64_t expert_bytes_total;    // bytes of every routed expert in the file
-    int64_t min_budget_bytes;      // smallest budget: one token's top-k
+    int64_t min_budget_bytes;      // smallest budget: one token's top-k in every pool (one pool per expert signature)
     int64_t file_bytes;            // size of the GGUF file
-    bool    uniform;               // every MoE block has the same expert shapes and types (required to offload)
+    bool    uniform;               // every MoE block has the same expert shapes and types (else one pool per signature)
 };
 
 struct hobbit_stats {

@@ -24,6 +24,17 @@ bool expert_layer_layout::has_experts() const {
     return proj[LLAMA_MOE_PROJ_DOWN].present;
 }
 
+bool expert_layer_layout::same_signature(const expert_layer_layout & other) const {
+    for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
+        const auto & a = proj[p];
+        const auto & b = other.proj[p];
+        if (a.present != b.present || a.type != b.type || a.ne[0] != b.ne[0] || a.ne[1] != b.ne[1]) {
+            return false;
+        }
+    }
+    return true;
+}
+
 uint64_t expert_layer_layout::n_bytes() const {
     uint64_t n = 0;
     for (const auto & p : proj) {
@@ -145,19 +156,19 @@ expert_index expert_index::from_file(const std::string & path) {
         info.expert_bytes_total += (int64_t) layer.n_bytes() * info.n_expert;
         if (first == nullptr) {
             first = &layer;
-            continue;
         }
-        for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
-            const auto & a = first->proj[p];
-            const auto & b = layer.proj[p];
-            if (a.present != b.present || a.type != b.type || a.ne[0] != b.ne[0] || a.ne[1] != b.ne[1]) {
-                info.uniform = false;
-            }
+        // the runtime keeps one pool per signature, each holding at least one token's top-k
+        bool seen = false;
+        for (int j = 0; j < il && !seen; ++j) {
+            seen = idx.layers[j].has_experts() && idx.layers[j].same_signature(layer);
         }
+        if (!seen) {
+            info.min_budget_bytes += (int64_t) layer.n_bytes() * info.n_expert_used;
+        }
+        info.uniform = info.uniform && first->same_signature(layer);
     }
     if (first != nullptr) {
-        info.expert_bytes     = (int64_t) first->n_bytes();
-        info.min_budget_bytes = info.expert_bytes * info.n_expert_used;
+        info.expert_bytes = (int64_t) first->n_bytes();
     }
     return idx;
 }

@@ -24,6 +24,7 @@ struct expert_proj_layout {
 struct expert_layer_layout {
     expert_proj_layout proj[LLAMA_MOE_PROJ_COUNT];
     bool has_experts() const;
+    bool same_signature(const expert_layer_layout & other) const; // same projections, types and shapes
     uint64_t n_bytes() const;   // one expert, all projections
 };
 

@@ -19,6 +19,7 @@
 #include <vector>
 
 struct load_task {
+    int  group;                             // the pool group the slot belongs to
     int  slot;
     int  layer;
     int  expert;

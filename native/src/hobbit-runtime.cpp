@@ -50,22 +50,33 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     if (info.n_layer_moe == 0) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_NOT_MOE, path + ": the model has no routed experts (a dense model); nothing to offload");
     }
-    if (!info.uniform) {
-        throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, path + ": expert tensors differ in type or shape between layers; "
-            "one pool per expert shape is not supported yet");
-    }
     if (params.budget_bytes < info.min_budget_bytes) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_BUDGET, path + ": expert budget " + mib(params.budget_bytes) + " is below the minimum of " +
             mib(info.min_budget_bytes) + " (" + std::to_string(info.n_expert_used) + " experts of one token)");
     }
 
+    // group the MoE layers by expert signature
     std::vector<int> moe_layers;
-    const expert_layer_layout * shape = nullptr;
+    std::vector<int> group_first_layer;   // a layer of each group, for its shapes
+    std::vector<int64_t> group_n_layers;
+    group_of_layer.assign(info.n_layer, -1);
     for (int il = 0; il < info.n_layer; ++il) {
-        if (index.layers[il].has_experts()) {
-            moe_layers.push_back(il);
-            shape = shape ? shape : &index.layers[il];
+        if (!index.layers[il].has_experts()) {
+            continue;
         }
+        moe_layers.push_back(il);
+        for (size_t g = 0; g < group_first_layer.size(); ++g) {
+            if (index.layers[group_first_layer[g]].same_signature(index.layers[il])) {
+                group_of_layer[il] = (int) g;
+                break;
+            }
+        }
+        if (group_of_layer[il] < 0) {
+            group_of_layer[il] = (int) group_first_layer.size();
+            group_first_layer.push_back(il);
+            group_n_layers.push_back(0);
+        }
+        group_n_layers[group_of_layer[il]]++;
     }
 
     // the model must hold exactly the tensors the file index describes
@@ -83,11 +94,23 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     }
 
     last_moe_layer = moe_layers.back();
-    const int64_t n_expert_total = (int64_t) moe_layers.size() * info.n_expert;
-    const int n_slot = (int) std::min<int64_t>(params.budget_bytes / info.expert_bytes, n_expert_total);
 
-    pool   = std::make_unique<expert_pool>(*shape, info.n_layer, info.n_expert, n_slot);
-    policy = cache_policy_make_lru(n_slot);
+    // every group gets one token's top-k; the rest of the budget is shared in proportion
+    // to each group's expert bytes
+    int64_t spare = params.budget_bytes - info.min_budget_bytes;
+    int64_t n_slot_total = 0;
+    for (size_t g = 0; g < group_first_layer.size(); ++g) {
+        pool_group pg;
+        pg.expert_bytes = (int64_t) index.layers[group_first_layer[g]].n_bytes();
+        const int64_t group_bytes = pg.expert_bytes * info.n_expert * group_n_layers[g];
+        const int64_t extra = (int64_t) ((double) spare * group_bytes / info.expert_bytes_total) / pg.expert_bytes;
+        const int n_slot = (int) std::min<int64_t>(info.n_expert_used + extra, info.n_expert * group_n_layers[g]);
+        pg.pool   = std::make_unique<expert_pool>(index.layers[group_first_layer[g]], info.n_layer, info.n_expert, n_slot);
+        pg.policy = cache_policy_make_lru(n_slot);
+        stats_.pool_bytes += n_slot * pg.expert_bytes;
+        n_slot_total += n_slot;
+        groups.push_back(std::move(pg));
+    }
     if (params.prefetch_layers > 0 && model != nullptr) {
         predictor = predictor_make_next_layer_gate(load_routers(model, moe_layers), info.n_embd, info.n_expert_used);
     }
@@ -99,13 +122,14 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     for (int il : moe_layers) {
         dispatch_uds[il] = { this, il };
         llama_moe_offload_layer & lo = layers[il];
+        const expert_pool & pool = *groups[group_of_layer[il]].pool;
         lo.n_pool = 1; // one precision for now; mixed precision adds a pool per level
         for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
-            lo.pools[0].w[p] = pool->weights(p);
+            lo.pools[0].w[p] = pool.weights(p);
         }
-        lo.pools[0].n_slot = n_slot;
+        lo.pools[0].n_slot = pool.n_slot();
         // experts run in place only when a ubatch selects more pairs than there are slots
-        lo.inplace_min_pairs = n_slot + 1;
+        lo.inplace_min_pairs = pool.n_slot() + 1;
         lo.dispatch    = &hobbit_runtime::dispatch_op;
         lo.dispatch_ud = &dispatch_uds[il];
     }
@@ -115,8 +139,7 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     offload_desc.free_ctx = [](void * ctx) { delete (hobbit_runtime *) ctx; };
 
     stats_.budget_bytes = params.budget_bytes;
-    stats_.pool_bytes   = (int64_t) n_slot * info.expert_bytes;
-    stats_.n_slot       = n_slot;
+    stats_.n_slot       = (int32_t) n_slot_total;
     stats_.direct_io    = io->direct_io();
 }
 
@@ -133,10 +156,11 @@ void hobbit_runtime::dispatch_op(ggml_tensor * dst, int ith, int nth, void * ud)
     d->rt->dispatch(dst, d->il);
 }
 
-int hobbit_runtime::take_slot() {
+int hobbit_runtime::take_slot(int g) {
+    const expert_pool & pool = *groups[g].pool;
     std::vector<int> candidates;
-    for (int s = 0; s < pool->n_slot(); ++s) {
-        const pool_slot & slot = pool->slots[s];
+    for (int s = 0; s < pool.n_slot(); ++s) {
+        const pool_slot & slot = pool.slots[s];
         if (slot.state == slot_state::empty) {
             return s;
         }
@@ -144,7 +168,7 @@ int hobbit_runtime::take_slot() {
             candidates.push_back(s);
         }
     }
-    return candidates.empty() ? -1 : policy->choose_victim(candidates);
+    return candidates.empty() ? -1 : groups[g].policy->choose_victim(candidates);
 }
 
 void hobbit_runtime::dispatch(ggml_tensor * dst, int il) {
@@ -176,37 +200,41 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il) {
     // without an in-place pass in the graph every selected expert must get a slot
     const bool must_fit = (int64_t) n_used * n_tokens < layers[il].inplace_min_pairs;
 
+    const int g = group_of_layer[il];
+    expert_pool & pool = *groups[g].pool;
+    cache_policy_i & policy = *groups[g].policy;
+
     std::vector<int> slot_of_expert(n_expert, -1);
     std::vector<load_task> loads;
     std::unique_lock<std::mutex> lock(mtx);
 
     if (!failed()) {
         // the previous layer's matmuls are done: its slots may go
-        for (int s : pinned) {
-            pool->slots[s].pins--;
+        for (const auto & [pg, s] : pinned) {
+            groups[pg].pool->slots[s].pins--;
         }
         pinned.clear();
 
         for (int e : order) {
-            int s = pool->find(il, e);
+            int s = pool.find(il, e);
             if (s >= 0) {
                 stats_.expert_hits++;
-                if (pool->slots[s].prefetched) {
+                if (pool.slots[s].prefetched) {
                     stats_.prefetch_used++;
-                    pool->slots[s].prefetched = false;
+                    pool.slots[s].prefetched = false;
                 }
-                policy->on_access(s);
+                policy.on_access(s);
             } else {
-                s = take_slot();
+                s = take_slot(g);
                 while (s < 0 && must_fit && !failed()) {
                     // only prefetches stand in the way: drop the queued ones, wait for the running one
-                    for (const load_task & t : io->drop_prefetches([](const load_task &) { return true; })) {
-                        pool->clear(t.slot);
+                    for (const load_task & t : io->drop_prefetches([g](const load_task & t) { return t.group == g; })) {
+                        groups[t.group].pool->clear(t.slot);
                     }
-                    s = take_slot();
+                    s = take_slot(g);
                     if (s < 0) {
                         cv_loaded.wait(lock);
-                        s = take_slot();
+                        s = take_slot(g);
                     }
                 }
                 if (s < 0) {
@@ -214,14 +242,14 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il) {
                     continue;
                 }
                 stats_.expert_misses++;
-                pool->assign(s, il, e);
-                policy->on_insert(s, il, e);
-                load_task task = { s, il, e, /*prefetch*/ false, {} };
-                pool->slot_data(s, task.dst);
+                pool.assign(s, il, e);
+                policy.on_insert(s, il, e);
+                load_task task = { g, s, il, e, /*prefetch*/ false, {} };
+                pool.slot_data(s, task.dst);
                 loads.push_back(task);
             }
-            pool->slots[s].pins++;
-            pinned.push_back(s);
+            pool.slots[s].pins++;
+            pinned.emplace_back(g, s);
             slot_of_expert[e] = s;
         }
 
@@ -230,30 +258,34 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il) {
             std::vector<std::pair<int, int>> wanted;
             predictor->predict(il, (const float *) x->data, wanted);
             for (const auto & [l, e] : wanted) {
-                if (pool->find(l, e) >= 0) {
+                const int lg = group_of_layer[l];
+                expert_pool & lpool = *groups[lg].pool;
+                if (lpool.find(l, e) >= 0) {
                     continue;
                 }
-                const int s = take_slot();
+                const int s = take_slot(lg);
                 if (s < 0) {
                     break;
                 }
-                pool->assign(s, l, e);
-                pool->slots[s].prefetched = true;
-                policy->on_insert(s, l, e);
-                load_task task = { s, l, e, /*prefetch*/ true, {} };
-                pool->slot_data(s, task.dst);
+                lpool.assign(s, l, e);
+                lpool.slots[s].prefetched = true;
+                groups[lg].policy->on_insert(s, l, e);
+                load_task task = { lg, s, l, e, /*prefetch*/ true, {} };
+                lpool.slot_data(s, task.dst);
                 loads.push_back(task);
                 stats_.prefetch_issued++;
             }
         }
         io->submit(loads);
-        stats_.peak_pool_bytes = std::max<int64_t>(stats_.peak_pool_bytes, (int64_t) pool->n_used() * index.info.expert_bytes);
+        stats_.peak_pool_bytes = std::max<int64_t>(stats_.peak_pool_bytes, used_pool_bytes());
 
         // block until every slot this layer uses holds its expert
         const int64_t t0 = now_us();
         n_waiting++;
         cv_loaded.wait(lock, [&] {
-            return failed() || std::all_of(pinned.begin(), pinned.end(), [&](int s) { return pool->slots[s].state == slot_state::ready; });
+            return failed() || std::all_of(pinned.begin(), pinned.end(), [&](const std::pair<int, int> & gs) {
+                return groups[gs.first].pool->slots[gs.second].state == slot_state::ready;
+            });
         });
         n_waiting--;
         stats_.stall_us += now_us() - t0;
@@ -279,13 +311,13 @@ void hobbit_runtime::on_load_done(const load_task & task, const std::string & er
         std::lock_guard<std::mutex> lock(mtx);
         stats_.io_us += us;
         if (!error.empty()) {
-            pool->clear(task.slot);
+            groups[task.group].pool->clear(task.slot);
             if (!has_error.load()) {
                 error_msg = error;
                 has_error.store(true, std::memory_order_release);
             }
         } else {
-            pool->slots[task.slot].state = slot_state::ready;
+            groups[task.group].pool->slots[task.slot].state = slot_state::ready;
             stats_.bytes_read += (int64_t) n_bytes;
             stats_.n_reads++;
             // nobody waits and the graph is between two MoE layers: this read ran under compute
@@ -295,6 +327,14 @@ void hobbit_runtime::on_load_done(const load_task & task, const std::string & er
         }
     }
     cv_loaded.notify_all();
+}
+
+int64_t hobbit_runtime::used_pool_bytes() const {
+    int64_t n = 0;
+    for (const auto & pg : groups) {
+        n += pg.pool->n_used() * pg.expert_bytes;
+    }
+    return n;
 }
 
 hobbit_stats hobbit_runtime::stats() const {
@@ -310,7 +350,7 @@ void hobbit_runtime::reset_stats() {
     stats_.pool_bytes      = keep.pool_bytes;
     stats_.n_slot          = keep.n_slot;
     stats_.direct_io       = keep.direct_io;
-    stats_.peak_pool_bytes = (int64_t) pool->n_used() * index.info.expert_bytes;
+    stats_.peak_pool_bytes = used_pool_bytes();
 }
 
 bool hobbit_runtime::error(std::string & msg) const {

@@ -41,15 +41,23 @@ private:
     static void dispatch_op(ggml_tensor * dst, int ith, int nth, void * ud);
     // runs on the compute thread, blocking until this layer's experts are in the pool
     void dispatch(ggml_tensor * dst, int il);
-    // a slot for a new expert, or -1 if every slot is pinned or loading; needs mtx
-    int  take_slot();
+    // a slot of group g for a new expert, or -1 if every slot is pinned or loading; needs mtx
+    int  take_slot(int g);
+    int64_t used_pool_bytes() const; // needs mtx
     void on_load_done(const load_task & task, const std::string & error, uint64_t n_bytes, int64_t us);
 
     expert_index  index;
     hobbit_params params;
 
-    std::unique_ptr<expert_pool>    pool;
-    std::unique_ptr<cache_policy_i> policy;
+    // one pool per expert signature (shapes and types of the projections): the layers of
+    // a Q4_K_M model whose down projection is Q6_K share one pool, the Q4_K ones another
+    struct pool_group {
+        std::unique_ptr<expert_pool>    pool;
+        std::unique_ptr<cache_policy_i> policy;
+        int64_t expert_bytes = 0;
+    };
+    std::vector<pool_group>         groups;
+    std::vector<int>                group_of_layer; // [n_layer], -1 for dense layers
     std::unique_ptr<predictor_i>    predictor;
     std::unique_ptr<io_scheduler>   io;   // last: its threads stop before the rest goes
 
@@ -57,9 +65,9 @@ private:
     std::vector<llama_moe_offload_layer> layers;
     llama_moe_offload                    offload_desc = {};
 
-    mutable std::mutex      mtx;      // guards pool, policy, predictor, stats_, pinned, n_waiting, last_dispatch_il
+    mutable std::mutex      mtx;      // guards groups, predictor, stats_, pinned, n_waiting, last_dispatch_il
     std::condition_variable cv_loaded;
-    std::vector<int>        pinned;   // slots pinned by the last dispatch
+    std::vector<std::pair<int, int>> pinned; // (group, slot) pinned by the last dispatch
     int                     n_waiting = 0;
     int                     last_dispatch_il = -1; // layer of the latest dispatch
     int                     last_moe_layer   = -1; // after its dispatch the graph is about to end

@@ -168,7 +168,7 @@ static void test_scheduler(const std::string & path) {
         });
         std::vector<load_task> tasks;
         for (int i = 0; i < 8; ++i) {
-            load_task t = { i, i < 4 ? 0 : 2, i % N_EXPERT, /*prefetch*/ i < 7, {} };
+            load_task t = { 0, i, i < 4 ? 0 : 2, i % N_EXPERT, /*prefetch*/ i < 7, {} };
             for (int p = 0; p < 3; ++p) {
                 bufs[i][p].resize(idx.layers[t.layer].proj[p].n_bytes);
                 t.dst[p] = bufs[i][p].data();

@@ -90,9 +90,6 @@ def plan_offload(info: ModelInfo, config: OffloadConfig, n_ctx: int) -> OffloadP
         return OffloadPlan(None, "offload off: stock llama.cpp path")
     if not info.is_moe:
         return OffloadPlan(None, f"{name} is a dense model (no routed experts): running it without offload")
-    if not info.uniform:
-        return OffloadPlan(None, f"{name}: expert shapes or types differ between layers, which offload does not "
-                                 "support yet: running it without offload")
     min_mb = info.min_budget_bytes / MB
     if config.budget_bytes is not None:
         if config.budget_bytes < info.min_budget_bytes:

@@ -20,13 +20,13 @@ class ModelInfo:
     n_expert_used: int
     n_embd: int
     expert_bytes: int
-    """One expert, all its projections: the size of a cache slot."""
+    """One expert of the first MoE block, all its projections: the size of its cache slot."""
     expert_bytes_total: int
     min_budget_bytes: int
-    """One token's top-k experts."""
+    """One token's top-k experts, in each pool (one pool per expert signature)."""
     file_bytes: int
     uniform: bool
-    """Every MoE block has the same expert shapes and types."""
+    """Every MoE block has the same expert shapes and types (else several pools)."""
 
     @property
     def is_moe(self) -> bool:

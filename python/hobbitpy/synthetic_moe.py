@@ -165,11 +165,14 @@ _FILE_TYPE = {
 
 def make_synthetic_moe(path, arch="llama", *, vocab_gguf=None, n_layer=4, n_expert=8, n_expert_used=2,
                   n_embd=128, n_ff=256, n_ff_shared=256, n_head=4, n_head_kv=2,
-                  expert_type="Q8_0", seed=0, n_ctx_train=512) -> pathlib.Path:
+                  expert_type="Q8_0", down_type_odd_layers=None, seed=0, n_ctx_train=512) -> pathlib.Path:
     """Write a random MoE GGUF to `path` and return it as a Path (defaults: tiny).
 
     n_ff is the width of each routed expert; n_ff_shared the width of the
-    qwen2moe shared expert (ignored by other arches).  expert_type is the
+    qwen2moe shared expert (ignored by other arches).  down_type_odd_layers, if
+    given, is the type of ffn_down_exps on odd layers, so expert shapes and types
+    differ between layers as in llama.cpp's mixed quants (Q4_K_M keeps some down
+    projections in Q6_K).  expert_type is the
     ggml type of ffn_{gate,up,down}_exps.weight: "F32", "F16", "Q8_0",
     "Q4_0", "MXFP4" (anything gguf.quants.quantize handles) or "Q4_K"
     (own quantizer; needs n_embd and n_ff to be multiples of 256).
@@ -273,7 +276,8 @@ def make_synthetic_moe(path, arch="llama", *, vocab_gguf=None, n_layer=4, n_expe
         # routed experts, stacked numpy (n_expert, n_out, n_in) == ggml {n_in, n_out, n_expert}
         add_expert(p + "ffn_gate_exps.weight", normal(n_expert, n_ff, n_embd, std=1.0 / np.sqrt(n_embd)), expert_type)
         add_expert(p + "ffn_up_exps.weight", normal(n_expert, n_ff, n_embd, std=1.0 / np.sqrt(n_embd)), expert_type)
-        add_expert(p + "ffn_down_exps.weight", normal(n_expert, n_embd, n_ff, std=1.0 / np.sqrt(n_ff)), expert_type)
+        down_type = down_type_odd_layers if (down_type_odd_layers and i % 2 == 1) else expert_type
+        add_expert(p + "ffn_down_exps.weight", normal(n_expert, n_embd, n_ff, std=1.0 / np.sqrt(n_ff)), down_type)
         if arch == "gpt-oss":
             # per-expert biases: ggml {n_out, n_expert} == numpy (n_expert, n_out)
             add(p + "ffn_gate_exps.bias", normal(n_expert, n_ff, std=0.1))
@@ -315,13 +319,15 @@ def main(argv=None):
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--n-head-kv", type=int, default=2)
     ap.add_argument("--expert-type", default="Q8_0")
+    ap.add_argument("--down-type-odd-layers", default=None, help="type of ffn_down_exps on odd layers (mixed quants)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-ctx-train", type=int, default=512)
     a = ap.parse_args(argv)
     out = make_synthetic_moe(a.out, a.arch, vocab_gguf=a.vocab, n_layer=a.n_layer, n_expert=a.n_expert,
                         n_expert_used=a.n_expert_used, n_embd=a.n_embd, n_ff=a.n_ff,
                         n_ff_shared=a.n_ff_shared, n_head=a.n_head, n_head_kv=a.n_head_kv,
-                        expert_type=a.expert_type, seed=a.seed, n_ctx_train=a.n_ctx_train)
+                        expert_type=a.expert_type, down_type_odd_layers=a.down_type_odd_layers, seed=a.seed,
+                        n_ctx_train=a.n_ctx_train)
     print(f"{out}  {out.stat().st_size} bytes")
 
 
