@@ -2,7 +2,10 @@
 // (every projection), with a slot table (layer, expert) -> slot and pin counts.
 //
 // The pool's weights are ggml tensors [n_in, n_out, n_slot] of the model's expert type,
-// so a MoE layer's expert matmul runs on them with slot ids instead of expert ids.
+// so a MoE layer's expert matmul runs on them with slot ids instead of expert ids. Each
+// projection lives in the buffer type stock llama.cpp would give the model's tensor
+// (the CPU repack buffer for Q4_0/Q4_K/... where the CPU has the kernels), so the pool
+// computes with the very kernels stock uses and its results are the same bits.
 // Not thread-safe: the runtime guards it with its mutex.
 #pragma once
 
@@ -27,19 +30,27 @@ struct pool_slot {
     bool       prefetched = false; // loaded by a prefetch and not selected since
 };
 
+// the buffer type stock llama.cpp picks for an expert weight of this type and shape on
+// the CPU (an extra buffer type that repacks it, or plain host memory)
+ggml_backend_buffer_type_t expert_weight_buft(int type, int64_t n_in, int64_t n_out, int n_expert_used);
+bool expert_weight_repacked(int type, int64_t n_in, int64_t n_out, int n_expert_used);
+
 class expert_pool {
 public:
-    // shape: the expert tensors of one MoE layer (all offloaded layers share it)
-    expert_pool(const expert_layer_layout & shape, int n_layer, int n_expert, int n_slot);
+    // shape: the expert tensors of the layers this pool serves
+    expert_pool(const expert_layer_layout & shape, int n_layer, int n_expert, int n_expert_used, int n_slot);
     ~expert_pool();
     expert_pool(const expert_pool &) = delete;
     expert_pool & operator=(const expert_pool &) = delete;
 
     int n_slot() const { return (int) slots.size(); }
     ggml_tensor * weights(int proj) const { return tensors[proj]; }
+    bool repacked() const; // some projection is stored repacked
 
-    // where a load into slot writes each projection (NULL for absent projections)
-    void slot_data(int slot, void * dst[LLAMA_MOE_PROJ_COUNT]) const;
+    // where a load into slot puts each projection: raw bytes go to dst[p]; a repacked
+    // projection has dst[p] = NULL and view[p] = the slot's tensor, written through
+    // ggml_backend_tensor_set (which repacks)
+    void slot_targets(int slot, void * dst[LLAMA_MOE_PROJ_COUNT], ggml_tensor * view[LLAMA_MOE_PROJ_COUNT]) const;
 
     int  find(int layer, int expert) const { return slot_of[layer*n_expert + expert]; }
     // slot now belongs to (layer, expert) and is loading; the previous owner is forgotten
@@ -56,6 +67,7 @@ private:
     int n_used_ = 0;
     std::vector<int> slot_of; // [n_layer * n_expert], -1 when not in the pool
     ggml_context * ctx = nullptr;
-    ggml_backend_buffer_t buffer = nullptr;
+    std::vector<ggml_backend_buffer_t> buffers;                 // one per projection
     ggml_tensor * tensors[LLAMA_MOE_PROJ_COUNT] = {};
+    std::vector<ggml_tensor *> views[LLAMA_MOE_PROJ_COUNT];     // per slot, repacked projections only
 };

@@ -205,32 +205,38 @@ expert_store::~expert_store() {
     free(bounce);
 }
 
+const void * expert_store::read_direct(uint64_t offset, uint64_t n_bytes) {
+    // O_DIRECT wants aligned offsets, sizes and buffers: read the aligned span around
+    // the slice into the bounce buffer
+    const uint64_t beg = offset / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN;
+    const uint64_t end = (offset + n_bytes + DIRECT_IO_ALIGN - 1) / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN;
+    uint64_t done = 0;
+    while (beg + done < offset + n_bytes) {
+        const ssize_t n = pread(fd_direct, (char *) bounce + done, end - beg - done, beg + done);
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n < 0 && errno == EINVAL && done == 0) {
+            // this file system does not do O_DIRECT after all: stay buffered
+            close(fd_direct);
+            fd_direct = -1;
+            return nullptr;
+        }
+        if (n <= 0) {
+            throw hobbit_error(HOBBIT_STATUS_ERROR_IO, index.path + ": read of " + std::to_string(n_bytes) + " bytes at offset " +
+                std::to_string(offset) + " failed: " + (n < 0 ? errno_text() : std::string("unexpected end of file")));
+        }
+        done += n;
+    }
+    return (const char *) bounce + (offset - beg);
+}
+
 void expert_store::read_at(uint64_t offset, uint64_t n_bytes, void * dst) {
     if (fd_direct >= 0) {
-        // O_DIRECT wants aligned offsets, sizes and buffers: read the aligned span around
-        // the slice into the bounce buffer and copy the slice out
-        const uint64_t beg = offset / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN;
-        const uint64_t end = (offset + n_bytes + DIRECT_IO_ALIGN - 1) / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN;
-        uint64_t done = 0;
-        while (beg + done < offset + n_bytes) {
-            const ssize_t n = pread(fd_direct, (char *) bounce + done, end - beg - done, beg + done);
-            if (n < 0 && errno == EINTR) {
-                continue;
-            }
-            if (n < 0 && errno == EINVAL && done == 0) {
-                // this file system does not do O_DIRECT after all: stay buffered
-                close(fd_direct);
-                fd_direct = -1;
-                return read_at(offset, n_bytes, dst);
-            }
-            if (n <= 0) {
-                throw hobbit_error(HOBBIT_STATUS_ERROR_IO, index.path + ": read of " + std::to_string(n_bytes) + " bytes at offset " +
-                    std::to_string(offset) + " failed: " + (n < 0 ? errno_text() : std::string("unexpected end of file")));
-            }
-            done += n;
+        if (const void * src = read_direct(offset, n_bytes)) {
+            memcpy(dst, src, n_bytes);
+            return;
         }
-        memcpy(dst, (char *) bounce + (offset - beg), n_bytes);
-        return;
     }
     uint64_t done = 0;
     while (done < n_bytes) {
@@ -244,6 +250,19 @@ void expert_store::read_at(uint64_t offset, uint64_t n_bytes, void * dst) {
         }
         done += n;
     }
+}
+
+const void * expert_store::read_slice(int il, int e, int proj) {
+    const expert_proj_layout & pl = index.layers.at(il).proj[proj];
+    const uint64_t offset = pl.offset + (uint64_t) e * pl.n_bytes;
+    if (fd_direct >= 0) {
+        if (const void * src = read_direct(offset, pl.n_bytes)) {
+            return src;
+        }
+    }
+    staging.resize(pl.n_bytes);
+    read_at(offset, pl.n_bytes, staging.data());
+    return staging.data();
 }
 
 void expert_store::read_expert(int il, int e, void * const dst[LLAMA_MOE_PROJ_COUNT]) {

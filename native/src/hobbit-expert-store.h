@@ -51,14 +51,22 @@ public:
     // Blocking. Throws hobbit_error on a failed or short read.
     void read_expert(int il, int e, void * const dst[LLAMA_MOE_PROJ_COUNT]);
 
+    // read one projection's slice into a buffer of the store; the pointer is valid until
+    // the next read. Blocking; throws like read_expert.
+    const void * read_slice(int il, int e, int proj);
+
     bool direct_io() const { return fd_direct >= 0; }
 
 private:
     void read_at(uint64_t offset, uint64_t n_bytes, void * dst);
+    // O_DIRECT read of the aligned span around [offset, offset + n_bytes) into bounce;
+    // returns where the requested bytes start, or NULL if O_DIRECT turned out unsupported
+    const void * read_direct(uint64_t offset, uint64_t n_bytes);
 
     const expert_index & index;
     int fd          = -1;  // buffered
     int fd_direct   = -1;  // O_DIRECT, or -1
     void * bounce   = nullptr; // aligned buffer for O_DIRECT reads
     size_t bounce_size = 0;
+    std::vector<uint8_t> staging; // read_slice's buffer for buffered reads
 };

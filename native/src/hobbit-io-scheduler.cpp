@@ -2,6 +2,8 @@
 
 #include "hobbit-error.h"
 
+#include "ggml-backend.h"
+
 #include <algorithm>
 #include <chrono>
 
@@ -71,6 +73,12 @@ void io_scheduler::loop(expert_store & store) {
         std::string error;
         try {
             store.read_expert(task.layer, task.expert, task.dst);
+            for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
+                if (task.view[p] != nullptr) {
+                    // the buffer repacks the raw slice into the slot as it is set
+                    ggml_backend_tensor_set(task.view[p], store.read_slice(task.layer, task.expert, p), 0, ggml_nbytes(task.view[p]));
+                }
+            }
         } catch (const std::exception & e) {
             error = e.what();
         }

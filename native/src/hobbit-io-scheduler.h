@@ -8,6 +8,8 @@
 
 #include "hobbit-expert-store.h"
 
+#include "ggml.h"
+
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -24,7 +26,8 @@ struct load_task {
     int  layer;
     int  expert;
     bool prefetch;                          // false: a dispatch waits for it
-    void * dst[LLAMA_MOE_PROJ_COUNT];       // where each projection goes
+    void * dst[LLAMA_MOE_PROJ_COUNT];       // where each raw projection goes (NULL: none, or repacked)
+    ggml_tensor * view[LLAMA_MOE_PROJ_COUNT]; // repacked projections: the slot's tensor, written with ggml_backend_tensor_set
 };
 
 class io_scheduler {

@@ -11,11 +11,6 @@ static int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-static std::string mib(int64_t n_bytes) {
-    char buf[64];
-    snprintf(buf, sizeof(buf), "%.1f MB", n_bytes / (1024.0 * 1024.0));
-    return buf;
-}
 
 // every MoE layer's router as floats, whatever its type and wherever it lives
 static std::vector<router_weights> load_routers(const llama_model * model, const std::vector<int> & moe_layers) {
@@ -50,33 +45,18 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     if (info.n_layer_moe == 0) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_NOT_MOE, path + ": the model has no routed experts (a dense model); nothing to offload");
     }
-    if (params.budget_bytes < info.min_budget_bytes) {
-        throw hobbit_error(HOBBIT_STATUS_ERROR_BUDGET, path + ": expert budget " + mib(params.budget_bytes) + " is below the minimum of " +
-            mib(info.min_budget_bytes) + " (" + std::to_string(info.n_expert_used) + " experts of one token)");
-    }
-
-    // group the MoE layers by expert signature
+    const std::vector<pool_plan_group> plan = pool_plan_make(index, params.budget_bytes);
     std::vector<int> moe_layers;
-    std::vector<int> group_first_layer;   // a layer of each group, for its shapes
-    std::vector<int64_t> group_n_layers;
     group_of_layer.assign(info.n_layer, -1);
     for (int il = 0; il < info.n_layer; ++il) {
-        if (!index.layers[il].has_experts()) {
-            continue;
+        if (index.layers[il].has_experts()) {
+            moe_layers.push_back(il);
         }
-        moe_layers.push_back(il);
-        for (size_t g = 0; g < group_first_layer.size(); ++g) {
-            if (index.layers[group_first_layer[g]].same_signature(index.layers[il])) {
-                group_of_layer[il] = (int) g;
-                break;
-            }
+    }
+    for (size_t g = 0; g < plan.size(); ++g) {
+        for (int il : plan[g].layers) {
+            group_of_layer[il] = (int) g;
         }
-        if (group_of_layer[il] < 0) {
-            group_of_layer[il] = (int) group_first_layer.size();
-            group_first_layer.push_back(il);
-            group_n_layers.push_back(0);
-        }
-        group_n_layers[group_of_layer[il]]++;
     }
 
     // the model must hold exactly the tensors the file index describes
@@ -95,20 +75,14 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
 
     last_moe_layer = moe_layers.back();
 
-    // every group gets one token's top-k; the rest of the budget is shared in proportion
-    // to each group's expert bytes
-    int64_t spare = params.budget_bytes - info.min_budget_bytes;
     int64_t n_slot_total = 0;
-    for (size_t g = 0; g < group_first_layer.size(); ++g) {
+    for (const pool_plan_group & g : plan) {
         pool_group pg;
-        pg.expert_bytes = (int64_t) index.layers[group_first_layer[g]].n_bytes();
-        const int64_t group_bytes = pg.expert_bytes * info.n_expert * group_n_layers[g];
-        const int64_t extra = (int64_t) ((double) spare * group_bytes / info.expert_bytes_total) / pg.expert_bytes;
-        const int n_slot = (int) std::min<int64_t>(info.n_expert_used + extra, info.n_expert * group_n_layers[g]);
-        pg.pool   = std::make_unique<expert_pool>(index.layers[group_first_layer[g]], info.n_layer, info.n_expert, n_slot);
-        pg.policy = cache_policy_make_lru(n_slot);
-        stats_.pool_bytes += n_slot * pg.expert_bytes;
-        n_slot_total += n_slot;
+        pg.expert_bytes = g.expert_bytes;
+        pg.pool   = std::make_unique<expert_pool>(index.layers[g.layers.front()], info.n_layer, info.n_expert, info.n_expert_used, g.n_slot);
+        pg.policy = cache_policy_make_lru(g.n_slot);
+        stats_.pool_bytes += g.n_slot * g.expert_bytes;
+        n_slot_total += g.n_slot;
         groups.push_back(std::move(pg));
     }
     if (params.prefetch_layers > 0 && model != nullptr) {
@@ -128,8 +102,10 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
             lo.pools[0].w[p] = pool.weights(p);
         }
         lo.pools[0].n_slot = pool.n_slot();
-        // experts run in place only when a ubatch selects more pairs than there are slots
-        lo.inplace_min_pairs = pool.n_slot() + 1;
+        // experts run in place only when a ubatch selects more pairs than there are slots,
+        // and never on a repacked pool: the mapped original would take other kernels than
+        // stock (Python keeps such ubatches small enough instead, hobbit_plan_max_ubatch)
+        lo.inplace_min_pairs = pool.repacked() ? INT32_MAX : pool.n_slot() + 1;
         lo.dispatch    = &hobbit_runtime::dispatch_op;
         lo.dispatch_ud = &dispatch_uds[il];
     }
@@ -227,15 +203,25 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il) {
             } else {
                 s = take_slot(g);
                 while (s < 0 && must_fit && !failed()) {
-                    // only prefetches stand in the way: drop the queued ones, wait for the running one
+                    // prefetches stand in the way: drop the queued ones, wait for a running one
                     for (const load_task & t : io->drop_prefetches([g](const load_task & t) { return t.group == g; })) {
                         groups[t.group].pool->clear(t.slot);
                     }
                     s = take_slot(g);
-                    if (s < 0) {
-                        cv_loaded.wait(lock);
-                        s = take_slot(g);
+                    if (s >= 0) {
+                        break;
                     }
+                    const bool prefetch_running = std::any_of(pool.slots.begin(), pool.slots.end(),
+                        [](const pool_slot & ps) { return ps.state == slot_state::loading && ps.pins == 0; });
+                    if (!prefetch_running) {
+                        // every slot is taken by this very ubatch: it is wider than the pool
+                        fail("layer " + std::to_string(il) + " selects " + std::to_string(order.size()) +
+                             " experts in one ubatch but its pool has " + std::to_string(pool.n_slot()) +
+                             " slots; use a smaller n_ubatch or a larger expert cache");
+                        break;
+                    }
+                    cv_loaded.wait(lock);
+                    s = take_slot(g);
                 }
                 if (s < 0) {
                     stats_.expert_inplace++;
@@ -244,8 +230,8 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il) {
                 stats_.expert_misses++;
                 pool.assign(s, il, e);
                 policy.on_insert(s, il, e);
-                load_task task = { g, s, il, e, /*prefetch*/ false, {} };
-                pool.slot_data(s, task.dst);
+                load_task task = { g, s, il, e, /*prefetch*/ false, {}, {} };
+                pool.slot_targets(s, task.dst, task.view);
                 loads.push_back(task);
             }
             pool.slots[s].pins++;
@@ -270,8 +256,8 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il) {
                 lpool.assign(s, l, e);
                 lpool.slots[s].prefetched = true;
                 groups[lg].policy->on_insert(s, l, e);
-                load_task task = { lg, s, l, e, /*prefetch*/ true, {} };
-                lpool.slot_data(s, task.dst);
+                load_task task = { lg, s, l, e, /*prefetch*/ true, {}, {} };
+                lpool.slot_targets(s, task.dst, task.view);
                 loads.push_back(task);
                 stats_.prefetch_issued++;
             }
@@ -312,10 +298,7 @@ void hobbit_runtime::on_load_done(const load_task & task, const std::string & er
         stats_.io_us += us;
         if (!error.empty()) {
             groups[task.group].pool->clear(task.slot);
-            if (!has_error.load()) {
-                error_msg = error;
-                has_error.store(true, std::memory_order_release);
-            }
+            fail(error);
         } else {
             groups[task.group].pool->slots[task.slot].state = slot_state::ready;
             stats_.bytes_read += (int64_t) n_bytes;
@@ -327,6 +310,13 @@ void hobbit_runtime::on_load_done(const load_task & task, const std::string & er
         }
     }
     cv_loaded.notify_all();
+}
+
+void hobbit_runtime::fail(const std::string & msg) {
+    if (!has_error.load()) {
+        error_msg = msg;
+        has_error.store(true, std::memory_order_release);
+    }
 }
 
 int64_t hobbit_runtime::used_pool_bytes() const {

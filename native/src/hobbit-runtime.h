@@ -6,6 +6,7 @@
 #include "hobbit-expert-pool.h"
 #include "hobbit-expert-store.h"
 #include "hobbit-io-scheduler.h"
+#include "hobbit-pool-plan.h"
 #include "hobbit-predictor.h"
 
 #include "hobbit.h"
@@ -44,6 +45,7 @@ private:
     // a slot of group g for a new expert, or -1 if every slot is pinned or loading; needs mtx
     int  take_slot(int g);
     int64_t used_pool_bytes() const; // needs mtx
+    void fail(const std::string & msg); // the first failure sticks; needs mtx
     void on_load_done(const load_task & task, const std::string & error, uint64_t n_bytes, int64_t us);
 
     expert_index  index;

@@ -135,7 +135,7 @@ static void test_lru() {
 
 static void test_pool(const std::string & path) {
     expert_index idx = expert_index::from_file(path);
-    expert_pool pool(idx.layers[0], N_LAYER, N_EXPERT, 3);
+    expert_pool pool(idx.layers[0], N_LAYER, N_EXPERT, N_USED, 3);
     CHECK(pool.n_slot() == 3);
     CHECK(pool.weights(LLAMA_MOE_PROJ_UP)->ne[2] == 3);
     CHECK(pool.weights(LLAMA_MOE_PROJ_GATE_UP) == nullptr);
@@ -147,7 +147,9 @@ static void test_pool(const std::string & path) {
     pool.clear(1);
     CHECK(pool.find(0, 3) == -1 && pool.n_used() == 0);
     void * dst[LLAMA_MOE_PROJ_COUNT];
-    pool.slot_data(2, dst);
+    ggml_tensor * view[LLAMA_MOE_PROJ_COUNT];
+    pool.slot_targets(2, dst, view);
+    CHECK(!pool.repacked() && view[LLAMA_MOE_PROJ_DOWN] == nullptr); // F32 is never repacked
     CHECK((char *) dst[LLAMA_MOE_PROJ_DOWN] == (char *) pool.weights(LLAMA_MOE_PROJ_DOWN)->data + 2*pool.weights(LLAMA_MOE_PROJ_DOWN)->nb[2]);
     printf("ok pool\n");
 }
@@ -168,7 +170,7 @@ static void test_scheduler(const std::string & path) {
         });
         std::vector<load_task> tasks;
         for (int i = 0; i < 8; ++i) {
-            load_task t = { 0, i, i < 4 ? 0 : 2, i % N_EXPERT, /*prefetch*/ i < 7, {} };
+            load_task t = { 0, i, i < 4 ? 0 : 2, i % N_EXPERT, /*prefetch*/ i < 7, {}, {} };
             for (int p = 0; p < 3; ++p) {
                 bufs[i][p].resize(idx.layers[t.layer].proj[p].n_bytes);
                 t.dst[p] = bufs[i][p].data();
