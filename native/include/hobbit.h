@@ -90,11 +90,6 @@ HOBBIT_API struct hobbit_params hobbit_default_params(void);
 // validate a GGUF file and describe its experts; works for dense models too (n_layer_moe = 0)
 HOBBIT_API enum hobbit_status hobbit_inspect_model(const char * path, struct hobbit_model_info * info, char * err, size_t err_size);
 
-// the largest ubatch (tokens) the pools of this budget serve exactly: unlimited (INT32_MAX)
-// unless an expert type is repacked by the CPU backend (Q4_0, Q4_K, ... where the CPU has
-// the kernels), whose experts cannot run in place on the mapped file with stock's kernels
-HOBBIT_API enum hobbit_status hobbit_plan_max_ubatch(const char * path, int64_t budget_bytes, int32_t * max_ubatch, char * err, size_t err_size);
-
 // arm the next llama_model_load_from_file() on this thread to attach an expert runtime
 HOBBIT_API enum hobbit_status hobbit_request_offload(const struct hobbit_params * params, char * err, size_t err_size);
 

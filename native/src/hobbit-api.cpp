@@ -2,13 +2,10 @@
 #include "hobbit.h"
 
 #include "hobbit-error.h"
-#include "hobbit-pool-plan.h"
 #include "hobbit-runtime.h"
 
 #include "llama.h"
 
-#include <algorithm>
-#include <climits>
 #include <cstdio>
 #include <string>
 
@@ -53,29 +50,6 @@ enum hobbit_status hobbit_inspect_model(const char * path, struct hobbit_model_i
     }
     try {
         *info = expert_index::from_file(path).info;
-        return HOBBIT_STATUS_OK;
-    } catch (const hobbit_error & e) {
-        write_error(err, err_size, e.what());
-        return e.status;
-    } catch (const std::exception & e) {
-        write_error(err, err_size, std::string(path) + ": " + e.what());
-        return HOBBIT_STATUS_ERROR_INTERNAL;
-    }
-}
-
-enum hobbit_status hobbit_plan_max_ubatch(const char * path, int64_t budget_bytes, int32_t * max_ubatch, char * err, size_t err_size) {
-    try {
-        const expert_index index = expert_index::from_file(path);
-        *max_ubatch = INT32_MAX;
-        for (const pool_plan_group & g : pool_plan_make(index, budget_bytes)) {
-            bool repacked = false;
-            for (const expert_proj_layout & pl : index.layers[g.layers.front()].proj) {
-                repacked = repacked || (pl.present && expert_weight_repacked(pl.type, pl.ne[0], pl.ne[1], index.info.n_expert_used));
-            }
-            if (repacked && g.n_slot < index.info.n_expert) {
-                *max_ubatch = std::min(*max_ubatch, std::max(1, g.n_slot / index.info.n_expert_used));
-            }
-        }
         return HOBBIT_STATUS_OK;
     } catch (const hobbit_error & e) {
         write_error(err, err_size, e.what());

@@ -91,11 +91,17 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     io = std::make_unique<io_scheduler>(index, params.direct_io, params.n_io_threads,
         [this](const load_task & t, const std::string & err, uint64_t n, int64_t us) { on_load_done(t, err, n, us); });
 
-    dispatch_uds.resize(info.n_layer);
+    dispatch_uds.resize((size_t) info.n_layer * LLAMA_MOE_MAX_WAVES);
     layers.resize(info.n_layer);
     for (int il : moe_layers) {
-        dispatch_uds[il] = { this, il };
         llama_moe_offload_layer & lo = layers[il];
+        for (int w = 0; w < LLAMA_MOE_MAX_WAVES; ++w) {
+            dispatch_ud & d = dispatch_uds[(size_t) il * LLAMA_MOE_MAX_WAVES + w];
+            d = { this, il, w };
+            lo.dispatch_ud[w] = &d;
+        }
+        lo.n_waves = &hobbit_runtime::n_waves_op;
+        lo.ctx     = lo.dispatch_ud[0];
         const expert_pool & pool = *groups[group_of_layer[il]].pool;
         lo.n_pool = 1; // one precision for now; mixed precision adds a pool per level
         for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
@@ -103,11 +109,10 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         }
         lo.pools[0].n_slot = pool.n_slot();
         // experts run in place only when a ubatch selects more pairs than there are slots,
-        // and never on a repacked pool: the mapped original would take other kernels than
-        // stock (Python keeps such ubatches small enough instead, hobbit_plan_max_ubatch)
+        // and never from a repacked pool: the mapped original would take other kernels
+        // than stock, so such a ubatch runs in waves instead (n_waves)
         lo.inplace_min_pairs = pool.repacked() ? INT32_MAX : pool.n_slot() + 1;
         lo.dispatch    = &hobbit_runtime::dispatch_op;
-        lo.dispatch_ud = &dispatch_uds[il];
     }
     offload_desc.n_layer  = info.n_layer;
     offload_desc.layers   = layers.data();
@@ -129,7 +134,23 @@ void hobbit_runtime::dispatch_op(ggml_tensor * dst, int ith, int nth, void * ud)
         return;
     }
     const auto * d = (const dispatch_ud *) ud;
-    d->rt->dispatch(dst, d->il);
+    d->rt->dispatch(dst, d->il, d->wave);
+}
+
+int32_t hobbit_runtime::n_waves_op(void * ctx, int32_t n_tokens) {
+    const auto * d = (const dispatch_ud *) ctx;
+    return d->rt->n_waves(d->il, n_tokens);
+}
+
+int hobbit_runtime::n_waves(int il, int n_tokens) const {
+    // a pool whose experts may not run in place serves a wide ubatch in several waves
+    const expert_pool & pool = *groups[group_of_layer[il]].pool;
+    const int n_expert = index.info.n_expert;
+    if (!pool.repacked() || pool.n_slot() >= n_expert) {
+        return 1;
+    }
+    const int64_t distinct = std::min<int64_t>((int64_t) n_tokens * index.info.n_expert_used, n_expert);
+    return (int) std::min<int64_t>(LLAMA_MOE_MAX_WAVES, (distinct + pool.n_slot() - 1) / pool.n_slot());
 }
 
 int hobbit_runtime::take_slot(int g) {
@@ -147,7 +168,7 @@ int hobbit_runtime::take_slot(int g) {
     return candidates.empty() ? -1 : groups[g].policy->choose_victim(candidates);
 }
 
-void hobbit_runtime::dispatch(ggml_tensor * dst, int il) {
+void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
     const ggml_tensor * sel = dst->src[0];
     const int n_used   = (int) sel->ne[0];
     const int n_tokens = (int) sel->ne[1];
@@ -169,29 +190,39 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il) {
             }
         }
     }
-    // when the ubatch needs more experts than there are slots, the experts with the most
-    // tokens get the slots and the rest run in place
-    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return n_pairs[a] > n_pairs[b]; });
-
-    // without an in-place pass in the graph every selected expert must get a slot
-    const bool must_fit = (int64_t) n_used * n_tokens < layers[il].inplace_min_pairs;
-
     const int g = group_of_layer[il];
     expert_pool & pool = *groups[g].pool;
     cache_policy_i & policy = *groups[g].policy;
+
+    // when the ubatch needs more experts than there are slots, the experts with the most
+    // tokens get the slots; the rest run in place (one wave) or in the next waves
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return n_pairs[a] > n_pairs[b]; });
+    const bool has_inplace = (int64_t) n_used * n_tokens >= layers[il].inplace_min_pairs;
+    const bool last_wave   = wave == n_waves(il, n_tokens) - 1;
+    // with no in-place pass and no wave after this one, every expert left must get a slot
+    const bool must_fit    = last_wave && !has_inplace;
 
     std::vector<int> slot_of_expert(n_expert, -1);
     std::vector<load_task> loads;
     std::unique_lock<std::mutex> lock(mtx);
 
+    if (wave == 0) {
+        served.assign(n_expert, false);
+    }
+    // experts already in the pool first: they cost nothing this wave
+    std::stable_partition(order.begin(), order.end(), [&](int e) { return pool.find(il, e) >= 0; });
+
     if (!failed()) {
-        // the previous layer's matmuls are done: its slots may go
+        // the previous wave's or layer's matmuls are done: their slots may go
         for (const auto & [pg, s] : pinned) {
             groups[pg].pool->slots[s].pins--;
         }
         pinned.clear();
 
         for (int e : order) {
+            if (served[e]) {
+                continue;
+            }
             int s = pool.find(il, e);
             if (s >= 0) {
                 stats_.expert_hits++;
@@ -224,8 +255,11 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il) {
                     s = take_slot(g);
                 }
                 if (s < 0) {
-                    stats_.expert_inplace++;
-                    continue;
+                    if (has_inplace) {
+                        stats_.expert_inplace++;
+                        served[e] = true;
+                    }
+                    continue; // in place, or a later wave
                 }
                 stats_.expert_misses++;
                 pool.assign(s, il, e);
@@ -237,10 +271,11 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il) {
             pool.slots[s].pins++;
             pinned.emplace_back(g, s);
             slot_of_expert[e] = s;
+            served[e] = true;
         }
 
         const ggml_tensor * x = dst->src[3]; // router input [n_embd, n_tokens]
-        if (predictor && n_tokens == 1 && x->type == GGML_TYPE_F32 && x->ne[0] == index.info.n_embd) {
+        if (predictor && wave == 0 && n_tokens == 1 && x->type == GGML_TYPE_F32 && x->ne[0] == index.info.n_embd) {
             std::vector<std::pair<int, int>> wanted;
             predictor->predict(il, (const float *) x->data, wanted);
             for (const auto & [l, e] : wanted) {
@@ -288,7 +323,7 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il) {
         const int32_t e = ids[i];
         const int s = (e >= 0 && e < n_expert) ? slot_of_expert[e] : -1;
         out_slot[i]    = s;
-        out_inplace[i] = s < 0 ? e : -1;
+        out_inplace[i] = (s < 0 && has_inplace) ? e : -1;
     }
 }
 

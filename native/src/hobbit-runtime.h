@@ -37,11 +37,14 @@ private:
     struct dispatch_ud {
         hobbit_runtime * rt;
         int il;
+        int wave;
     };
 
-    static void dispatch_op(ggml_tensor * dst, int ith, int nth, void * ud);
-    // runs on the compute thread, blocking until this layer's experts are in the pool
-    void dispatch(ggml_tensor * dst, int il);
+    static void    dispatch_op(ggml_tensor * dst, int ith, int nth, void * ud);
+    static int32_t n_waves_op(void * ctx, int32_t n_tokens);
+    int  n_waves(int il, int n_tokens) const;
+    // runs on the compute thread, blocking until this wave's experts are in the pool
+    void dispatch(ggml_tensor * dst, int il, int wave);
     // a slot of group g for a new expert, or -1 if every slot is pinned or loading; needs mtx
     int  take_slot(int g);
     int64_t used_pool_bytes() const; // needs mtx
@@ -70,6 +73,7 @@ private:
     mutable std::mutex      mtx;      // guards groups, predictor, stats_, pinned, n_waiting, last_dispatch_il
     std::condition_variable cv_loaded;
     std::vector<std::pair<int, int>> pinned; // (group, slot) pinned by the last dispatch
+    std::vector<bool>       served;   // experts of the current layer's ubatch served by an earlier wave
     int                     n_waiting = 0;
     int                     last_dispatch_il = -1; // layer of the latest dispatch
     int                     last_moe_layer   = -1; // after its dispatch the graph is about to end

@@ -86,7 +86,6 @@ struct hobbit_stats {
 
 struct hobbit_params hobbit_default_params(void);
 enum hobbit_status hobbit_inspect_model(const char * path, struct hobbit_model_info * info, char * err, size_t err_size);
-enum hobbit_status hobbit_plan_max_ubatch(const char * path, int64_t budget_bytes, int32_t * max_ubatch, char * err, size_t err_size);
 enum hobbit_status hobbit_request_offload(const struct hobbit_params * params, char * err, size_t err_size);
 void hobbit_cancel_offload_request(void);
 bool hobbit_last_attach_error(char * buf, size_t size);

@@ -33,14 +33,6 @@ class Llama(llama_cpp.Llama):
 
         if self.offload_plan.budget_bytes is not None:
             err = error_buffer()
-            max_ubatch = ffi.new("int32_t *")
-            if lib.hobbit_plan_max_ubatch(model_path.encode(), self.offload_plan.budget_bytes, max_ubatch, err, len(err)) != 0:
-                raise HobbitError(to_str(err))
-            # experts of a type the CPU backend repacks cannot run in place on the mapped
-            # file with stock's kernels: prefill in ubatches the pools hold whole
-            n_ubatch = min(kwargs.get("n_ubatch", 512), kwargs.get("n_batch", 512))
-            if max_ubatch[0] < n_ubatch:
-                kwargs["n_ubatch"] = max_ubatch[0]
             if lib.hobbit_request_offload(offload.to_native(self.offload_plan.budget_bytes), err, len(err)) != 0:
                 raise HobbitError(to_str(err))
         try:
