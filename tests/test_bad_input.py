@@ -162,3 +162,11 @@ def test_read_error_mid_run_is_an_error_not_a_hang(model_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "ERROR: expert load failed during decode:" in proc.stdout, proc.stdout + proc.stderr
     assert str(path) in proc.stdout and "unexpected end of file" in proc.stdout
+
+
+def test_lora_with_offload_is_refused_clearly(model_dir, tmp_path):
+    path = tiny_model(model_dir, "llama")
+    adapter = tmp_path / "adapter.gguf"
+    adapter.write_bytes(b"GGUF")  # never read: refused before loading
+    with pytest.raises(hobbitpy.HobbitError, match="LoRA adapters are not supported with expert offload"):
+        hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(cache_mb=1), lora_path=str(adapter), verbose=False)

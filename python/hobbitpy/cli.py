@@ -18,7 +18,7 @@ def _add_run_parser(sub) -> None:
     p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--temp", type=float, default=0.8, help="sampling temperature; 0 = greedy and deterministic")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads (default: all cores)")
     p.add_argument("--ctx", type=int, default=512, help="context length in tokens (default 512)")
     mem = p.add_mutually_exclusive_group()
     mem.add_argument("--cache-mb", type=float, default=None,

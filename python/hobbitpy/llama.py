@@ -31,6 +31,10 @@ class Llama(llama_cpp.Llama):
         self.model_info: ModelInfo = inspect_model(model_path)
         self.offload_plan: OffloadPlan = plan_offload(self.model_info, offload, kwargs.get("n_ctx", 512))
 
+        if self.offload_plan.budget_bytes is not None and kwargs.get("lora_path"):
+            # an adapter on expert weights would be applied once per pass of a layer
+            raise HobbitError(f"{kwargs['lora_path']}: LoRA adapters are not supported with expert offload yet; "
+                              "load the model with OffloadConfig(enabled=False)")
         if self.offload_plan.budget_bytes is not None:
             err = error_buffer()
             if lib.hobbit_request_offload(offload.to_native(self.offload_plan.budget_bytes), err, len(err)) != 0:

@@ -1,0 +1,84 @@
+"""Loading with offload reads no expert data: the routed expert bytes of the file stay
+out of the page cache (no MADV_WILLNEED / MAP_POPULATE, no repack copy, no mlock)."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import shutil
+
+import gguf
+
+import hobbitpy
+from conftest import MB, tiny_model
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def resident_fraction(path, start: int, end: int) -> float:
+    """Share of the pages of bytes [start, end) of the file that are in the page cache
+    (mincore on a fresh mapping, which itself touches no page)."""
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        base = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert base not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            first = start // PAGE
+            n_pages = (end + PAGE - 1) // PAGE - first
+            vec = (ctypes.c_ubyte * n_pages)()
+            assert _libc.mincore(base + first * PAGE, n_pages * PAGE, vec) == 0, os.strerror(ctypes.get_errno())
+            return sum(v & 1 for v in vec) / n_pages
+        finally:
+            _libc.munmap(base, size)
+    finally:
+        os.close(fd)
+
+
+def drop_from_page_cache(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_offloaded_load_leaves_expert_bytes_on_disk(model_dir, tmp_path):
+    path = tmp_path / "fresh.gguf"
+    shutil.copy(tiny_model(model_dir, "llama", n_layer=8), path)
+    reader = gguf.GGUFReader(path)
+    # the generator writes the routed experts last, after every other tensor
+    expert_start = min(int(t.data_offset) for t in reader.tensors if "_exps." in t.name)
+    del reader
+    end = os.path.getsize(path)
+
+    drop_from_page_cache(path)
+    assert resident_fraction(path, expert_start, end) < 0.05  # the drop worked
+
+    info = hobbitpy.inspect_model(path)
+    llm = hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total / 2 / MB),
+                         n_ctx=64, verbose=False)
+    try:
+        assert llm.offloaded
+        # the non-expert weights were mapped and prefetched as usual; the expert bytes
+        # were not touched (a page or two may be shared with the tensor before them)
+        assert resident_fraction(path, expert_start, end) < 0.05
+        assert llm.offload_stats()["bytes_read"] == 0
+    finally:
+        llm.close()
+
+    # the same check can fail: stock llama.cpp prefetches the whole mapping at load
+    drop_from_page_cache(path)
+    stock = hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(enabled=False), n_ctx=64, verbose=False)
+    try:
+        stock.create_completion("Hello", max_tokens=4, temperature=0.0)
+        assert resident_fraction(path, expert_start, end) > 0.5
+    finally:
+        stock.close()
