@@ -65,6 +65,7 @@ struct hobbit_model_info {
     int64_t min_budget_bytes;      // smallest budget: one token's top-k in every pool (one pool per expert signature)
     int64_t file_bytes;            // size of the GGUF file
     bool    uniform;               // every MoE block has the same expert shapes and types (else one pool per signature)
+    int32_t n_split;               // files the model is split into (split.count; 1 = one file)
 };
 
 struct hobbit_stats {

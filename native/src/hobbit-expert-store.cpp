@@ -120,6 +120,7 @@ expert_index expert_index::from_file(const std::string & path) {
     info.n_expert      = (int32_t) std::max<int64_t>(0, gguf_get_int(ctx.get(), arch + ".expert_count"));
     info.n_expert_used = (int32_t) std::max<int64_t>(0, gguf_get_int(ctx.get(), arch + ".expert_used_count"));
     info.n_embd        = (int32_t) std::max<int64_t>(0, gguf_get_int(ctx.get(), arch + ".embedding_length"));
+    info.n_split       = (int32_t) std::max<int64_t>(1, gguf_get_int(ctx.get(), "split.count"));
     info.uniform       = true;
 
     idx.layers.resize(info.n_layer);

@@ -42,6 +42,10 @@ static std::vector<router_weights> load_routers(const llama_model * model, const
 hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & path, const hobbit_params & params)
         : index(expert_index::from_file(path)), params(params) {
     const hobbit_model_info & info = index.info;
+    if (info.n_split > 1) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, path + ": split GGUF files (" + std::to_string(info.n_split) +
+            " parts) cannot be offloaded yet; the index covers one file");
+    }
     if (info.n_layer_moe == 0) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_NOT_MOE, path + ": the model has no routed experts (a dense model); nothing to offload");
     }

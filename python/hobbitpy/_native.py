@@ -64,6 +64,7 @@ struct hobbit_model_info {
     int64_t min_budget_bytes;
     int64_t file_bytes;
     bool    uniform;
+    int32_t n_split;
 };
 
 struct hobbit_stats {

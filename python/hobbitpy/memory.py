@@ -88,6 +88,9 @@ def plan_offload(info: ModelInfo, config: OffloadConfig, n_ctx: int) -> OffloadP
     name = info.path
     if not config.enabled:
         return OffloadPlan(None, "offload off: stock llama.cpp path")
+    if info.n_split > 1:
+        return OffloadPlan(None, f"{name} is split into {info.n_split} files, which offload does not handle yet: "
+                                 "running it without offload")
     if not info.is_moe:
         return OffloadPlan(None, f"{name} is a dense model (no routed experts): running it without offload")
     min_mb = info.min_budget_bytes / MB

@@ -27,6 +27,8 @@ class ModelInfo:
     file_bytes: int
     uniform: bool
     """Every MoE block has the same expert shapes and types (else several pools)."""
+    n_split: int = 1
+    """Files the model is split into; offload needs one file for now."""
 
     @property
     def is_moe(self) -> bool:
@@ -59,4 +61,5 @@ def inspect_model(path: str | os.PathLike) -> ModelInfo:
         min_budget_bytes=info.min_budget_bytes,
         file_bytes=info.file_bytes,
         uniform=bool(info.uniform),
+        n_split=info.n_split,
     )
