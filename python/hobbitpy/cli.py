@@ -33,6 +33,28 @@ def _add_run_parser(sub) -> None:
     p.set_defaults(func=_run)
 
 
+def _add_inflate_parser(sub) -> None:
+    p = sub.add_parser("inflate", help="widen every expert with neurons that contribute exactly zero",
+                       description="Make each routed expert as large as a real one (n_ff) without changing any "
+                                   "output: extra gate/up rows, zero down-projection blocks. Writes a new file.")
+    p.add_argument("src", help="input GGUF")
+    p.add_argument("dst", help="output GGUF (must not exist)")
+    p.add_argument("--n-ff", type=int, required=True, help="new width of every expert")
+    p.set_defaults(func=_inflate)
+
+
+def _inflate(args) -> int:
+    from hobbitpy import HobbitError
+    from hobbitpy.inflate import inflate
+
+    try:
+        out = inflate(args.src, args.dst, args.n_ff)
+    except (HobbitError, ValueError, FileExistsError) as e:
+        return _fail(str(e))
+    print(f"{out}: {os.path.getsize(out) / MB:.1f} MB")
+    return 0
+
+
 def _fail(msg: str) -> int:
     print(f"hobbitpy: error: {msg}", file=sys.stderr)
     return 2
@@ -111,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hobbitpy", description="Run MoE GGUF models larger than memory.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run_parser(sub)
+    _add_inflate_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -35,7 +35,8 @@ import pathlib
 import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QT
-from gguf import GGUFValueType as VT
+
+from .gguf_fields import field_value
 
 ARCHES = ("llama", "qwen2moe", "gpt-oss")
 
@@ -46,23 +47,6 @@ QK_K = 256  # super-block size of the k-quants (Q4_K etc.)
 # tokenizer copy
 # --------------------------------------------------------------------------
 
-def _field_value(field):
-    """Return (value, vtype, sub_type) of a GGUFReader field, ready for
-    GGUFWriter.add_key_value.  Strings are kept as raw bytes so tokens that are
-    not valid UTF-8 on their own survive the round trip unchanged."""
-    main = field.types[0]
-    if main == VT.ARRAY:
-        sub = field.types[-1]
-        if sub == VT.STRING:
-            return [bytes(field.parts[i]) for i in field.data], main, sub
-        # numeric arrays: each element is its own 1-element part
-        vals = np.concatenate([field.parts[i] for i in field.data]) if len(field.data) else []
-        return [v.item() for v in vals], main, sub
-    if main == VT.STRING:
-        return bytes(field.parts[field.data[0]]), main, None
-    return field.parts[field.data[0]][0].item(), main, None
-
-
 def _copy_tokenizer(writer: gguf.GGUFWriter, vocab_gguf) -> int:
     """Copy every tokenizer.* key from `vocab_gguf`; return n_vocab."""
     reader = gguf.GGUFReader(str(vocab_gguf))
@@ -70,7 +54,7 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, vocab_gguf) -> int:
     for key, field in reader.fields.items():
         if not key.startswith("tokenizer."):
             continue
-        val, vtype, sub = _field_value(field)
+        val, vtype, sub = field_value(field)
         writer.add_key_value(key, val, vtype, sub_type=sub)
         if key == "tokenizer.ggml.tokens":
             n_vocab = len(val)

@@ -1,0 +1,81 @@
+"""hobbitpy inflate: experts become as large as real ones, the logits do not move a bit."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+
+import llama_cpp
+import numpy as np
+import pytest
+
+import hobbitpy
+from conftest import MB, run_logits, tiny_model
+from hobbitpy.inflate import inflate
+
+CASES = {
+    "llama-q8_0": ("llama", {}, 512),
+    "qwen2moe-q8_0": ("qwen2moe", {}, 768),
+    "gpt-oss-q8_0": ("gpt-oss", {}, 512),  # expert biases grow too
+    "llama-q4_k": ("llama", dict(expert_type="Q4_K", n_embd=256, n_ff=512), 1024),
+}
+
+
+def same_bits(a, b) -> bool:
+    return np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_inflated_logits_are_identical(model_dir, tmp_path, case):
+    arch, kw, n_ff = CASES[case]
+    src = tiny_model(model_dir, arch, **kw)
+    dst = tmp_path / "wide.gguf"
+    inflate(src, dst, n_ff, progress=False)
+    before, after = hobbitpy.inspect_model(src), hobbitpy.inspect_model(dst)
+    assert after.expert_bytes > before.expert_bytes
+    a = run_logits(src, hobbitpy.OffloadConfig(enabled=False))
+    b = run_logits(dst, hobbitpy.OffloadConfig(enabled=False))
+    assert same_bits(a[0], b[0]) and a[1] == b[1]
+
+
+def test_q2_k_from_llama_cpp_quantizer(model_dir, tmp_path):
+    # Q2_K experts (and the Q3_K down projections llama.cpp's Q2_K mix picks), made by
+    # llama.cpp's own quantizer
+    src = tiny_model(model_dir, "llama", expert_type="F16", n_embd=256, n_ff=512)
+    q2k = tmp_path / "q2k.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q2_K
+    assert llama_cpp.llama_model_quantize(str(src).encode(), str(q2k).encode(), ctypes.byref(params)) == 0
+    dst = tmp_path / "q2k-wide.gguf"
+    inflate(q2k, dst, 1024, progress=False)
+    a = run_logits(q2k, hobbitpy.OffloadConfig(enabled=False))
+    b = run_logits(dst, hobbitpy.OffloadConfig(enabled=False))
+    assert same_bits(a[0], b[0])
+    # and the inflated model offloads exactly too
+    info = hobbitpy.inspect_model(dst)
+    c = run_logits(dst, hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total / 2 / MB))
+    assert same_bits(b[0], c[0])
+
+
+def test_cli_and_bad_input(model_dir, tmp_path):
+    src = tiny_model(model_dir, "llama")
+    out = tmp_path / "wide.gguf"
+    cli = [sys.executable, "-m", "hobbitpy", "inflate"]
+    proc = subprocess.run(cli + [str(src), str(out), "--n-ff", "512"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert out.exists()
+
+    # an existing output is never overwritten
+    before = out.read_bytes()
+    proc = subprocess.run(cli + [str(src), str(out), "--n-ff", "768"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "already exists" in proc.stderr
+    assert out.read_bytes() == before
+
+    with pytest.raises(ValueError, match="must exceed"):
+        inflate(src, tmp_path / "narrow.gguf", 128, progress=False)
+    with pytest.raises(hobbitpy.ModelFileError, match="dense model"):
+        inflate(tiny_model(model_dir, "llama", n_expert=0), tmp_path / "d.gguf", 512, progress=False)
+    with pytest.raises(hobbitpy.ModelFileError, match="cannot be widened"):
+        inflate(src, tmp_path / "odd.gguf", 300, progress=False)  # not whole Q8_0 blocks
+    assert not (tmp_path / "narrow.gguf").exists() and not (tmp_path / "odd.gguf").exists()
