@@ -4,7 +4,9 @@ hangs or returns garbage."""
 from __future__ import annotations
 
 import os
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -49,6 +51,7 @@ def test_unreadable_file(model_dir, tmp_path):
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:
+        signal.alarm(60)  # a child that cannot finish dies instead of hanging the suite
         os.close(read_fd)
         try:
             os.setgid(65534)
@@ -60,7 +63,8 @@ def test_unreadable_file(model_dir, tmp_path):
         os.write(write_fd, msg.encode())
         os._exit(0)
     os.close(write_fd)
-    msg = os.read(read_fd, 4096).decode()
+    ready, _, _ = select.select([read_fd], [], [], 90)
+    msg = os.read(read_fd, 4096).decode() if ready else "child timed out"
     os.waitpid(pid, 0)
     assert msg.startswith("ModelFileError"), msg
     assert str(path) in msg and "Permission denied" in msg
