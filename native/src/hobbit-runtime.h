@@ -1,5 +1,8 @@
-// hobbit-runtime.h - the expert runtime of one model: pool, policy, predictor, I/O
-// thread and the dispatch op that libllama calls after each MoE router.
+// hobbit-runtime.h - the expert runtime of one model: pools, policies, predictor, I/O
+// threads and the dispatch op that libllama calls after each MoE router (once per wave).
+//
+// One llama_context at a time: dispatches of concurrent contexts on the same model
+// would release each other's pins.
 #pragma once
 
 #include "hobbit-cache-policy.h"
@@ -20,7 +23,7 @@
 #include <vector>
 
 struct hobbit_runtime {
-    // throws hobbit_error (bad file, budget below the minimum, non-uniform experts)
+    // throws hobbit_error (bad or split file, dense model, budget below the minimum)
     hobbit_runtime(const llama_model * model, const std::string & path, const hobbit_params & params);
     ~hobbit_runtime();
 

@@ -61,10 +61,10 @@ def _fail(msg: str) -> int:
 
 
 def _run(args) -> int:
-    import llama_cpp
-
-    import hobbitpy
+    import hobbitpy  # first: it points llama_cpp at the patched library
     from hobbitpy import HobbitError, OffloadConfig
+
+    import llama_cpp
 
     if args.model is None:
         return _fail("no model given (hobbitpy run MODEL.gguf --prompt ...)")
