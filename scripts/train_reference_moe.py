@@ -1,0 +1,430 @@
+#!/usr/bin/env python3
+"""Train a small Mixture-of-Experts language model on public-domain English text and
+write it as a GGUF that stock llama.cpp runs.
+
+Data: the King James Bible (public domain) from Debian's bible-kjv-text package,
+decoded with the `bible` program of bible-kjv (apt-get download, nothing installed).
+Tokenizer: byte-level BPE trained here (tokenizers), stored as a llama.cpp "gpt2" vocab.
+Models: "mixtral" (llama arch: 8 experts, top-2, renormalized softmax gate, NORM rope)
+and "deepseek" (qwen2moe arch: a sigmoid-gated shared expert plus fine-grained routed
+experts, top-4, softmax gate without renormalization, NEOX rope).
+
+    pip install -e ".[train]"     # torch and tokenizers, for this script only
+    python scripts/train_reference_moe.py mixtral models/ref-mixtral --minutes 35
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import re
+import subprocess
+import tempfile
+import time
+
+import gguf
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOT = "<|endoftext|>"
+
+
+# ---------------------------------------------------------------- data
+
+def fetch_kjv(cache: pathlib.Path) -> str:
+    """The KJV text, one verse per line, without verse references."""
+    out = cache / "kjv.txt"
+    if out.exists():
+        return out.read_text()
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(["apt-get", "download", "bible-kjv-text", "bible-kjv"], cwd=tmp, check=True, capture_output=True)
+        for deb in pathlib.Path(tmp).glob("*.deb"):
+            subprocess.run(["dpkg-deb", "-x", str(deb), "x"], cwd=tmp, check=True)
+        data_dir = pathlib.Path(tmp) / "x/usr/lib"
+        raw = subprocess.run([str(pathlib.Path(tmp) / "x/usr/bin/bible"), "-f", "Gen1:1-Rev22:21"],
+                             cwd=data_dir, check=True, capture_output=True, text=True).stdout
+    verses = [re.sub(r"^\S+\d+:\d+\s+", "", line).strip() for line in raw.splitlines()]
+    text = "\n".join(v for v in verses if v) + "\n"
+    out.write_text(text)
+    return text
+
+
+# ---------------------------------------------------------------- tokenizer
+
+def train_tokenizer(text: str, vocab_size: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(text.splitlines(), trainer)
+    return tok
+
+
+# ---------------------------------------------------------------- model
+
+@dataclasses.dataclass
+class ModelConfig:
+    kind: str            # "mixtral" | "deepseek"
+    n_vocab: int
+    n_layer: int = 6
+    n_embd: int = 256
+    n_head: int = 8
+    n_head_kv: int = 4
+    n_expert: int = 8
+    n_expert_used: int = 2
+    n_ff: int = 512          # routed expert width
+    n_ff_shared: int = 0     # shared expert width (deepseek)
+    n_ctx: int = 256
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def arch(self) -> str:
+        return "llama" if self.kind == "mixtral" else "qwen2moe"
+
+    @property
+    def neox_rope(self) -> bool:  # llama.cpp: llama = NORM (adjacent pairs), qwen2moe = NEOX (halves)
+        return self.kind != "mixtral"
+
+    @property
+    def norm_topk(self) -> bool:  # Mixtral renormalizes the top-k weights, Qwen2-MoE does not
+        return self.kind == "mixtral"
+
+
+PRESETS = {
+    "mixtral": dict(n_layer=6, n_embd=256, n_head=8, n_head_kv=4, n_expert=8, n_expert_used=2, n_ff=512),
+    "deepseek": dict(n_layer=6, n_embd=256, n_head=8, n_head_kv=4, n_expert=24, n_expert_used=4, n_ff=128,
+                     n_ff_shared=512),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, n, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def apply_rope(x, pos, base, neox):
+    # x: [B, H, T, D]; the same rotation llama.cpp's ggml_rope applies for each mode
+    d = x.shape[-1]
+    inv = base ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = pos[:, None].float() * inv[None, :]           # [T, D/2]
+    cos, sin = ang.cos(), ang.sin()
+    if neox:
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c = c
+        hd = c.n_embd // c.n_head
+        self.q = nn.Linear(c.n_embd, c.n_head * hd, bias=False)
+        self.k = nn.Linear(c.n_embd, c.n_head_kv * hd, bias=False)
+        self.v = nn.Linear(c.n_embd, c.n_head_kv * hd, bias=False)
+        self.o = nn.Linear(c.n_head * hd, c.n_embd, bias=False)
+
+    def forward(self, x):
+        c, (B, T, _) = self.c, x.shape
+        hd = c.n_embd // c.n_head
+        q = self.q(x).view(B, T, c.n_head, hd).transpose(1, 2)
+        k = self.k(x).view(B, T, c.n_head_kv, hd).transpose(1, 2)
+        v = self.v(x).view(B, T, c.n_head_kv, hd).transpose(1, 2)
+        pos = torch.arange(T)
+        q, k = apply_rope(q, pos, c.rope_base, c.neox_rope), apply_rope(k, pos, c.rope_base, c.neox_rope)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts (+ an optional sigmoid-gated shared expert)."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c = c
+        E, d, f = c.n_expert, c.n_embd, c.n_ff
+        self.router = nn.Linear(d, E, bias=False)
+        self.gate = nn.Parameter(torch.randn(E, f, d) / math.sqrt(d))
+        self.up = nn.Parameter(torch.randn(E, f, d) / math.sqrt(d))
+        self.down = nn.Parameter(torch.randn(E, d, f) / math.sqrt(f))
+        if c.n_ff_shared:
+            self.sh_gate = nn.Linear(d, c.n_ff_shared, bias=False)
+            self.sh_up = nn.Linear(d, c.n_ff_shared, bias=False)
+            self.sh_down = nn.Linear(c.n_ff_shared, d, bias=False)
+            self.sh_inp = nn.Linear(d, 1, bias=False)
+
+    def forward(self, x):
+        c = self.c
+        B, T, d = x.shape
+        xf = x.reshape(-1, d)
+        probs = F.softmax(self.router(xf), dim=-1)                  # [N, E]
+        w, ids = probs.topk(c.n_expert_used, dim=-1)                # [N, k]
+        if c.norm_topk:
+            w = w / w.sum(-1, keepdim=True)
+        out = torch.zeros_like(xf)
+        for e in range(c.n_expert):
+            rows, slot = (ids == e).nonzero(as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            h = xf[rows]
+            y = (F.silu(h @ self.gate[e].T) * (h @ self.up[e].T)) @ self.down[e].T
+            out.index_add_(0, rows, y * w[rows, slot, None])
+        if c.n_ff_shared:
+            sh = self.sh_down(F.silu(self.sh_gate(xf)) * self.sh_up(xf))
+            out = out + torch.sigmoid(self.sh_inp(xf)) * sh
+        # Switch-style load balancing: fraction routed times mean probability, per expert
+        frac = torch.zeros(c.n_expert).index_add_(0, ids.flatten(), torch.ones(ids.numel())) / ids.numel()
+        aux = c.n_expert * (frac * probs.mean(0)).sum()
+        return out.view(B, T, d), aux
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.attn_norm, self.attn = RMSNorm(c.n_embd, c.norm_eps), Attention(c)
+        self.ffn_norm, self.moe = RMSNorm(c.n_embd, c.norm_eps), MoE(c)
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        y, aux = self.moe(self.ffn_norm(x))
+        return x + y, aux
+
+
+class MoELM(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c = c
+        self.embd = nn.Embedding(c.n_vocab, c.n_embd)
+        nn.init.normal_(self.embd.weight, std=0.02)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
+        self.norm = RMSNorm(c.n_embd, c.norm_eps)
+        self.out = nn.Linear(c.n_embd, c.n_vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.embd(idx)
+        aux = 0.0
+        for b in self.blocks:
+            x, a = b(x)
+            aux = aux + a
+        return self.out(self.norm(x)), aux / len(self.blocks)
+
+
+# ---------------------------------------------------------------- GGUF
+
+def write_gguf(model: MoELM, tok: Tokenizer, path: pathlib.Path, weight_type: str) -> None:
+    """weight_type: "F16" or "Q8_0" for the matrices; norms, routers and gates stay F32."""
+    c = model.c
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), c.arch)
+    w.add_name(f"hobbitpy-ref-{c.kind}")
+    w.add_context_length(c.n_ctx)
+    w.add_embedding_length(c.n_embd)
+    w.add_block_count(c.n_layer)
+    w.add_feed_forward_length(c.n_ff)
+    w.add_head_count(c.n_head)
+    w.add_head_count_kv(c.n_head_kv)
+    w.add_rope_dimension_count(c.n_embd // c.n_head)
+    w.add_rope_freq_base(c.rope_base)
+    w.add_layer_norm_rms_eps(c.norm_eps)
+    w.add_expert_count(c.n_expert)
+    w.add_expert_used_count(c.n_expert_used)
+    if c.arch == "qwen2moe":
+        w.add_expert_feed_forward_length(c.n_ff)
+        w.add_expert_shared_feed_forward_length(c.n_ff_shared)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if weight_type == "Q8_0" else gguf.LlamaFileType.MOSTLY_F16)
+
+    # tokenizer: byte-level BPE, llama.cpp's "gpt2" model with the GPT-2 pre-tokenizer
+    vocab = tok.get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    eot = vocab[EOT]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if i == eot else gguf.TokenType.NORMAL for i in range(len(tokens))])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(eot)
+    w.add_eos_token_id(eot)
+    w.add_add_bos_token(False)
+
+    def add(name, arr, kind="matrix"):
+        if kind == "f32":
+            w.add_tensor(name, arr.astype(np.float32))
+        elif weight_type == "Q8_0" and arr.shape[-1] % 32 == 0:
+            w.add_tensor(name, gguf.quants.quantize(arr.astype(np.float32), gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, arr.astype(np.float16))
+
+    add("token_embd.weight", sd["embd.weight"])
+    for i in range(c.n_layer):
+        p, b = f"blk.{i}.", f"blocks.{i}."
+        add(p + "attn_norm.weight", sd[b + "attn_norm.weight"], "f32")
+        add(p + "attn_q.weight", sd[b + "attn.q.weight"])
+        add(p + "attn_k.weight", sd[b + "attn.k.weight"])
+        add(p + "attn_v.weight", sd[b + "attn.v.weight"])
+        add(p + "attn_output.weight", sd[b + "attn.o.weight"])
+        add(p + "ffn_norm.weight", sd[b + "ffn_norm.weight"], "f32")
+        add(p + "ffn_gate_inp.weight", sd[b + "moe.router.weight"], "f32")
+        add(p + "ffn_gate_exps.weight", sd[b + "moe.gate"])
+        add(p + "ffn_up_exps.weight", sd[b + "moe.up"])
+        add(p + "ffn_down_exps.weight", sd[b + "moe.down"])
+        if c.n_ff_shared:
+            add(p + "ffn_gate_inp_shexp.weight", sd[b + "moe.sh_inp.weight"].reshape(-1), "f32")
+            add(p + "ffn_gate_shexp.weight", sd[b + "moe.sh_gate.weight"])
+            add(p + "ffn_up_shexp.weight", sd[b + "moe.sh_up.weight"])
+            add(p + "ffn_down_shexp.weight", sd[b + "moe.sh_down.weight"])
+    add("output_norm.weight", sd["norm.weight"], "f32")
+    add("output.weight", sd["out.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# ---------------------------------------------------------------- checks on the GGUF
+
+@torch.no_grad()
+def check_gguf(path: pathlib.Path, model: MoELM, tok: Tokenizer, val_ids: np.ndarray) -> dict:
+    """llama.cpp against torch on held-out text: the same tokens, close logits, and the
+    held-out perplexity measured by llama.cpp itself."""
+    import hobbitpy  # the patched llama.cpp, stock path
+
+    c = model.c
+    llm = hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(enabled=False), n_ctx=c.n_ctx, n_batch=c.n_ctx,
+                         logits_all=True, verbose=False)
+    try:
+        sample = tok.decode(val_ids[:200].tolist())
+        same_tokens = llm.tokenize(sample.encode(), add_bos=False) == tok.encode(sample).ids
+        window = val_ids[: c.n_ctx]
+        llm.eval(window.tolist())
+        ll = np.array(llm.scores[: c.n_ctx])
+        model.eval()
+        th = model(torch.from_numpy(window[None]).long())[0][0].numpy()
+        model.train()
+        nll, n = 0.0, 0
+        for s in range(0, len(val_ids) - c.n_ctx, c.n_ctx):
+            w = val_ids[s: s + c.n_ctx + 1]
+            llm.reset()
+            llm.eval(w[:-1].tolist())
+            logits = np.array(llm.scores[: c.n_ctx], dtype=np.float64)
+            logz = logits.max(-1) + np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1))
+            nll += float((logz - logits[np.arange(c.n_ctx), w[1:]]).sum())
+            n += c.n_ctx
+        return dict(same_tokens=bool(same_tokens), max_abs_logit_diff=float(np.abs(ll - th).max()),
+                    top1_agreement=float((ll.argmax(-1) == th.argmax(-1)).mean()),
+                    val_ppl_llama_cpp=round(math.exp(nll / n), 3), val_tokens_scored=n)
+    finally:
+        llm.close()
+
+
+# ---------------------------------------------------------------- training
+
+def batches(ids: np.ndarray, n_ctx: int, batch: int, rng: np.random.Generator):
+    while True:
+        starts = rng.integers(0, len(ids) - n_ctx - 1, batch)
+        x = np.stack([ids[s: s + n_ctx] for s in starts])
+        y = np.stack([ids[s + 1: s + n_ctx + 1] for s in starts])
+        yield torch.from_numpy(x).long(), torch.from_numpy(y).long()
+
+
+@torch.no_grad()
+def evaluate(model, ids, n_ctx, n_windows=16) -> float:
+    model.eval()
+    losses = []
+    for s in np.linspace(0, len(ids) - n_ctx - 1, n_windows).astype(int):
+        x = torch.from_numpy(ids[s: s + n_ctx][None]).long()
+        y = torch.from_numpy(ids[s + 1: s + n_ctx + 1][None]).long()
+        logits, _ = model(x)
+        losses.append(F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)).item())
+    model.train()
+    return math.exp(float(np.mean(losses)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kind", choices=list(PRESETS))
+    ap.add_argument("out_prefix", help="writes OUT_PREFIX-Q8_0.gguf, OUT_PREFIX-F16.gguf, OUT_PREFIX.json")
+    ap.add_argument("--minutes", type=float, default=35.0, help="training time budget")
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--aux-weight", type=float, default=0.01, help="load-balancing loss weight")
+    ap.add_argument("--cache", default=str(pathlib.Path.home() / ".cache" / "hobbitpy-train"))
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+
+    torch.manual_seed(a.seed)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    cache = pathlib.Path(a.cache)
+    text = fetch_kjv(cache)
+    lines = text.splitlines()
+    split = int(len(lines) * 0.95)  # the last 5% of verses (end of Revelation side) is held out
+    train_text, val_text = "\n".join(lines[:split]) + "\n", "\n".join(lines[split:]) + "\n"
+    tok = train_tokenizer(train_text, a.vocab)
+    train_ids = np.array(tok.encode(train_text).ids, dtype=np.int64)
+    val_ids = np.array(tok.encode(val_text).ids, dtype=np.int64)
+
+    c = ModelConfig(kind=a.kind, n_vocab=tok.get_vocab_size(), **PRESETS[a.kind])
+    model = MoELM(c)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{a.kind}: {n_params / 1e6:.1f}M parameters, {len(train_ids)} training tokens, "
+          f"{len(val_ids)} held-out tokens, vocab {c.n_vocab}", flush=True)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    rng = np.random.default_rng(a.seed)
+    t0, step, budget = time.time(), 0, a.minutes * 60
+    data = batches(train_ids, c.n_ctx, a.batch, rng)
+    while (elapsed := time.time() - t0) < budget:
+        frac = elapsed / budget
+        for g in opt.param_groups:  # warm-up then cosine, on the time budget
+            g["lr"] = a.lr * min(1.0, step / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        x, y = next(data)
+        logits, aux = model(x)
+        loss = F.cross_entropy(logits.view(-1, c.n_vocab), y.view(-1))
+        opt.zero_grad(set_to_none=True)
+        (loss + a.aux_weight * aux).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 50 == 0:
+            print(f"step {step:5d}  {elapsed / 60:5.1f}/{a.minutes:.0f} min  loss {loss.item():.3f}  aux {aux.item():.3f}",
+                  flush=True)
+    minutes = (time.time() - t0) / 60
+    val_ppl = evaluate(model, val_ids, c.n_ctx)
+    print(f"done: {step} steps in {minutes:.1f} min, held-out perplexity (torch) {val_ppl:.2f}", flush=True)
+
+    out = pathlib.Path(a.out_prefix)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    checks = {}
+    for wt in ("Q8_0", "F16"):
+        path = out.with_name(out.name + f"-{wt}.gguf")
+        write_gguf(model, tok, path, wt)
+        checks[wt] = check_gguf(path, model, tok, val_ids)
+        print(f"{path.name}: {checks[wt]}", flush=True)
+    card = dict(checks=checks, kind=a.kind, arch=c.arch, config=dataclasses.asdict(c), parameters=n_params, steps=step,
+                train_minutes=round(minutes, 1), train_tokens=int(len(train_ids)), val_tokens=int(len(val_ids)),
+                val_ppl_torch=round(val_ppl, 3), data="King James Bible (public domain), Debian bible-kjv-text 4.38",
+                val_text_sha256=__import__("hashlib").sha256(val_text.encode()).hexdigest())
+    out.with_name(out.name + ".json").write_text(json.dumps(card, indent=2) + "\n")
+    (cache / "val.txt").write_text(val_text)
+
+
+if __name__ == "__main__":
+    main()
