@@ -360,7 +360,7 @@ def evaluate(model, ids, n_ctx, n_windows=16) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kind", choices=list(PRESETS))
-    ap.add_argument("out_prefix", help="writes OUT_PREFIX-Q8_0.gguf, OUT_PREFIX-F16.gguf, OUT_PREFIX.json")
+    ap.add_argument("out_prefix", help="writes OUT_PREFIX-Q8_0.gguf (and -F16.gguf if under ~40 MB) and OUT_PREFIX.json")
     ap.add_argument("--minutes", type=float, default=35.0, help="training time budget")
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=16)
@@ -413,7 +413,8 @@ def main() -> None:
     out = pathlib.Path(a.out_prefix)
     out.parent.mkdir(parents=True, exist_ok=True)
     checks = {}
-    for wt in ("Q8_0", "F16"):
+    # F16 too when the file stays small enough to ship (~40 MB)
+    for wt in ("Q8_0", "F16") if n_params * 2 < 40e6 else ("Q8_0",):
         path = out.with_name(out.name + f"-{wt}.gguf")
         write_gguf(model, tok, path, wt)
         checks[wt] = check_gguf(path, model, tok, val_ids)
