@@ -73,3 +73,11 @@ def test_split_model_runs_without_offload():
                               min_budget_bytes=2 * MB, file_bytes=20 * MB, uniform=True, n_split=3)
     plan = hobbitpy.plan_offload(info, hobbitpy.OffloadConfig(cache_mb=8), n_ctx=512)
     assert plan.budget_bytes is None and "split into 3 files" in plan.reason
+
+
+def test_default_model_runs_without_a_model_argument():
+    # the shipped mixtral-style reference model (models/README.md) is the default
+    proc = run("--prompt", "And God said", "-n", "24", "--temp", "0", "--cache-mb", "8")
+    words = proc.stdout.split()
+    assert len(words) >= 8, proc.stdout
+    assert sum(w.strip(",.;:").isalpha() for w in words) >= len(words) // 2, proc.stdout

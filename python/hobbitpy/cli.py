@@ -8,12 +8,13 @@ import os
 import sys
 
 MB = 1024 * 1024
+DEFAULT_MODEL = "ref-mixtral-Q8_0.gguf"  # models/README.md
 
 
 def _add_run_parser(sub) -> None:
     p = sub.add_parser("run", help="generate text from a prompt",
                        description="Generate text; routed experts run through a budgeted expert cache.")
-    p.add_argument("model", nargs="?", help="GGUF model file")
+    p.add_argument("model", nargs="?", help="GGUF model file (default: the small mixtral-style model shipped with hobbitpy)")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--temp", type=float, default=0.8, help="sampling temperature; 0 = greedy and deterministic")
@@ -67,7 +68,12 @@ def _run(args) -> int:
     import llama_cpp
 
     if args.model is None:
-        return _fail("no model given (hobbitpy run MODEL.gguf --prompt ...)")
+        from hobbitpy._native import DATA_DIR
+
+        default = DATA_DIR / DEFAULT_MODEL
+        if not default.exists():
+            return _fail(f"no model given and no default model installed ({default})")
+        args.model = str(default)
     if args.n_predict < 1:
         return _fail(f"-n must be at least 1, got {args.n_predict}")
     if args.stats_json:
