@@ -15,7 +15,7 @@ import llama_cpp
 
 from ._native import error_buffer, ffi, lib, to_str
 from .config import OffloadConfig
-from .errors import BudgetError, ExpertReadError, HobbitError, ModelFileError
+from .errors import ExpertReadError, HobbitError, ModelFileError
 from .memory import OffloadPlan, plan_offload
 from .model_file import ModelInfo, inspect_model
 
@@ -106,4 +106,4 @@ class Llama(llama_cpp.Llama):
             super().close()
 
 
-__all__ = ["Llama", "OffloadConfig", "BudgetError", "ExpertReadError", "HobbitError", "ModelFileError"]
+__all__ = ["Llama"]
