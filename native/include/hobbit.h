@@ -46,8 +46,25 @@ enum hobbit_status {
     HOBBIT_STATUS_ERROR_INTERNAL = -6,
 };
 
+enum hobbit_policy {
+    HOBBIT_POLICY_LRU      = 0, // least recently used
+    HOBBIT_POLICY_LFU      = 1, // least frequently used in this sequence
+    HOBBIT_POLICY_LHU      = 2, // least often used at high precision in this sequence (HOBBIT §3.4)
+    HOBBIT_POLICY_FLD      = 3, // farthest layer distance: the layer that comes again last
+    HOBBIT_POLICY_RANDOM   = 4,
+    HOBBIT_POLICY_WEIGHTED = 5, // HOBBIT eq. 3: policy_weights mix LRU, LFU, LHU and FLD
+};
+
+// weights of HOBBIT's eq. 3; they should sum to 1
+struct hobbit_policy_weights {
+    float lru, lfu, lhu, fld;
+};
+
 struct hobbit_params {
     int64_t budget_bytes;    // bytes for expert slots; >= hobbit_model_info.min_budget_bytes
+    enum hobbit_policy policy;                  // which cached expert to evict
+    struct hobbit_policy_weights policy_weights; // HOBBIT_POLICY_WEIGHTED only
+    uint64_t seed;                              // HOBBIT_POLICY_RANDOM only
     int32_t prefetch_layers; // 0 = load on demand only; 1 = during decode, also prefetch the experts the next layer's router picks on this layer's input
     bool    direct_io;       // read with O_DIRECT (bypassing the page cache) where the file system allows it
     int32_t n_io_threads;    // threads reading experts (2 keeps the disk busy while one copies; 1 = strict queue order)
@@ -86,6 +103,35 @@ struct hobbit_stats {
     bool    direct_io;             // O_DIRECT actually in use
 };
 
+// counters of one pool (one per expert signature; index 0 .. n_pool-1)
+struct hobbit_pool_stats {
+    int64_t hits;
+    int64_t misses;
+    int64_t bytes_read;
+    int64_t expert_bytes;          // bytes of one slot
+    int32_t n_slot;
+    int32_t n_layer;               // MoE layers this pool serves
+};
+
+// one routing trace replayed through one cache (hobbit_simulate_cache)
+struct hobbit_sim_trace {
+    int32_t n_tokens;
+    int32_t n_layer;               // MoE layers in the trace
+    int32_t n_expert;
+    int32_t n_expert_used;
+    const int32_t * experts;        // [n_tokens][n_layer][n_expert_used]; -1 = none
+    const uint8_t * seq_start;      // [n_tokens], 1 where a sequence begins (sequence-level records reset); may be NULL
+    const uint8_t * high_precision; // [n_tokens][n_layer][n_expert_used], 0 = served at low precision; NULL = all high
+};
+
+struct hobbit_sim_result {
+    int64_t accesses;              // distinct (token, layer, expert) selections
+    int64_t hits;
+    int64_t misses_high;
+    int64_t misses_low;
+    double  miss_penalty;          // misses_high + misses_low * low_miss_cost (HOBBIT §3.4)
+};
+
 HOBBIT_API struct hobbit_params hobbit_default_params(void);
 
 // validate a GGUF file and describe its experts; works for dense models too (n_layer_moe = 0)
@@ -109,6 +155,33 @@ HOBBIT_API void hobbit_runtime_reset_stats(hobbit_runtime * rt);
 // last error of the runtime (a failed read during decode); returns true and fills buf if there is one
 HOBBIT_API bool hobbit_runtime_get_error(const hobbit_runtime * rt, char * buf, size_t size);
 HOBBIT_API void hobbit_runtime_clear_error(hobbit_runtime * rt);
+
+// counters of pool i of the runtime; false if there is no such pool
+HOBBIT_API bool hobbit_runtime_get_pool_stats(const hobbit_runtime * rt, int32_t pool, struct hobbit_pool_stats * stats);
+
+// start recording routing (clears what was recorded): for every token and MoE layer, the
+// selected experts, gate weights, router probabilities and, for 1..lookahead (<= 4) layers
+// ahead, that layer's router's top-k on this layer's router input
+HOBBIT_API enum hobbit_status hobbit_runtime_trace_begin(hobbit_runtime * rt, int32_t lookahead, char * err, size_t err_size);
+// tokens recorded so far (complete in every MoE layer); lookahead in use written to *lookahead
+HOBBIT_API int64_t hobbit_runtime_trace_size(const hobbit_runtime * rt, int32_t * n_moe_layer, int32_t * lookahead);
+// copy the first n tokens: experts/weights [n][n_moe_layer][n_expert_used], probs
+// [n][n_moe_layer][n_expert], predicted [n][n_moe_layer][lookahead][n_expert_used]; pointers may be NULL
+HOBBIT_API void hobbit_runtime_trace_copy(const hobbit_runtime * rt, int64_t n, int32_t * experts, float * weights,
+                                          float * probs, int32_t * predicted);
+// stop recording and free the record
+HOBBIT_API void hobbit_runtime_trace_end(hobbit_runtime * rt);
+
+// a new sequence begins: sequence-level policy records (LFU, LHU) reset
+HOBBIT_API void hobbit_runtime_new_sequence(hobbit_runtime * rt);
+
+// replay a trace through a cache of n_slot slots under policy ("lru", "lfu", "lhu", "fld",
+// "random", "weighted" with weights, or "belady": the offline optimum) - the runtime's own
+// policy code, offline
+HOBBIT_API enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, const char * policy,
+                                                    const struct hobbit_policy_weights * weights, int32_t n_slot,
+                                                    uint64_t seed, double low_miss_cost, struct hobbit_sim_result * result,
+                                                    char * err, size_t err_size);
 
 // ggml abort callback (llama_set_abort_callback with data = the runtime): stops a decode
 // whose expert loads failed, so it returns an error instead of garbage

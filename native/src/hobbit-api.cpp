@@ -1,6 +1,7 @@
 // hobbit-api.cpp - the C boundary: catches every exception, returns hobbit_status.
 #include "hobbit.h"
 
+#include "hobbit-cache-sim.h"
 #include "hobbit-error.h"
 #include "hobbit-runtime.h"
 
@@ -37,6 +38,9 @@ extern "C" {
 struct hobbit_params hobbit_default_params(void) {
     hobbit_params p = {};
     p.budget_bytes    = 0;
+    p.policy          = HOBBIT_POLICY_LRU;
+    p.policy_weights  = { 1.0f, 0.0f, 0.0f, 0.0f };
+    p.seed            = 0;
     p.prefetch_layers = 0;
     p.direct_io       = true;
     p.n_io_threads    = 2;
@@ -102,6 +106,98 @@ bool hobbit_runtime_get_error(const hobbit_runtime * rt, char * buf, size_t size
 
 void hobbit_runtime_clear_error(hobbit_runtime * rt) {
     rt->clear_error();
+}
+
+bool hobbit_runtime_get_pool_stats(const hobbit_runtime * rt, int32_t pool, struct hobbit_pool_stats * stats) {
+    return rt != nullptr && stats != nullptr && rt->pool_stats(pool, *stats);
+}
+
+enum hobbit_status hobbit_runtime_trace_begin(hobbit_runtime * rt, int32_t lookahead, char * err, size_t err_size) {
+    if (rt == nullptr) {
+        write_error(err, err_size, "hobbit_runtime_trace_begin: no runtime");
+        return HOBBIT_STATUS_ERROR_INVALID;
+    }
+    try {
+        rt->trace_begin(lookahead);
+        return HOBBIT_STATUS_OK;
+    } catch (const hobbit_error & e) {
+        write_error(err, err_size, e.what());
+        return e.status;
+    } catch (const std::exception & e) {
+        write_error(err, err_size, e.what());
+        return HOBBIT_STATUS_ERROR_INTERNAL;
+    }
+}
+
+int64_t hobbit_runtime_trace_size(const hobbit_runtime * rt, int32_t * n_moe_layer, int32_t * lookahead) {
+    int n_layer = 0, depth = 0;
+    const int64_t n = rt ? rt->trace_size(n_layer, depth) : 0;
+    if (n_moe_layer) {
+        *n_moe_layer = n_layer;
+    }
+    if (lookahead) {
+        *lookahead = depth;
+    }
+    return n;
+}
+
+void hobbit_runtime_trace_copy(const hobbit_runtime * rt, int64_t n, int32_t * experts, float * weights, float * probs,
+                               int32_t * predicted) {
+    if (rt != nullptr) {
+        rt->trace_copy(n, experts, weights, probs, predicted);
+    }
+}
+
+void hobbit_runtime_trace_end(hobbit_runtime * rt) {
+    if (rt != nullptr) {
+        rt->trace_end();
+    }
+}
+
+void hobbit_runtime_new_sequence(hobbit_runtime * rt) {
+    if (rt != nullptr) {
+        rt->new_sequence();
+    }
+}
+
+enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, const char * policy,
+                                         const struct hobbit_policy_weights * weights, int32_t n_slot, uint64_t seed,
+                                         double low_miss_cost, struct hobbit_sim_result * result, char * err, size_t err_size) {
+    if (trace == nullptr || policy == nullptr || result == nullptr || trace->experts == nullptr) {
+        write_error(err, err_size, "hobbit_simulate_cache: trace, its experts, policy and result are required");
+        return HOBBIT_STATUS_ERROR_INVALID;
+    }
+    if (trace->n_tokens < 0 || trace->n_layer < 1 || trace->n_expert < 1 || trace->n_expert_used < 1 ||
+        trace->n_expert_used > trace->n_expert) {
+        write_error(err, err_size, "hobbit_simulate_cache: inconsistent trace shape");
+        return HOBBIT_STATUS_ERROR_INVALID;
+    }
+    if (n_slot < trace->n_expert_used) {
+        write_error(err, err_size, "hobbit_simulate_cache: " + std::to_string(n_slot) + " slots cannot hold one token's " +
+                    std::to_string(trace->n_expert_used) + " experts");
+        return HOBBIT_STATUS_ERROR_BUDGET;
+    }
+    const std::string name = policy;
+    const bool belady = name == "belady";
+    cache_policy_kind kind = cache_policy_kind::lru;
+    if (!belady && !cache_policy_parse(name, kind)) {
+        write_error(err, err_size, "unknown cache policy '" + name + "' (lru, lfu, lhu, fld, random, weighted, belady)");
+        return HOBBIT_STATUS_ERROR_INVALID;
+    }
+    cache_policy_weights w;
+    if (weights != nullptr) {
+        w = { weights->lru, weights->lfu, weights->lhu, weights->fld };
+    }
+    const cache_sim_trace tr = { trace->n_tokens, trace->n_layer, trace->n_expert, trace->n_expert_used,
+                                 trace->experts, trace->seq_start, trace->high_precision };
+    try {
+        const cache_sim_result r = cache_simulate(tr, n_slot, belady, kind, w, seed, low_miss_cost);
+        *result = { r.accesses, r.hits, r.misses_high, r.misses_low, r.miss_penalty };
+        return HOBBIT_STATUS_OK;
+    } catch (const std::exception & e) {
+        write_error(err, err_size, e.what());
+        return HOBBIT_STATUS_ERROR_INTERNAL;
+    }
 }
 
 bool hobbit_abort_callback(void * rt) {

@@ -1,31 +1,123 @@
 #include "hobbit-cache-policy.h"
 
+#include <random>
+
 namespace {
 
-class lru_policy : public cache_policy_i {
+// eq. 3 of HOBBIT; records are kept per (layer, expert), not per slot, so an expert
+// evicted and loaded again keeps its history within the sequence
+class weighted_policy : public cache_policy_i {
 public:
-    explicit lru_policy(int n_slot) : last_use(n_slot, 0) {}
+    weighted_policy(int n_slot, int n_layer, int n_expert, const cache_policy_weights & w)
+            : w(w), n_layer(n_layer), n_expert(n_expert), owner(n_slot, -1),
+              last_use((size_t) n_layer * n_expert, 0), uses(last_use.size(), 0), high_uses(last_use.size(), 0) {}
 
-    void on_insert(int slot, int, int) override { last_use[slot] = ++clock; }
-    void on_access(int slot) override { last_use[slot] = ++clock; }
+    void on_insert(int slot, int layer, int expert) override {
+        owner[slot] = layer * n_expert + expert;
+        last_use[owner[slot]] = ++clock;
+    }
+
+    void on_access(int slot, bool high) override {
+        const int id = owner[slot];
+        last_use[id] = ++clock;
+        uses[id]++;
+        high_uses[id] += high ? 1 : 0;
+    }
+
+    void on_layer(int layer) override { current_layer = layer; }
 
     int choose_victim(const std::vector<int> & candidates) override {
         int best = candidates.front();
+        double best_p = priority(owner[best]);
         for (int slot : candidates) {
-            if (last_use[slot] < last_use[best]) {
+            const double p = priority(owner[slot]);
+            if (p < best_p || (p == best_p && last_use[owner[slot]] < last_use[owner[best]])) {
                 best = slot;
+                best_p = p;
             }
         }
         return best;
     }
 
+    void reset() override {
+        // recency survives (it orders the cache content); frequencies are per sequence
+        std::fill(uses.begin(), uses.end(), 0);
+        std::fill(high_uses.begin(), high_uses.end(), 0);
+    }
+
 private:
+    double priority(int id) const {
+        const double T = (double) clock + 1.0;
+        // FLD: the paper prints (l_t - l_i + l_n) % l_n, which would rank the next layer's
+        // experts lowest; we use the forward distance (l_i - l_t), so the layer just
+        // computed (needed again only at the next token) ranks lowest, as its text says
+        const int layer = id / n_expert;
+        const int dist  = ((layer - current_layer) % n_layer + n_layer) % n_layer;
+        const double p_fld = 1.0 - (double) dist / n_layer;
+        return w.lru * (double) last_use[id] / T + w.lfu * (double) uses[id] / T +
+               w.lhu * (double) high_uses[id] / T + w.fld * p_fld;
+    }
+
+    cache_policy_weights w;
+    int n_layer, n_expert;
+    int current_layer = 0;
     uint64_t clock = 0;
-    std::vector<uint64_t> last_use; // clock of the last insert or access, per slot
+    std::vector<int> owner;           // slot -> layer * n_expert + expert
+    std::vector<uint64_t> last_use;   // per expert: clock of the last insert or use
+    std::vector<uint64_t> uses;       // per expert: uses this sequence
+    std::vector<uint64_t> high_uses;  // per expert: high-precision uses this sequence
+};
+
+class random_policy : public cache_policy_i {
+public:
+    explicit random_policy(uint64_t seed) : rng(seed) {}
+    void on_insert(int, int, int) override {}
+    void on_access(int, bool) override {}
+    void on_layer(int) override {}
+    int choose_victim(const std::vector<int> & candidates) override {
+        return candidates[std::uniform_int_distribution<size_t>(0, candidates.size() - 1)(rng)];
+    }
+    void reset() override {}
+
+private:
+    std::mt19937_64 rng;
 };
 
 } // namespace
 
-std::unique_ptr<cache_policy_i> cache_policy_make_lru(int n_slot) {
-    return std::make_unique<lru_policy>(n_slot);
+bool cache_policy_parse(const std::string & name, cache_policy_kind & kind) {
+    for (cache_policy_kind k : { cache_policy_kind::lru, cache_policy_kind::lfu, cache_policy_kind::lhu,
+                                 cache_policy_kind::fld, cache_policy_kind::random, cache_policy_kind::weighted }) {
+        if (name == cache_policy_name(k)) {
+            kind = k;
+            return true;
+        }
+    }
+    return false;
+}
+
+const char * cache_policy_name(cache_policy_kind kind) {
+    switch (kind) {
+        case cache_policy_kind::lru:      return "lru";
+        case cache_policy_kind::lfu:      return "lfu";
+        case cache_policy_kind::lhu:      return "lhu";
+        case cache_policy_kind::fld:      return "fld";
+        case cache_policy_kind::random:   return "random";
+        case cache_policy_kind::weighted: return "weighted";
+    }
+    return "?";
+}
+
+std::unique_ptr<cache_policy_i> cache_policy_make(cache_policy_kind kind, int n_slot, int n_layer, int n_expert,
+                                                  const cache_policy_weights & weights, uint64_t seed) {
+    cache_policy_weights w;
+    switch (kind) {
+        case cache_policy_kind::lru:      w = { 1, 0, 0, 0 }; break;
+        case cache_policy_kind::lfu:      w = { 0, 1, 0, 0 }; break;
+        case cache_policy_kind::lhu:      w = { 0, 0, 1, 0 }; break;
+        case cache_policy_kind::fld:      w = { 0, 0, 0, 1 }; break;
+        case cache_policy_kind::weighted: w = weights; break;
+        case cache_policy_kind::random:   return std::make_unique<random_policy>(seed);
+    }
+    return std::make_unique<weighted_policy>(n_slot, n_layer, n_expert, w);
 }

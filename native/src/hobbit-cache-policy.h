@@ -1,26 +1,48 @@
 // hobbit-cache-policy.h - which cached expert to evict when a slot is needed.
 //
-// One interface, one implementation per policy (LRU here; LFU, LHU, FLD, the HOBBIT
-// multidimensional mix, ARC and score history plug in the same way). The pool decides
-// which slots may be evicted (not pinned, not loading); the policy only ranks them.
+// One interface; the policies are the corners and mixes of HOBBIT's eq. 3 (§3.4):
+//     priority = w_lru * R/T + w_lfu * F/T + w_lhu * H/T + w_fld * p_fld
+// R = clock of the expert's last use, F = its uses, H = its high-precision uses (all
+// counted since the sequence began), T = the clock now, p_fld = how soon its layer comes
+// again. The lowest priority is evicted; ties go to the least recently used. LRU, LFU,
+// LHU and FLD are weights (1,0,0,0) ... (0,0,0,1); random ignores everything.
+//
+// The pool decides which slots may be evicted (not pinned, not loading); the policy only
+// ranks them. The runtime and the offline simulator (hobbit-cache-sim) drive the same
+// objects, so a simulated policy is the deployed one.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 struct cache_policy_i {
     virtual ~cache_policy_i() = default;
 
-    // slot now holds (layer, expert)
+    // slot now holds (layer, expert); counts as recent, not as a use (a prefetch
+    // inserts without a use)
     virtual void on_insert(int slot, int layer, int expert) = 0;
-    // the expert in slot was selected by the router this step
-    virtual void on_access(int slot) = 0;
+    // the expert in slot was selected by the router; high: served at high precision
+    virtual void on_access(int slot, bool high) = 0;
+    // the layer about to run (FLD ranks experts by how soon their layer comes again)
+    virtual void on_layer(int layer) = 0;
     // the victim among candidates (never empty)
     virtual int choose_victim(const std::vector<int> & candidates) = 0;
-    // a new sequence starts (sequence-level policies reset their counters)
-    virtual void reset() {}
+    // a new sequence starts: sequence-level records are cleared
+    virtual void reset() = 0;
 };
 
-// least recently used: evict the slot whose expert was selected longest ago
-std::unique_ptr<cache_policy_i> cache_policy_make_lru(int n_slot);
+struct cache_policy_weights {
+    float lru = 1.0f, lfu = 0.0f, lhu = 0.0f, fld = 0.0f;
+};
+
+enum class cache_policy_kind { lru, lfu, lhu, fld, random, weighted };
+
+// "lru" | "lfu" | "lhu" | "fld" | "random" | "weighted"; false for an unknown name
+bool cache_policy_parse(const std::string & name, cache_policy_kind & kind);
+const char * cache_policy_name(cache_policy_kind kind);
+
+// weights are used by kind == weighted only; seed by random only
+std::unique_ptr<cache_policy_i> cache_policy_make(cache_policy_kind kind, int n_slot, int n_layer, int n_expert,
+                                                  const cache_policy_weights & weights = {}, uint64_t seed = 0);

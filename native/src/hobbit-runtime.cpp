@@ -7,6 +7,12 @@
 #include <climits>
 #include <cstring>
 
+// the names of hobbit.h's enum hobbit_policy, in its order
+static std::string policy_name(int policy) {
+    static const char * names[] = { "lru", "lfu", "lhu", "fld", "random", "weighted" };
+    return policy >= 0 && policy < 6 ? names[policy] : "?";
+}
+
 static int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -40,7 +46,7 @@ static std::vector<router_weights> load_routers(const llama_model * model, const
 }
 
 hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & path, const hobbit_params & params)
-        : index(expert_index::from_file(path)), params(params) {
+        : index(expert_index::from_file(path)), params(params), model(model) {
     const hobbit_model_info & info = index.info;
     if (info.n_split > 1) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, path + ": split GGUF files (" + std::to_string(info.n_split) +
@@ -50,7 +56,12 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         throw hobbit_error(HOBBIT_STATUS_ERROR_NOT_MOE, path + ": the model has no routed experts (a dense model); nothing to offload");
     }
     const std::vector<pool_plan_group> plan = pool_plan_make(index, params.budget_bytes);
-    std::vector<int> moe_layers;
+    cache_policy_kind policy_kind;
+    if (!cache_policy_parse(policy_name(params.policy), policy_kind)) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "unknown cache policy " + std::to_string((int) params.policy));
+    }
+    const cache_policy_weights weights = { params.policy_weights.lru, params.policy_weights.lfu,
+                                           params.policy_weights.lhu, params.policy_weights.fld };
     group_of_layer.assign(info.n_layer, -1);
     for (int il = 0; il < info.n_layer; ++il) {
         if (index.layers[il].has_experts()) {
@@ -84,7 +95,8 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         pool_group pg;
         pg.expert_bytes = g.expert_bytes;
         pg.pool   = std::make_unique<expert_pool>(index.layers[g.layers.front()], info.n_layer, info.n_expert, info.n_expert_used, g.n_slot);
-        pg.policy = cache_policy_make_lru(g.n_slot);
+        pg.policy = cache_policy_make(policy_kind, g.n_slot, info.n_layer, info.n_expert, weights, params.seed);
+        pg.n_layer = (int) g.layers.size();
         stats_.pool_bytes += g.n_slot * g.expert_bytes;
         n_slot_total += g.n_slot;
         groups.push_back(std::move(pg));
@@ -222,6 +234,12 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
             groups[pg].pool->slots[s].pins--;
         }
         pinned.clear();
+        for (pool_group & pg : groups) {
+            pg.policy->on_layer(il);
+        }
+        if (recorder && wave == 0) {
+            recorder->record(il, sel, dst->src[1], dst->src[2], dst->src[3]);
+        }
 
         for (int e : order) {
             if (served[e]) {
@@ -230,11 +248,12 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
             int s = pool.find(il, e);
             if (s >= 0) {
                 stats_.expert_hits++;
+                groups[g].hits++;
                 if (pool.slots[s].prefetched) {
                     stats_.prefetch_used++;
                     pool.slots[s].prefetched = false;
                 }
-                policy.on_access(s);
+                policy.on_access(s, /*high*/ true);
             } else {
                 s = take_slot(g);
                 while (s < 0 && must_fit && !failed()) {
@@ -266,8 +285,10 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
                     continue; // in place, or a later wave
                 }
                 stats_.expert_misses++;
+                groups[g].misses++;
                 pool.assign(s, il, e);
                 policy.on_insert(s, il, e);
+                policy.on_access(s, /*high*/ true);
                 load_task task = { g, s, il, e, /*prefetch*/ false, {}, {} };
                 pool.slot_targets(s, task.dst, task.view);
                 loads.push_back(task);
@@ -341,6 +362,7 @@ void hobbit_runtime::on_load_done(const load_task & task, const std::string & er
         } else {
             groups[task.group].pool->slots[task.slot].state = slot_state::ready;
             stats_.bytes_read += (int64_t) n_bytes;
+            groups[task.group].bytes_read += (int64_t) n_bytes;
             stats_.n_reads++;
             // nobody waits and the graph is between two MoE layers: this read ran under compute
             if (n_waiting == 0 && last_dispatch_il >= 0 && last_dispatch_il != last_moe_layer) {
@@ -375,6 +397,9 @@ void hobbit_runtime::reset_stats() {
     std::lock_guard<std::mutex> lock(mtx);
     const hobbit_stats keep = stats_;
     stats_ = {};
+    for (pool_group & pg : groups) {
+        pg.hits = pg.misses = pg.bytes_read = 0;
+    }
     stats_.budget_bytes    = keep.budget_bytes;
     stats_.pool_bytes      = keep.pool_bytes;
     stats_.n_slot          = keep.n_slot;
@@ -392,4 +417,60 @@ void hobbit_runtime::clear_error() {
     std::lock_guard<std::mutex> lock(mtx);
     error_msg.clear();
     has_error.store(false);
+}
+
+bool hobbit_runtime::pool_stats(int pool, hobbit_pool_stats & out) const {
+    std::lock_guard<std::mutex> lock(mtx);
+    if (pool < 0 || pool >= (int) groups.size()) {
+        return false;
+    }
+    const pool_group & pg = groups[pool];
+    out = {};
+    out.hits         = pg.hits;
+    out.misses       = pg.misses;
+    out.bytes_read   = pg.bytes_read;
+    out.expert_bytes = pg.expert_bytes;
+    out.n_slot       = pg.pool->n_slot();
+    out.n_layer      = pg.n_layer;
+    return true;
+}
+
+void hobbit_runtime::trace_begin(int lookahead) {
+    if (lookahead < 0 || lookahead > 4) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "trace lookahead must be 0..4, got " + std::to_string(lookahead));
+    }
+    std::vector<router_weights> routers;
+    if (lookahead > 0 && model != nullptr) {
+        routers = load_routers(model, moe_layers);
+    }
+    auto rec = std::make_unique<trace_recorder>(moe_layers, index.info.n_expert, index.info.n_expert_used,
+                                                index.info.n_embd, lookahead, std::move(routers));
+    std::lock_guard<std::mutex> lock(mtx);
+    recorder = std::move(rec);
+}
+
+int64_t hobbit_runtime::trace_size(int & n_moe_layer, int & lookahead) const {
+    std::lock_guard<std::mutex> lock(mtx);
+    n_moe_layer = (int) moe_layers.size();
+    lookahead = recorder ? recorder->lookahead() : 0;
+    return recorder ? recorder->n_tokens() : 0;
+}
+
+void hobbit_runtime::trace_copy(int64_t n, int32_t * experts, float * weights, float * probs, int32_t * predicted) const {
+    std::lock_guard<std::mutex> lock(mtx);
+    if (recorder) {
+        recorder->copy(std::min(n, recorder->n_tokens()), experts, weights, probs, predicted);
+    }
+}
+
+void hobbit_runtime::trace_end() {
+    std::lock_guard<std::mutex> lock(mtx);
+    recorder.reset();
+}
+
+void hobbit_runtime::new_sequence() {
+    std::lock_guard<std::mutex> lock(mtx);
+    for (pool_group & pg : groups) {
+        pg.policy->reset();
+    }
 }

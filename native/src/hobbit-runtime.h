@@ -11,6 +11,7 @@
 #include "hobbit-io-scheduler.h"
 #include "hobbit-pool-plan.h"
 #include "hobbit-predictor.h"
+#include "hobbit-trace-recorder.h"
 
 #include "hobbit.h"
 #include "llama.h"
@@ -31,6 +32,16 @@ struct hobbit_runtime {
 
     hobbit_stats stats() const;
     void reset_stats();
+
+    bool pool_stats(int pool, hobbit_pool_stats & out) const;
+
+    // routing trace (hobbit-trace-recorder); throws hobbit_error on a bad lookahead
+    void    trace_begin(int lookahead);
+    int64_t trace_size(int & n_moe_layer, int & lookahead) const;
+    void    trace_copy(int64_t n, int32_t * experts, float * weights, float * probs, int32_t * predicted) const;
+    void    trace_end();
+
+    void new_sequence();
 
     bool error(std::string & msg) const;
     void clear_error();
@@ -63,17 +74,22 @@ private:
         std::unique_ptr<expert_pool>    pool;
         std::unique_ptr<cache_policy_i> policy;
         int64_t expert_bytes = 0;
+        int     n_layer = 0;                    // MoE layers served
+        int64_t hits = 0, misses = 0, bytes_read = 0;
     };
     std::vector<pool_group>         groups;
     std::vector<int>                group_of_layer; // [n_layer], -1 for dense layers
     std::unique_ptr<predictor_i>    predictor;
+    std::unique_ptr<trace_recorder> recorder;     // while a trace is recorded
+    const llama_model *             model = nullptr;
+    std::vector<int>                moe_layers;
     std::unique_ptr<io_scheduler>   io;   // last: its threads stop before the rest goes
 
     std::vector<dispatch_ud>             dispatch_uds;
     std::vector<llama_moe_offload_layer> layers;
     llama_moe_offload                    offload_desc = {};
 
-    mutable std::mutex      mtx;      // guards groups, predictor, stats_, pinned, n_waiting, last_dispatch_il
+    mutable std::mutex      mtx;      // guards groups, predictor, recorder, stats_, pinned, n_waiting, last_dispatch_il
     std::condition_variable cv_loaded;
     std::vector<std::pair<int, int>> pinned; // (group, slot) pinned by the last dispatch
     std::vector<bool>       served;   // experts of the current layer's ubatch served by an earlier wave

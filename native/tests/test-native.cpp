@@ -1,6 +1,7 @@
 // test-native.cpp - unit tests of the runtime's parts on a GGUF written here.
 // Exits non-zero on the first failure; prints one line per test.
 #include "hobbit-cache-policy.h"
+#include "hobbit-cache-sim.h"
 #include "hobbit-error.h"
 #include "hobbit-expert-pool.h"
 #include "hobbit-expert-store.h"
@@ -121,16 +122,99 @@ static void test_truncated(const std::string & path) {
 }
 
 static void test_lru() {
-    auto lru = cache_policy_make_lru(4);
+    auto lru = cache_policy_make(cache_policy_kind::lru, 4, 1, 4);
     for (int s = 0; s < 4; ++s) {
         lru->on_insert(s, 0, s);
     }
-    lru->on_access(0);
-    lru->on_access(2);
+    lru->on_access(0, true);
+    lru->on_access(2, true);
     CHECK(lru->choose_victim({0, 1, 2, 3}) == 1);
     CHECK(lru->choose_victim({0, 2, 3}) == 3);
     CHECK(lru->choose_victim({0, 2}) == 0);
     printf("ok lru\n");
+}
+
+static void test_lfu_lhu_fld() {
+    // slot s holds expert s of layer s % 2; uses: slot 0 three times (once high), slot 1 twice (both high), slot 2 once
+    const int n_layer = 4;
+    for (cache_policy_kind k : { cache_policy_kind::lfu, cache_policy_kind::lhu, cache_policy_kind::fld }) {
+        auto p = cache_policy_make(k, 3, n_layer, 4);
+        for (int s = 0; s < 3; ++s) {
+            p->on_insert(s, s % 2, s);
+        }
+        p->on_access(0, true);  p->on_access(0, false); p->on_access(0, false);
+        p->on_access(1, true);  p->on_access(1, true);
+        p->on_access(2, true);
+        p->on_layer(1); // layer 1 runs now: layer 0 comes again last
+        const int victim = p->choose_victim({0, 1, 2});
+        if (k == cache_policy_kind::lfu) {
+            CHECK(victim == 2);                  // fewest uses
+            p->reset();                          // a new sequence: counts cleared, recency decides
+            CHECK(p->choose_victim({0, 1, 2}) == 0);
+        } else if (k == cache_policy_kind::lhu) {
+            CHECK(victim == 0 || victim == 2);   // one high use each; the older of the two
+            CHECK(victim == 0);
+        } else {
+            CHECK(victim == 0);                  // layer 0: farthest ahead, least recent of slots 0 and 2
+            p->on_layer(0);
+            CHECK(p->choose_victim({0, 1, 2}) == 1); // now layer 1 comes again last
+        }
+    }
+    // random stays within the candidates
+    auto r = cache_policy_make(cache_policy_kind::random, 8, 1, 8, {}, 42);
+    for (int i = 0; i < 100; ++i) {
+        const int v = r->choose_victim({3, 5, 7});
+        CHECK(v == 3 || v == 5 || v == 7);
+    }
+    printf("ok lfu lhu fld random\n");
+}
+
+static void test_simulator() {
+    // one layer, 4 experts, top-1, 2 slots; accesses a b c a b c ...: LRU always misses,
+    // Belady keeps one of them and hits every other time after warm-up
+    const int n = 12;
+    std::vector<int32_t> experts(n);
+    for (int t = 0; t < n; ++t) {
+        experts[t] = t % 3;
+    }
+    const cache_sim_trace tr = { n, 1, 4, 1, experts.data(), nullptr, nullptr };
+    const cache_sim_result lru = cache_simulate(tr, 2, false, cache_policy_kind::lru, {}, 0, 0.25);
+    const cache_sim_result opt = cache_simulate(tr, 2, true, cache_policy_kind::lru, {}, 0, 0.25);
+    CHECK(lru.accesses == n && lru.hits == 0 && lru.misses_high == n);
+    // Belady on a cyclic pattern of 3 over 2 slots: after 2 cold misses, one miss per 2 accesses
+    CHECK(opt.hits == 5 && opt.misses_high == 7);
+    CHECK(opt.miss_penalty == 7.0);
+
+    // low-precision misses cost low_miss_cost; the experts of one token's layer are never evicted for each other
+    std::vector<uint8_t> high(n, 0);
+    const cache_sim_trace low = { n, 1, 4, 1, experts.data(), nullptr, high.data() };
+    const cache_sim_result lru_low = cache_simulate(low, 2, false, cache_policy_kind::lru, {}, 0, 0.25);
+    CHECK(lru_low.misses_low == n && lru_low.miss_penalty == n * 0.25);
+
+    // top-2 with 2 slots: every token's pair fits, nothing of the current layer is evicted
+    std::vector<int32_t> pairs = { 0, 1, 2, 3, 0, 1 };
+    const cache_sim_trace tr2 = { 3, 1, 4, 2, pairs.data(), nullptr, nullptr };
+    const cache_sim_result r2 = cache_simulate(tr2, 2, false, cache_policy_kind::lru, {}, 0, 1.0);
+    CHECK(r2.accesses == 6 && r2.hits == 0);
+
+    // on random traces Belady is never beaten
+    uint64_t x = 12345;
+    std::vector<int32_t> rnd((size_t) 400 * 3 * 2);
+    for (size_t i = 0; i < rnd.size(); i += 2) {
+        x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+        rnd[i] = (int32_t) ((x >> 33) % 8);
+        rnd[i + 1] = (rnd[i] + 1 + (int32_t) ((x >> 40) % 7)) % 8;
+    }
+    const cache_sim_trace tr3 = { 400, 3, 8, 2, rnd.data(), nullptr, nullptr };
+    const int64_t best = cache_simulate(tr3, 9, true, cache_policy_kind::lru, {}, 0, 1.0).misses_high;
+    for (cache_policy_kind k : { cache_policy_kind::lru, cache_policy_kind::lfu, cache_policy_kind::lhu,
+                                 cache_policy_kind::fld, cache_policy_kind::random }) {
+        const cache_sim_result r = cache_simulate(tr3, 9, false, k, {}, 7, 1.0);
+        CHECK(r.accesses == 400 * 3 * 2);
+        CHECK(r.hits + r.misses_high == r.accesses);
+        CHECK(r.misses_high >= best);
+    }
+    printf("ok simulator\n");
 }
 
 static void test_pool(const std::string & path) {
@@ -201,6 +285,8 @@ int main(int argc, char ** argv) {
     test_store(path, true);
     test_truncated(path);
     test_lru();
+    test_lfu_lhu_fld();
+    test_simulator();
     test_pool(path);
     test_scheduler(path);
     unlink(path.c_str());

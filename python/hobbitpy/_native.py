@@ -45,8 +45,24 @@ enum hobbit_status {
     HOBBIT_STATUS_ERROR_INTERNAL = -6,
 };
 
+enum hobbit_policy {
+    HOBBIT_POLICY_LRU      = 0,
+    HOBBIT_POLICY_LFU      = 1,
+    HOBBIT_POLICY_LHU      = 2,
+    HOBBIT_POLICY_FLD      = 3,
+    HOBBIT_POLICY_RANDOM   = 4,
+    HOBBIT_POLICY_WEIGHTED = 5,
+};
+
+struct hobbit_policy_weights {
+    float lru, lfu, lhu, fld;
+};
+
 struct hobbit_params {
     int64_t budget_bytes;
+    enum hobbit_policy policy;
+    struct hobbit_policy_weights policy_weights;
+    uint64_t seed;
     int32_t prefetch_layers;
     bool    direct_io;
     int32_t n_io_threads;
@@ -85,6 +101,33 @@ struct hobbit_stats {
     bool    direct_io;
 };
 
+struct hobbit_pool_stats {
+    int64_t hits;
+    int64_t misses;
+    int64_t bytes_read;
+    int64_t expert_bytes;
+    int32_t n_slot;
+    int32_t n_layer;
+};
+
+struct hobbit_sim_trace {
+    int32_t n_tokens;
+    int32_t n_layer;
+    int32_t n_expert;
+    int32_t n_expert_used;
+    const int32_t * experts;
+    const uint8_t * seq_start;
+    const uint8_t * high_precision;
+};
+
+struct hobbit_sim_result {
+    int64_t accesses;
+    int64_t hits;
+    int64_t misses_high;
+    int64_t misses_low;
+    double  miss_penalty;
+};
+
 struct hobbit_params hobbit_default_params(void);
 enum hobbit_status hobbit_inspect_model(const char * path, struct hobbit_model_info * info, char * err, size_t err_size);
 enum hobbit_status hobbit_request_offload(const struct hobbit_params * params, char * err, size_t err_size);
@@ -95,6 +138,17 @@ void hobbit_runtime_get_stats(const hobbit_runtime * rt, struct hobbit_stats * s
 void hobbit_runtime_reset_stats(hobbit_runtime * rt);
 bool hobbit_runtime_get_error(const hobbit_runtime * rt, char * buf, size_t size);
 void hobbit_runtime_clear_error(hobbit_runtime * rt);
+bool hobbit_runtime_get_pool_stats(const hobbit_runtime * rt, int32_t pool, struct hobbit_pool_stats * stats);
+enum hobbit_status hobbit_runtime_trace_begin(hobbit_runtime * rt, int32_t lookahead, char * err, size_t err_size);
+int64_t hobbit_runtime_trace_size(const hobbit_runtime * rt, int32_t * n_moe_layer, int32_t * lookahead);
+void hobbit_runtime_trace_copy(const hobbit_runtime * rt, int64_t n, int32_t * experts, float * weights,
+                               float * probs, int32_t * predicted);
+void hobbit_runtime_trace_end(hobbit_runtime * rt);
+void hobbit_runtime_new_sequence(hobbit_runtime * rt);
+enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, const char * policy,
+                                         const struct hobbit_policy_weights * weights, int32_t n_slot,
+                                         uint64_t seed, double low_miss_cost, struct hobbit_sim_result * result,
+                                         char * err, size_t err_size);
 bool hobbit_abort_callback(void * rt);
 """
 

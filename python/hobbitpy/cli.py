@@ -29,9 +29,221 @@ def _add_run_parser(sub) -> None:
     p.add_argument("--prefetch", action="store_true",
                    help="while a layer computes, prefetch the experts the next layer's router picks on its input")
     p.add_argument("--no-direct-io", action="store_true", help="read experts through the page cache")
+    _add_policy_args(p)
     p.add_argument("--stats-json", metavar="FILE", help="write run statistics as JSON to FILE")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
     p.set_defaults(func=_run)
+
+
+def _add_policy_args(p) -> None:
+    from hobbitpy.config import POLICIES
+
+    p.add_argument("--policy", choices=POLICIES, default="lru", help="expert cache replacement policy (default lru)")
+    p.add_argument("--policy-weights", metavar="LRU,LFU,LHU,FLD", type=_weights,
+                   default=(0.25, 0.25, 0.25, 0.25), help="weights of HOBBIT's eq. 3 for --policy weighted")
+
+
+def _weights(text: str) -> tuple[float, ...]:
+    try:
+        w = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected four numbers like 0.4,0.3,0.2,0.1, got {text!r}") from None
+    if len(w) != 4:
+        raise argparse.ArgumentTypeError(f"expected four weights (LRU,LFU,LHU,FLD), got {len(w)}")
+    return w
+
+
+def _add_offload_args(p) -> None:
+    mem = p.add_mutually_exclusive_group()
+    mem.add_argument("--cache-mb", type=float, default=None,
+                     help="expert cache budget in MB (default: from the memory available)")
+    mem.add_argument("--no-offload", action="store_true", help="run stock llama.cpp")
+    p.add_argument("--prefetch", action="store_true", help="prefetch the next layer's predicted experts")
+    p.add_argument("--no-direct-io", action="store_true", help="read experts through the page cache")
+    _add_policy_args(p)
+
+
+def _offload_config(args):
+    from hobbitpy import OffloadConfig
+
+    return OffloadConfig(enabled=not args.no_offload, cache_mb=args.cache_mb,
+                         prefetch_layers=1 if args.prefetch else 0, direct_io=not args.no_direct_io,
+                         policy=args.policy, policy_weights=args.policy_weights)
+
+
+def _add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="stock llama.cpp and hobbitpy side by side under memory caps",
+                       description="Run stock llama.cpp and hobbitpy configurations on the same model and prompts, "
+                                   "interleaved, each run a fresh process under the same memory cap (a child memory "
+                                   "cgroup); report medians, ratios to stock and the disk bound; write JSON and a PNG.")
+    p.add_argument("model", help="GGUF model file")
+    p.add_argument("--caps", nargs="*", default=["1.0", "0.75", "0.55", "0.40"], metavar="FRACTION",
+                   help="memory caps as fractions of the model file's size, or 'none' (default 1.0 0.75 0.55 0.40)")
+    p.add_argument("--cap-mb", nargs="*", type=float, default=[], metavar="MB", help="further caps in MB")
+    p.add_argument("--config", action="append", default=None, metavar="NAME[=FLAGS]",
+                   help="a hobbitpy configuration, e.g. 'lru' or 'lru-prefetch=--prefetch' or "
+                        "'lfu=--policy lfu --cache-mb 800' (repeatable; default: lru). Stock always runs.")
+    p.add_argument("--repeats", type=int, default=3, help="runs per configuration and cap (median reported)")
+    p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to decode per run (default 32)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--out", help="output folder for bench.json and bench.png (default bench-MODEL-TIME; never overwritten)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_bench)
+
+
+def _bench(args) -> int:
+    import pathlib
+
+    from hobbitpy import HobbitError
+    from hobbitpy import bench
+
+    if args.repeats < 1 or args.n_predict < 2:
+        return _fail("--repeats must be >= 1 and -n >= 2")
+    try:
+        info_bytes = os.path.getsize(args.model)
+        configs = [bench.BenchConfig.parse(c) for c in (args.config or ["lru"])]
+        if len({c.name for c in configs}) != len(configs):
+            return _fail("configuration names must differ")
+        caps = bench.parse_caps(args.caps, args.cap_mb, info_bytes)
+        if not caps:
+            return _fail("no caps given")
+        out = pathlib.Path(args.out) if args.out else bench.default_out_dir(args.model)
+        bench.check_out_dir(out)
+        result = bench.run_bench(args.model, configs, caps, repeats=args.repeats, n_predict=args.n_predict,
+                                 threads=args.threads, progress=not args.no_progress)
+    except OSError as e:
+        return _fail(f"{args.model}: {e.strerror or e}")
+    except (HobbitError, ValueError) as e:
+        return _fail(str(e))
+    for path in bench.write_outputs(result, out):
+        print(f"wrote {path}")
+    return 0
+
+
+def _add_trace_parser(sub) -> None:
+    p = sub.add_parser("trace", help="record which experts the routers choose, per token and layer",
+                       description="Generate greedily from each prompt and record, per token and MoE layer, the "
+                                   "selected experts, gate weights, router probabilities and the experts the next "
+                                   "1..4 layers' routers pick on this layer's input. Writes a .npz trace.")
+    p.add_argument("model", help="GGUF model file (MoE)")
+    p.add_argument("--prompts", required=True, help="text file, one prompt per line")
+    p.add_argument("--out", required=True, help="trace file to write (.npz; never overwritten)")
+    p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate per prompt (default 32)")
+    p.add_argument("--lookahead", type=int, default=4, help="layers ahead to record router predictions for (0-4)")
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.set_defaults(func=_trace)
+
+
+def _trace(args) -> int:
+    import pathlib
+
+    from hobbitpy import HobbitError
+    from hobbitpy.trace import _read_prompts, record_trace
+
+    from tqdm import tqdm
+
+    out = pathlib.Path(args.out)
+    if out.exists():
+        return _fail(f"{out} exists; a trace never overwrites a file")
+    if out.suffix != ".npz":
+        return _fail(f"{out}: a trace is written as .npz; name the file accordingly")
+    try:
+        prompts = _read_prompts(args.prompts)
+        t = record_trace(args.model, prompts, n_predict=args.n_predict, lookahead=args.lookahead, n_ctx=args.ctx,
+                         n_threads=args.threads, progress=lambda xs: tqdm(xs, desc="trace", unit="prompt", file=sys.stderr))
+        t.save(out)
+    except (HobbitError, ValueError) as e:
+        return _fail(str(e))
+    print(f"{out}: {t.n_tokens} tokens x {t.meta['n_moe_layer']} MoE layers, {len(prompts)} prompts")
+    return 0
+
+
+def _add_simulate_parser(sub) -> None:
+    from hobbitpy.simulate import DEFAULT_POLICIES, POLICIES
+
+    p = sub.add_parser("simulate", help="replay a trace through the cache policies and Belady's optimum",
+                       description="Replay a routing trace through the runtime's own cache policies (the C++ code) "
+                                   "and Belady's offline optimum; print misses, bytes read and miss penalty, each "
+                                   "also as a ratio to Belady.")
+    p.add_argument("trace", help="a trace written by `hobbitpy trace`")
+    p.add_argument("--budget-mb", type=float, nargs="+", required=True, help="expert cache budget(s) in MB")
+    p.add_argument("--policy", nargs="+", choices=POLICIES, default=list(DEFAULT_POLICIES),
+                   help=f"policies to replay (default: {' '.join(DEFAULT_POLICIES)})")
+    p.add_argument("--policy-weights", metavar="LRU,LFU,LHU,FLD", type=_weights, default=(0.25, 0.25, 0.25, 0.25),
+                   help="weights of HOBBIT's eq. 3 for the 'weighted' policy")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random policy")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.set_defaults(func=_simulate)
+
+
+def _simulate(args) -> int:
+    from hobbitpy import HobbitError
+    from hobbitpy.simulate import format_table, simulate_all
+    from hobbitpy.trace import load_trace
+
+    try:
+        t = load_trace(args.trace)
+        results = simulate_all(t, args.budget_mb, args.policy, weights=args.policy_weights, seed=args.seed)
+    except (HobbitError, ValueError) as e:
+        return _fail(str(e))
+    m = t.meta
+    print(f"{args.trace}: {os.path.basename(m['model'])}, {t.n_tokens} tokens, {m['n_moe_layer']} MoE layers x "
+          f"{m['n_expert']} experts (top-{m['n_expert_used']}), {m['expert_bytes'] / MB:.2f} MB per expert, "
+          f"{m['expert_bytes_total'] / MB:.0f} MB of experts")
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.as_dict() for r in results], f, indent=2)
+            f.write("\n")
+    return 0
+
+
+def _add_eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="perplexity, KL and top-1 agreement against stock on held-out text",
+                       description="Perplexity of an offload configuration on a text file, with the mean KL "
+                                   "divergence and top-1 agreement against the all-high-precision run (stock "
+                                   "llama.cpp), window by window.")
+    p.add_argument("model", help="GGUF model file")
+    p.add_argument("--text", required=True, help="UTF-8 text file")
+    p.add_argument("--ctx", type=int, default=256, help="window length in tokens (default 256)")
+    p.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--no-reference", action="store_true", help="perplexity only, no stock run to compare with")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    _add_offload_args(p)
+    p.set_defaults(func=_eval)
+
+
+def _eval(args) -> int:
+    from hobbitpy import HobbitError
+    from hobbitpy.evaluate import evaluate
+
+    from tqdm import tqdm
+
+    try:
+        with open(args.text, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        return _fail(f"{args.text}: cannot read the text ({e})")
+    try:
+        offload = _offload_config(args)
+        r = evaluate(args.model, text, offload, n_ctx=args.ctx, max_tokens=args.max_tokens, n_threads=args.threads,
+                     compare_to_reference=not args.no_reference,
+                     progress=lambda xs: tqdm(xs, desc="eval", unit="window", file=sys.stderr))
+    except (HobbitError, ValueError) as e:
+        return _fail(str(e))
+    print(f"{args.model}: {r.n_tokens} tokens scored, offload {'on' if r.offloaded else 'off'}")
+    print(f"perplexity            {r.perplexity:.4f}")
+    if r.reference_perplexity is not None:
+        print(f"reference perplexity  {r.reference_perplexity:.4f}  (stock llama.cpp)")
+        print(f"mean KL to reference  {r.mean_kl:.6f} nats")
+        print(f"top-1 agreement       {r.top1_agreement * 100:.2f} %")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r.as_dict(), f, indent=2)
+            f.write("\n")
+    return 0
 
 
 def _add_inflate_parser(sub) -> None:
@@ -83,7 +295,8 @@ def _run(args) -> int:
 
     try:
         offload = OffloadConfig(enabled=not args.no_offload, cache_mb=args.cache_mb,
-                                prefetch_layers=1 if args.prefetch else 0, direct_io=not args.no_direct_io)
+                                prefetch_layers=1 if args.prefetch else 0, direct_io=not args.no_direct_io,
+                                policy=args.policy, policy_weights=args.policy_weights)
     except ValueError as e:
         return _fail(str(e))
 
@@ -140,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run_parser(sub)
     _add_inflate_parser(sub)
+    _add_bench_parser(sub)
+    _add_trace_parser(sub)
+    _add_simulate_parser(sub)
+    _add_eval_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -12,6 +12,7 @@ import ctypes
 import os
 
 import llama_cpp
+import numpy as np
 
 from ._native import error_buffer, ffi, lib, to_str
 from .config import OffloadConfig
@@ -88,6 +89,30 @@ class Llama(llama_cpp.Llama):
         lib.hobbit_runtime_get_stats(self._runtime, s)
         return {name: (bool(v) if isinstance(v, bool) else int(v))
                 for name, v in ((f, getattr(s, f)) for f in dir(s))}
+
+    def last_logits(self) -> np.ndarray:
+        """Logits of the last evaluated token (a copy), whatever logits_all is: llama_cpp
+        fills ``scores`` only with logits_all=True."""
+        ptr = llama_cpp.llama_get_logits_ith(self._ctx.ctx, -1)
+        if not ptr:
+            raise HobbitError("no logits: nothing has been evaluated yet")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab(),)).copy()
+
+    def pool_stats(self) -> list[dict]:
+        """Counters of each expert pool (one per expert signature); empty without offload."""
+        pools = []
+        s = ffi.new("struct hobbit_pool_stats *")
+        while self._runtime != ffi.NULL and lib.hobbit_runtime_get_pool_stats(self._runtime, len(pools), s):
+            pools.append({f: int(getattr(s, f)) for f in ("hits", "misses", "bytes_read", "expert_bytes",
+                                                           "n_slot", "n_layer")})
+        return pools
+
+    def reset(self) -> None:
+        # llama_cpp calls this when a new sequence starts: sequence-level cache records
+        # (LFU, LHU) start over, as HOBBIT §3.4 does per sequence
+        super().reset()
+        if getattr(self, "_runtime", ffi.NULL) != ffi.NULL:
+            lib.hobbit_runtime_new_sequence(self._runtime)
 
     def reset_offload_stats(self) -> None:
         if self._runtime != ffi.NULL:

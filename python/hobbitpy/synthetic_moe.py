@@ -149,7 +149,8 @@ _FILE_TYPE = {
 
 def make_synthetic_moe(path, arch="llama", *, vocab_gguf=None, n_layer=4, n_expert=8, n_expert_used=2,
                   n_embd=128, n_ff=256, n_ff_shared=256, n_head=4, n_head_kv=2,
-                  expert_type="Q8_0", down_type_odd_layers=None, seed=0, n_ctx_train=512) -> pathlib.Path:
+                  expert_type="Q8_0", down_type_odd_layers=None, seed=0, n_ctx_train=512,
+                  zero_output=False) -> pathlib.Path:
     """Write a random MoE GGUF to `path` and return it as a Path (defaults: tiny).
 
     n_ff is the width of each routed expert; n_ff_shared the width of the
@@ -160,6 +161,9 @@ def make_synthetic_moe(path, arch="llama", *, vocab_gguf=None, n_layer=4, n_expe
     ggml type of ffn_{gate,up,down}_exps.weight: "F32", "F16", "Q8_0",
     "Q4_0", "MXFP4" (anything gguf.quants.quantize handles) or "Q4_K"
     (own quantizer; needs n_embd and n_ff to be multiples of 256).
+    zero_output writes an all-zero output matrix: every logit is exactly 0, so the
+    next-token distribution is uniform and the perplexity of any text is n_vocab (a
+    known answer for testing evaluation code).
     """
     if arch not in ARCHES:
         raise ValueError(f"arch must be one of {ARCHES}, got {arch!r}")
@@ -278,7 +282,8 @@ def make_synthetic_moe(path, arch="llama", *, vocab_gguf=None, n_layer=4, n_expe
     add("output_norm.weight", np.ones(n_embd, np.float32))
     # untied, independent output matrix: with output == token_embd the greedy
     # argmax tends to repeat the input token forever
-    add("output.weight", linear(n_vocab, n_embd), "F16")
+    out = linear(n_vocab, n_embd)
+    add("output.weight", np.zeros_like(out) if zero_output else out, "F16")
     for name, arr, type_name in deferred:
         add(name, arr, type_name)
 

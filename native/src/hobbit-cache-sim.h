@@ -1,0 +1,34 @@
+// hobbit-cache-sim.h - replays a routing trace through one expert cache, offline.
+//
+// The cache is what the runtime builds for a uniform model: one pool of n_slot slots
+// shared by all MoE layers, an empty slot taken before anything is evicted, and the
+// experts of the layer being served pinned until the next layer. The policies are the
+// runtime's own objects (hobbit-cache-policy); "belady" evicts the expert whose next use
+// lies farthest ahead, the offline optimum for misses (Belady 1966), as the bound.
+#pragma once
+
+#include "hobbit-cache-policy.h"
+
+#include <cstdint>
+
+struct cache_sim_trace {
+    int32_t n_tokens;
+    int32_t n_layer;          // MoE layers in the trace (indices 0..n_layer-1)
+    int32_t n_expert;
+    int32_t n_expert_used;
+    const int32_t * experts;        // [n_tokens][n_layer][n_expert_used]; -1 = none
+    const uint8_t * seq_start;      // [n_tokens]; 1 where a new sequence begins; may be NULL
+    const uint8_t * high_precision; // [n_tokens][n_layer][n_expert_used]; 0 = served low; NULL = all high
+};
+
+struct cache_sim_result {
+    int64_t accesses = 0;
+    int64_t hits     = 0;
+    int64_t misses_high = 0;
+    int64_t misses_low  = 0;
+    double  miss_penalty = 0.0; // misses_high + misses_low * low_miss_cost
+};
+
+// belady: ignore kind/weights and use the offline optimum
+cache_sim_result cache_simulate(const cache_sim_trace & trace, int n_slot, bool belady, cache_policy_kind kind,
+                                const cache_policy_weights & weights, uint64_t seed, double low_miss_cost);

@@ -1,0 +1,311 @@
+"""``hobbitpy bench``: stock llama.cpp and hobbitpy configurations side by side, on the
+same model and prompts, interleaved, under the same memory cap.
+
+Every run is a fresh process (hobbitpy.bench_worker) inside a child memory cgroup
+whose limit caps RSS and page cache together; the model file is dropped from the page
+cache before every run. Per configuration and cap it reports medians over the repeats
+of decode tok/s, time to first token for a short and a long prompt, bytes read from
+disk per decoded token, hit ratio per pool, the cgroup's peak memory, the ratio to
+stock in the same run, and the disk bound: bytes read per token over the read
+bandwidth measured at the start (expert-sized O_DIRECT reads, as the loader does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import json
+import os
+import pathlib
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+from .config import MB, OffloadConfig
+from .disk import drop_from_page_cache, measure_read_bandwidth
+from .errors import HobbitError
+from .memcap import MemoryCap
+from .memory import HEADROOM_BYTES
+from .model_file import inspect_model
+
+STOCK = "stock"
+
+
+@dataclass
+class BenchConfig:
+    name: str
+    offload: dict | None  # OffloadConfig fields; None = stock llama.cpp
+
+    @classmethod
+    def parse(cls, text: str) -> "BenchConfig":
+        """NAME or NAME=FLAGS, FLAGS as for `hobbitpy run`: --cache-mb MB, --prefetch,
+        --policy P, --policy-weights A,B,C,D, --no-direct-io."""
+        import argparse
+
+        name, _, flags = text.partition("=")
+        name = name.strip()
+        if not name or name == STOCK:
+            raise ValueError(f"bad configuration {text!r}: give it a name other than {STOCK!r}")
+        p = argparse.ArgumentParser(prog=f"--config {name}=", add_help=False, exit_on_error=False)
+        p.add_argument("--cache-mb", type=float)
+        p.add_argument("--prefetch", action="store_true")
+        p.add_argument("--policy", default="lru")
+        p.add_argument("--policy-weights")
+        p.add_argument("--no-direct-io", action="store_true")
+        try:
+            a = p.parse_args(shlex.split(flags))
+        except (argparse.ArgumentError, SystemExit) as e:
+            raise ValueError(f"bad flags in configuration {text!r}: {e}") from None
+        offload = {"cache_mb": a.cache_mb, "prefetch_layers": 1 if a.prefetch else 0, "policy": a.policy,
+                   "direct_io": not a.no_direct_io}
+        if a.policy_weights:
+            offload["policy_weights"] = tuple(float(x) for x in a.policy_weights.split(","))
+        OffloadConfig(**offload)  # validate now, not in the tenth run
+        return cls(name, offload)
+
+
+@dataclass
+class Cap:
+    label: str             # "none", "0.55" (of the model size) or "1000MB"
+    limit_bytes: int | None
+
+
+def parse_caps(fractions: list[str], mbs: list[float], model_bytes: int) -> list[Cap]:
+    caps = []
+    for f in fractions:
+        if f == "none":
+            caps.append(Cap("none", None))
+            continue
+        v = float(f)
+        if not 0 < v <= 4:
+            raise ValueError(f"a cap fraction must be in (0, 4], got {f}")
+        caps.append(Cap(f"{v:g}", int(v * model_bytes)))
+    caps += [Cap(f"{mb:g}MB", int(mb * MB)) for mb in mbs]
+    return caps
+
+
+@dataclass
+class BenchResult:
+    model: str
+    machine: dict
+    disk_bytes_per_s: float
+    disk_direct: bool
+    cap_method: str
+    rows: list[dict] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"model": self.model, "machine": self.machine, "disk_bytes_per_s": self.disk_bytes_per_s,
+                "disk_direct": self.disk_direct, "cap_method": self.cap_method, "rows": self.rows}
+
+
+def _machine() -> dict:
+    import platform
+
+    cpu = ""
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()}
+
+
+def _run_one(model: str, cfg: BenchConfig, cap: Cap, memcap: MemoryCap | None, n_predict: int, threads: int,
+             prompt_tokens: tuple[int, int], fallback_budget_mb: float | None) -> dict:
+    offload = cfg.offload
+    if offload is not None and memcap is None and cap.limit_bytes is not None and offload.get("cache_mb") is None:
+        offload = dict(offload, cache_mb=fallback_budget_mb)  # no cgroup: the budget stands in for the cap
+    spec = {"model": model, "offload": offload, "n_predict": n_predict, "threads": threads,
+            "prompt_tokens": list(prompt_tokens)}
+    if memcap is not None:
+        memcap.set_limit(cap.limit_bytes)
+    drop_from_page_cache(model)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "hobbitpy.bench_worker", json.dumps(spec)],
+                          preexec_fn=memcap.enter if memcap is not None else None, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    try:
+        r = json.loads(last)
+    except json.JSONDecodeError:
+        r = {"error": f"exit status {proc.returncode}" + (" (killed: out of memory under the cap?)"
+                                                          if proc.returncode < 0 else "")
+                      + f"; stderr: {proc.stderr.strip()[-600:]}"}
+    r["wall_s"] = wall
+    r["peak_bytes"] = memcap.peak_bytes() if memcap is not None else None
+    return r
+
+
+def _median(runs: list[dict], key: str):
+    vals = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _summarize(name: str, runs: list[dict], disk_bw: float) -> dict:
+    ok = [r for r in runs if "error" not in r]
+    s = {"config": name, "n_runs": len(runs), "errors": [r["error"] for r in runs if "error" in r]}
+    if not ok:
+        return s
+    s.update({
+        "decode_tok_s": _median(ok, "decode_tok_s"),
+        "all_decode_tok_s": [round(r["decode_tok_s"], 3) for r in ok if r.get("decode_tok_s")],
+        "ttft_short_ms": _median(ok, "ttft_short_ms"),
+        "ttft_long_ms": _median(ok, "ttft_long_ms"),
+        "bytes_per_token": _median(ok, "decode_disk_bytes_per_token"),
+        "runtime_bytes_per_token": _median(ok, "runtime_bytes_per_token"),
+        "stall_ms_per_token": _median(ok, "stall_ms_per_token"),
+        "peak_mb": max((r["peak_bytes"] or 0) for r in ok) / MB if ok[0]["peak_bytes"] is not None else None,
+        "budget_mb": ok[0]["budget_bytes"] / MB,
+        "offloaded": ok[0]["offloaded"],
+        "plan": ok[0]["plan"],
+        "pool_hit_ratio": [round(statistics.median(r["pools"][i]["hit_ratio"] for r in ok), 4)
+                           for i in range(len(ok[0]["pools"]))],
+        "generated": ok[0]["generated"],
+        "same_output_all_repeats": len({tuple(r["generated"]) for r in ok}) == 1,
+    })
+    if s["decode_tok_s"] and s["bytes_per_token"] is not None:
+        bound_s = s["bytes_per_token"] / disk_bw
+        s["disk_bound_tok_s"] = 1.0 / bound_s if bound_s > 0 else None
+        # decode time per token over the time the disk needs for its reads (1.0 = at the bound)
+        s["time_over_disk_bound"] = (1.0 / s["decode_tok_s"]) / bound_s if bound_s > 0 else None
+    return s
+
+
+def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeats: int = 3, n_predict: int = 32,
+              threads: int | None = None, prompt_tokens: tuple[int, int] = (16, 128), progress=True,
+              log=print) -> BenchResult:
+    info = inspect_model(model)
+    threads = threads or os.cpu_count() or 1
+    log(f"{model}: {info.file_bytes / MB:.0f} MB, {info.arch}, {info.n_layer_moe} MoE layers x {info.n_expert} experts "
+        f"(top-{info.n_expert_used}), {info.expert_bytes_total / MB:.0f} MB of experts")
+    disk_bw, direct = measure_read_bandwidth(model, info.expert_bytes or (1 << 20), n_threads=2)
+    log(f"disk: {disk_bw / 1e9:.2f} GB/s with {'O_DIRECT' if direct else 'buffered'} reads of "
+        f"{info.expert_bytes / MB:.1f} MB, 2 readers")
+    memcap = MemoryCap.create(f"hobbitpy-bench-{os.getpid()}")
+    if memcap is None:
+        log("no writable memory cgroup here: caps are NOT enforced; hobbitpy runs get an expert budget of "
+            "cap - resident weights - headroom, stock runs are uncapped")
+    else:
+        log(f"memory cap: {memcap}, RSS and page cache together")
+    all_configs = [BenchConfig(STOCK, None)] + configs
+    result = BenchResult(model=os.path.abspath(model), machine=_machine(), disk_bytes_per_s=disk_bw,
+                         disk_direct=direct, cap_method=str(memcap) if memcap else "none (budgets only)")
+    total = len(caps) * repeats * len(all_configs)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr)
+    try:
+        for cap in caps:
+            fallback = None
+            if cap.limit_bytes is not None:
+                fallback = max(info.min_budget_bytes, cap.limit_bytes - info.resident_bytes - HEADROOM_BYTES) / MB
+            runs = {c.name: [] for c in all_configs}
+            for _ in range(repeats):
+                for cfg in all_configs:  # interleaved, so drifts of the machine hit every configuration alike
+                    if bar is not None:
+                        bar.set_postfix_str(f"cap {cap.label} {cfg.name}")
+                    runs[cfg.name].append(_run_one(model, cfg, cap, memcap, n_predict, threads, prompt_tokens, fallback))
+                    if bar is not None:
+                        bar.update(1)
+            row = {"cap": cap.label, "cap_mb": cap.limit_bytes / MB if cap.limit_bytes else None,
+                   "configs": [_summarize(c.name, runs[c.name], disk_bw) for c in all_configs]}
+            stock = row["configs"][0]
+            for s in row["configs"]:
+                if s.get("decode_tok_s") and stock.get("decode_tok_s"):
+                    s["ratio_to_stock"] = s["decode_tok_s"] / stock["decode_tok_s"]
+            outputs = {tuple(s["generated"]) for s in row["configs"] if "generated" in s}
+            row["same_output_as_stock"] = len(outputs) == 1
+            result.rows.append(row)
+            if bar is not None:
+                bar.clear()
+            log(format_row(row))
+            if bar is not None:
+                bar.refresh()
+    finally:
+        if bar is not None:
+            bar.close()
+        if memcap is not None:
+            memcap.remove()
+    return result
+
+
+def format_row(row: dict) -> str:
+    head = f"cap {row['cap']}" + (f" ({row['cap_mb']:.0f} MB)" if row["cap_mb"] else " (no limit)")
+    lines = [head + f"   same output as stock: {'yes' if row['same_output_as_stock'] else 'NO'}",
+             f"  {'config':<14} {'tok/s':>7} {'x stock':>7} {'TTFT16':>8} {'TTFT128':>8} {'MB/tok':>7} "
+             f"{'bound':>6} {'t/bound':>7} {'hit':>13} {'budget':>7} {'peak MB':>7}"]
+    for s in row["configs"]:
+        if s.get("decode_tok_s") is None:
+            lines.append(f"  {s['config']:<14} failed: {'; '.join(s['errors'])[:300]}")
+            continue
+        ratio = f"{s['ratio_to_stock']:.2f}" if s.get("ratio_to_stock") else "-"
+        bound = f"{s['disk_bound_tok_s']:.1f}" if s.get("disk_bound_tok_s") else "-"
+        over = f"{s['time_over_disk_bound']:.2f}" if s.get("time_over_disk_bound") else "-"
+        hits = ",".join(f"{h:.2f}" for h in s["pool_hit_ratio"]) or "-"
+        budget = f"{s['budget_mb']:.0f}" if s["offloaded"] else "stock"
+        peak = f"{s['peak_mb']:.0f}" if s.get("peak_mb") is not None else "-"
+        lines.append(f"  {s['config']:<14} {s['decode_tok_s']:>7.2f} {ratio:>7} {s['ttft_short_ms']:>7.0f}ms "
+                     f"{s['ttft_long_ms']:>6.0f}ms {s['bytes_per_token'] / MB:>7.1f} {bound:>6} {over:>7} "
+                     f"{hits:>13} {budget:>7} {peak:>7}")
+        if s["errors"]:
+            lines.append(f"  {'':<14} {len(s['errors'])} run(s) failed: {s['errors'][0][:200]}")
+    return "\n".join(lines)
+
+
+def plot(result: BenchResult, path: pathlib.Path) -> bool:
+    """tok/s against the cap, one line per configuration; False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    capped = [r for r in result.rows if r["cap_mb"]]
+    if not capped:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    names = [s["config"] for s in capped[0]["configs"]]
+    model_mb = os.path.getsize(result.model) / MB
+    for name in names:
+        xs, ys = [], []
+        for r in capped:
+            s = next(s for s in r["configs"] if s["config"] == name)
+            if s.get("decode_tok_s"):
+                xs.append(r["cap_mb"] / model_mb)
+                ys.append(s["decode_tok_s"])
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.set_xlabel("memory cap / model size")
+    ax.set_ylabel("decode tokens/s (median)")
+    ax.set_yscale("log")
+    ax.set_title(f"{pathlib.Path(result.model).name}: decode under a memory cap", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_outputs(result: BenchResult, out_dir: pathlib.Path) -> list[pathlib.Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    j = out_dir / "bench.json"
+    j.write_text(json.dumps(result.as_dict(), indent=2) + "\n")
+    written.append(j)
+    png = out_dir / "bench.png"
+    if plot(result, png):
+        written.append(png)
+    return written
+
+
+def default_out_dir(model: str) -> pathlib.Path:
+    stem = pathlib.Path(model).stem
+    return pathlib.Path(f"bench-{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def check_out_dir(path: pathlib.Path) -> None:
+    if path.exists() and any(path.iterdir()):
+        raise HobbitError(f"{path}: the output folder exists and is not empty; bench never overwrites results")

@@ -1,0 +1,100 @@
+"""One benchmark run, in its own process (inside the memory cap): load the model with
+one configuration, measure time to first token for a short and a long prompt and the
+decode speed, and print the figures as one JSON line.
+
+    python -m hobbitpy.bench_worker '{"model": ..., "offload": {...} | null, ...}'
+
+Run by ``hobbitpy bench``; a process per run, so every run starts from a cold cache.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+import hobbitpy  # noqa: F401  (first: points llama_cpp at the patched library)
+from hobbitpy.config import OffloadConfig
+from hobbitpy.disk import read_bytes_of_process
+from hobbitpy.llama import Llama
+
+# English prose for the prompts, cut to exact token counts with the model's tokenizer
+PROMPT_TEXT = (
+    "The history of the lighthouse begins with the fires that sailors lit on hills above dangerous coasts. "
+    "Over the centuries these fires became towers of stone, and the towers carried lamps of oil, then of gas, "
+    "and at last of electricity, whose beams were focused by great lenses of polished glass. A keeper lived "
+    "beside each light, trimmed the wicks, wound the clockwork that turned the lens, and wrote in a log the "
+    "weather of every night. Storms tested the towers and the people who kept them; some lights stood on bare "
+    "rocks far from land, where supplies came by boat when the sea allowed it. Today most lights run on their "
+    "own, watched from afar, yet ships still read the coast by their rhythm of flashes, each light with a "
+    "pattern of its own, so that a captain who sees it knows at once where in the world the ship has come. "
+)
+
+
+def _prompt(llm: Llama, n_tokens: int) -> list[int]:
+    ids: list[int] = []
+    while len(ids) < n_tokens:
+        ids += llm.tokenize(PROMPT_TEXT.encode(), add_bos=False, special=False)
+    return ids[:n_tokens]
+
+
+def _first_token(llm: Llama, prompt: list[int]) -> tuple[int, float]:
+    """Prefill a new sequence; the time to its first token (ms) and the token."""
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    tok = int(np.argmax(llm.last_logits()))
+    return tok, (time.perf_counter() - t0) * 1000.0
+
+
+def run(spec: dict) -> dict:
+    offload = OffloadConfig(**spec["offload"]) if spec["offload"] is not None else OffloadConfig(enabled=False)
+    n_predict = spec["n_predict"]
+    short, long_ = spec["prompt_tokens"]
+    t0 = time.perf_counter()
+    llm = Llama(spec["model"], offload=offload, n_ctx=max(short + n_predict, long_) + 8, n_batch=512,
+                n_threads=spec["threads"], verbose=False)
+    load_s = time.perf_counter() - t0
+    with llm:
+        r = {"offloaded": llm.offloaded, "plan": llm.offload_plan.reason, "load_s": load_s,
+             "budget_bytes": llm.offload_plan.budget_bytes or 0}
+        tok, r["ttft_short_ms"] = _first_token(llm, _prompt(llm, short))
+
+        # decode: greedy, one token per step, from the short prompt
+        llm.reset_offload_stats()
+        io0 = read_bytes_of_process()
+        generated = [tok]
+        t0 = time.perf_counter()
+        for _ in range(n_predict - 1):
+            llm.eval([tok])
+            tok = int(np.argmax(llm.last_logits()))
+            generated.append(tok)
+        decode_s = time.perf_counter() - t0
+        n_steps = max(1, n_predict - 1)
+        r["decode_tok_s"] = n_steps / decode_s if decode_s > 0 else None
+        r["decode_disk_bytes_per_token"] = (read_bytes_of_process() - io0) / n_steps
+        stats = llm.offload_stats()
+        r["runtime_bytes_per_token"] = stats["bytes_read"] / n_steps if stats else 0.0
+        r["stall_ms_per_token"] = stats["stall_us"] / 1000.0 / n_steps if stats else 0.0
+        r["pools"] = [dict(p, hit_ratio=p["hits"] / max(1, p["hits"] + p["misses"])) for p in llm.pool_stats()]
+        r["generated"] = generated
+
+        _, r["ttft_long_ms"] = _first_token(llm, _prompt(llm, long_))
+    return r
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    try:
+        result = run(spec)
+    except Exception as e:  # reported to the parent, which names the configuration
+        print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        return 1
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

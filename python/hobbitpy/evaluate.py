@@ -1,0 +1,95 @@
+"""Quality of an offload configuration on held-out text: perplexity, and how far its
+next-token distributions move from the all-high-precision run (stock llama.cpp).
+
+The text is tokenized with the model's own tokenizer (no BOS) and cut into windows of
+n_ctx tokens; window w is evaluated in one batch and its token i predicts token i+1
+(the last token of a window predicts the first of the next), so every token but the
+very first is scored once. Reference and candidate run window by window in lockstep,
+two models in one process: their logits never have to be stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, asdict
+import math
+import os
+
+import numpy as np
+
+from .config import OffloadConfig
+from .errors import HobbitError
+
+
+@dataclass
+class EvalResult:
+    model: str
+    n_tokens: int                 # tokens scored
+    perplexity: float             # of the candidate configuration
+    reference_perplexity: float | None  # of stock llama.cpp (all experts at the file's precision)
+    mean_kl: float | None         # mean KL(reference || candidate) per token, in nats
+    top1_agreement: float | None  # share of positions where both pick the same next token
+    offloaded: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def _window_logits(llm, window: list[int]) -> np.ndarray:
+    llm.reset()
+    llm.eval(window)
+    return np.array(llm.scores[: len(window)], dtype=np.float32)
+
+
+def evaluate(model_path: str | os.PathLike, text: str, offload: OffloadConfig, *, n_ctx: int = 256,
+             max_tokens: int | None = None, compare_to_reference: bool = True, n_threads: int | None = None,
+             progress=None) -> EvalResult:
+    """Perplexity of `offload` on `text`, and (compare_to_reference) KL and top-1
+    agreement against stock llama.cpp on the same windows."""
+    from .llama import Llama
+
+    model_path = os.fspath(model_path)
+    if n_ctx < 2:
+        raise ValueError(f"n_ctx must be at least 2, got {n_ctx}")
+    common = dict(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True, verbose=False,
+                  n_threads=n_threads or os.cpu_count() or 1)
+    candidate = Llama(model_path, offload=offload, **common)
+    reference = Llama(model_path, offload=OffloadConfig(enabled=False), **common) if compare_to_reference else None
+    try:
+        ids = candidate.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+        if max_tokens is not None:
+            ids = ids[:max_tokens]
+        if len(ids) < 2:
+            raise HobbitError(f"the text has {len(ids)} token(s) with this model's tokenizer; evaluation needs at least 2")
+
+        nll = ref_nll = kl = 0.0
+        agree = n = 0
+        starts = range(0, len(ids) - 1, n_ctx)
+        for s in (progress(starts) if progress else starts):
+            window = ids[s: s + n_ctx]
+            targets = np.array(ids[s + 1: s + len(window) + 1])
+            window = window[: len(targets)]  # the last window: no target after the text's end
+            lp = _log_softmax(_window_logits(candidate, window))
+            rows = np.arange(len(targets))
+            nll -= float(lp[rows, targets].sum())
+            if reference is not None:
+                ref_lp = _log_softmax(_window_logits(reference, window))
+                ref_nll -= float(ref_lp[rows, targets].sum())
+                kl += float((np.exp(ref_lp) * (ref_lp - lp)).sum())
+                agree += int((ref_lp.argmax(-1) == lp.argmax(-1)).sum())
+            n += len(targets)
+        offloaded = candidate.offloaded
+    finally:
+        candidate.close()
+        if reference is not None:
+            reference.close()
+
+    return EvalResult(model=model_path, n_tokens=n, perplexity=math.exp(nll / n),
+                      reference_perplexity=math.exp(ref_nll / n) if reference is not None else None,
+                      mean_kl=kl / n if reference is not None else None,
+                      top1_agreement=agree / n if reference is not None else None, offloaded=offloaded)

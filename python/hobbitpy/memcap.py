@@ -1,0 +1,102 @@
+"""A memory cap for benchmark runs: a child memory cgroup that limits RSS and page
+cache together, so stock llama.cpp (which maps the model) and hobbitpy (which reads
+experts into its cache) are held to the same memory.
+
+cgroup v1: a child of the process's own memory cgroup (../shared/DESIGN.md §6).
+cgroup v2: a child of the own cgroup, if the memory controller is delegated there.
+Where neither is writable, ``MemoryCap.create`` returns None and the caller falls back
+to expert budgets alone (and says so).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+CGROUP_ROOT = pathlib.Path("/sys/fs/cgroup")
+
+
+def _own_cgroups() -> list[tuple[str, str]]:
+    try:
+        lines = pathlib.Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    return [tuple(line.split(":", 2)[1:]) for line in lines if line.count(":") >= 2]
+
+
+class MemoryCap:
+    """One child cgroup; ``set_limit`` before each run, ``enter`` in the child process."""
+
+    def __init__(self, path: pathlib.Path, v2: bool):
+        self.path = path
+        self.v2 = v2
+
+    @classmethod
+    def create(cls, name: str) -> "MemoryCap | None":
+        for controllers, rel in _own_cgroups():
+            if controllers == "":  # v2 unified hierarchy
+                parent = CGROUP_ROOT / rel.lstrip("/")
+                if not (parent / "memory.max").exists() and "memory" not in _read(parent / "cgroup.subtree_control"):
+                    continue
+                v2 = True
+            elif "memory" in controllers.split(","):
+                parent = CGROUP_ROOT / "memory" / rel.lstrip("/")
+                v2 = False
+            else:
+                continue
+            path = parent / name
+            try:
+                path.mkdir()
+            except OSError:
+                continue
+            cap = cls(path, v2)
+            if cap._writable():
+                return cap
+            cap.remove()
+        return None
+
+    def _writable(self) -> bool:
+        try:
+            self.set_limit(None)
+            return True
+        except OSError:
+            return False
+
+    def set_limit(self, limit_bytes: int | None) -> None:
+        """Limit RSS + page cache of the processes inside; None lifts the limit. Resets the peak."""
+        if self.v2:
+            (self.path / "memory.max").write_text("max" if limit_bytes is None else str(limit_bytes))
+            peak = self.path / "memory.peak"
+            if peak.exists():
+                try:
+                    peak.write_text("0")  # resettable since Linux 6.12
+                except OSError:
+                    pass
+        else:
+            (self.path / "memory.limit_in_bytes").write_text("-1" if limit_bytes is None else str(limit_bytes))
+            (self.path / "memory.max_usage_in_bytes").write_text("0")
+
+    def peak_bytes(self) -> int:
+        name = "memory.peak" if self.v2 else "memory.max_usage_in_bytes"
+        text = _read(self.path / name).strip()
+        return int(text) if text.isdigit() else 0
+
+    def enter(self) -> None:
+        """Move the calling process inside (use as ``preexec_fn`` of the child)."""
+        (self.path / ("cgroup.procs" if self.v2 else "tasks")).write_text(str(os.getpid()))
+
+    def remove(self) -> None:
+        try:
+            self.path.rmdir()
+        except OSError:
+            pass
+
+    def __str__(self) -> str:
+        return f"cgroup {'v2' if self.v2 else 'v1'} {self.path}"
+
+
+def _read(path: pathlib.Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""

@@ -1,0 +1,102 @@
+"""Replay a routing trace through the runtime's cache policies, offline.
+
+The replay runs in libhobbit (hobbit_simulate_cache): the policy objects are the
+runtime's own, so a simulated LRU is the deployed LRU. Belady's offline optimum (evict
+the expert needed farthest in the future) is the bound every policy is compared to.
+The cache is one pool of budget // expert_bytes slots shared by all MoE layers, as
+the runtime builds it for a model whose MoE layers share one expert shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, asdict
+
+import numpy as np
+
+from ._native import error_buffer, ffi, lib, to_str
+from .config import MB
+from .errors import HobbitError
+from .trace import Trace
+
+POLICIES = ("lru", "lfu", "lhu", "fld", "random", "weighted", "belady")
+DEFAULT_POLICIES = ("lru", "lfu", "lhu", "fld", "random", "belady")
+
+
+@dataclass
+class SimResult:
+    policy: str
+    budget_mb: float
+    n_slot: int
+    accesses: int
+    hits: int
+    misses: int
+    bytes_read: int
+    miss_penalty: float
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hits / self.accesses if self.accesses else 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"hit_ratio": self.hit_ratio}
+
+
+def slots_for_budget(trace: Trace, budget_mb: float) -> int:
+    if not trace.meta.get("uniform", True):
+        raise HobbitError(f"{trace.meta['model']}: its MoE layers have experts of different shapes or types; "
+                          "the simulator models one pool and handles uniform models only")
+    n_slot = int(budget_mb * MB) // trace.meta["expert_bytes"]
+    k = trace.meta["n_expert_used"]
+    if n_slot < k:
+        raise HobbitError(f"a budget of {budget_mb:g} MB holds {n_slot} experts of "
+                          f"{trace.meta['expert_bytes'] / MB:.2f} MB; one token needs {k}")
+    return n_slot
+
+
+def simulate(trace: Trace, budget_mb: float, policy: str, *, weights=(0.25, 0.25, 0.25, 0.25), seed: int = 0,
+             high_precision: np.ndarray | None = None, low_miss_cost: float = 1.0) -> SimResult:
+    """Misses of `policy` on `trace` with a cache of `budget_mb`."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    n_slot = slots_for_budget(trace, budget_mb)
+    experts = np.ascontiguousarray(trace.experts, dtype=np.int32)
+    seq_start = np.ascontiguousarray(trace.seq_start, dtype=np.uint8)
+    t = ffi.new("struct hobbit_sim_trace *")
+    t.n_tokens, t.n_layer, t.n_expert_used = experts.shape
+    t.n_expert = trace.meta["n_expert"]
+    t.experts = ffi.cast("const int32_t *", experts.ctypes.data)
+    t.seq_start = ffi.cast("const uint8_t *", seq_start.ctypes.data)
+    if high_precision is not None:
+        high_precision = np.ascontiguousarray(high_precision, dtype=np.uint8)
+        if high_precision.shape != experts.shape:
+            raise ValueError(f"high_precision has shape {high_precision.shape}, the trace {experts.shape}")
+        t.high_precision = ffi.cast("const uint8_t *", high_precision.ctypes.data)
+    w = ffi.new("struct hobbit_policy_weights *", dict(zip(("lru", "lfu", "lhu", "fld"), weights)))
+    r = ffi.new("struct hobbit_sim_result *")
+    err = error_buffer()
+    if lib.hobbit_simulate_cache(t, policy.encode(), w, n_slot, seed, low_miss_cost, r, err, len(err)) != 0:
+        raise HobbitError(to_str(err))
+    misses = int(r.misses_high + r.misses_low)
+    return SimResult(policy=policy, budget_mb=budget_mb, n_slot=n_slot, accesses=int(r.accesses), hits=int(r.hits),
+                     misses=misses, bytes_read=misses * trace.meta["expert_bytes"], miss_penalty=float(r.miss_penalty))
+
+
+def simulate_all(trace: Trace, budgets_mb: list[float], policies=DEFAULT_POLICIES, **kwargs) -> list[SimResult]:
+    return [simulate(trace, b, p, **kwargs) for b in budgets_mb for p in policies]
+
+
+def format_table(results: list[SimResult]) -> str:
+    """One block per budget; every policy also as a ratio to Belady's misses and penalty."""
+    lines = []
+    for budget in dict.fromkeys(r.budget_mb for r in results):
+        rows = [r for r in results if r.budget_mb == budget]
+        best = next((r for r in rows if r.policy == "belady"), None)
+        lines.append(f"budget {budget:g} MB ({rows[0].n_slot} slots), {rows[0].accesses} expert selections")
+        lines.append(f"  {'policy':<9} {'hit ratio':>9} {'misses':>9} {'MB read':>10} {'penalty':>9} "
+                     f"{'misses/Belady':>13} {'penalty/Belady':>14}")
+        for r in rows:
+            ratio_m = f"{r.misses / best.misses:.3f}" if best and best.misses else "-"
+            ratio_p = f"{r.miss_penalty / best.miss_penalty:.3f}" if best and best.miss_penalty else "-"
+            lines.append(f"  {r.policy:<9} {r.hit_ratio:>9.3f} {r.misses:>9d} {r.bytes_read / MB:>10.1f} "
+                         f"{r.miss_penalty:>9.1f} {ratio_m:>13} {ratio_p:>14}")
+    return "\n".join(lines)

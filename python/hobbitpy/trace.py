@@ -1,0 +1,192 @@
+"""Routing traces: what the routers of a MoE model chose, token by token and layer by
+layer, recorded by the expert runtime while the model generates from a set of prompts.
+
+A trace is one ``.npz`` file:
+
+- ``experts``   int32 [tokens, moe_layers, k]: the selected experts (-1: none)
+- ``weights``   float32 [tokens, moe_layers, k]: their gate weights
+- ``probs``     float16 [tokens, moe_layers, n_expert]: the router's full output
+- ``predicted`` int32 [tokens, moe_layers, lookahead, k]: the top-k of the router of the
+  layer d = 1..lookahead ahead, applied to this layer's router input (-1 past the end)
+- ``seq_start`` uint8 [tokens]: 1 at the first token of every prompt
+- ``tokens``    int32 [tokens]: the token evaluated
+- ``meta``      a JSON string: model, shapes, expert bytes, prompts, settings
+
+Each evaluated token is one row, prompt tokens and generated ones alike (a prompt is
+evaluated in batches, its rows in token order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import json
+import os
+import pathlib
+import time
+
+import numpy as np
+
+from ._native import error_buffer, ffi, lib, to_str
+from .config import MB, OffloadConfig
+from .errors import HobbitError
+from .memory import plan_offload
+from .model_file import inspect_model
+
+TRACE_VERSION = 1
+
+
+@dataclass
+class Trace:
+    experts: np.ndarray
+    weights: np.ndarray
+    probs: np.ndarray
+    predicted: np.ndarray
+    seq_start: np.ndarray
+    tokens: np.ndarray
+    meta: dict
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.experts.shape[0])
+
+    def save(self, path: str | os.PathLike) -> pathlib.Path:
+        path = pathlib.Path(path)
+        if path.suffix != ".npz":
+            raise ValueError(f"{path}: a trace is written as .npz; name the file accordingly")
+        if path.exists():
+            raise FileExistsError(f"{path} exists; a trace never overwrites a file")
+        tmp = path.with_name(path.name + ".partial.npz")
+        np.savez_compressed(tmp, experts=self.experts, weights=self.weights, probs=self.probs,
+                            predicted=self.predicted, seq_start=self.seq_start, tokens=self.tokens,
+                            meta=np.array(json.dumps(self.meta)))
+        os.replace(tmp, path)
+        return path
+
+
+def load_trace(path: str | os.PathLike) -> Trace:
+    """Read a trace written by ``Trace.save``; a bad file gets an error naming it."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise HobbitError(f"{path}: no such trace file")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in ("experts", "weights", "probs", "predicted", "seq_start", "tokens", "meta")}
+    except (OSError, ValueError, KeyError) as e:
+        raise HobbitError(f"{path}: not a hobbitpy trace ({e})") from e
+    meta = json.loads(str(arrays.pop("meta")))
+    if meta.get("trace_version") != TRACE_VERSION:
+        raise HobbitError(f"{path}: trace version {meta.get('trace_version')} is not the supported {TRACE_VERSION}")
+    t = Trace(meta=meta, **arrays)
+    n, L, k = t.experts.shape
+    if (L, k) != (meta["n_moe_layer"], meta["n_expert_used"]) or t.seq_start.shape != (n,):
+        raise HobbitError(f"{path}: the arrays do not match the trace's own description")
+    return t
+
+
+def _read_prompts(path: str | os.PathLike) -> list[str]:
+    p = pathlib.Path(path)
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise HobbitError(f"{p}: cannot read the prompts ({e})") from e
+    prompts = [line.strip() for line in lines if line.strip()]
+    if not prompts:
+        raise HobbitError(f"{p}: no prompts (one prompt per line, blank lines ignored)")
+    return prompts
+
+
+def record_trace(model_path: str | os.PathLike, prompts: list[str], *, n_predict: int = 32, lookahead: int = 4,
+                 n_ctx: int = 512, n_threads: int | None = None, cache_mb: float | None = None,
+                 policy: str = "lru", n_batch: int = 512, progress=None) -> Trace:
+    """Generate greedily from each prompt and record the routing of every token.
+
+    The run's own cache (cache_mb, policy) does not change the trace, only how fast it
+    is recorded; its hit and miss counts are kept in meta["runtime"]. With n_batch=1
+    every token is its own step, as the offline simulator replays it."""
+    from .llama import Llama
+
+    model_path = os.fspath(model_path)
+    if not 0 <= lookahead <= 4:
+        raise ValueError(f"lookahead must be 0..4, got {lookahead}")
+    if n_predict < 0:
+        raise ValueError(f"n_predict must be >= 0, got {n_predict}")
+    info = inspect_model(model_path)
+    if not info.is_moe:
+        raise HobbitError(f"{model_path} is a dense model: it has no routing to trace")
+    # the trace comes from the runtime, so it must attach: as much cache as memory allows,
+    # never more than every expert (the outputs are the same at any budget)
+    if cache_mb is None:
+        plan = plan_offload(info, OffloadConfig(), n_ctx)
+        budget = plan.budget_bytes if plan.budget_bytes is not None else info.expert_bytes_total
+        cache_mb = max(budget, info.min_budget_bytes) / MB
+    # logits_all: otherwise llama.cpp drops every row but the last of a batch before the
+    # last layer, whose routing would then be missing for prompt tokens
+    llm = Llama(model_path, offload=OffloadConfig(cache_mb=cache_mb, policy=policy), n_ctx=n_ctx, logits_all=True,
+                n_batch=n_batch, n_ubatch=n_batch, n_threads=n_threads or os.cpu_count() or 1, verbose=False)
+    try:
+        if not llm.offloaded:
+            raise HobbitError(f"{model_path}: the expert runtime did not attach; cannot trace")
+        err = error_buffer()
+        if lib.hobbit_runtime_trace_begin(llm._runtime, lookahead, err, len(err)) != 0:
+            raise HobbitError(to_str(err))
+        tokens: list[int] = []
+        seq_start: list[int] = []
+        for prompt in (progress(prompts) if progress else prompts):
+            ids = llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=False)
+            room = n_ctx - len(ids)
+            if room < 1:
+                raise HobbitError(f"a prompt of {len(ids)} tokens does not fit the context of {n_ctx}: "
+                                  f"{prompt[:60]!r}...")
+            llm.reset()
+            evaluated = list(ids)
+            llm.eval(ids)
+            for _ in range(min(n_predict, room) - 1 if n_predict > 0 else 0):
+                nxt = int(np.argmax(llm.last_logits()))
+                if nxt == llm.token_eos():
+                    break
+                llm.eval([nxt])
+                evaluated.append(nxt)
+            seq_start += [1] + [0] * (len(evaluated) - 1)
+            tokens += evaluated
+
+        n_layer, depth = ffi.new("int32_t *"), ffi.new("int32_t *")
+        n = lib.hobbit_runtime_trace_size(llm._runtime, n_layer, depth)
+        if n != len(tokens):
+            raise HobbitError(f"{model_path}: the runtime recorded {n} tokens, {len(tokens)} were evaluated")
+        L, D, k, E = n_layer[0], depth[0], info.n_expert_used, info.n_expert
+        experts = np.empty((n, L, k), np.int32)
+        weights = np.empty((n, L, k), np.float32)
+        probs = np.empty((n, L, E), np.float32)
+        predicted = np.empty((n, L, D, k), np.int32)
+
+        def ptr(a, ctype):
+            return ffi.cast(ctype, a.ctypes.data) if a.size else ffi.NULL
+
+        lib.hobbit_runtime_trace_copy(llm._runtime, n, ptr(experts, "int32_t *"), ptr(weights, "float *"),
+                                      ptr(probs, "float *"), ptr(predicted, "int32_t *"))
+        lib.hobbit_runtime_trace_end(llm._runtime)
+        stats = llm.offload_stats()
+        runtime = {"cache_mb": cache_mb, "policy": policy, "n_batch": n_batch, "n_slot": stats["n_slot"],
+                   "expert_hits": stats["expert_hits"], "expert_misses": stats["expert_misses"]}
+    finally:
+        llm.close()
+
+    meta = {
+        "trace_version": TRACE_VERSION,
+        "model": os.path.abspath(model_path),
+        "model_bytes": info.file_bytes,
+        "arch": info.arch,
+        "n_moe_layer": L,
+        "n_expert": E,
+        "n_expert_used": k,
+        "expert_bytes": info.expert_bytes,
+        "expert_bytes_total": info.expert_bytes_total,
+        "uniform": info.uniform,
+        "lookahead": D,
+        "n_prompts": len(prompts),
+        "n_predict": n_predict,
+        "runtime": runtime,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    return Trace(experts=experts, weights=weights, probs=probs.astype(np.float16), predicted=predicted,
+                 seq_start=np.array(seq_start, np.uint8), tokens=np.array(tokens, np.int32), meta=meta)

@@ -1,0 +1,65 @@
+"""`hobbitpy bench` end to end on a tiny model: every configuration runs in its own
+capped process, the report has every figure, the outputs are never overwritten."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import hobbitpy
+
+from conftest import MB, tiny_model
+
+
+def _bench(args, **kw):
+    return subprocess.run([sys.executable, "-m", "hobbitpy", "bench", *args], capture_output=True, text=True,
+                          timeout=600, **kw)
+
+
+def test_bench_reports_every_figure(model_dir, tmp_path):
+    path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    info = hobbitpy.inspect_model(path)
+    budget = 5 * info.expert_bytes / MB
+    out = tmp_path / "result"
+    p = _bench([str(path), "--caps", "none", "--cap-mb", "700", "--repeats", "2", "-n", "6", "--threads", "2",
+                "--config", f"lru=--cache-mb {budget:.4f}", "--config", f"lfu=--policy lfu --cache-mb {budget:.4f}",
+                "--out", str(out), "--no-progress"])
+    assert p.returncode == 0, p.stderr
+    assert "disk:" in p.stdout and "same output as stock: yes" in p.stdout
+    r = json.loads((out / "bench.json").read_text())
+    assert r["disk_bytes_per_s"] > 0
+    assert [row["cap"] for row in r["rows"]] == ["none", "700MB"]
+    for row in r["rows"]:
+        assert row["same_output_as_stock"]
+        stock, lru, lfu = row["configs"]
+        assert [s["config"] for s in row["configs"]] == ["stock", "lru", "lfu"]
+        for s in row["configs"]:
+            assert s["errors"] == [] and s["decode_tok_s"] > 0 and len(s["all_decode_tok_s"]) == 2
+            assert s["ttft_short_ms"] > 0 and s["ttft_long_ms"] > 0 and s["same_output_all_repeats"]
+            assert s["ratio_to_stock"] > 0
+        assert not stock["offloaded"] and lru["offloaded"] and lfu["offloaded"]
+        assert stock["ratio_to_stock"] == 1.0
+        # 5 slots for 4 layers x top-2: the pools miss and read from disk
+        assert 0 <= lru["pool_hit_ratio"][0] < 1
+        assert lru["runtime_bytes_per_token"] > 0 and lru["runtime_bytes_per_token"] % info.expert_bytes == 0
+        assert abs(lru["budget_mb"] - budget) < 1e-3
+    png = out / "bench.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # never overwrites an earlier result
+    p = _bench([str(path), "--caps", "none", "--repeats", "1", "-n", "2", "--out", str(out), "--no-progress"])
+    assert p.returncode == 2 and "never overwrites" in p.stderr
+    assert json.loads((out / "bench.json").read_text()) == r
+
+
+def test_bench_bad_input(model_dir, tmp_path):
+    path = tiny_model(model_dir, "llama")
+    p = _bench([str(tmp_path / "nope.gguf"), "--caps", "none", "--no-progress"])
+    assert p.returncode == 2 and "nope.gguf" in p.stderr
+    p = _bench([str(path), "--config", "x=--cache-mb", "--no-progress"])
+    assert p.returncode == 2 and "bad flags in configuration" in p.stderr
+    p = _bench([str(path), "--config", "x=--policy nonsense", "--no-progress"])
+    assert p.returncode == 2 and "unknown cache policy" in p.stderr
+    p = _bench([str(path), "--caps", "-1", "--no-progress"])
+    assert p.returncode == 2 and "cap fraction" in p.stderr

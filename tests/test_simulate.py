@@ -1,0 +1,128 @@
+"""Routing traces and the offline cache simulator: the simulator replays the runtime's
+own policies, so on a trace recorded token by token it must count exactly the hits and
+misses the runtime counted while recording it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import hobbitpy
+from hobbitpy import HobbitError, OffloadConfig
+from hobbitpy.cli import main as cli_main
+from hobbitpy.simulate import simulate, simulate_all
+from hobbitpy.trace import load_trace, record_trace
+
+from conftest import MB, run_logits, tiny_model
+
+PROMPTS = ["Once upon a time there was a lighthouse", "The river ran quickly past the mill",
+           "In the beginning of the year the farmers"]
+
+
+def _slots_budget_mb(info, n_slot: int) -> float:
+    return n_slot * info.expert_bytes / MB
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lhu", "fld", "weighted"])
+def test_simulator_counts_what_the_runtime_counted(model_dir, policy):
+    path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    info = hobbitpy.inspect_model(path)
+    budget = _slots_budget_mb(info, 10)  # 10 of 32 experts: evictions all along
+    t = record_trace(path, PROMPTS, n_predict=10, cache_mb=budget, policy=policy, n_batch=1, n_ctx=128, lookahead=2)
+    rt = t.meta["runtime"]
+    assert rt["n_slot"] == 10
+    r = simulate(t, budget, policy)
+    assert r.accesses == t.n_tokens * 4 * 2  # distinct experts per token and layer (top-k has no repeats)
+    assert (r.hits, r.misses) == (rt["expert_hits"], rt["expert_misses"])
+    assert r.hits > 0 and r.misses > 0
+
+
+def test_belady_bounds_every_policy(model_dir):
+    path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    info = hobbitpy.inspect_model(path)
+    t = record_trace(path, PROMPTS, n_predict=16, n_ctx=128, lookahead=1)
+    for n_slot in (4, 8, 16):
+        results = {r.policy: r for r in simulate_all(t, [_slots_budget_mb(info, n_slot)])}
+        assert set(results) == {"lru", "lfu", "lhu", "fld", "random", "belady"}
+        best = results["belady"].misses
+        for r in results.values():
+            assert r.misses >= best
+            assert r.bytes_read == r.misses * info.expert_bytes
+            assert r.miss_penalty == r.misses  # one precision: every miss costs 1
+        assert results["lru"].misses > best
+    # every expert fits: only the cold misses remain, the same for all
+    everything = {r.misses for r in simulate_all(t, [_slots_budget_mb(info, 32)])}
+    assert everything == {len(np.unique(t.experts.reshape(t.n_tokens, -1) + 8 * np.arange(4).repeat(2)))}
+
+
+def test_trace_contents(model_dir, tmp_path):
+    path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    t = record_trace(path, PROMPTS, n_predict=6, n_ctx=128, lookahead=3)
+    n = t.n_tokens
+    assert t.experts.shape == (n, 4, 2) and t.weights.shape == (n, 4, 2)
+    assert t.probs.shape == (n, 4, 8) and t.predicted.shape == (n, 4, 3, 2)
+    assert int(t.seq_start.sum()) == len(PROMPTS) and t.seq_start[0] == 1
+    assert ((t.experts >= 0) & (t.experts < 8)).all()
+    assert (t.experts[..., 0] != t.experts[..., 1]).all()
+    # llama arch (Mixtral): softmax router, gate weights = the top-k probabilities renormalized
+    probs = t.probs.astype(np.float32)
+    np.testing.assert_allclose(probs.sum(-1), 1.0, atol=2e-3)
+    top = np.take_along_axis(probs, t.experts, axis=-1)
+    np.testing.assert_allclose(t.weights, top / top.sum(-1, keepdims=True), atol=5e-3)
+    assert (np.argmax(probs, -1) == t.experts[..., 0]).all()
+    # predictions run past the last layer: -1 there
+    assert (t.predicted[:, 3] == -1).all() and (t.predicted[:, 2, 1:] == -1).all()
+    assert ((t.predicted[:, 0] >= 0) & (t.predicted[:, 0] < 8)).all()
+
+    out = t.save(tmp_path / "trace.npz")
+    back = load_trace(out)
+    np.testing.assert_array_equal(back.experts, t.experts)
+    np.testing.assert_array_equal(back.predicted, t.predicted)
+    assert back.meta == json.loads(json.dumps(t.meta))
+    with pytest.raises(FileExistsError):
+        t.save(out)
+
+
+def test_bad_trace_files(tmp_path, capsys):
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a zip at all")
+    with pytest.raises(HobbitError, match="bad.npz"):
+        load_trace(bad)
+    with pytest.raises(HobbitError, match="no such trace"):
+        load_trace(tmp_path / "missing.npz")
+    assert cli_main(["simulate", str(bad), "--budget-mb", "10"]) == 2
+    assert "bad.npz" in capsys.readouterr().err
+
+
+def test_trace_and_simulate_commands(model_dir, tmp_path, capsys):
+    path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    info = hobbitpy.inspect_model(path)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n\n")
+    out = tmp_path / "t.npz"
+    assert cli_main(["trace", str(path), "--prompts", str(prompts), "--out", str(out), "-n", "4", "--ctx", "128"]) == 0
+    assert cli_main(["trace", str(path), "--prompts", str(prompts), "--out", str(out)]) == 2  # never overwrites
+    capsys.readouterr()
+    budget = f"{_slots_budget_mb(info, 6):.4f}"
+    assert cli_main(["simulate", str(out), "--budget-mb", budget, "--json", str(tmp_path / "s.json")]) == 0
+    text = capsys.readouterr().out
+    for name in ("lru", "lfu", "fld", "random", "belady", "misses/Belady"):
+        assert name in text
+    rows = json.loads((tmp_path / "s.json").read_text())
+    assert {r["policy"] for r in rows} >= {"lru", "belady"}
+    # a budget below one token's top-k is refused with the numbers
+    assert cli_main(["simulate", str(out), "--budget-mb", f"{_slots_budget_mb(info, 1):.4f}"]) == 2
+    assert "one token needs 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lhu", "fld", "random", "weighted"])
+def test_every_policy_is_exact(model_dir, policy):
+    path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    info = hobbitpy.inspect_model(path)
+    ref, ref_text, _, _ = run_logits(path, OffloadConfig(enabled=False))
+    got, text, stats, _ = run_logits(path, OffloadConfig(cache_mb=_slots_budget_mb(info, 3), policy=policy))
+    assert stats["expert_misses"] > 0
+    assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
+    assert text == ref_text
