@@ -60,6 +60,6 @@ def test_bench_bad_input(model_dir, tmp_path):
     p = _bench([str(path), "--config", "x=--cache-mb", "--no-progress"])
     assert p.returncode == 2 and "bad flags in configuration" in p.stderr
     p = _bench([str(path), "--config", "x=--policy nonsense", "--no-progress"])
-    assert p.returncode == 2 and "unknown cache policy" in p.stderr
+    assert p.returncode == 2 and "invalid choice" in p.stderr
     p = _bench([str(path), "--caps", "-1", "--no-progress"])
     assert p.returncode == 2 and "cap fraction" in p.stderr

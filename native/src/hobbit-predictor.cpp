@@ -21,25 +21,9 @@ public:
             return;
         }
         const router_weights & next = routers[pos->second + 1];
-        const int n_expert = (int) (next.w.size() / n_embd);
-
-        // gating is monotonic in the logits (softmax or sigmoid), so the top logits
-        // are the top experts
-        std::vector<float> logits(n_expert);
-        for (int e = 0; e < n_expert; ++e) {
-            const float * row = next.w.data() + (size_t) e * n_embd;
-            float acc = 0.0f;
-            for (int i = 0; i < n_embd; ++i) {
-                acc += row[i] * x[i];
-            }
-            logits[e] = acc;
-        }
-        std::vector<int> order(n_expert);
-        std::iota(order.begin(), order.end(), 0);
-        const int k = std::min(n_predict, n_expert);
-        std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) { return logits[a] > logits[b]; });
-        for (int i = 0; i < k; ++i) {
-            out.emplace_back(next.il, order[i]);
+        router_top_k(next, n_embd, x, n_predict, top);
+        for (int e : top) {
+            out.emplace_back(next.il, e);
         }
     }
 
@@ -48,9 +32,28 @@ private:
     std::map<int, size_t> position; // layer -> index in routers
     int n_embd;
     int n_predict;
+    std::vector<int> top;
 };
 
 } // namespace
+
+void router_top_k(const router_weights & r, int n_embd, const float * x, int k, std::vector<int> & out) {
+    const int n_expert = (int) (r.w.size() / n_embd);
+    std::vector<float> logits(n_expert);
+    for (int e = 0; e < n_expert; ++e) {
+        const float * row = r.w.data() + (size_t) e * n_embd;
+        float acc = 0.0f;
+        for (int i = 0; i < n_embd; ++i) {
+            acc += row[i] * x[i];
+        }
+        logits[e] = acc;
+    }
+    out.resize(n_expert);
+    std::iota(out.begin(), out.end(), 0);
+    k = std::min(k, n_expert);
+    std::partial_sort(out.begin(), out.begin() + k, out.end(), [&](int a, int b) { return logits[a] > logits[b]; });
+    out.resize(k);
+}
 
 std::unique_ptr<predictor_i> predictor_make_next_layer_gate(std::vector<router_weights> routers, int n_embd, int n_predict) {
     return std::make_unique<next_layer_gate_predictor>(std::move(routers), n_embd, n_predict);

@@ -25,6 +25,10 @@ struct router_weights {
     std::vector<float> w;      // [n_expert][n_embd], row-major
 };
 
+// the k experts router r ranks highest on input x ([n_embd] floats), best first; the
+// gate (softmax or sigmoid) is monotonic in the logits, so the top logits are the top experts
+void router_top_k(const router_weights & r, int n_embd, const float * x, int k, std::vector<int> & out);
+
 // routers: the router of every MoE layer in layer order; predicts the top n_predict
 // experts of the next MoE layer
 std::unique_ptr<predictor_i> predictor_make_next_layer_gate(std::vector<router_weights> routers, int n_embd, int n_predict);

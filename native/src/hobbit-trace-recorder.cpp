@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <numeric>
 
 trace_recorder::trace_recorder(std::vector<int> moe_layers_, int n_expert, int n_expert_used, int n_embd, int lookahead,
                                std::vector<router_weights> routers_)
@@ -31,8 +30,7 @@ void trace_recorder::record(int il, const ggml_tensor * sel, const ggml_tensor *
     const int pos = position[il];
     layer_log & log = logs[pos];
     const int64_t n_tokens = sel->ne[1];
-    std::vector<float> logits(n_expert);
-    std::vector<int> order(n_expert);
+    std::vector<int> top;
     for (int64_t t = 0; t < n_tokens; ++t) {
         for (int k = 0; k < n_used; ++k) {
             log.experts.push_back(at<int32_t>(sel, k, t));
@@ -48,20 +46,8 @@ void trace_recorder::record(int il, const ggml_tensor * sel, const ggml_tensor *
                 log.predicted.insert(log.predicted.end(), n_used, -1);
                 continue;
             }
-            // the gate is monotonic in the logits, so the top logits are the top experts
-            const router_weights & r = routers[pos + d];
-            for (int e = 0; e < n_expert; ++e) {
-                const float * row = r.w.data() + (size_t) e * n_embd;
-                float acc = 0.0f;
-                for (int i = 0; i < n_embd; ++i) {
-                    acc += row[i] * xt[i];
-                }
-                logits[e] = acc;
-            }
-            std::iota(order.begin(), order.end(), 0);
-            std::partial_sort(order.begin(), order.begin() + n_used, order.end(),
-                              [&](int a, int b) { return logits[a] > logits[b]; });
-            log.predicted.insert(log.predicted.end(), order.begin(), order.begin() + n_used);
+            router_top_k(routers[pos + d], n_embd, xt, n_used, top);
+            log.predicted.insert(log.predicted.end(), top.begin(), top.end());
         }
     }
 }

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from .config import MB, OffloadConfig
+from .config import MB
 from .disk import drop_from_page_cache, measure_read_bandwidth
 from .errors import HobbitError
 from .memcap import MemoryCap
@@ -39,30 +39,23 @@ class BenchConfig:
 
     @classmethod
     def parse(cls, text: str) -> "BenchConfig":
-        """NAME or NAME=FLAGS, FLAGS as for `hobbitpy run`: --cache-mb MB, --prefetch,
-        --policy P, --policy-weights A,B,C,D, --no-direct-io."""
+        """NAME or NAME=FLAGS, FLAGS as for `hobbitpy run` (--cache-mb, --prefetch, --policy, ...)."""
         import argparse
+        import dataclasses
+
+        from .cli import add_offload_args, offload_config_from_args
 
         name, _, flags = text.partition("=")
         name = name.strip()
         if not name or name == STOCK:
             raise ValueError(f"bad configuration {text!r}: give it a name other than {STOCK!r}")
         p = argparse.ArgumentParser(prog=f"--config {name}=", add_help=False, exit_on_error=False)
-        p.add_argument("--cache-mb", type=float)
-        p.add_argument("--prefetch", action="store_true")
-        p.add_argument("--policy", default="lru")
-        p.add_argument("--policy-weights")
-        p.add_argument("--no-direct-io", action="store_true")
+        add_offload_args(p)
         try:
-            a = p.parse_args(shlex.split(flags))
+            config = offload_config_from_args(p.parse_args(shlex.split(flags)))
         except (argparse.ArgumentError, SystemExit) as e:
             raise ValueError(f"bad flags in configuration {text!r}: {e}") from None
-        offload = {"cache_mb": a.cache_mb, "prefetch_layers": 1 if a.prefetch else 0, "policy": a.policy,
-                   "direct_io": not a.no_direct_io}
-        if a.policy_weights:
-            offload["policy_weights"] = tuple(float(x) for x in a.policy_weights.split(","))
-        OffloadConfig(**offload)  # validate now, not in the tenth run
-        return cls(name, offload)
+        return cls(name, dataclasses.asdict(config) if config.enabled else None)
 
 
 @dataclass

@@ -21,15 +21,7 @@ def _add_run_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads (default: all cores)")
     p.add_argument("--ctx", type=int, default=512, help="context length in tokens (default 512)")
-    mem = p.add_mutually_exclusive_group()
-    mem.add_argument("--cache-mb", type=float, default=None,
-                     help="expert cache budget in MB (default: from the memory available)")
-    mem.add_argument("--no-offload", action="store_true",
-                     help="run stock llama.cpp (every expert mapped from the file): the reference")
-    p.add_argument("--prefetch", action="store_true",
-                   help="while a layer computes, prefetch the experts the next layer's router picks on its input")
-    p.add_argument("--no-direct-io", action="store_true", help="read experts through the page cache")
-    _add_policy_args(p)
+    add_offload_args(p)
     p.add_argument("--stats-json", metavar="FILE", help="write run statistics as JSON to FILE")
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
     p.set_defaults(func=_run)
@@ -53,17 +45,20 @@ def _weights(text: str) -> tuple[float, ...]:
     return w
 
 
-def _add_offload_args(p) -> None:
+def add_offload_args(p) -> None:
+    """The flags that choose how experts are served (run, eval, and bench's --config)."""
     mem = p.add_mutually_exclusive_group()
     mem.add_argument("--cache-mb", type=float, default=None,
                      help="expert cache budget in MB (default: from the memory available)")
-    mem.add_argument("--no-offload", action="store_true", help="run stock llama.cpp")
-    p.add_argument("--prefetch", action="store_true", help="prefetch the next layer's predicted experts")
+    mem.add_argument("--no-offload", action="store_true",
+                     help="run stock llama.cpp (every expert mapped from the file): the reference")
+    p.add_argument("--prefetch", action="store_true",
+                   help="while a layer computes, prefetch the experts the next layer's router picks on its input")
     p.add_argument("--no-direct-io", action="store_true", help="read experts through the page cache")
     _add_policy_args(p)
 
 
-def _offload_config(args):
+def offload_config_from_args(args):
     from hobbitpy import OffloadConfig
 
     return OffloadConfig(enabled=not args.no_offload, cache_mb=args.cache_mb,
@@ -211,7 +206,7 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--no-reference", action="store_true", help="perplexity only, no stock run to compare with")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    _add_offload_args(p)
+    add_offload_args(p)
     p.set_defaults(func=_eval)
 
 
@@ -227,7 +222,7 @@ def _eval(args) -> int:
     except (OSError, UnicodeDecodeError) as e:
         return _fail(f"{args.text}: cannot read the text ({e})")
     try:
-        offload = _offload_config(args)
+        offload = offload_config_from_args(args)
         r = evaluate(args.model, text, offload, n_ctx=args.ctx, max_tokens=args.max_tokens, n_threads=args.threads,
                      compare_to_reference=not args.no_reference,
                      progress=lambda xs: tqdm(xs, desc="eval", unit="window", file=sys.stderr))
@@ -275,7 +270,7 @@ def _fail(msg: str) -> int:
 
 def _run(args) -> int:
     import hobbitpy  # first: it points llama_cpp at the patched library
-    from hobbitpy import HobbitError, OffloadConfig
+    from hobbitpy import HobbitError
 
     import llama_cpp
 
@@ -294,9 +289,7 @@ def _run(args) -> int:
             return _fail(f"{args.stats_json}: cannot write the statistics there (no such writable directory)")
 
     try:
-        offload = OffloadConfig(enabled=not args.no_offload, cache_mb=args.cache_mb,
-                                prefetch_layers=1 if args.prefetch else 0, direct_io=not args.no_direct_io,
-                                policy=args.policy, policy_weights=args.policy_weights)
+        offload = offload_config_from_args(args)
     except ValueError as e:
         return _fail(str(e))
 
