@@ -15,7 +15,10 @@ The GGUF is read back into the same PyTorch modules the training script uses (we
 dequantized with gguf), so this works for models written by
 scripts/train_reference_moe.py (llama and qwen2moe archs).
 
-    python scripts/routing_stats.py models/ref-mixtral-Q8_0.gguf --text held-out.txt
+    python scripts/routing_stats.py models/ref-mixtral-Q8_0.gguf models/ref-deepseek-Q8_0.gguf
+
+(without --text: the held-out split of the training data, fetched and split exactly as
+the training script does)
 """
 
 from __future__ import annotations
@@ -117,26 +120,33 @@ def routing_stats(model: T.MoELM, ids: np.ndarray) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model")
-    ap.add_argument("--text", required=True, help="held-out text")
-    ap.add_argument("--max-tokens", type=int, default=16384)
-    a = ap.parse_args()
-
-    import hobbitpy  # llama.cpp's own tokenizer of the GGUF
-    with hobbitpy.Llama(a.model, offload=hobbitpy.OffloadConfig(enabled=False), vocab_only=True, verbose=False) as llm:
-        ids = np.array(llm.tokenize(pathlib.Path(a.text).read_bytes(), add_bos=False), dtype=np.int64)[: a.max_tokens]
-    model = load_model(a.model)
-    rows = routing_stats(model, ids)
+def print_table(path: str, model: T.MoELM, rows: list[dict], n_tokens: int) -> None:
     c = model.c
-    print(f"{a.model}: {c.n_expert} experts, top-{c.n_expert_used}, {len(ids)} tokens")
+    print(f"{path}: {c.n_expert} experts, top-{c.n_expert_used}, {n_tokens} held-out tokens "
+          f"(uniform next1 = 1/{c.n_expert} = {1 / c.n_expert:.3f})")
     print(f"{'layer':>5} {'reuse':>7} {'uniform':>8} {'next1':>7} {'nextk':>7} {'uniform':>8} {'corr':>6} {'skew':>6}")
     for r in rows:
         n1 = f"{r['next1']:.3f}" if "next1" in r else "-"
         nk = f"{r['nextk']:.3f}" if "nextk" in r else "-"
         print(f"{r['layer']:>5} {r['reuse']:>7.3f} {r['reuse_uniform']:>8.3f} {n1:>7} {nk:>7} "
               f"{c.n_expert_used / c.n_expert:>8.3f} {r['corr']:>6.3f} {r['skew']:>6.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("models", nargs="+", help="GGUF files written by scripts/train_reference_moe.py")
+    ap.add_argument("--text", help="held-out text (default: the training script's held-out split)")
+    ap.add_argument("--max-tokens", type=int, default=8192)
+    a = ap.parse_args()
+
+    text = (pathlib.Path(a.text).read_text() if a.text else T.split_kjv(T.fetch_kjv(T.DEFAULT_CACHE))[1]).encode()
+    import hobbitpy  # llama.cpp's own tokenizer of the GGUF
+    for path in a.models:
+        with hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(enabled=False), vocab_only=True, verbose=False) as llm:
+            ids = np.array(llm.tokenize(text, add_bos=False), dtype=np.int64)[: a.max_tokens]
+        model = load_model(path)
+        print_table(path, model, routing_stats(model, ids), len(ids))
+        print()
 
 
 if __name__ == "__main__":

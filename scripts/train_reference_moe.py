@@ -56,6 +56,16 @@ def fetch_kjv(cache: pathlib.Path) -> str:
     return text
 
 
+def split_kjv(text: str) -> tuple[str, str]:
+    """Training and held-out text: the last 5 % of the verses (towards Revelation) are held out."""
+    lines = text.splitlines()
+    split = int(len(lines) * 0.95)
+    return "\n".join(lines[:split]) + "\n", "\n".join(lines[split:]) + "\n"
+
+
+DEFAULT_CACHE = pathlib.Path.home() / ".cache" / "hobbitpy-train"
+
+
 # ---------------------------------------------------------------- tokenizer
 
 def train_tokenizer(text: str, vocab_size: int) -> Tokenizer:
@@ -366,17 +376,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--aux-weight", type=float, default=0.01, help="load-balancing loss weight")
-    ap.add_argument("--cache", default=str(pathlib.Path.home() / ".cache" / "hobbitpy-train"))
+    ap.add_argument("--cache", default=str(DEFAULT_CACHE))
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
 
     torch.manual_seed(a.seed)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     cache = pathlib.Path(a.cache)
-    text = fetch_kjv(cache)
-    lines = text.splitlines()
-    split = int(len(lines) * 0.95)  # the last 5% of verses (end of Revelation side) is held out
-    train_text, val_text = "\n".join(lines[:split]) + "\n", "\n".join(lines[split:]) + "\n"
+    train_text, val_text = split_kjv(fetch_kjv(cache))
     tok = train_tokenizer(train_text, a.vocab)
     train_ids = np.array(tok.encode(train_text).ids, dtype=np.int64)
     val_ids = np.array(tok.encode(val_text).ids, dtype=np.int64)

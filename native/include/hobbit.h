@@ -95,7 +95,7 @@ struct hobbit_stats {
     int64_t prefetch_used;         // prefetched experts later selected while still cached
     int64_t loads_overlapped;      // loads that completed while the graph computed between two MoE layers, no dispatch waiting
     int64_t stall_us;              // time dispatch waited for loads
-    int64_t io_us;                 // time the I/O threads spent reading (summed over threads)
+    int64_t io_us;                 // time from a load's first read to its last, summed over loads
     int64_t peak_pool_bytes;       // most slot bytes ever holding an expert
     int64_t budget_bytes;          // budget the pool was sized from
     int64_t pool_bytes;            // bytes allocated for slots (n_slot * expert_bytes)

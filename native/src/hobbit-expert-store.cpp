@@ -276,3 +276,8 @@ void expert_store::read_expert(int il, int e, void * const dst[LLAMA_MOE_PROJ_CO
         read_at(pl.offset + (uint64_t) e * pl.n_bytes, pl.n_bytes, dst[p]);
     }
 }
+
+void expert_store::read_piece(int il, int e, int proj, uint64_t begin, uint64_t end, void * dst) {
+    const expert_proj_layout & pl = index.layers.at(il).proj[proj];
+    read_at(pl.offset + (uint64_t) e * pl.n_bytes + begin, end - begin, (char *) dst + begin);
+}

@@ -51,6 +51,10 @@ public:
     // Blocking. Throws hobbit_error on a failed or short read.
     void read_expert(int il, int e, void * const dst[LLAMA_MOE_PROJ_COUNT]);
 
+    // read bytes [begin, end) of projection proj of expert e of layer il into dst + begin
+    // (a piece of a load, so that several threads can share one expert). Blocking; throws like read_expert.
+    void read_piece(int il, int e, int proj, uint64_t begin, uint64_t end, void * dst);
+
     // read one projection's slice into a buffer of the store; the pointer is valid until
     // the next read. Blocking; throws like read_expert.
     const void * read_slice(int il, int e, int proj);

@@ -30,22 +30,52 @@ io_scheduler::~io_scheduler() {
     }
 }
 
+static int64_t now_us() {
+    return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 void io_scheduler::submit(const std::vector<load_task> & tasks) {
     {
         std::lock_guard<std::mutex> lock(mtx);
         for (const load_task & task : tasks) {
-            (task.prefetch ? prefetches : on_demand).push_back(task);
+            auto ld = std::make_shared<load>();
+            ld->task = task;
+            std::deque<piece> & q = task.prefetch ? prefetches : on_demand;
+            const expert_layer_layout & layer = index.layers[task.layer];
+            for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
+                if (task.view[p] != nullptr) {
+                    q.push_back({ ld, p, 0, 0, true });
+                    ld->pieces_left++;
+                } else if (layer.proj[p].present && task.dst[p] != nullptr) {
+                    const uint64_t n = layer.proj[p].n_bytes;
+                    for (uint64_t b = 0; b < n; b += PIECE_BYTES) {
+                        q.push_back({ ld, p, b, std::min(n, b + PIECE_BYTES), false });
+                        ld->pieces_left++;
+                    }
+                }
+            }
+            if (ld->pieces_left == 0) {
+                q.push_back({ ld, 0, 0, 0, false }); // nothing to read: completes at once
+                ld->pieces_left = 1;
+            }
         }
     }
-    cv.notify_one();
+    cv.notify_all();
 }
 
 std::deque<load_task> io_scheduler::drop_prefetches(const std::function<bool(const load_task &)> & pred) {
     std::deque<load_task> dropped;
     std::lock_guard<std::mutex> lock(mtx);
+    // a prefetch can go only while none of its pieces has started; a load's pieces are
+    // queued one after the other, so each dropped load is reported once
+    const load * last = nullptr;
     for (auto it = prefetches.begin(); it != prefetches.end();) {
-        if (pred(*it)) {
-            dropped.push_back(*it);
+        const std::shared_ptr<load> ld = it->ld;
+        if (!ld->started && pred(ld->task)) {
+            if (ld.get() != last) {
+                dropped.push_back(ld->task);
+                last = ld.get();
+            }
             it = prefetches.erase(it);
         } else {
             ++it;
@@ -56,33 +86,50 @@ std::deque<load_task> io_scheduler::drop_prefetches(const std::function<bool(con
 
 void io_scheduler::loop(expert_store & store) {
     for (;;) {
-        load_task task;
+        piece pc;
         {
             std::unique_lock<std::mutex> lock(mtx);
             cv.wait(lock, [this] { return closing || !on_demand.empty() || !prefetches.empty(); });
             if (closing) {
                 return;
             }
-            std::deque<load_task> & q = on_demand.empty() ? prefetches : on_demand;
-            task = q.front();
+            std::deque<piece> & q = on_demand.empty() ? prefetches : on_demand;
+            pc = q.front();
             q.pop_front();
+            if (!pc.ld->started) {
+                pc.ld->started = true;
+                pc.ld->t_start_us = now_us();
+            }
         }
 
-        // blocking read, outside the lock: submits and drops go on meanwhile
-        const auto t0 = std::chrono::steady_clock::now();
+        // blocking read, outside the lock: submits, drops and the other readers go on meanwhile
+        load & ld = *pc.ld;
+        const load_task & task = ld.task;
         std::string error;
         try {
-            store.read_expert(task.layer, task.expert, task.dst);
-            for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
-                if (task.view[p] != nullptr) {
-                    // the buffer repacks the raw slice into the slot as it is set
-                    ggml_backend_tensor_set(task.view[p], store.read_slice(task.layer, task.expert, p), 0, ggml_nbytes(task.view[p]));
-                }
+            if (pc.whole) {
+                // the buffer repacks the raw slice into the slot as it is set
+                ggml_backend_tensor_set(task.view[pc.proj], store.read_slice(task.layer, task.expert, pc.proj), 0,
+                                        ggml_nbytes(task.view[pc.proj]));
+            } else if (pc.end > pc.begin) {
+                store.read_piece(task.layer, task.expert, pc.proj, pc.begin, pc.end, task.dst[pc.proj]);
             }
         } catch (const std::exception & e) {
             error = e.what();
         }
-        const int64_t us = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
-        on_done(task, error, error.empty() ? index.layers[task.layer].n_bytes() : 0, us);
+
+        bool last = false;
+        int64_t us = 0;
+        {
+            std::lock_guard<std::mutex> lock(mtx);
+            if (!error.empty() && ld.error.empty()) {
+                ld.error = error;
+            }
+            last = --ld.pieces_left == 0;
+            us = now_us() - ld.t_start_us;
+        }
+        if (last) {
+            on_done(task, ld.error, ld.error.empty() ? index.layers[task.layer].n_bytes() : 0, us);
+        }
     }
 }

@@ -1,9 +1,11 @@
 // hobbit-io-scheduler.h - I/O threads draining one priority queue of expert loads.
 //
 // On-demand loads (a layer is waiting for them) go before prefetches; within a class,
-// first come first served. A started read cannot be cancelled; a queued prefetch can be
-// dropped. Completion is reported through a callback on the I/O thread that read it.
-// Two threads keep the disk busy while one of them copies an O_DIRECT bounce buffer.
+// first come first served. Each load is cut into pieces of at most PIECE_BYTES that any
+// thread may read, so even a single missing expert keeps every reader busy (one read in
+// flight per thread, and one thread's bounce-buffer copy overlaps the other's read).
+// A load that has started cannot be cancelled; a queued prefetch can be dropped.
+// Completion is reported through a callback on the I/O thread that read the last piece.
 #pragma once
 
 #include "hobbit-expert-store.h"
@@ -47,7 +49,26 @@ public:
     // drop queued (not started) prefetches for which pred returns true; returns them
     std::deque<load_task> drop_prefetches(const std::function<bool(const load_task &)> & pred);
 
+    static constexpr uint64_t PIECE_BYTES = 2u << 20;
+
 private:
+    // a load in progress: its task, pieces still unread, the first error
+    struct load {
+        load_task   task;
+        int         pieces_left = 0;
+        bool        started     = false;
+        std::string error;
+        int64_t     t_start_us  = 0;
+    };
+    // one read of a load: bytes [begin, end) of projection proj (whole = a repacked
+    // projection, set through ggml in one piece)
+    struct piece {
+        std::shared_ptr<load> ld;
+        int      proj;
+        uint64_t begin, end;
+        bool     whole;
+    };
+
     void loop(expert_store & store);
 
     std::vector<std::unique_ptr<expert_store>> stores; // one per thread
@@ -56,8 +77,8 @@ private:
 
     std::mutex              mtx;
     std::condition_variable cv;
-    std::deque<load_task>   on_demand;
-    std::deque<load_task>   prefetches;
+    std::deque<piece>       on_demand;
+    std::deque<piece>       prefetches;
     bool                    closing = false;
     std::vector<std::thread> workers;
 };
