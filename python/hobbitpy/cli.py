@@ -134,7 +134,7 @@ def _trace(args) -> int:
     import pathlib
 
     from hobbitpy import HobbitError
-    from hobbitpy.trace import _read_prompts, record_trace
+    from hobbitpy.trace import read_prompts, record_trace
 
     from tqdm import tqdm
 
@@ -144,7 +144,7 @@ def _trace(args) -> int:
     if out.suffix != ".npz":
         return _fail(f"{out}: a trace is written as .npz; name the file accordingly")
     try:
-        prompts = _read_prompts(args.prompts)
+        prompts = read_prompts(args.prompts)
         t = record_trace(args.model, prompts, n_predict=args.n_predict, lookahead=args.lookahead, n_ctx=args.ctx,
                          n_threads=args.threads, progress=lambda xs: tqdm(xs, desc="trace", unit="prompt", file=sys.stderr))
         t.save(out)
@@ -177,6 +177,8 @@ def _simulate(args) -> int:
     from hobbitpy.simulate import format_table, simulate_all
     from hobbitpy.trace import load_trace
 
+    if why := _json_target_error(args.json):
+        return _fail(why)
     try:
         t = load_trace(args.trace)
         results = simulate_all(t, args.budget_mb, args.policy, weights=args.policy_weights, seed=args.seed)
@@ -188,9 +190,7 @@ def _simulate(args) -> int:
           f"{m['expert_bytes_total'] / MB:.0f} MB of experts")
     print(format_table(results))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([r.as_dict() for r in results], f, indent=2)
-            f.write("\n")
+        _write_json(args.json, [r.as_dict() for r in results])
     return 0
 
 
@@ -216,6 +216,8 @@ def _eval(args) -> int:
 
     from tqdm import tqdm
 
+    if why := _json_target_error(args.json):
+        return _fail(why)
     try:
         with open(args.text, encoding="utf-8") as f:
             text = f.read()
@@ -235,9 +237,7 @@ def _eval(args) -> int:
         print(f"mean KL to reference  {r.mean_kl:.6f} nats")
         print(f"top-1 agreement       {r.top1_agreement * 100:.2f} %")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r.as_dict(), f, indent=2)
-            f.write("\n")
+        _write_json(args.json, r.as_dict())
     return 0
 
 
@@ -261,6 +261,24 @@ def _inflate(args) -> int:
         return _fail(str(e))
     print(f"{out}: {os.path.getsize(out) / MB:.1f} MB")
     return 0
+
+
+def _json_target_error(path: str | None) -> str | None:
+    """Why the results cannot go to path (an existing file is never overwritten), or None."""
+    if path is None:
+        return None
+    if os.path.exists(path):
+        return f"{path} exists; results never overwrite a file"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        return f"{path}: cannot write there (no such writable directory)"
+    return None
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "x") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
 
 
 def _fail(msg: str) -> int:

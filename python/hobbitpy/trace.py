@@ -83,7 +83,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
     return t
 
 
-def _read_prompts(path: str | os.PathLike) -> list[str]:
+def read_prompts(path: str | os.PathLike) -> list[str]:
     p = pathlib.Path(path)
     try:
         lines = p.read_text(encoding="utf-8").splitlines()
