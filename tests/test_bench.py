@@ -63,3 +63,19 @@ def test_bench_bad_input(model_dir, tmp_path):
     assert p.returncode == 2 and "invalid choice" in p.stderr
     p = _bench([str(path), "--caps", "-1", "--no-progress"])
     assert p.returncode == 2 and "cap fraction" in p.stderr
+
+
+def test_bench_several_models_in_one_command(model_dir, tmp_path):
+    a = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    b = tiny_model(model_dir, "qwen2moe")
+    out = tmp_path / "both"
+    # a missing model is reported before anything runs
+    p = _bench([str(a), str(tmp_path / "missing.gguf"), "--caps", "none", "--out", str(out), "--no-progress"])
+    assert p.returncode == 2 and "missing.gguf" in p.stderr and not out.exists()
+    p = _bench([str(a), str(b), "--caps", "none", "--repeats", "1", "-n", "3", "--threads", "2",
+                "--config", "lru=--cache-mb 1", "--out", str(out), "--no-progress"])
+    assert p.returncode == 0, p.stderr
+    for model in (a, b):
+        r = json.loads((out / model.stem / "bench.json").read_text())
+        assert r["model"] == str(model.resolve()) and r["rows"][0]["same_output_as_stock"]
+        assert [s["config"] for s in r["rows"][0]["configs"]] == ["stock", "lru"]

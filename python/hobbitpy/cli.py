@@ -71,7 +71,7 @@ def _add_bench_parser(sub) -> None:
                        description="Run stock llama.cpp and hobbitpy configurations on the same model and prompts, "
                                    "interleaved, each run a fresh process under the same memory cap (a child memory "
                                    "cgroup); report medians, ratios to stock and the disk bound; write JSON and a PNG.")
-    p.add_argument("model", help="GGUF model file")
+    p.add_argument("models", nargs="+", metavar="MODEL", help="GGUF model file(s); each is measured in turn")
     p.add_argument("--caps", nargs="*", default=["1.0", "0.75", "0.55", "0.40"], metavar="FRACTION",
                    help="memory caps as fractions of the model file's size, or 'none' (default 1.0 0.75 0.55 0.40)")
     p.add_argument("--cap-mb", nargs="*", type=float, default=[], metavar="MB", help="further caps in MB")
@@ -94,24 +94,34 @@ def _bench(args) -> int:
 
     if args.repeats < 1 or args.n_predict < 2:
         return _fail("--repeats must be >= 1 and -n >= 2")
+    model = args.models[0]
     try:
-        info_bytes = os.path.getsize(args.model)
         configs = [bench.BenchConfig.parse(c) for c in (args.config or ["lru"])]
         if len({c.name for c in configs}) != len(configs):
             return _fail("configuration names must differ")
-        caps = bench.parse_caps(args.caps, args.cap_mb, info_bytes)
-        if not caps:
-            return _fail("no caps given")
-        out = pathlib.Path(args.out) if args.out else bench.default_out_dir(args.model)
+        # every model is checked before the first run: a typo in the second must not
+        # surface after an hour of measuring the first
+        plans = []
+        for model in args.models:
+            caps = bench.parse_caps(args.caps, args.cap_mb, os.path.getsize(model))
+            if not caps:
+                return _fail("no caps given")
+            plans.append((model, caps))
+        out = pathlib.Path(args.out) if args.out else bench.default_out_dir(args.models[0])
         bench.check_out_dir(out)
-        result = bench.run_bench(args.model, configs, caps, repeats=args.repeats, n_predict=args.n_predict,
-                                 threads=args.threads, progress=not args.no_progress)
+        if len(set(pathlib.Path(m).stem for m in args.models)) != len(args.models):
+            return _fail("the models' file names must differ (each gets its own output folder)")
+        for model, caps in plans:
+            result = bench.run_bench(model, configs, caps, repeats=args.repeats, n_predict=args.n_predict,
+                                     threads=args.threads, progress=not args.no_progress)
+            # one model: its files in the output folder; several: a folder per model
+            target = out if len(plans) == 1 else out / pathlib.Path(model).stem
+            for path in bench.write_outputs(result, target):
+                print(f"wrote {path}")
     except OSError as e:
-        return _fail(f"{args.model}: {e.strerror or e}")
+        return _fail(f"{model}: {e.strerror or e}")
     except (HobbitError, ValueError) as e:
         return _fail(str(e))
-    for path in bench.write_outputs(result, out):
-        print(f"wrote {path}")
     return 0
 
 
