@@ -55,6 +55,10 @@ enum hobbit_policy {
     HOBBIT_POLICY_WEIGHTED = 5, // HOBBIT eq. 3: policy_weights mix LRU, LFU, LHU and FLD
 };
 
+// precision levels: 0 is the model's own experts (high), then optional companion files
+// with the same experts at lower precision (`hobbitpy prepare`): [high, low] or [high, mid, low]
+#define HOBBIT_MAX_LEVELS 3
+
 // weights of HOBBIT's eq. 3; they should sum to 1
 struct hobbit_policy_weights {
     float lru, lfu, lhu, fld;
@@ -68,6 +72,15 @@ struct hobbit_params {
     int32_t prefetch_layers; // 0 = load on demand only; 1 = during decode, also prefetch the experts the next layer's router picks on this layer's input
     bool    direct_io;       // read with O_DIRECT (bypassing the page cache) where the file system allows it
     int32_t n_io_threads;    // threads reading experts (2 keeps the disk busy while one copies; 1 = strict queue order)
+
+    // mixed precision (HOBBIT §3.2); n_level = 1 serves every expert from the model at its own precision
+    int32_t n_level;                                // 1..HOBBIT_MAX_LEVELS
+    const char * level_paths[HOBBIT_MAX_LEVELS];    // [1..n_level-1]: expert-only GGUF of the same model (copied at request)
+    float   level_shares[HOBBIT_MAX_LEVELS];        // how the budget above the minimum is split among the levels (all 0 = evenly)
+    float   t1;            // a selection's score (eq. 2) <= t1: high precision
+    float   t_mid;         // three levels: score <= t_mid: the middle level
+    float   t2;            // score > t2: a missed expert is skipped (no output this token)
+    bool    upgrade_hits;  // a hit at a lower precision than wanted is used, and the wanted copy loads in the background
 };
 
 struct hobbit_model_info {
@@ -101,6 +114,11 @@ struct hobbit_stats {
     int64_t pool_bytes;            // bytes allocated for slots (n_slot * expert_bytes)
     int32_t n_slot;                // slots in the pool
     bool    direct_io;             // O_DIRECT actually in use
+    int32_t n_level;               // precision levels in use
+    int64_t served[HOBBIT_MAX_LEVELS]; // selections (token, expert) served at each level (0 = high)
+    int64_t n_skipped;             // selections skipped: score above t2 and not cached
+    int64_t upgrades;              // background loads of the wanted precision after a lower-precision hit
+    int64_t prefetch_wasted;       // prefetched experts evicted or dropped before any use
 };
 
 // counters of one pool (one per expert signature; index 0 .. n_pool-1)
@@ -111,6 +129,8 @@ struct hobbit_pool_stats {
     int64_t expert_bytes;          // bytes of one slot
     int32_t n_slot;
     int32_t n_layer;               // MoE layers this pool serves
+    int32_t level;                 // precision level (0 = the model's own experts)
+    int32_t type;                  // ggml type of its down projection
 };
 
 // one routing trace replayed through one cache (hobbit_simulate_cache)

@@ -18,6 +18,7 @@ static void write_error(char * err, size_t err_size, const std::string & msg) {
 
 // params for the load armed on this thread, and why the last attach failed
 static thread_local hobbit_params g_pending_params;
+static thread_local std::string   g_pending_level_paths[HOBBIT_MAX_LEVELS]; // owned copies of params.level_paths
 static thread_local std::string   g_attach_error;
 
 static const llama_moe_offload * hobbit_attach(const llama_model * model, const char * path, void * user_data) {
@@ -44,6 +45,11 @@ struct hobbit_params hobbit_default_params(void) {
     p.prefetch_layers = 0;
     p.direct_io       = true;
     p.n_io_threads    = 2;
+    p.n_level         = 1;
+    p.t1              = 0.6f;  // HOBBIT's values for Mixtral-8x7B (§3.2)
+    p.t_mid           = 0.75f;
+    p.t2              = 0.9f;
+    p.upgrade_hits    = true;
     return p;
 }
 
@@ -69,7 +75,17 @@ enum hobbit_status hobbit_request_offload(const struct hobbit_params * params, c
         write_error(err, err_size, "hobbit_request_offload: a positive budget_bytes is required");
         return HOBBIT_STATUS_ERROR_INVALID;
     }
+    if (params->n_level < 1 || params->n_level > HOBBIT_MAX_LEVELS) {
+        write_error(err, err_size, "hobbit_request_offload: n_level must be 1.." + std::to_string(HOBBIT_MAX_LEVELS) +
+                    ", got " + std::to_string(params->n_level));
+        return HOBBIT_STATUS_ERROR_INVALID;
+    }
     g_pending_params = *params;
+    // the caller's strings may be gone by the time the model loads
+    for (int l = 0; l < HOBBIT_MAX_LEVELS; ++l) {
+        g_pending_level_paths[l] = (l > 0 && l < params->n_level && params->level_paths[l]) ? params->level_paths[l] : "";
+        g_pending_params.level_paths[l] = l > 0 && l < params->n_level ? g_pending_level_paths[l].c_str() : nullptr;
+    }
     g_attach_error.clear();
     llama_moe_offload_request_next_load(&hobbit_attach, nullptr);
     return HOBBIT_STATUS_OK;

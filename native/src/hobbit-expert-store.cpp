@@ -174,6 +174,43 @@ expert_index expert_index::from_file(const std::string & path) {
     return idx;
 }
 
+void expert_index::check_companion(const expert_index & companion) const {
+    const auto mismatch = [&](const std::string & what) {
+        return hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, companion.path + " does not hold the experts of " + path + ": " + what);
+    };
+    const hobbit_model_info & a = info;
+    const hobbit_model_info & b = companion.info;
+    if (std::string(a.arch) != b.arch) {
+        throw mismatch(std::string("architecture ") + b.arch + ", the model's is " + a.arch);
+    }
+    const std::pair<const char *, std::pair<int64_t, int64_t>> sizes[] = {
+        { "block_count",       { a.n_layer,       b.n_layer } },
+        { "expert_count",      { a.n_expert,      b.n_expert } },
+        { "expert_used_count", { a.n_expert_used, b.n_expert_used } },
+        { "embedding_length",  { a.n_embd,        b.n_embd } },
+    };
+    for (const auto & [key, v] : sizes) {
+        if (v.first != v.second) {
+            throw mismatch(std::string(key) + " " + std::to_string(v.second) + ", the model's is " + std::to_string(v.first));
+        }
+    }
+    for (int il = 0; il < a.n_layer; ++il) {
+        for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
+            const expert_proj_layout & pa = layers[il].proj[p];
+            const expert_proj_layout & pb = companion.layers[il].proj[p];
+            const std::string name = "blk." + std::to_string(il) + "." + proj_tensor_suffix[p];
+            if (pa.present != pb.present) {
+                throw mismatch("tensor '" + name + "' is " + (pb.present ? "there but not in the model" : "missing"));
+            }
+            if (pa.present && (pa.ne[0] != pb.ne[0] || pa.ne[1] != pb.ne[1] || pa.ne[2] != pb.ne[2])) {
+                throw mismatch("tensor '" + name + "' has shape [" + std::to_string(pb.ne[0]) + ", " + std::to_string(pb.ne[1]) + ", " +
+                               std::to_string(pb.ne[2]) + "], the model's is [" + std::to_string(pa.ne[0]) + ", " +
+                               std::to_string(pa.ne[1]) + ", " + std::to_string(pa.ne[2]) + "]");
+            }
+        }
+    }
+}
+
 expert_store::expert_store(const expert_index & index, bool direct_io) : index(index) {
     fd = open(index.path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) {

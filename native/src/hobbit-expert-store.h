@@ -36,6 +36,11 @@ struct expert_index {
 
     // throws hobbit_error naming the file and what is wrong
     static expert_index from_file(const std::string & path);
+
+    // a companion file (the same experts at another precision) must describe the same
+    // model: architecture, sizes, and every expert tensor with the same name and shape
+    // (types may differ); throws hobbit_error naming both files and the difference
+    void check_companion(const expert_index & companion) const;
 };
 
 // reads expert slices from the file; one instance per reading thread

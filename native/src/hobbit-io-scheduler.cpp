@@ -7,13 +7,16 @@
 #include <algorithm>
 #include <chrono>
 
-io_scheduler::io_scheduler(const expert_index & index, bool direct_io, int n_threads, done_fn on_done)
-        : index(index), on_done(std::move(on_done)) {
-    for (int i = 0; i < std::max(1, n_threads); ++i) {
-        stores.push_back(std::make_unique<expert_store>(index, direct_io));
+io_scheduler::io_scheduler(std::vector<const expert_index *> indexes, bool direct_io, int n_threads, done_fn on_done)
+        : indexes(std::move(indexes)), on_done(std::move(on_done)) {
+    stores.resize(std::max(1, n_threads));
+    for (level_stores & ls : stores) {
+        for (const expert_index * index : this->indexes) {
+            ls.push_back(std::make_unique<expert_store>(*index, direct_io));
+        }
     }
-    for (auto & store : stores) {
-        workers.emplace_back([this, s = store.get()] { loop(*s); });
+    for (level_stores & ls : stores) {
+        workers.emplace_back([this, s = &ls] { loop(*s); });
     }
 }
 
@@ -41,7 +44,7 @@ void io_scheduler::submit(const std::vector<load_task> & tasks) {
             auto ld = std::make_shared<load>();
             ld->task = task;
             std::deque<piece> & q = task.prefetch ? prefetches : on_demand;
-            const expert_layer_layout & layer = index.layers[task.layer];
+            const expert_layer_layout & layer = indexes[task.level]->layers[task.layer];
             for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
                 if (task.view[p] != nullptr) {
                     q.push_back({ ld, p, 0, 0, true });
@@ -84,7 +87,7 @@ std::deque<load_task> io_scheduler::drop_prefetches(const std::function<bool(con
     return dropped;
 }
 
-void io_scheduler::loop(expert_store & store) {
+void io_scheduler::loop(level_stores & stores) {
     for (;;) {
         piece pc;
         {
@@ -105,6 +108,7 @@ void io_scheduler::loop(expert_store & store) {
         // blocking read, outside the lock: submits, drops and the other readers go on meanwhile
         load & ld = *pc.ld;
         const load_task & task = ld.task;
+        expert_store & store = *stores[task.level];
         std::string error;
         try {
             if (pc.whole) {
@@ -129,7 +133,7 @@ void io_scheduler::loop(expert_store & store) {
             us = now_us() - ld.t_start_us;
         }
         if (last) {
-            on_done(task, ld.error, ld.error.empty() ? index.layers[task.layer].n_bytes() : 0, us);
+            on_done(task, ld.error, ld.error.empty() ? indexes[task.level]->layers[task.layer].n_bytes() : 0, us);
         }
     }
 }

@@ -23,7 +23,8 @@
 #include <vector>
 
 struct load_task {
-    int  group;                             // the pool group the slot belongs to
+    int  group;                             // the pool the slot belongs to
+    int  level;                             // precision level: which file the expert is read from
     int  slot;
     int  layer;
     int  expert;
@@ -37,11 +38,12 @@ public:
     // on_done(task, error, n_bytes, us): error is empty on success; called on the I/O thread
     using done_fn = std::function<void(const load_task &, const std::string & error, uint64_t n_bytes, int64_t us)>;
 
-    // n_threads readers, each with its own file handles (throws hobbit_error if the file cannot be opened)
-    io_scheduler(const expert_index & index, bool direct_io, int n_threads, done_fn on_done);
+    // n_threads readers, each with its own handles on every level's file (indexes[level];
+    // throws hobbit_error if a file cannot be opened)
+    io_scheduler(std::vector<const expert_index *> indexes, bool direct_io, int n_threads, done_fn on_done);
     ~io_scheduler(); // closes: drops queued tasks, finishes the running reads, joins
 
-    bool direct_io() const { return stores.front()->direct_io(); }
+    bool direct_io() const { return stores.front().front()->direct_io(); }
 
     // queue loads, all at once (the thread sees none of them before all are queued); does not block
     void submit(const std::vector<load_task> & tasks);
@@ -69,10 +71,11 @@ private:
         bool     whole;
     };
 
-    void loop(expert_store & store);
+    using level_stores = std::vector<std::unique_ptr<expert_store>>; // [level]
+    void loop(level_stores & stores);
 
-    std::vector<std::unique_ptr<expert_store>> stores; // one per thread
-    const expert_index & index;
+    std::vector<level_stores>          stores;  // one set per thread
+    std::vector<const expert_index *>  indexes; // [level]
     done_fn              on_done;
 
     std::mutex              mtx;

@@ -45,6 +45,56 @@ static std::vector<router_weights> load_routers(const llama_model * model, const
     return routers;
 }
 
+static std::string mib(int64_t n_bytes) {
+    char buf[64];
+    snprintf(buf, sizeof(buf), "%.1f MB", n_bytes / (1024.0 * 1024.0));
+    return buf;
+}
+
+// how the budget is split among the levels: each gets its minimum (one token's top-k), the
+// rest goes by share; a level that could hold all of its experts with less passes the
+// excess on, to the highest precision first
+static std::vector<int64_t> level_budgets(const std::vector<const expert_index *> & levels, const hobbit_params & params) {
+    const int n = (int) levels.size();
+    int64_t min_total = 0;
+    std::string parts;
+    for (int l = 0; l < n; ++l) {
+        min_total += levels[l]->info.min_budget_bytes;
+        parts += (l ? " + " : "") + mib(levels[l]->info.min_budget_bytes);
+    }
+    if (params.budget_bytes < min_total) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_BUDGET, levels[0]->path + ": expert budget " + mib(params.budget_bytes) +
+            " is below the minimum of " + mib(min_total) + (n > 1 ? " (one token's experts at each precision: " + parts + ")" :
+            " (" + std::to_string(levels[0]->info.n_expert_used) + " experts of one token)"));
+    }
+    float share_total = 0.0f;
+    for (int l = 0; l < n; ++l) {
+        if (!(params.level_shares[l] >= 0.0f)) {
+            throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "level_shares must be non-negative");
+        }
+        share_total += params.level_shares[l];
+    }
+    const int64_t spare = params.budget_bytes - min_total;
+    std::vector<int64_t> budget(n);
+    int64_t excess = 0;
+    for (int l = 0; l < n; ++l) {
+        const double share = share_total > 0.0f ? params.level_shares[l] / share_total : 1.0 / n;
+        budget[l] = levels[l]->info.min_budget_bytes + (int64_t) (spare * share);
+        const int64_t all = levels[l]->info.expert_bytes_total;
+        if (budget[l] > all) {
+            excess += budget[l] - all;
+            budget[l] = all;
+        }
+    }
+    for (int l = 0; l < n && excess > 0; ++l) {
+        const int64_t room = std::max<int64_t>(0, levels[l]->info.expert_bytes_total - budget[l]);
+        const int64_t give = std::min(room, excess);
+        budget[l] += give;
+        excess -= give;
+    }
+    return budget;
+}
+
 hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & path, const hobbit_params & params)
         : index(expert_index::from_file(path)), params(params), model(model) {
     const hobbit_model_info & info = index.info;
@@ -55,22 +105,37 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     if (info.n_layer_moe == 0) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_NOT_MOE, path + ": the model has no routed experts (a dense model); nothing to offload");
     }
-    const std::vector<pool_plan_group> plan = pool_plan_make(index, params.budget_bytes);
+    if (params.n_level < 1 || params.n_level > HOBBIT_MAX_LEVELS) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "n_level must be 1.." + std::to_string(HOBBIT_MAX_LEVELS));
+    }
+    n_level = params.n_level;
+    for (int l = 1; l < n_level; ++l) {
+        if (params.level_paths[l] == nullptr || params.level_paths[l][0] == '\0') {
+            throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "precision level " + std::to_string(l) + " has no file");
+        }
+        companions.push_back(expert_index::from_file(params.level_paths[l]));
+        if (companions.back().info.n_split > 1) {
+            throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, companions.back().path + ": split GGUF files cannot be companions");
+        }
+        index.check_companion(companions.back());
+    }
+    thresholds = { n_level, params.t1, params.t_mid, params.t2 };
+    const bool ordered = 0.0f <= params.t1 && params.t1 <= params.t2 && params.t2 <= 1.0f &&
+                         (n_level < 3 || (params.t1 <= params.t_mid && params.t_mid <= params.t2));
+    if (n_level > 1 && !ordered) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "thresholds must satisfy 0 <= t1 <= t_mid <= t2 <= 1 (t1 " +
+            std::to_string(params.t1) + ", t_mid " + std::to_string(params.t_mid) + ", t2 " + std::to_string(params.t2) + ")");
+    }
+
     cache_policy_kind policy_kind;
     if (!cache_policy_parse(policy_name(params.policy), policy_kind)) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "unknown cache policy " + std::to_string((int) params.policy));
     }
     const cache_policy_weights weights = { params.policy_weights.lru, params.policy_weights.lfu,
                                            params.policy_weights.lhu, params.policy_weights.fld };
-    group_of_layer.assign(info.n_layer, -1);
     for (int il = 0; il < info.n_layer; ++il) {
         if (index.layers[il].has_experts()) {
             moe_layers.push_back(il);
-        }
-    }
-    for (size_t g = 0; g < plan.size(); ++g) {
-        for (int il : plan[g].layers) {
-            group_of_layer[il] = (int) g;
         }
     }
 
@@ -90,21 +155,35 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
 
     last_moe_layer = moe_layers.back();
 
+    std::vector<const expert_index *> level_indexes;
+    for (int l = 0; l < n_level; ++l) {
+        level_indexes.push_back(&level_index(l));
+    }
+    const std::vector<int64_t> budgets = level_budgets(level_indexes, params);
+    pool_of.assign(n_level, std::vector<int>(info.n_layer, -1));
     int64_t n_slot_total = 0;
-    for (const pool_plan_group & g : plan) {
-        pool_group pg;
-        pg.expert_bytes = g.expert_bytes;
-        pg.pool   = std::make_unique<expert_pool>(index.layers[g.layers.front()], info.n_layer, info.n_expert, info.n_expert_used, g.n_slot);
-        pg.policy = cache_policy_make(policy_kind, g.n_slot, info.n_layer, info.n_expert, weights, params.seed);
-        pg.n_layer = (int) g.layers.size();
-        stats_.pool_bytes += g.n_slot * g.expert_bytes;
-        n_slot_total += g.n_slot;
-        groups.push_back(std::move(pg));
+    for (int l = 0; l < n_level; ++l) {
+        const expert_index & li = level_index(l);
+        for (const pool_plan_group & g : pool_plan_make(li, budgets[l])) {
+            pool_group pg;
+            pg.level        = l;
+            pg.type         = li.layers[g.layers.front()].proj[LLAMA_MOE_PROJ_DOWN].type;
+            pg.expert_bytes = g.expert_bytes;
+            pg.pool   = std::make_unique<expert_pool>(li.layers[g.layers.front()], info.n_layer, info.n_expert, info.n_expert_used, g.n_slot);
+            pg.policy = cache_policy_make(policy_kind, g.n_slot, info.n_layer, info.n_expert, weights, params.seed);
+            pg.n_layer = (int) g.layers.size();
+            for (int il : g.layers) {
+                pool_of[l][il] = (int) pools.size();
+            }
+            stats_.pool_bytes += g.n_slot * g.expert_bytes;
+            n_slot_total += g.n_slot;
+            pools.push_back(std::move(pg));
+        }
     }
     if (params.prefetch_layers > 0 && model != nullptr) {
         predictor = predictor_make_next_layer_gate(load_routers(model, moe_layers), info.n_embd, info.n_expert_used);
     }
-    io = std::make_unique<io_scheduler>(index, params.direct_io, params.n_io_threads,
+    io = std::make_unique<io_scheduler>(level_indexes, params.direct_io, params.n_io_threads,
         [this](const load_task & t, const std::string & err, uint64_t n, int64_t us) { on_load_done(t, err, n, us); });
 
     dispatch_uds.resize((size_t) info.n_layer * LLAMA_MOE_MAX_WAVES);
@@ -118,16 +197,18 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         }
         lo.n_waves = &hobbit_runtime::n_waves_op;
         lo.ctx     = lo.dispatch_ud[0];
-        const expert_pool & pool = *groups[group_of_layer[il]].pool;
-        lo.n_pool = 1; // one precision for now; mixed precision adds a pool per level
-        for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
-            lo.pools[0].w[p] = pool.weights(p);
+        lo.n_pool  = n_level; // one mul_mat_id pass per precision
+        for (int l = 0; l < n_level; ++l) {
+            const expert_pool & pool = *pools[pool_of[l][il]].pool;
+            for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
+                lo.pools[l].w[p] = pool.weights(p);
+            }
+            lo.pools[l].n_slot = pool.n_slot();
         }
-        lo.pools[0].n_slot = pool.n_slot();
-        // experts run in place only when a ubatch selects more pairs than there are slots,
-        // and never from a repacked pool: the mapped original would take other kernels
-        // than stock, so such a ubatch runs in waves instead (n_waves)
-        lo.inplace_min_pairs = pool.repacked() ? INT32_MAX : pool.n_slot() + 1;
+        // experts run in place only when a ubatch selects more pairs than the pools hold,
+        // and never when the model's pool is repacked: the mapped original would take other
+        // kernels than stock, so such a ubatch runs in waves instead (n_waves)
+        lo.inplace_min_pairs = pools[pool_of[0][il]].pool->repacked() ? INT32_MAX : layer_capacity(il) + 1;
         lo.dispatch    = &hobbit_runtime::dispatch_op;
     }
     offload_desc.n_layer  = info.n_layer;
@@ -138,6 +219,7 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     stats_.budget_bytes = params.budget_bytes;
     stats_.n_slot       = (int32_t) n_slot_total;
     stats_.direct_io    = io->direct_io();
+    stats_.n_level      = n_level;
 }
 
 hobbit_runtime::~hobbit_runtime() {
@@ -158,19 +240,27 @@ int32_t hobbit_runtime::n_waves_op(void * ctx, int32_t n_tokens) {
     return d->rt->n_waves(d->il, n_tokens);
 }
 
+int hobbit_runtime::layer_capacity(int il) const {
+    int n = 0;
+    for (int l = 0; l < n_level; ++l) {
+        n += pools[pool_of[l][il]].pool->n_slot();
+    }
+    return n;
+}
+
 int hobbit_runtime::n_waves(int il, int n_tokens) const {
-    // a pool whose experts may not run in place serves a wide ubatch in several waves
-    const expert_pool & pool = *groups[group_of_layer[il]].pool;
+    // a layer whose experts may not run in place serves a wide ubatch in several waves
     const int n_expert = index.info.n_expert;
-    if (!pool.repacked() || pool.n_slot() >= n_expert) {
+    const int capacity = layer_capacity(il);
+    if (!pools[pool_of[0][il]].pool->repacked() || capacity >= n_expert) {
         return 1;
     }
     const int64_t distinct = std::min<int64_t>((int64_t) n_tokens * index.info.n_expert_used, n_expert);
-    return (int) std::min<int64_t>(LLAMA_MOE_MAX_WAVES, (distinct + pool.n_slot() - 1) / pool.n_slot());
+    return (int) std::min<int64_t>(LLAMA_MOE_MAX_WAVES, (distinct + capacity - 1) / capacity);
 }
 
-int hobbit_runtime::take_slot(int g) {
-    const expert_pool & pool = *groups[g].pool;
+int hobbit_runtime::take_slot(int p) {
+    const expert_pool & pool = *pools[p].pool;
     std::vector<int> candidates;
     for (int s = 0; s < pool.n_slot(); ++s) {
         const pool_slot & slot = pool.slots[s];
@@ -181,122 +271,221 @@ int hobbit_runtime::take_slot(int g) {
             candidates.push_back(s);
         }
     }
-    return candidates.empty() ? -1 : groups[g].policy->choose_victim(candidates);
+    if (candidates.empty()) {
+        return -1;
+    }
+    const int s = pools[p].policy->choose_victim(candidates);
+    if (pool.slots[s].prefetched) {
+        stats_.prefetch_wasted++; // evicted before any layer asked for it
+    }
+    return s;
+}
+
+int hobbit_runtime::take_slot_near(int il, int want, int & level) {
+    for (int l = want; l < n_level; ++l) {
+        const int s = take_slot(pool_of[l][il]);
+        if (s >= 0) {
+            level = l;
+            return s;
+        }
+    }
+    for (int l = want - 1; l >= 0; --l) {
+        const int s = take_slot(pool_of[l][il]);
+        if (s >= 0) {
+            level = l;
+            return s;
+        }
+    }
+    return -1;
+}
+
+int hobbit_runtime::find_cached(int il, int e, int & level) const {
+    for (int l = 0; l < n_level; ++l) {
+        const int s = pools[pool_of[l][il]].pool->find(il, e);
+        if (s >= 0) {
+            level = l;
+            return s;
+        }
+    }
+    return -1;
+}
+
+bool hobbit_runtime::queue_background_load(int p, int il, int e, bool prefetch, std::vector<load_task> & loads) {
+    expert_pool & pool = *pools[p].pool;
+    const int s = take_slot(p);
+    if (s < 0) {
+        return false;
+    }
+    pool.assign(s, il, e);
+    pool.slots[s].prefetched = prefetch;
+    pools[p].policy->on_insert(s, il, e);
+    load_task task = { p, pools[p].level, s, il, e, /*prefetch*/ true, {}, {} };
+    pool.slot_targets(s, task.dst, task.view);
+    loads.push_back(task);
+    return true;
 }
 
 void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
     const ggml_tensor * sel = dst->src[0];
+    const ggml_tensor * wts = dst->src[1];                       // [1, n_used, n_tokens]
     const int n_used   = (int) sel->ne[0];
     const int n_tokens = (int) sel->ne[1];
     const int n_expert = index.info.n_expert;
-    const int n_plane = (int) dst->ne[2];                       // pools + the in-place plane
-    int32_t * out_slot    = (int32_t *) dst->data;               // plane 0: the pool
-    int32_t * out_inplace = out_slot + (size_t) (n_plane - 1) * n_used * n_tokens; // last plane
+    const int n_plane  = (int) dst->ne[2];                       // one plane per level + the in-place plane
+    const size_t n_pair = (size_t) n_used * n_tokens;
+    int32_t * out         = (int32_t *) dst->data;
+    int32_t * out_inplace = out + (size_t) (n_plane - 1) * n_pair;
+    const int SKIP = n_level; // as a wanted level: skipped when missed
 
-    // selection as ids [n_tokens][n_used] (the top-k view is not contiguous)
-    std::vector<int32_t> ids((size_t) n_used * n_tokens);
+    // selection as ids [n_tokens][n_used] (the top-k view is not contiguous), and the
+    // level each expert is wanted at: the highest any of its tokens asks for
+    std::vector<int32_t> ids(n_pair);
     std::vector<int> n_pairs(n_expert, 0);
+    std::vector<int> want(n_expert, INT_MAX);
     std::vector<int> order;
+    std::vector<float> w(n_used);
+    std::vector<int> pair_level(n_used);
     for (int t = 0; t < n_tokens; ++t) {
+        for (int k = 0; k < n_used; ++k) {
+            w[k] = *(const float *) ((const char *) wts->data + k*wts->nb[1] + t*wts->nb[2]);
+        }
+        precision_levels(thresholds, w.data(), n_used, pair_level.data());
         for (int k = 0; k < n_used; ++k) {
             const int32_t e = *(const int32_t *) ((const char *) sel->data + t*sel->nb[1] + k*sel->nb[0]);
             ids[(size_t) t*n_used + k] = e;
-            if (e >= 0 && e < n_expert && n_pairs[e]++ == 0) {
-                order.push_back(e);
+            if (e >= 0 && e < n_expert) {
+                if (n_pairs[e]++ == 0) {
+                    order.push_back(e);
+                }
+                want[e] = std::min(want[e], pair_level[k] == PRECISION_SKIP ? SKIP : pair_level[k]);
             }
         }
     }
-    const int g = group_of_layer[il];
-    expert_pool & pool = *groups[g].pool;
-    cache_policy_i & policy = *groups[g].policy;
 
     // when the ubatch needs more experts than there are slots, the experts with the most
     // tokens get the slots; the rest run in place (one wave) or in the next waves
     std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return n_pairs[a] > n_pairs[b]; });
-    const bool has_inplace = (int64_t) n_used * n_tokens >= layers[il].inplace_min_pairs;
+    const bool has_inplace = (int64_t) n_pair >= layers[il].inplace_min_pairs;
     const bool last_wave   = wave == n_waves(il, n_tokens) - 1;
     // with no in-place pass and no wave after this one, every expert left must get a slot
     const bool must_fit    = last_wave && !has_inplace;
 
-    std::vector<int> slot_of_expert(n_expert, -1);
+    std::vector<int> slot_of(n_expert, -1);
+    std::vector<int> level_of(n_expert, -1);   // level serving the expert in this wave, SKIP, or -1
+    std::vector<bool> inplace(n_expert, false);
     std::vector<load_task> loads;
     std::unique_lock<std::mutex> lock(mtx);
 
     if (wave == 0) {
         served.assign(n_expert, false);
     }
-    // experts already in the pool first: they cost nothing this wave
-    std::stable_partition(order.begin(), order.end(), [&](int e) { return pool.find(il, e) >= 0; });
+    // experts already in a pool first: they cost nothing this wave
+    std::stable_partition(order.begin(), order.end(), [&](int e) { int l; return find_cached(il, e, l) >= 0; });
 
     if (!failed()) {
         // the previous wave's or layer's matmuls are done: their slots may go
-        for (const auto & [pg, s] : pinned) {
-            groups[pg].pool->slots[s].pins--;
+        for (const auto & [p, s] : pinned) {
+            pools[p].pool->slots[s].pins--;
         }
         pinned.clear();
-        for (pool_group & pg : groups) {
+        for (pool_group & pg : pools) {
             pg.policy->on_layer(il);
         }
         if (recorder && wave == 0) {
             recorder->record(il, sel, dst->src[1], dst->src[2], dst->src[3]);
         }
 
+        std::vector<std::pair<int, int>> upgrade; // (expert, wanted level) hit at a lower precision
         for (int e : order) {
             if (served[e]) {
                 continue;
             }
-            int s = pool.find(il, e);
+            int level = -1;
+            int s = find_cached(il, e, level);
             if (s >= 0) {
+                pool_group & pg = pools[pool_of[level][il]];
                 stats_.expert_hits++;
-                groups[g].hits++;
-                if (pool.slots[s].prefetched) {
+                pg.hits++;
+                if (pg.pool->slots[s].prefetched) {
                     stats_.prefetch_used++;
-                    pool.slots[s].prefetched = false;
+                    pg.pool->slots[s].prefetched = false;
                 }
-                policy.on_access(s, /*high*/ true);
+                pg.policy->on_access(s, /*high*/ level == 0);
+                if (level > want[e] && params.upgrade_hits) {
+                    upgrade.emplace_back(e, want[e]);
+                }
+            } else if (want[e] == SKIP) {
+                served[e]   = true;
+                level_of[e] = SKIP;
+                stats_.n_skipped += n_pairs[e];
+                continue;
             } else {
-                s = take_slot(g);
+                s = take_slot_near(il, want[e], level);
                 while (s < 0 && must_fit && !failed()) {
                     // prefetches stand in the way: drop the queued ones, wait for a running one
-                    for (const load_task & t : io->drop_prefetches([g](const load_task & t) { return t.group == g; })) {
-                        groups[t.group].pool->clear(t.slot);
+                    for (int l = 0; l < n_level; ++l) {
+                        const int p = pool_of[l][il];
+                        for (const load_task & t : io->drop_prefetches([p](const load_task & t) { return t.group == p; })) {
+                            if (pools[t.group].pool->slots[t.slot].prefetched) {
+                                stats_.prefetch_wasted++;
+                            }
+                            pools[t.group].pool->clear(t.slot);
+                        }
                     }
-                    s = take_slot(g);
+                    s = take_slot_near(il, want[e], level);
                     if (s >= 0) {
                         break;
                     }
-                    const bool prefetch_running = std::any_of(pool.slots.begin(), pool.slots.end(),
-                        [](const pool_slot & ps) { return ps.state == slot_state::loading && ps.pins == 0; });
+                    bool prefetch_running = false;
+                    for (int l = 0; l < n_level; ++l) {
+                        const expert_pool & lp = *pools[pool_of[l][il]].pool;
+                        prefetch_running = prefetch_running || std::any_of(lp.slots.begin(), lp.slots.end(),
+                            [](const pool_slot & ps) { return ps.state == slot_state::loading && ps.pins == 0; });
+                    }
                     if (!prefetch_running) {
-                        // every slot is taken by this very ubatch: it is wider than the pool
+                        // every slot is taken by this very ubatch: it is wider than the pools
                         fail("layer " + std::to_string(il) + " selects " + std::to_string(order.size()) +
-                             " experts in one ubatch but its pool has " + std::to_string(pool.n_slot()) +
-                             " slots; use a smaller n_ubatch or a larger expert cache");
+                             " experts in one ubatch but its pools hold " + std::to_string(layer_capacity(il)) +
+                             "; use a smaller n_ubatch or a larger expert cache");
                         break;
                     }
                     cv_loaded.wait(lock);
-                    s = take_slot(g);
+                    s = take_slot_near(il, want[e], level);
                 }
                 if (s < 0) {
                     if (has_inplace) {
                         stats_.expert_inplace++;
-                        served[e] = true;
+                        served[e]  = true;
+                        inplace[e] = true;
                     }
                     continue; // in place, or a later wave
                 }
+                const int p = pool_of[level][il];
+                pool_group & pg = pools[p];
                 stats_.expert_misses++;
-                groups[g].misses++;
-                pool.assign(s, il, e);
-                policy.on_insert(s, il, e);
-                policy.on_access(s, /*high*/ true);
-                load_task task = { g, s, il, e, /*prefetch*/ false, {}, {} };
-                pool.slot_targets(s, task.dst, task.view);
+                pg.misses++;
+                pg.pool->assign(s, il, e);
+                pg.policy->on_insert(s, il, e);
+                pg.policy->on_access(s, /*high*/ level == 0);
+                load_task task = { p, level, s, il, e, /*prefetch*/ false, {}, {} };
+                pg.pool->slot_targets(s, task.dst, task.view);
                 loads.push_back(task);
             }
-            pool.slots[s].pins++;
-            pinned.emplace_back(g, s);
-            slot_of_expert[e] = s;
-            served[e] = true;
+            const int p = pool_of[level][il];
+            pools[p].pool->slots[s].pins++;
+            pinned.emplace_back(p, s);
+            slot_of[e]  = s;
+            level_of[e] = level;
+            served[e]   = true;
+            stats_.served[level] += n_pairs[e];
+        }
+        // the wanted precision of a lower-precision hit loads behind everything this layer
+        // waits for, for the next time the expert is selected
+        for (const auto & [e, level] : upgrade) {
+            if (pools[pool_of[level][il]].pool->find(il, e) < 0 &&
+                queue_background_load(pool_of[level][il], il, e, /*prefetch*/ false, loads)) {
+                stats_.upgrades++;
+            }
         }
 
         const ggml_tensor * x = dst->src[3]; // router input [n_embd, n_tokens]
@@ -304,21 +493,13 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
             std::vector<std::pair<int, int>> wanted;
             predictor->predict(il, (const float *) x->data, wanted);
             for (const auto & [l, e] : wanted) {
-                const int lg = group_of_layer[l];
-                expert_pool & lpool = *groups[lg].pool;
-                if (lpool.find(l, e) >= 0) {
+                int found = -1;
+                if (find_cached(l, e, found) >= 0) {
                     continue;
                 }
-                const int s = take_slot(lg);
-                if (s < 0) {
+                if (!queue_background_load(pool_of[0][l], l, e, /*prefetch*/ true, loads)) {
                     break;
                 }
-                lpool.assign(s, l, e);
-                lpool.slots[s].prefetched = true;
-                groups[lg].policy->on_insert(s, l, e);
-                load_task task = { lg, s, l, e, /*prefetch*/ true, {}, {} };
-                lpool.slot_targets(s, task.dst, task.view);
-                loads.push_back(task);
                 stats_.prefetch_issued++;
             }
         }
@@ -329,8 +510,8 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
         const int64_t t0 = now_us();
         n_waiting++;
         cv_loaded.wait(lock, [&] {
-            return failed() || std::all_of(pinned.begin(), pinned.end(), [&](const std::pair<int, int> & gs) {
-                return groups[gs.first].pool->slots[gs.second].state == slot_state::ready;
+            return failed() || std::all_of(pinned.begin(), pinned.end(), [&](const std::pair<int, int> & ps) {
+                return pools[ps.first].pool->slots[ps.second].state == slot_state::ready;
             });
         });
         n_waiting--;
@@ -341,14 +522,16 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
     if (failed()) {
         // the abort callback stops the graph before these ids are used; -1 keeps the
         // matmuls harmless until then
-        std::fill(out_slot, out_slot + (size_t) n_plane*n_used*n_tokens, -1);
+        std::fill(out, out + (size_t) n_plane*n_pair, -1);
         return;
     }
-    for (size_t i = 0; i < ids.size(); ++i) {
+    for (size_t i = 0; i < n_pair; ++i) {
         const int32_t e = ids[i];
-        const int s = (e >= 0 && e < n_expert) ? slot_of_expert[e] : -1;
-        out_slot[i]    = s;
-        out_inplace[i] = (s < 0 && has_inplace) ? e : -1;
+        const bool valid = e >= 0 && e < n_expert;
+        for (int l = 0; l < n_level; ++l) {
+            out[(size_t) l*n_pair + i] = (valid && level_of[e] == l) ? slot_of[e] : -1;
+        }
+        out_inplace[i] = (valid && inplace[e]) ? e : -1;
     }
 }
 
@@ -357,12 +540,12 @@ void hobbit_runtime::on_load_done(const load_task & task, const std::string & er
         std::lock_guard<std::mutex> lock(mtx);
         stats_.io_us += us;
         if (!error.empty()) {
-            groups[task.group].pool->clear(task.slot);
+            pools[task.group].pool->clear(task.slot);
             fail(error);
         } else {
-            groups[task.group].pool->slots[task.slot].state = slot_state::ready;
+            pools[task.group].pool->slots[task.slot].state = slot_state::ready;
             stats_.bytes_read += (int64_t) n_bytes;
-            groups[task.group].bytes_read += (int64_t) n_bytes;
+            pools[task.group].bytes_read += (int64_t) n_bytes;
             stats_.n_reads++;
             // nobody waits and the graph is between two MoE layers: this read ran under compute
             if (n_waiting == 0 && last_dispatch_il >= 0 && last_dispatch_il != last_moe_layer) {
@@ -382,7 +565,7 @@ void hobbit_runtime::fail(const std::string & msg) {
 
 int64_t hobbit_runtime::used_pool_bytes() const {
     int64_t n = 0;
-    for (const auto & pg : groups) {
+    for (const auto & pg : pools) {
         n += pg.pool->n_used() * pg.expert_bytes;
     }
     return n;
@@ -397,13 +580,14 @@ void hobbit_runtime::reset_stats() {
     std::lock_guard<std::mutex> lock(mtx);
     const hobbit_stats keep = stats_;
     stats_ = {};
-    for (pool_group & pg : groups) {
+    for (pool_group & pg : pools) {
         pg.hits = pg.misses = pg.bytes_read = 0;
     }
     stats_.budget_bytes    = keep.budget_bytes;
     stats_.pool_bytes      = keep.pool_bytes;
     stats_.n_slot          = keep.n_slot;
     stats_.direct_io       = keep.direct_io;
+    stats_.n_level         = keep.n_level;
     stats_.peak_pool_bytes = used_pool_bytes();
 }
 
@@ -421,10 +605,10 @@ void hobbit_runtime::clear_error() {
 
 bool hobbit_runtime::pool_stats(int pool, hobbit_pool_stats & out) const {
     std::lock_guard<std::mutex> lock(mtx);
-    if (pool < 0 || pool >= (int) groups.size()) {
+    if (pool < 0 || pool >= (int) pools.size()) {
         return false;
     }
-    const pool_group & pg = groups[pool];
+    const pool_group & pg = pools[pool];
     out = {};
     out.hits         = pg.hits;
     out.misses       = pg.misses;
@@ -432,6 +616,8 @@ bool hobbit_runtime::pool_stats(int pool, hobbit_pool_stats & out) const {
     out.expert_bytes = pg.expert_bytes;
     out.n_slot       = pg.pool->n_slot();
     out.n_layer      = pg.n_layer;
+    out.level        = pg.level;
+    out.type         = pg.type;
     return true;
 }
 
@@ -470,7 +656,7 @@ void hobbit_runtime::trace_end() {
 
 void hobbit_runtime::new_sequence() {
     std::lock_guard<std::mutex> lock(mtx);
-    for (pool_group & pg : groups) {
+    for (pool_group & pg : pools) {
         pg.policy->reset();
     }
 }

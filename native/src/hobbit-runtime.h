@@ -10,6 +10,7 @@
 #include "hobbit-expert-store.h"
 #include "hobbit-io-scheduler.h"
 #include "hobbit-pool-plan.h"
+#include "hobbit-precision-scorer.h"
 #include "hobbit-predictor.h"
 #include "hobbit-trace-recorder.h"
 
@@ -57,28 +58,43 @@ private:
     static void    dispatch_op(ggml_tensor * dst, int ith, int nth, void * ud);
     static int32_t n_waves_op(void * ctx, int32_t n_tokens);
     int  n_waves(int il, int n_tokens) const;
-    // runs on the compute thread, blocking until this wave's experts are in the pool
+    // runs on the compute thread, blocking until this wave's experts are in the pools
     void dispatch(ggml_tensor * dst, int il, int wave);
-    // a slot of group g for a new expert, or -1 if every slot is pinned or loading; needs mtx
-    int  take_slot(int g);
+    // a slot of pool p for a new expert, or -1 if every slot is pinned or loading; needs mtx
+    int  take_slot(int p);
+    // a slot for expert of layer il, at level want if one is free, else at the nearest
+    // lower precision, else higher; level set to the level found; needs mtx
+    int  take_slot_near(int il, int want, int & level);
+    // the slot of (il, e) at the highest precision cached, or -1; level set; needs mtx
+    int  find_cached(int il, int e, int & level) const;
+    // the layer's pools (one per level) hold up to this many experts at once
+    int  layer_capacity(int il) const;
+    // queue a load of (il, e) into a free or evictable slot of pool p; false if none; needs mtx
+    bool queue_background_load(int p, int il, int e, bool prefetch, std::vector<load_task> & loads);
+    const expert_index & level_index(int level) const { return level == 0 ? index : companions[level - 1]; }
     int64_t used_pool_bytes() const; // needs mtx
     void fail(const std::string & msg); // the first failure sticks; needs mtx
     void on_load_done(const load_task & task, const std::string & error, uint64_t n_bytes, int64_t us);
 
-    expert_index  index;
+    expert_index  index;                    // the model: level 0, the high precision
+    std::vector<expert_index> companions;   // levels 1..n_level-1: the same experts at lower precisions
     hobbit_params params;
+    precision_thresholds thresholds;        // which level a selection wants (HOBBIT eq. 2)
+    int n_level = 1;
 
-    // one pool per expert signature (shapes and types of the projections): the layers of
-    // a Q4_K_M model whose down projection is Q6_K share one pool, the Q4_K ones another
+    // per level, one pool per expert signature (shapes and types of the projections): the
+    // layers of a Q4_K_M model whose down projection is Q6_K share one pool, the Q4_K ones another
     struct pool_group {
         std::unique_ptr<expert_pool>    pool;
         std::unique_ptr<cache_policy_i> policy;
+        int     level = 0;
+        int     type  = -1;                     // ggml type of the down projection
         int64_t expert_bytes = 0;
         int     n_layer = 0;                    // MoE layers served
         int64_t hits = 0, misses = 0, bytes_read = 0;
     };
-    std::vector<pool_group>         groups;
-    std::vector<int>                group_of_layer; // [n_layer], -1 for dense layers
+    std::vector<pool_group>         pools;
+    std::vector<std::vector<int>>   pool_of;    // [level][n_layer]: index in pools, -1 for dense layers
     std::unique_ptr<predictor_i>    predictor;
     std::unique_ptr<trace_recorder> recorder;     // while a trace is recorded
     const llama_model *             model = nullptr;
@@ -89,9 +105,9 @@ private:
     std::vector<llama_moe_offload_layer> layers;
     llama_moe_offload                    offload_desc = {};
 
-    mutable std::mutex      mtx;      // guards groups, predictor, recorder, stats_, pinned, n_waiting, last_dispatch_il
+    mutable std::mutex      mtx;      // guards pools, predictor, recorder, stats_, pinned, n_waiting, last_dispatch_il
     std::condition_variable cv_loaded;
-    std::vector<std::pair<int, int>> pinned; // (group, slot) pinned by the last dispatch
+    std::vector<std::pair<int, int>> pinned; // (pool, slot) pinned by the last dispatch
     std::vector<bool>       served;   // experts of the current layer's ubatch served by an earlier wave
     int                     n_waiting = 0;
     int                     last_dispatch_il = -1; // layer of the latest dispatch

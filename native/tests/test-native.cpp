@@ -6,12 +6,14 @@
 #include "hobbit-expert-pool.h"
 #include "hobbit-expert-store.h"
 #include "hobbit-io-scheduler.h"
+#include "hobbit-precision-scorer.h"
 
 #include "ggml.h"
 #include "gguf.h"
 
 #include <unistd.h>
 
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -30,8 +32,8 @@ static uint8_t pattern(int il, int p, int e, size_t b) {
     return (uint8_t) (il*131 + p*37 + e*17 + b*7 + (b >> 8));
 }
 
-// a MoE-shaped GGUF: layer 1 is dense, layers 0 and 2 have F32 experts
-static std::string write_model(const std::string & path) {
+// a MoE-shaped GGUF: layer 1 is dense, layers 0 and 2 have F32 experts of n_ff neurons
+static std::string write_model(const std::string & path, int n_ff = N_FF) {
     ggml_init_params ip = { 64*ggml_tensor_overhead(), nullptr, true };
     ggml_context * ctx = ggml_init(ip);
     gguf_context * g = gguf_init_empty();
@@ -44,7 +46,7 @@ static std::string write_model(const std::string & path) {
     for (int il = 0; il < N_LAYER; il += 2) {
         const char * names[3] = { "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps" };
         for (int p = 0; p < 3; ++p) {
-            const int64_t n_in = p == 2 ? N_FF : N_EMBD, n_out = p == 2 ? N_EMBD : N_FF;
+            const int64_t n_in = p == 2 ? n_ff : N_EMBD, n_out = p == 2 ? N_EMBD : n_ff;
             ggml_tensor * t = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, n_in, n_out, N_EXPERT);
             ggml_set_name(t, ("blk." + std::to_string(il) + "." + names[p] + ".weight").c_str());
             data.emplace_back(ggml_nbytes(t));
@@ -246,7 +248,7 @@ static void test_scheduler(const std::string & path) {
     std::vector<int> done_order;
     std::vector<std::vector<std::vector<uint8_t>>> bufs(8, std::vector<std::vector<uint8_t>>(3));
     {
-        io_scheduler io(idx, /*direct_io*/ false, /*n_threads*/ 1, [&](const load_task & t, const std::string & err, uint64_t, int64_t) {
+        io_scheduler io({ &idx }, /*direct_io*/ false, /*n_threads*/ 1, [&](const load_task & t, const std::string & err, uint64_t, int64_t) {
             CHECK(err.empty());
             std::lock_guard<std::mutex> lock(mtx);
             done_order.push_back(t.slot);
@@ -254,7 +256,7 @@ static void test_scheduler(const std::string & path) {
         });
         std::vector<load_task> tasks;
         for (int i = 0; i < 8; ++i) {
-            load_task t = { 0, i, i < 4 ? 0 : 2, i % N_EXPERT, /*prefetch*/ i < 7, {}, {} };
+            load_task t = { 0, /*level*/ 0, i, i < 4 ? 0 : 2, i % N_EXPERT, /*prefetch*/ i < 7, {}, {} };
             for (int p = 0; p < 3; ++p) {
                 bufs[i][p].resize(idx.layers[t.layer].proj[p].n_bytes);
                 t.dst[p] = bufs[i][p].data();
@@ -277,6 +279,60 @@ static void test_scheduler(const std::string & path) {
     printf("ok scheduler (on-demand completed at position %d of 8)\n", pos);
 }
 
+// HOBBIT eq. 2 and the thresholds, by hand
+static void test_precision_scorer() {
+    float scores[4];
+    const float w[4] = { 0.1f, 0.5f, -0.3f, 0.1f }; // ranks: 1, 2, then 0 and 3 in router order
+    precision_scores(w, 4, scores);
+    CHECK(scores[1] == 0.0f);
+    CHECK(std::fabs(scores[2] - 0.5f) < 1e-6f);
+    CHECK(std::fabs(scores[0] - 0.8f) < 1e-6f);
+    CHECK(std::fabs(scores[3] - 0.9f) < 1e-6f);
+
+    int levels[4];
+    precision_thresholds one;  // one level: everything high, nothing skipped
+    precision_levels(one, w, 4, levels);
+    CHECK(levels[0] == 0 && levels[1] == 0 && levels[2] == 0 && levels[3] == 0);
+
+    precision_thresholds two;
+    two.n_level = 2; two.t1 = 0.6f; two.t2 = 0.85f;
+    precision_levels(two, w, 4, levels);
+    CHECK(levels[1] == 0 && levels[2] == 0 && levels[0] == 1 && levels[3] == PRECISION_SKIP);
+
+    precision_thresholds three;
+    three.n_level = 3; three.t1 = 0.4f; three.t_mid = 0.6f; three.t2 = 0.95f;
+    precision_levels(three, w, 4, levels);
+    CHECK(levels[1] == 0 && levels[2] == 1 && levels[0] == 2 && levels[3] == 2);
+
+    // t1 = 0 still keeps the first expert high; t2 = 0 skips every other one
+    precision_thresholds strict;
+    strict.n_level = 2; strict.t1 = 0.0f; strict.t2 = 0.0f;
+    precision_levels(strict, w, 4, levels);
+    CHECK(levels[1] == 0 && levels[0] == PRECISION_SKIP && levels[2] == PRECISION_SKIP && levels[3] == PRECISION_SKIP);
+
+    const float zero[2] = { 0.0f, 0.0f };
+    precision_levels(two, zero, 2, levels);
+    CHECK(levels[0] == 0 && levels[1] == 0);
+    printf("ok precision scorer\n");
+}
+
+// a companion must hold the same experts: a file of another shape is refused, naming both
+static void test_companion_check(const std::string & path, const std::string & dir) {
+    const expert_index idx = expert_index::from_file(path);
+    idx.check_companion(idx); // a file is its own companion
+    const std::string other = write_model(dir + "/hobbit-native-test-other-" + std::to_string(getpid()) + ".gguf", /*n_ff*/ 24);
+    bool refused = false;
+    try {
+        idx.check_companion(expert_index::from_file(other));
+    } catch (const hobbit_error & e) {
+        const std::string msg = e.what();
+        refused = msg.find(path) != std::string::npos && msg.find(other) != std::string::npos && msg.find("shape") != std::string::npos;
+    }
+    unlink(other.c_str());
+    CHECK(refused);
+    printf("ok companion check\n");
+}
+
 int main(int argc, char ** argv) {
     const std::string dir = argc > 1 ? argv[1] : "/tmp";
     const std::string path = write_model(dir + "/hobbit-native-test-" + std::to_string(getpid()) + ".gguf");
@@ -289,6 +345,8 @@ int main(int argc, char ** argv) {
     test_simulator();
     test_pool(path);
     test_scheduler(path);
+    test_precision_scorer();
+    test_companion_check(path, dir);
     unlink(path.c_str());
     printf("all native tests passed\n");
     return 0;

@@ -58,6 +58,8 @@ struct hobbit_policy_weights {
     float lru, lfu, lhu, fld;
 };
 
+#define HOBBIT_MAX_LEVELS 3
+
 struct hobbit_params {
     int64_t budget_bytes;
     enum hobbit_policy policy;
@@ -66,6 +68,13 @@ struct hobbit_params {
     int32_t prefetch_layers;
     bool    direct_io;
     int32_t n_io_threads;
+    int32_t n_level;
+    const char * level_paths[HOBBIT_MAX_LEVELS];
+    float   level_shares[HOBBIT_MAX_LEVELS];
+    float   t1;
+    float   t_mid;
+    float   t2;
+    bool    upgrade_hits;
 };
 
 struct hobbit_model_info {
@@ -99,6 +108,11 @@ struct hobbit_stats {
     int64_t pool_bytes;
     int32_t n_slot;
     bool    direct_io;
+    int32_t n_level;
+    int64_t served[HOBBIT_MAX_LEVELS];
+    int64_t n_skipped;
+    int64_t upgrades;
+    int64_t prefetch_wasted;
 };
 
 struct hobbit_pool_stats {
@@ -108,6 +122,8 @@ struct hobbit_pool_stats {
     int64_t expert_bytes;
     int32_t n_slot;
     int32_t n_layer;
+    int32_t level;
+    int32_t type;
 };
 
 struct hobbit_sim_trace {

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+import os
 
 MB = 1024 * 1024
 
-# cache policies of the runtime (hobbit.h enum hobbit_policy), by name
-POLICIES = ("lru", "lfu", "lhu", "fld", "random", "weighted")
+# cache policies of the runtime (hobbit.h enum hobbit_policy), by name; "hobbit" is
+# HOBBIT's multidimensional policy, the weighted mix of eq. 3 ("weighted" is its old name)
+POLICIES = ("lru", "lfu", "lhu", "fld", "random", "weighted", "hobbit")
+_NATIVE_POLICY = {"lru": 0, "lfu": 1, "lhu": 2, "fld": 3, "random": 4, "weighted": 5, "hobbit": 5}
+
+# HOBBIT's thresholds for Mixtral-8x7B (§3.2): 67 % of selections high, 30 % low, 3 % skipped
+DEFAULT_T1 = 0.6
+DEFAULT_T2 = 0.9
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,28 @@ class OffloadConfig:
     seed: int = 0
     """Seed of the random policy."""
 
+    low: str | None = None
+    """Lower-precision copies of the experts (mixed precision, HOBBIT §3.2): a GGUF type name
+    (Q2_K: the companion file `hobbitpy prepare` writes next to the model) or a file path."""
+
+    mid: str | None = None
+    """An optional middle level between the model's precision and ``low`` (e.g. Q4_K)."""
+
+    t1: float = DEFAULT_T1
+    """A selection whose score (eq. 2) is at most t1 is served at high precision when missed."""
+
+    t_mid: float | None = None
+    """With ``mid``: a score at most t_mid goes to the middle level; None = halfway between t1 and t2."""
+
+    t2: float = DEFAULT_T2
+    """A missed selection whose score is above t2 is skipped (it contributes nothing to that token)."""
+
+    level_shares: tuple[float, ...] | None = None
+    """How the budget above the minimum is split among the levels, high first; None = evenly."""
+
+    upgrade_hits: bool = True
+    """A hit at a lower precision than wanted is used as is, and the wanted copy loads in the background."""
+
     def __post_init__(self) -> None:
         if self.cache_mb is not None and not self.cache_mb > 0:
             raise ValueError(f"cache_mb must be positive, got {self.cache_mb}")
@@ -50,22 +79,52 @@ class OffloadConfig:
         w = self.policy_weights
         if len(w) != 4 or any(x < 0 for x in w) or abs(sum(w) - 1.0) > 1e-6:
             raise ValueError(f"policy_weights must be four non-negative weights (LRU, LFU, LHU, FLD) summing to 1, got {w}")
+        if self.mid is not None and self.low is None:
+            raise ValueError("a middle precision (mid) needs a low one (low) below it")
+        if not 0.0 <= self.t1 <= self.t2 <= 1.0:
+            raise ValueError(f"thresholds must satisfy 0 <= t1 <= t2 <= 1, got t1 {self.t1}, t2 {self.t2}")
+        if self.t_mid is not None and not self.t1 <= self.t_mid <= self.t2:
+            raise ValueError(f"t_mid must lie between t1 and t2, got {self.t_mid}")
+        if self.level_shares is not None:
+            if len(self.level_shares) != self.n_level or any(x < 0 for x in self.level_shares) or sum(self.level_shares) <= 0:
+                raise ValueError(f"level_shares must be {self.n_level} non-negative numbers (one per precision level, "
+                                 f"high first) with a positive sum, got {self.level_shares}")
+
+    @property
+    def n_level(self) -> int:
+        """Precision levels: the model's own, then mid and low when given."""
+        return 1 + (self.low is not None) + (self.mid is not None)
 
     @property
     def budget_bytes(self) -> int | None:
         return None if self.cache_mb is None else int(self.cache_mb * MB)
 
-    def to_native(self, budget_bytes: int):
-        """The hobbit_params struct for a budget in bytes."""
+    def to_native(self, budget_bytes: int, level_paths: tuple[str, ...] = ()):
+        """The hobbit_params struct for a budget in bytes, and the C strings it points to
+        (keep them alive until the model has loaded). level_paths: the companion files of
+        the levels below the model's, high to low (see companions.resolve_levels)."""
         from ._native import ffi, lib
 
+        if len(level_paths) != self.n_level - 1:
+            raise ValueError(f"{self.n_level - 1} companion files expected, got {len(level_paths)}")
         params = ffi.new("struct hobbit_params *", lib.hobbit_default_params())
         params.budget_bytes = budget_bytes
         params.prefetch_layers = self.prefetch_layers
         params.direct_io = self.direct_io
         params.n_io_threads = self.io_threads
-        params.policy = POLICIES.index(self.policy)
+        params.policy = _NATIVE_POLICY[self.policy]
         params.policy_weights = {"lru": self.policy_weights[0], "lfu": self.policy_weights[1],
                                  "lhu": self.policy_weights[2], "fld": self.policy_weights[3]}
         params.seed = self.seed
-        return params
+        params.n_level = self.n_level
+        keep = [ffi.new("char[]", os.fsencode(path)) for path in level_paths]
+        for level, c_path in enumerate(keep, start=1):
+            params.level_paths[level] = c_path
+        shares = self.level_shares or (1.0,) * self.n_level
+        for level, share in enumerate(shares):
+            params.level_shares[level] = share
+        params.t1 = self.t1
+        params.t2 = self.t2
+        params.t_mid = self.t_mid if self.t_mid is not None else (self.t1 + self.t2) / 2
+        params.upgrade_hits = self.upgrade_hits
+        return params, keep

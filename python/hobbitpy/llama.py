@@ -11,10 +11,12 @@ from __future__ import annotations
 import ctypes
 import os
 
+import gguf
 import llama_cpp
 import numpy as np
 
 from ._native import error_buffer, ffi, lib, to_str
+from .companions import resolve_levels
 from .config import OffloadConfig
 from .errors import ExpertReadError, HobbitError, ModelFileError
 from .memory import OffloadPlan, plan_offload
@@ -30,7 +32,10 @@ class Llama(llama_cpp.Llama):
         self._runtime = ffi.NULL
         self._abort_cb = None
         self.model_info: ModelInfo = inspect_model(model_path)
-        self.offload_plan: OffloadPlan = plan_offload(self.model_info, offload, kwargs.get("n_ctx", 512))
+        # lower-precision copies of the experts, high to low (the runtime checks they match)
+        self.level_paths: tuple[str, ...] = resolve_levels(model_path, offload.mid, offload.low) if offload.enabled else ()
+        companions = tuple(inspect_model(p) for p in self.level_paths)
+        self.offload_plan: OffloadPlan = plan_offload(self.model_info, offload, kwargs.get("n_ctx", 512), companions)
 
         if self.offload_plan.budget_bytes is not None and kwargs.get("lora_path"):
             # an adapter on expert weights would be applied once per pass of a layer
@@ -38,7 +43,8 @@ class Llama(llama_cpp.Llama):
                               "load the model with OffloadConfig(enabled=False)")
         if self.offload_plan.budget_bytes is not None:
             err = error_buffer()
-            if lib.hobbit_request_offload(offload.to_native(self.offload_plan.budget_bytes), err, len(err)) != 0:
+            params, _c_strings = offload.to_native(self.offload_plan.budget_bytes, self.level_paths)
+            if lib.hobbit_request_offload(params, err, len(err)) != 0:
                 raise HobbitError(to_str(err))
         try:
             super().__init__(model_path=model_path, **kwargs)
@@ -87,8 +93,16 @@ class Llama(llama_cpp.Llama):
             return None
         s = ffi.new("struct hobbit_stats *")
         lib.hobbit_runtime_get_stats(self._runtime, s)
-        return {name: (bool(v) if isinstance(v, bool) else int(v))
-                for name, v in ((f, getattr(s, f)) for f in dir(s))}
+        stats = {}
+        for name in dir(s):
+            value = getattr(s, name)
+            if isinstance(value, bool):
+                stats[name] = value
+            elif isinstance(value, int):
+                stats[name] = int(value)
+            else:  # an array, one entry per precision level
+                stats[name] = [int(v) for v in value][:s.n_level]
+        return stats
 
     def last_logits(self) -> np.ndarray:
         """Logits of the last evaluated token (a copy), whatever logits_all is: llama_cpp
@@ -99,12 +113,14 @@ class Llama(llama_cpp.Llama):
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab(),)).copy()
 
     def pool_stats(self) -> list[dict]:
-        """Counters of each expert pool (one per expert signature); empty without offload."""
+        """Counters of each expert pool (one per precision level and expert signature); empty without offload."""
         pools = []
         s = ffi.new("struct hobbit_pool_stats *")
         while self._runtime != ffi.NULL and lib.hobbit_runtime_get_pool_stats(self._runtime, len(pools), s):
-            pools.append({f: int(getattr(s, f)) for f in ("hits", "misses", "bytes_read", "expert_bytes",
-                                                           "n_slot", "n_layer")})
+            pool = {f: int(getattr(s, f)) for f in ("hits", "misses", "bytes_read", "expert_bytes",
+                                                    "n_slot", "n_layer", "level")}
+            pool["type"] = gguf.GGMLQuantizationType(s.type).name
+            pools.append(pool)
         return pools
 
     def reset(self) -> None:

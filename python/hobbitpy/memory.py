@@ -83,8 +83,10 @@ class OffloadPlan:
     """One line for the user: why this plan."""
 
 
-def plan_offload(info: ModelInfo, config: OffloadConfig, n_ctx: int) -> OffloadPlan:
-    """Decide whether and with what budget the experts are offloaded."""
+def plan_offload(info: ModelInfo, config: OffloadConfig, n_ctx: int,
+                 companions: tuple[ModelInfo, ...] = ()) -> OffloadPlan:
+    """Decide whether and with what budget the experts are offloaded; companions: the
+    lower-precision levels' files, each of which needs its own minimum of slots."""
     name = info.path
     if not config.enabled:
         return OffloadPlan(None, "offload off: stock llama.cpp path")
@@ -93,11 +95,14 @@ def plan_offload(info: ModelInfo, config: OffloadConfig, n_ctx: int) -> OffloadP
                                  "running it without offload")
     if not info.is_moe:
         return OffloadPlan(None, f"{name} is a dense model (no routed experts): running it without offload")
-    min_mb = info.min_budget_bytes / MB
+    min_bytes = info.min_budget_bytes + sum(c.min_budget_bytes for c in companions)
+    min_mb = min_bytes / MB
     if config.budget_bytes is not None:
-        if config.budget_bytes < info.min_budget_bytes:
+        if config.budget_bytes < min_bytes:
+            what = (f"{info.n_expert_used} experts of {info.expert_bytes / MB:.2f} MB, one token's top-k" if not companions
+                    else f"one token's top-k at each of {1 + len(companions)} precisions")
             raise BudgetError(f"{name}: an expert cache of {config.cache_mb:g} MB is below the minimum of {min_mb:.1f} MB "
-                              f"({info.n_expert_used} experts of {info.expert_bytes / MB:.2f} MB, one token's top-k)")
+                              f"({what})")
         return OffloadPlan(config.budget_bytes, f"expert cache {config.budget_bytes / MB:.1f} MB "
                                                 f"of {info.expert_bytes_total / MB:.1f} MB of experts")
 
@@ -108,7 +113,7 @@ def plan_offload(info: ModelInfo, config: OffloadConfig, n_ctx: int) -> OffloadP
     if budget >= info.expert_bytes_total:
         return OffloadPlan(None, f"all {info.expert_bytes_total / MB:.1f} MB of experts fit in the "
                                  f"{available / MB:.0f} MB available: keeping them resident, no offload")
-    if budget < info.min_budget_bytes:
+    if budget < min_bytes:
         raise BudgetError(f"{name}: not enough memory: {available / MB:.0f} MB available, the resident weights and "
                           f"KV cache need {(info.resident_bytes + kv_bytes + HEADROOM_BYTES) / MB:.0f} MB and the "
                           f"expert cache at least {min_mb:.1f} MB")
