@@ -1,0 +1,177 @@
+"""Mixed precision (HOBBIT §3.2): companion files as precision levels, one pool and one
+mul_mat_id pass per level, the eq. 2 score choosing high / low / skip per missed selection.
+
+The plumbing is checked exactly: a companion holding byte-identical copies of the
+model's experts must leave the logits bit-equal to stock, whichever level serves each
+selection, because each pass adds exact zero rows for the pairs it does not serve."""
+
+from __future__ import annotations
+
+import pathlib
+
+import gguf
+import numpy as np
+import pytest
+
+import hobbitpy
+from conftest import ARCHES, MB, run_logits, tiny_model
+from hobbitpy.gguf_fields import field_value
+
+EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_up_exps.weight")
+
+
+def identical_companion(model: pathlib.Path, out: pathlib.Path, *, drop: str | None = None) -> pathlib.Path:
+    """An expert-only GGUF with the model's metadata and byte copies of its expert
+    tensors (minus the tensor named drop, to make a broken one)."""
+    if out.exists():
+        return out
+    reader = gguf.GGUFReader(model)
+    arch = field_value(reader.fields["general.architecture"])[0].decode()
+    writer = gguf.GGUFWriter(out, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value, vtype, sub = field_value(field)
+        writer.add_key_value(name, value, vtype, sub)
+    for t in reader.tensors:
+        if t.name.endswith(EXPERT_SUFFIXES) and t.name != drop:
+            # t.data of a quantized tensor is its bytes, shaped [..., bytes per row]
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=gguf.GGMLQuantizationType(t.tensor_type))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+_reference: dict = {}
+
+
+def reference(path):
+    if path not in _reference:
+        _reference[path] = run_logits(path, hobbitpy.OffloadConfig(enabled=False))
+    return _reference[path]
+
+
+def assert_bit_equal(scores, ref_scores):
+    assert scores.shape == ref_scores.shape
+    assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_two_levels_of_identical_experts_are_bit_exact(model_dir, arch):
+    path = tiny_model(model_dir, arch)
+    low = identical_companion(path, model_dir / f"{path.stem}.copy.gguf")
+    ref_scores, ref_text, _, info = reference(path)
+    # t1 = 0: every selection but each token's first wants the low level; t2 = 1: none skipped
+    config = hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total / 2 / MB, low=str(low), t1=0.0, t2=1.0)
+    scores, text, stats, _ = run_logits(path, config)
+    assert_bit_equal(scores, ref_scores)
+    assert text == ref_text
+    assert stats["n_level"] == 2
+    assert stats["served"][0] > 0 and stats["served"][1] > 0, stats["served"]
+    assert stats["n_skipped"] == 0
+
+
+def test_three_levels_at_the_minimum_budget_are_bit_exact(model_dir):
+    # the smallest budget: a prompt wider than the pools runs partly in place
+    path = tiny_model(model_dir, "llama", n_expert=16, n_expert_used=4)
+    mid = identical_companion(path, model_dir / f"{path.stem}.mid.gguf")
+    low = identical_companion(path, model_dir / f"{path.stem}.low.gguf")
+    ref_scores, ref_text, _, info = reference(path)
+    config = hobbitpy.OffloadConfig(cache_mb=3 * info.min_budget_bytes / MB, mid=str(mid), low=str(low),
+                                    t1=0.0, t_mid=0.3, t2=1.0)
+    scores, text, stats, _ = run_logits(path, config)
+    assert_bit_equal(scores, ref_scores)
+    assert text == ref_text
+    assert all(n > 0 for n in stats["served"]), stats["served"]
+    assert stats["expert_inplace"] > 0
+
+
+def test_pool_stats_per_level(model_dir):
+    path = tiny_model(model_dir, "llama")
+    low = identical_companion(path, model_dir / f"{path.stem}.copy.gguf")
+    info = hobbitpy.inspect_model(path)
+    config = hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total / 2 / MB, low=str(low), t1=0.0, t2=1.0,
+                                    level_shares=(3.0, 1.0))
+    with hobbitpy.Llama(path, offload=config, n_ctx=128, verbose=False) as llm:
+        llm.create_completion("Once upon a time", max_tokens=8, temperature=0.0)
+        pools = llm.pool_stats()
+        stats = llm.offload_stats()
+        # one decode step: each of its selections is served at one level or skipped
+        llm.reset_offload_stats()
+        llm.eval([llm.tokenize(b" sea", add_bos=False)[0]])
+        step = llm.offload_stats()
+    assert [p["level"] for p in pools] == [0, 1]
+    assert all(p["type"] == "Q8_0" for p in pools)
+    # the budget above the minimum splits 3:1
+    assert pools[0]["n_slot"] > pools[1]["n_slot"]
+    assert sum(p["n_slot"] * p["expert_bytes"] for p in pools) <= stats["budget_bytes"]
+    assert sum(p["bytes_read"] for p in pools) == stats["bytes_read"]
+    assert sum(p["hits"] for p in pools) == stats["expert_hits"]
+    assert sum(step["served"]) + step["n_skipped"] == info.n_expert_used * info.n_layer_moe
+
+
+def test_skipping_drops_unimportant_misses(model_dir):
+    path = tiny_model(model_dir, "llama")
+    low = identical_companion(path, model_dir / f"{path.stem}.copy.gguf")
+    ref_scores, _, _, info = reference(path)
+    # t2 = 0: every missed selection but each token's first is skipped
+    config = hobbitpy.OffloadConfig(cache_mb=info.min_budget_bytes * 2 / MB, low=str(low), t1=0.0, t2=0.0)
+    scores, _, stats, _ = run_logits(path, config)
+    assert stats["n_skipped"] > 0
+    assert np.isfinite(scores).all()
+    assert not np.array_equal(scores, ref_scores)
+
+
+def test_one_level_ignores_thresholds(model_dir):
+    # thresholds only act between levels: with one precision nothing is skipped and stock is matched
+    path = tiny_model(model_dir, "llama")
+    ref_scores, _, _, info = reference(path)
+    scores, _, stats, _ = run_logits(path, hobbitpy.OffloadConfig(cache_mb=info.min_budget_bytes / MB, t1=0.0, t2=0.0))
+    assert_bit_equal(scores, ref_scores)
+    assert stats["n_skipped"] == 0 and stats["n_level"] == 1
+
+
+def test_companion_of_another_model_is_refused(model_dir):
+    path = tiny_model(model_dir, "llama")
+    other = tiny_model(model_dir, "llama", n_ff=128)
+    wrong = identical_companion(other, model_dir / f"{other.stem}.copy.gguf")
+    with pytest.raises(hobbitpy.HobbitError) as e:
+        hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(cache_mb=64, low=str(wrong)), n_ctx=64, verbose=False)
+    assert str(path) in str(e.value) and str(wrong) in str(e.value) and "shape" in str(e.value)
+
+    broken = identical_companion(path, model_dir / f"{path.stem}.broken.gguf", drop="blk.1.ffn_gate_exps.weight")
+    with pytest.raises(hobbitpy.HobbitError) as e:
+        hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(cache_mb=64, low=str(broken)), n_ctx=64, verbose=False)
+    assert "blk.1.ffn_gate_exps.weight" in str(e.value) and "missing" in str(e.value) and str(broken) in str(e.value)
+
+
+def test_missing_companions_get_clear_errors(model_dir, tmp_path):
+    path = tiny_model(model_dir, "llama")
+    with pytest.raises(hobbitpy.ModelFileError) as e:
+        hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(cache_mb=64, low=str(tmp_path / "nope.gguf")), verbose=False)
+    assert "nope.gguf" in str(e.value) and "--low" in str(e.value)
+    # a type name means the file `hobbitpy prepare` writes next to the model
+    with pytest.raises(hobbitpy.ModelFileError) as e:
+        hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(cache_mb=64, low="q3_k"), verbose=False)
+    assert "Q3_K" in str(e.value) and "hobbitpy prepare" in str(e.value)
+
+
+def test_budget_must_hold_every_level(model_dir):
+    path = tiny_model(model_dir, "llama")
+    low = identical_companion(path, model_dir / f"{path.stem}.copy.gguf")
+    info = hobbitpy.inspect_model(path)
+    with pytest.raises(hobbitpy.BudgetError) as e:
+        hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(cache_mb=1.5 * info.min_budget_bytes / MB, low=str(low)),
+                       verbose=False)
+    assert "2 precisions" in str(e.value)
+
+
+def test_bad_thresholds_are_refused():
+    with pytest.raises(ValueError, match="t1 <= t2"):
+        hobbitpy.OffloadConfig(low="Q2_K", t1=0.9, t2=0.5)
+    with pytest.raises(ValueError, match="low"):
+        hobbitpy.OffloadConfig(mid="Q4_K")
+    with pytest.raises(ValueError, match="level_shares"):
+        hobbitpy.OffloadConfig(low="Q2_K", level_shares=(1.0,))
