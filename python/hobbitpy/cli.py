@@ -273,6 +273,58 @@ def _inflate(args) -> int:
     return 0
 
 
+def _add_prepare_parser(sub) -> None:
+    p = sub.add_parser("prepare", help="write low-precision copies of a MoE model's experts (mixed precision)",
+                       description="Write companion GGUF files holding only the routed expert tensors of MODEL, "
+                                   "re-quantized by llama.cpp's quantizer, for mixed-precision expert loading. "
+                                   "Each goes next to the model as MODEL.experts-TYPE.gguf unless --out names it; "
+                                   "an existing file is never overwritten.")
+    p.add_argument("model", help="GGUF model file (MoE)")
+    p.add_argument("--low", default="Q2_K", metavar="TYPE", help="type of the low-precision copy (default Q2_K)")
+    p.add_argument("--mid", metavar="TYPE", help="also write a mid-precision copy of this type, e.g. Q4_K")
+    p.add_argument("--out", help="output file (only when one copy is written)")
+    p.add_argument("--source", metavar="GGUF",
+                   help="the same model in higher precision (F16/BF16/F32) to quantize from (default: the model)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="quantizing threads (default: all cores)")
+    p.set_defaults(func=_prepare)
+
+
+def _prepare(args) -> int:
+    import collections
+    import pathlib
+    import time
+
+    from hobbitpy import HobbitError
+    from hobbitpy.prepare import companion_fallbacks, default_companion_path, prepare_companion
+
+    types = [args.low] + ([args.mid] if args.mid else [])
+    if args.out and len(types) > 1:
+        return _fail("--out names one file; with --mid each copy is written next to the model under its own name")
+    if args.threads < 1:
+        return _fail(f"--threads must be at least 1, got {args.threads}")
+    try:
+        outs = [pathlib.Path(args.out)] if args.out else [default_companion_path(args.model, t) for t in types]
+        if len(set(outs)) != len(outs):
+            return _fail(f"--low and --mid are the same type ({args.low})")
+        # both checked before the first is written: a second failure must not follow minutes of work
+        for out in outs:
+            if out.exists():
+                return _fail(f"{out}: already exists; prepare never overwrites a file")
+        for type_name, out in zip(types, outs):
+            start = time.perf_counter()
+            path = prepare_companion(args.model, type_name, out, source_path=args.source, threads=args.threads)
+            seconds = time.perf_counter() - start
+            print(f"wrote {path}: {os.path.getsize(path) / MB:.1f} MB in {seconds:.1f} s")
+            fallbacks = companion_fallbacks(path)
+            for fallback_type, n in collections.Counter(fallbacks.values()).items():
+                kinds = sorted({name.split(".", 2)[2] for name, t in fallbacks.items() if t == fallback_type})
+                print(f"  fallback: {n} tensors ({', '.join(kinds)}) written as {fallback_type}: "
+                      f"their rows are not whole {type_name.upper()} blocks")
+    except (HobbitError, ValueError, OSError) as e:
+        return _fail(str(e))
+    return 0
+
+
 def _json_target_error(path: str | None) -> str | None:
     """Why the results cannot go to path (an existing file is never overwritten), or None."""
     if path is None:
@@ -374,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run_parser(sub)
     _add_inflate_parser(sub)
+    _add_prepare_parser(sub)
     _add_bench_parser(sub)
     _add_trace_parser(sub)
     _add_simulate_parser(sub)

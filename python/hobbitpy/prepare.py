@@ -1,0 +1,277 @@
+"""Companion GGUF files: a MoE model's routed experts, and nothing else, in a lower precision.
+
+HOBBIT-style mixed precision loads a less important expert from a low-precision copy
+instead of the model. `prepare_companion` writes that copy: every metadata field of the
+model (the native runtime indexes a companion with the same code as a model and checks
+that both agree), then only the routed expert tensors, same names, shapes and order,
+re-quantized by ggml's own quantizer (`ggml_quantize_chunk`, what `llama-quantize`
+runs). The source of the weights is the model itself or, better, the same model in
+F16/BF16/F32. Rows that are not whole blocks of the type fall back as
+`llama-quant.cpp` does; the file records which tensors did.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+import os
+import pathlib
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from tqdm import tqdm
+
+from ._ggml import ffi, lib, type_name
+from .errors import ModelFileError
+from .gguf_fields import field_value
+from .model_file import inspect_model
+
+EXPERT_SUFFIXES = (".ffn_gate_exps.weight", ".ffn_up_exps.weight", ".ffn_down_exps.weight",
+                   ".ffn_gate_up_exps.weight")
+
+KEY_OF = "hobbitpy.companion.of"
+KEY_SOURCE = "hobbitpy.companion.source"
+KEY_TYPE = "hobbitpy.companion.type"
+KEY_FALLBACKS = "hobbitpy.companion.fallbacks"
+"""One "tensor=TYPE" string per tensor written in another type than KEY_TYPE; absent if none."""
+
+# the quantized types ggml_quantize_chunk handles (ggml.c), where this gguf package knows them
+_QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                    "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S", "IQ1_M",
+                    "MXFP4", "NVFP4", "TQ1_0", "TQ2_0", "Q1_0", "Q2_0")
+
+# llama-quant.cpp's tensor_requires_imatrix for a non-embedding tensor: it refuses these
+# without an importance matrix (the result would be noise). ggml_quantize_requires_imatrix
+# is asked too: ggml aborts the process on a type it names and is given no matrix.
+_NEEDS_IMATRIX = ("IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_M", "IQ1_S")
+
+# llama-quant.cpp's tensor_type_fallback: the type a tensor gets when its rows are not
+# whole blocks of the target type (e.g. DeepSeek-style experts of n_ff 128 in Q2_K)
+_FALLBACK = {
+    **dict.fromkeys(("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS"), "IQ4_NL"),
+    **dict.fromkeys(("Q2_0", "Q2_K", "Q3_K", "TQ1_0", "TQ2_0"), "Q4_0"),
+    "Q4_K": "Q5_0",
+    "Q5_K": "Q5_1",
+    "Q6_K": "Q8_0",
+}
+
+# the runtime takes a companion only if these agree with its model (expert_index::check_companion)
+_SAME_MODEL_KEYS = ("block_count", "expert_count", "expert_used_count", "embedding_length")
+
+_CHUNK_ELEMENTS = 1 << 20  # what one thread dequantizes and quantizes at a time: 4 MB of float32
+
+
+def companion_type(name: str) -> QT:
+    """The tensor type `name` stands for (case-insensitive), checked: ggml quantizes to it
+    without an importance matrix. Raises ValueError."""
+    upper = name.upper()
+    allowed = [t for t in _QUANTIZED_TYPES if t in QT.__members__ and t not in _NEEDS_IMATRIX]
+    if upper in _NEEDS_IMATRIX or (upper in allowed and lib.ggml_quantize_requires_imatrix(QT[upper])):
+        raise ValueError(f"{upper} needs an importance matrix (llama-imatrix), which prepare does not use; "
+                         f"choose one of {', '.join(allowed)}")
+    if upper not in allowed:
+        raise ValueError(f"unknown expert type {name!r}; choose one of {', '.join(allowed)}")
+    return _checked_type(upper)
+
+
+def default_companion_path(model_path: str | os.PathLike, type_name: str) -> pathlib.Path:
+    """Where the companion of this type goes by default: next to the model,
+    `<model stem>.experts-<TYPE>.gguf`."""
+    model_path = pathlib.Path(model_path)
+    return model_path.with_name(f"{model_path.stem}.experts-{companion_type(type_name).name}.gguf")
+
+
+def companion_fallbacks(path: str | os.PathLike) -> dict[str, str]:
+    """Tensor name -> type, for each tensor of a companion written in another type than
+    the one asked for (its rows are not whole blocks of that type)."""
+    field = gguf.GGUFReader(path).fields.get(KEY_FALLBACKS)
+    if field is None:
+        return {}
+    entries = [e.decode() for e in field_value(field)[0]]
+    return dict(e.split("=", 1) for e in entries)
+
+
+def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: str | os.PathLike | None = None,
+                      source_path: str | os.PathLike | None = None, threads: int = 2,
+                      progress: bool = True) -> pathlib.Path:
+    """Write the companion of `model_path` holding its routed experts in `type_name`; return its path.
+
+    out_path: default `default_companion_path(model_path, type_name)`; an existing file
+    is never overwritten. source_path: the same model in higher precision to quantize
+    from (default: the model itself). threads: Python threads quantizing chunks of rows
+    (ggml runs without the GIL). Memory: the largest expert tensor in the new type plus
+    a few MB per thread; the files are memory-mapped.
+    Raises ModelFileError (a file is missing, not a GGUF, split, without experts, or the
+    source is another model), ValueError (type, threads, output folder), FileExistsError.
+    """
+    qtype = companion_type(type_name)
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    model_path = pathlib.Path(model_path)
+    source_path = model_path if source_path is None else pathlib.Path(source_path)
+    out = default_companion_path(model_path, type_name) if out_path is None else pathlib.Path(out_path)
+    if out.exists():
+        raise FileExistsError(f"{out}: already exists; prepare never overwrites a file")
+    if not out.parent.is_dir():
+        raise ValueError(f"{out}: cannot write it, {out.parent} is not a folder")
+
+    model = source = _open_model(model_path)
+    if source_path != model_path:
+        source = _open_model(source_path)
+        _check_same_model(model_path, model, source_path, source)
+    source_tensors = {t.name: t for t in source.tensors}
+    plan = []  # (source tensor, ggml shape, type written)
+    for t in model.tensors:
+        if t.name.endswith(EXPERT_SUFFIXES):
+            shape = [int(n) for n in t.shape]  # ggml order: row length first
+            plan.append((source_tensors[t.name], shape, _row_type(qtype, shape[0], t.name, model_path)))
+    for source_tensor, _, _ in plan:
+        _check_readable(source_tensor, source_path)
+
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")  # an interrupted run leaves no file under the real name
+    try:
+        writer = gguf.GGUFWriter(tmp, _field(model, "general.architecture"))
+        _copy_metadata(model, writer)
+        writer.add_string(KEY_OF, model_path.name)
+        writer.add_string(KEY_SOURCE, source_path.name)
+        writer.add_string(KEY_TYPE, qtype.name)
+        writer.add_array(KEY_FALLBACKS, [f"{t.name}={row_type.name}" for t, _, row_type in plan if row_type != qtype])
+        for t, shape, row_type in plan:
+            row_bytes = lib.ggml_row_size(row_type, shape[0])
+            # numpy order with the row in bytes; GGUFWriter turns it back into elements
+            writer.add_tensor_info(t.name, [*reversed(shape[1:]), row_bytes], np.dtype(np.uint8),
+                                   row_bytes * int(np.prod(shape[1:])), raw_dtype=row_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for row_type in {row_type for _, _, row_type in plan}:
+            lib.ggml_quantize_init(row_type)
+        total = sum(int(t.n_bytes) for t, _, _ in plan)
+        with (ThreadPoolExecutor(threads) as pool,
+              tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
+                   desc=f"{qtype.name} experts") as bar):
+            for t, shape, row_type in plan:
+                writer.write_tensor_data(_quantize(t, shape[0], row_type, pool, bar.update, source_path))
+        writer.close()
+        # checked again: another process may have created it while this one quantized
+        if out.exists():
+            raise FileExistsError(f"{out}: already exists; prepare never overwrites a file")
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def _checked_type(name: str) -> QT:
+    """gguf's view of the type must be ggml's, or the file's sizes would be wrong."""
+    qtype = QT[name]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    if type_name(qtype).upper() != qtype.name or (lib.ggml_blck_size(qtype), lib.ggml_type_size(qtype)) != (block, size):
+        raise RuntimeError(f"the gguf package and ggml disagree about type {name} (value {qtype.value}); "
+                           "install a gguf matching hobbitpy's llama.cpp")
+    return qtype
+
+
+def _row_type(target: QT, n_per_row: int, tensor: str, model_path: pathlib.Path) -> QT:
+    """llama-quant.cpp's choice for a tensor whose rows hold n_per_row values."""
+    block = lib.ggml_blck_size(target)
+    if n_per_row % block == 0:
+        return target
+    if block <= 32:
+        fallback = target  # no smaller block to demote to
+    elif target.name in _FALLBACK:
+        fallback = _checked_type(_FALLBACK[target.name])
+    else:
+        raise ValueError(f"{model_path}: tensor '{tensor}' has rows of {n_per_row} values, not whole "
+                         f"{target.name} blocks of {block}, and llama.cpp defines no fallback for {target.name}")
+    if n_per_row % lib.ggml_blck_size(fallback):
+        return QT.F16
+    return fallback
+
+
+def _open_model(path: pathlib.Path) -> gguf.GGUFReader:
+    info = inspect_model(path)  # the native indexer's errors: missing, not a GGUF, truncated, inconsistent
+    if info.n_split > 1:
+        raise ModelFileError(f"{path}: part of a model split into {info.n_split} files; merge it first "
+                             "(llama-gguf-split --merge)")
+    if not info.is_moe:
+        raise ModelFileError(f"{path}: no routed expert tensors (ffn_*_exps); a dense model has no experts to prepare")
+    try:
+        return gguf.GGUFReader(path)
+    except ValueError as e:  # e.g. a tensor type newer than the gguf package
+        raise ModelFileError(f"{path}: the gguf package cannot read it ({e})") from e
+
+
+def _check_readable(t, source_path: pathlib.Path) -> None:
+    """Fail now, not after an hour of quantizing, on a tensor gguf cannot dequantize."""
+    try:
+        gguf.quants.dequantize(np.asarray(t.data).reshape(-1, t.data.shape[-1])[:1], QT(t.tensor_type))
+    except NotImplementedError:
+        raise ModelFileError(f"{source_path}: tensor '{t.name}' is {QT(t.tensor_type).name}, which the gguf package "
+                             "cannot read back as numbers; give an F16/BF16/F32 source") from None
+
+
+def _field(reader: gguf.GGUFReader, key: str):
+    if key not in reader.fields:
+        return None
+    value = field_value(reader.fields[key])[0]
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _check_same_model(model_path, model, source_path, source) -> None:
+    """The source must hold the model's experts: what the runtime checks of a companion."""
+    arch, source_arch = _field(model, "general.architecture"), _field(source, "general.architecture")
+    differences = [] if arch == source_arch else [f"architecture {source_arch}, the model's is {arch}"]
+    for key in _SAME_MODEL_KEYS:
+        mine, theirs = _field(model, f"{arch}.{key}"), _field(source, f"{source_arch}.{key}")
+        if mine != theirs:
+            differences.append(f"{key} {theirs}, the model's is {mine}")
+    shapes = {t.name: [int(n) for n in t.shape] for t in model.tensors if t.name.endswith(EXPERT_SUFFIXES)}
+    source_shapes = {t.name: [int(n) for n in t.shape] for t in source.tensors if t.name.endswith(EXPERT_SUFFIXES)}
+    tensor_differences = [f"tensor '{name}' has shape {source_shapes[name]}, the model's is {shape}"
+                          for name, shape in shapes.items() if name in source_shapes and source_shapes[name] != shape]
+    tensor_differences += [f"tensor '{name}' missing" for name in shapes if name not in source_shapes]
+    tensor_differences += [f"tensor '{name}' not in the model" for name in source_shapes if name not in shapes]
+    if len(tensor_differences) > 3:
+        tensor_differences = tensor_differences[:3] + [f"{len(tensor_differences) - 3} more tensor differences"]
+    differences += tensor_differences
+    if differences:
+        raise ModelFileError(f"{source_path} is not a source for {model_path}, it is another model: "
+                             + "; ".join(differences))
+
+
+def _copy_metadata(model: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
+    """Every field of the model but the split layout (a companion is one file) and the
+    reader's own GGUF.* entries."""
+    for key, field in model.fields.items():
+        if key.startswith(("GGUF.", "split.", "hobbitpy.companion.")) or key == "general.architecture":
+            continue
+        value, vtype, sub_type = field_value(field)
+        if key == "general.alignment":
+            writer.add_custom_alignment(value)  # the tensor offsets must follow it too
+        else:
+            writer.add_key_value(key, value, vtype, sub_type=sub_type)
+
+
+def _quantize(t, n_per_row: int, row_type: QT, pool: ThreadPoolExecutor, on_bytes_read, source_path) -> np.ndarray:
+    """Tensor `t` in row_type, quantized chunk by chunk of rows on the pool's threads."""
+    rows = np.asarray(t.data).reshape(-1, t.data.shape[-1])  # one ggml row each, in elements or bytes
+    row_bytes = lib.ggml_row_size(row_type, n_per_row)
+    quantized = np.empty((rows.shape[0], row_bytes), np.uint8)
+    step = max(1, _CHUNK_ELEMENTS // n_per_row)
+
+    def quantize_chunk(first: int) -> int:
+        part = rows[first: first + step]
+        values = np.ascontiguousarray(gguf.quants.dequantize(part, QT(t.tensor_type)), dtype=np.float32)
+        dst = ffi.from_buffer(quantized[first: first + step])
+        n_bytes = lib.ggml_quantize_chunk(row_type, ffi.from_buffer("float[]", values), dst, 0, len(part),
+                                          n_per_row, ffi.NULL)
+        if not lib.ggml_validate_row_data(row_type, dst, n_bytes):
+            raise ModelFileError(f"{source_path}: tensor '{t.name}' rows {first}..{first + len(part) - 1} give "
+                                 f"invalid {row_type.name} blocks (values that are not finite?)")
+        return part.nbytes
+
+    for n_bytes_read in pool.map(quantize_chunk, range(0, rows.shape[0], step)):
+        on_bytes_read(n_bytes_read)
+    return quantized
