@@ -4,6 +4,7 @@ still computing, and prefetching changes no output bit."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import hobbitpy
 from conftest import MB, run_logits, tiny_model
@@ -33,3 +34,54 @@ def test_prefetch_completes_while_compute_runs(model_dir):
     assert s["prefetch_used"] > 0, s
     assert s["bytes_read"] == s["n_reads"] * info.expert_bytes
     assert s["peak_pool_bytes"] <= s["budget_bytes"]
+
+
+@pytest.mark.parametrize("depth", [2, 4])
+def test_adaptive_prefetch_is_exact_and_accounts_for_its_guesses(model_dir, depth):
+    # HOBBIT §3.3: up to `depth` layers ahead, one layer deeper only while the
+    # predictions so far are all cached; wrong queued guesses are dropped at their layer
+    path = tiny_model(model_dir, "llama", n_layer=6)
+    info = hobbitpy.inspect_model(path)
+    ref_scores, ref_text, _, _ = run_logits(path, hobbitpy.OffloadConfig(enabled=False))
+    config = hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total * 0.6 / MB, prefetch_layers=depth)
+    scores, text, _, _ = run_logits(path, config)
+    assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
+    assert text == ref_text
+
+    with hobbitpy.Llama(path, offload=config, n_ctx=256, verbose=False, n_threads=2) as llm:
+        llm.create_completion("The old lighthouse keeper said", max_tokens=48, temperature=0.0)
+        s = llm.offload_stats()
+    assert s["prefetch_issued"] > 0 and s["prefetch_used"] > 0
+    # random routing: some guesses are wrong, and each is counted once at most
+    assert s["prefetch_wasted"] > 0
+    assert s["prefetch_used"] + s["prefetch_wasted"] <= s["prefetch_issued"]
+    assert s["peak_pool_bytes"] <= s["budget_bytes"]
+
+
+def test_prefetch_never_reads_an_expert_twice_when_all_fit(model_dir):
+    # with room for every expert nothing is evicted: prefetching 4 layers deep must not
+    # load anything already cached or loading, and predictions stop at the cached layers
+    path = tiny_model(model_dir, "llama", n_layer=6)
+    info = hobbitpy.inspect_model(path)
+    config = hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total / MB, prefetch_layers=4)
+    with hobbitpy.Llama(path, offload=config, n_ctx=256, verbose=False, n_threads=2) as llm:
+        llm.create_completion("The old lighthouse keeper said that the storms of the winter had never been so "
+                              "fierce", max_tokens=32, temperature=0.0)
+        s = llm.offload_stats()
+    assert s["n_reads"] <= info.n_layer_moe * info.n_expert
+    assert s["prefetch_issued"] > 0
+
+
+def test_mixed_precision_prefetch_is_exact_with_identical_levels(model_dir):
+    from test_mixed_precision import identical_companion
+
+    path = tiny_model(model_dir, "llama", n_layer=6)
+    low = identical_companion(path, model_dir / f"{path.stem}.copy.gguf")
+    info = hobbitpy.inspect_model(path)
+    ref_scores, ref_text, _, _ = run_logits(path, hobbitpy.OffloadConfig(enabled=False))
+    config = hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total * 0.6 / MB, prefetch_layers=2,
+                                    low=str(low), t1=0.0, t2=1.0, policy="hobbit")
+    scores, text, stats, _ = run_logits(path, config)
+    assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
+    assert text == ref_text
+    assert stats["prefetch_issued"] > 0 and stats["served"][1] > 0

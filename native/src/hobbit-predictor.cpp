@@ -1,38 +1,88 @@
 #include "hobbit-predictor.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <numeric>
 
 namespace {
 
-class next_layer_gate_predictor : public predictor_i {
+float dot(const float * a, const float * b, int n) {
+    float acc = 0.0f;
+    for (int i = 0; i < n; ++i) {
+        acc += a[i] * b[i];
+    }
+    return acc;
+}
+
+class stacked_gate_predictor : public predictor_i {
 public:
-    next_layer_gate_predictor(std::vector<router_weights> routers, int n_embd, int n_predict)
-            : routers(std::move(routers)), n_embd(n_embd), n_predict(n_predict) {
-        for (size_t i = 0; i < this->routers.size(); ++i) {
-            position[this->routers[i].il] = i;
+    stacked_gate_predictor(const std::vector<router_weights> & routers, int n_embd, int n_predict, int max_depth)
+            : n_embd(n_embd), n_predict(n_predict) {
+        const int n_router = (int) routers.size();
+        for (int i = 0; i < n_router; ++i) {
+            stack & s = stacks[routers[i].il];
+            for (int d = 1; d <= max_depth && i + d < n_router; ++d) {
+                const router_weights & next = routers[i + d];
+                s.layers.push_back(next.il);
+                s.n_expert.push_back((int) (next.w.size() / n_embd));
+                s.w.insert(s.w.end(), next.w.begin(), next.w.end());
+            }
         }
     }
 
-    void predict(int il, const float * x, std::vector<std::pair<int, int>> & out) override {
-        const auto pos = position.find(il);
-        if (pos == position.end() || pos->second + 1 >= routers.size()) {
+    void predict(int il, const float * x, int depth, std::vector<layer_prediction> & out) override {
+        const auto it = stacks.find(il);
+        if (it == stacks.end() || depth <= 0) {
             return;
         }
-        const router_weights & next = routers[pos->second + 1];
-        router_top_k(next, n_embd, x, n_predict, top);
-        for (int e : top) {
-            out.emplace_back(next.il, e);
+        const stack & s = it->second;
+        const int n_layer = std::min<int>(depth, (int) s.layers.size());
+        int n_rows = 0;
+        for (int d = 0; d < n_layer; ++d) {
+            n_rows += s.n_expert[d];
+        }
+        // every gate of the stack in one pass over its rows
+        logits.resize(n_rows);
+        for (int r = 0; r < n_rows; ++r) {
+            logits[r] = dot(s.w.data() + (size_t) r * n_embd, x, n_embd);
+        }
+        int first = 0;
+        for (int d = 0; d < n_layer; ++d) {
+            const int n_expert = s.n_expert[d];
+            const float * l = logits.data() + first;
+            layer_prediction p;
+            p.il = s.layers[d];
+            p.experts.resize(n_expert);
+            std::iota(p.experts.begin(), p.experts.end(), 0);
+            const int k = std::min(n_predict, n_expert);
+            std::partial_sort(p.experts.begin(), p.experts.begin() + k, p.experts.end(),
+                              [&](int a, int b) { return l[a] > l[b]; });
+            p.experts.resize(k);
+            // softmax over the top-k: the normalized gate weights a top-k router would give
+            float total = 0.0f;
+            for (int e : p.experts) {
+                p.weights.push_back(std::exp(l[e] - l[p.experts[0]]));
+                total += p.weights.back();
+            }
+            for (float & w : p.weights) {
+                w /= total;
+            }
+            out.push_back(std::move(p));
+            first += n_expert;
         }
     }
 
 private:
-    std::vector<router_weights> routers;
-    std::map<int, size_t> position; // layer -> index in routers
+    struct stack {
+        std::vector<int>   layers;   // the next MoE layers, nearest first
+        std::vector<int>   n_expert; // experts of each
+        std::vector<float> w;        // their router rows, one after the other
+    };
+    std::map<int, stack> stacks;     // by the layer whose input they are applied to
     int n_embd;
     int n_predict;
-    std::vector<int> top;
+    std::vector<float> logits;
 };
 
 } // namespace
@@ -41,12 +91,7 @@ void router_top_k(const router_weights & r, int n_embd, const float * x, int k, 
     const int n_expert = (int) (r.w.size() / n_embd);
     std::vector<float> logits(n_expert);
     for (int e = 0; e < n_expert; ++e) {
-        const float * row = r.w.data() + (size_t) e * n_embd;
-        float acc = 0.0f;
-        for (int i = 0; i < n_embd; ++i) {
-            acc += row[i] * x[i];
-        }
-        logits[e] = acc;
+        logits[e] = dot(r.w.data() + (size_t) e * n_embd, x, n_embd);
     }
     out.resize(n_expert);
     std::iota(out.begin(), out.end(), 0);
@@ -55,6 +100,7 @@ void router_top_k(const router_weights & r, int n_embd, const float * x, int k, 
     out.resize(k);
 }
 
-std::unique_ptr<predictor_i> predictor_make_next_layer_gate(std::vector<router_weights> routers, int n_embd, int n_predict) {
-    return std::make_unique<next_layer_gate_predictor>(std::move(routers), n_embd, n_predict);
+std::unique_ptr<predictor_i> predictor_make_stacked_gates(const std::vector<router_weights> & routers, int n_embd,
+                                                          int n_predict, int max_depth) {
+    return std::make_unique<stacked_gate_predictor>(routers, n_embd, n_predict, max_depth);
 }

@@ -181,7 +181,8 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         }
     }
     if (params.prefetch_layers > 0 && model != nullptr) {
-        predictor = predictor_make_next_layer_gate(load_routers(model, moe_layers), info.n_embd, info.n_expert_used);
+        predictor = predictor_make_stacked_gates(load_routers(model, moe_layers), info.n_embd, info.n_expert_used,
+                                                 params.prefetch_layers);
     }
     io = std::make_unique<io_scheduler>(level_indexes, params.direct_io, params.n_io_threads,
         [this](const load_task & t, const std::string & err, uint64_t n, int64_t us) { on_load_done(t, err, n, us); });
@@ -310,11 +311,11 @@ int hobbit_runtime::find_cached(int il, int e, int & level) const {
     return -1;
 }
 
-bool hobbit_runtime::queue_background_load(int p, int il, int e, bool prefetch, std::vector<load_task> & loads) {
+int hobbit_runtime::queue_background_load(int p, int il, int e, bool prefetch, std::vector<load_task> & loads) {
     expert_pool & pool = *pools[p].pool;
     const int s = take_slot(p);
     if (s < 0) {
-        return false;
+        return -1;
     }
     pool.assign(s, il, e);
     pool.slots[s].prefetched = prefetch;
@@ -322,7 +323,59 @@ bool hobbit_runtime::queue_background_load(int p, int il, int e, bool prefetch, 
     load_task task = { p, pools[p].level, s, il, e, /*prefetch*/ true, {}, {} };
     pool.slot_targets(s, task.dst, task.view);
     loads.push_back(task);
-    return true;
+    return s;
+}
+
+void hobbit_runtime::pin_predicted(int p, int s, int il) {
+    pools[p].pool->slots[s].pins++;
+    predicted_pins.push_back({ p, s, il, graph_seq });
+}
+
+void hobbit_runtime::release_predicted(const std::function<bool(int p, int s, int il)> & pred) {
+    auto keep = predicted_pins.begin();
+    for (const predicted_pin & pp : predicted_pins) {
+        if (pred(pp.pool, pp.slot, pp.layer)) {
+            pools[pp.pool].pool->slots[pp.slot].pins--;
+        } else {
+            *keep++ = pp;
+        }
+    }
+    predicted_pins.erase(keep, predicted_pins.end());
+}
+
+void hobbit_runtime::prefetch_next_layers(int il, const float * x, std::vector<load_task> & loads) {
+    std::vector<layer_prediction> predictions;
+    predictor->predict(il, x, params.prefetch_layers, predictions);
+    std::vector<int> want;
+    for (const layer_prediction & lp : predictions) {
+        const int k = (int) lp.experts.size();
+        want.resize(k);
+        // the precision a predicted expert is fetched at comes from the same score rule
+        precision_levels(thresholds, lp.weights.data(), k, want.data());
+        bool all_cached = true;
+        for (int i = 0; i < k; ++i) {
+            const int e = lp.experts[i];
+            int level = -1;
+            int s = find_cached(lp.il, e, level);
+            if (s < 0) {
+                if (want[i] == PRECISION_SKIP) {
+                    continue; // it would be skipped if missed: nothing worth fetching
+                }
+                all_cached = false;
+                level = want[i];
+                s = queue_background_load(pool_of[level][lp.il], lp.il, e, /*prefetch*/ true, loads);
+                if (s < 0) {
+                    continue; // every slot of that pool is pinned
+                }
+                stats_.prefetch_issued++;
+            }
+            pin_predicted(pool_of[level][lp.il], s, lp.il);
+        }
+        // go one layer deeper only while everything predicted so far is already there
+        if (!all_cached) {
+            break;
+        }
+    }
 }
 
 void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
@@ -388,6 +441,29 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
             pools[p].pool->slots[s].pins--;
         }
         pinned.clear();
+        if (wave == 0 && il <= last_dispatch_il) {
+            graph_seq++;
+        }
+        // predictions for this layer have served their purpose (its selection pins what it
+        // uses); those of an earlier graph are stale
+        release_predicted([&](int, int, int layer) { return layer <= il; });
+        const int64_t graph = graph_seq;
+        predicted_pins.erase(std::remove_if(predicted_pins.begin(), predicted_pins.end(), [&](const predicted_pin & pp) {
+            if (pp.graph == graph) {
+                return false;
+            }
+            pools[pp.pool].pool->slots[pp.slot].pins--;
+            return true;
+        }), predicted_pins.end());
+        // a queued prefetch for this layer whose expert was not selected was a wrong guess
+        if (wave == 0) {
+            for (const load_task & t : io->drop_prefetches([&](const load_task & t) { return t.layer == il && n_pairs[t.expert] == 0; })) {
+                if (pools[t.group].pool->slots[t.slot].prefetched) {
+                    stats_.prefetch_wasted++;
+                }
+                pools[t.group].pool->clear(t.slot);
+            }
+        }
         for (pool_group & pg : pools) {
             pg.policy->on_layer(il);
         }
@@ -422,7 +498,9 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
             } else {
                 s = take_slot_near(il, want[e], level);
                 while (s < 0 && must_fit && !failed()) {
-                    // prefetches stand in the way: drop the queued ones, wait for a running one
+                    // prefetches stand in the way: unpin the predicted experts, drop the
+                    // queued loads, wait for a running one
+                    release_predicted([](int, int, int) { return true; });
                     for (int l = 0; l < n_level; ++l) {
                         const int p = pool_of[l][il];
                         for (const load_task & t : io->drop_prefetches([p](const load_task & t) { return t.group == p; })) {
@@ -483,25 +561,14 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
         // waits for, for the next time the expert is selected
         for (const auto & [e, level] : upgrade) {
             if (pools[pool_of[level][il]].pool->find(il, e) < 0 &&
-                queue_background_load(pool_of[level][il], il, e, /*prefetch*/ false, loads)) {
+                queue_background_load(pool_of[level][il], il, e, /*prefetch*/ false, loads) >= 0) {
                 stats_.upgrades++;
             }
         }
 
         const ggml_tensor * x = dst->src[3]; // router input [n_embd, n_tokens]
         if (predictor && wave == 0 && n_tokens == 1 && x->type == GGML_TYPE_F32 && x->ne[0] == index.info.n_embd) {
-            std::vector<std::pair<int, int>> wanted;
-            predictor->predict(il, (const float *) x->data, wanted);
-            for (const auto & [l, e] : wanted) {
-                int found = -1;
-                if (find_cached(l, e, found) >= 0) {
-                    continue;
-                }
-                if (!queue_background_load(pool_of[0][l], l, e, /*prefetch*/ true, loads)) {
-                    break;
-                }
-                stats_.prefetch_issued++;
-            }
+            prefetch_next_layers(il, (const float *) x->data, loads);
         }
         io->submit(loads);
         stats_.peak_pool_bytes = std::max<int64_t>(stats_.peak_pool_bytes, used_pool_bytes());

@@ -19,6 +19,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -69,8 +70,13 @@ private:
     int  find_cached(int il, int e, int & level) const;
     // the layer's pools (one per level) hold up to this many experts at once
     int  layer_capacity(int il) const;
-    // queue a load of (il, e) into a free or evictable slot of pool p; false if none; needs mtx
-    bool queue_background_load(int p, int il, int e, bool prefetch, std::vector<load_task> & loads);
+    // queue a load of (il, e) into a free or evictable slot of pool p; the slot, or -1 if none; needs mtx
+    int  queue_background_load(int p, int il, int e, bool prefetch, std::vector<load_task> & loads);
+    // HOBBIT's adaptive prefetch (§3.3) from layer il's router input x; needs mtx
+    void prefetch_next_layers(int il, const float * x, std::vector<load_task> & loads);
+    // predicted experts stay pinned until their layer runs (or a new graph starts); needs mtx
+    void pin_predicted(int p, int s, int il);
+    void release_predicted(const std::function<bool(int p, int s, int il)> & pred);
     const expert_index & level_index(int level) const { return level == 0 ? index : companions[level - 1]; }
     int64_t used_pool_bytes() const; // needs mtx
     void fail(const std::string & msg); // the first failure sticks; needs mtx
@@ -108,6 +114,12 @@ private:
     mutable std::mutex      mtx;      // guards pools, predictor, recorder, stats_, pinned, n_waiting, last_dispatch_il
     std::condition_variable cv_loaded;
     std::vector<std::pair<int, int>> pinned; // (pool, slot) pinned by the last dispatch
+    struct predicted_pin {
+        int pool, slot, layer;
+        int64_t graph;               // the graph (token step) it was predicted in
+    };
+    std::vector<predicted_pin> predicted_pins;
+    int64_t                 graph_seq = 0; // counts graphs: a dispatch of a layer not after the last one starts a new one
     std::vector<bool>       served;   // experts of the current layer's ubatch served by an earlier wave
     int                     n_waiting = 0;
     int                     last_dispatch_il = -1; // layer of the latest dispatch

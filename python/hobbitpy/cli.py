@@ -30,19 +30,42 @@ def _add_run_parser(sub) -> None:
 def _add_policy_args(p) -> None:
     from hobbitpy.config import POLICIES
 
-    p.add_argument("--policy", choices=POLICIES, default="lru", help="expert cache replacement policy (default lru)")
-    p.add_argument("--policy-weights", metavar="LRU,LFU,LHU,FLD", type=_weights,
-                   default=(0.25, 0.25, 0.25, 0.25), help="weights of HOBBIT's eq. 3 for --policy weighted")
+    p.add_argument("--policy", choices=POLICIES, default="lru",
+                   help="expert cache replacement policy (default lru; hobbit = HOBBIT's eq. 3 mix of the four)")
+    p.add_argument("--policy-weights", metavar="LRU,LFU,LHU,FLD", type=_numbers(4, "LRU,LFU,LHU,FLD"),
+                   default=(0.25, 0.25, 0.25, 0.25), help="weights of HOBBIT's eq. 3 for --policy hobbit")
 
 
-def _weights(text: str) -> tuple[float, ...]:
-    try:
-        w = tuple(float(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected four numbers like 0.4,0.3,0.2,0.1, got {text!r}") from None
-    if len(w) != 4:
-        raise argparse.ArgumentTypeError(f"expected four weights (LRU,LFU,LHU,FLD), got {len(w)}")
-    return w
+def _numbers(n: int | None, what: str):
+    """An argparse type: comma-separated numbers, n of them (None: any count)."""
+    def parse(text: str) -> tuple[float, ...]:
+        try:
+            values = tuple(float(x) for x in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected numbers like {what}, got {text!r}") from None
+        if n is not None and len(values) != n:
+            raise argparse.ArgumentTypeError(f"expected {n} numbers ({what}), got {len(values)}")
+        return values
+    return parse
+
+
+def _add_precision_args(p) -> None:
+    from hobbitpy.config import DEFAULT_T1, DEFAULT_T2
+
+    p.add_argument("--low", metavar="TYPE|PATH",
+                   help="mixed precision: low-precision copies of the experts, a type (Q2_K: the file "
+                        "`hobbitpy prepare` writes next to the model) or a companion GGUF file")
+    p.add_argument("--mid", metavar="TYPE|PATH", help="a middle precision level between the model's and --low")
+    p.add_argument("--t1", type=float, default=DEFAULT_T1,
+                   help=f"a missed expert whose score (HOBBIT eq. 2) is at most T1 loads at high precision (default {DEFAULT_T1})")
+    p.add_argument("--t-mid", type=float, default=None,
+                   help="with --mid: a score at most T_MID loads at the middle precision (default halfway from T1 to T2)")
+    p.add_argument("--t2", type=float, default=DEFAULT_T2,
+                   help=f"a missed expert whose score is above T2 is skipped (default {DEFAULT_T2})")
+    p.add_argument("--level-shares", metavar="HIGH,[MID,]LOW", type=_numbers(None, "0.5,0.5"), default=None,
+                   help="how the expert budget is split among the precision levels (default evenly)")
+    p.add_argument("--no-upgrade", action="store_true",
+                   help="do not load the wanted precision in the background after a lower-precision hit")
 
 
 def add_offload_args(p) -> None:
@@ -52,18 +75,25 @@ def add_offload_args(p) -> None:
                      help="expert cache budget in MB (default: from the memory available)")
     mem.add_argument("--no-offload", action="store_true",
                      help="run stock llama.cpp (every expert mapped from the file): the reference")
-    p.add_argument("--prefetch", action="store_true",
-                   help="while a layer computes, prefetch the experts the next layer's router picks on its input")
+    depth = p.add_mutually_exclusive_group()
+    depth.add_argument("--prefetch-layers", type=int, default=0, metavar="P",
+                       help="during decode, prefetch the experts of up to P next layers, predicted by their routers on "
+                            "the current layer's input (HOBBIT's adaptive prefetch; default 0 = on demand only)")
+    depth.add_argument("--prefetch", action="store_const", const=1, dest="prefetch_layers",
+                       help="the same as --prefetch-layers 1")
     p.add_argument("--no-direct-io", action="store_true", help="read experts through the page cache")
     _add_policy_args(p)
+    _add_precision_args(p)
 
 
 def offload_config_from_args(args):
     from hobbitpy import OffloadConfig
 
     return OffloadConfig(enabled=not args.no_offload, cache_mb=args.cache_mb,
-                         prefetch_layers=1 if args.prefetch else 0, direct_io=not args.no_direct_io,
-                         policy=args.policy, policy_weights=args.policy_weights)
+                         prefetch_layers=args.prefetch_layers, direct_io=not args.no_direct_io,
+                         policy=args.policy, policy_weights=args.policy_weights,
+                         low=args.low, mid=args.mid, t1=args.t1, t_mid=args.t_mid, t2=args.t2,
+                         level_shares=args.level_shares, upgrade_hits=not args.no_upgrade)
 
 
 def _add_bench_parser(sub) -> None:
@@ -175,7 +205,7 @@ def _add_simulate_parser(sub) -> None:
     p.add_argument("--budget-mb", type=float, nargs="+", required=True, help="expert cache budget(s) in MB")
     p.add_argument("--policy", nargs="+", choices=POLICIES, default=list(DEFAULT_POLICIES),
                    help=f"policies to replay (default: {' '.join(DEFAULT_POLICIES)})")
-    p.add_argument("--policy-weights", metavar="LRU,LFU,LHU,FLD", type=_weights, default=(0.25, 0.25, 0.25, 0.25),
+    p.add_argument("--policy-weights", metavar="LRU,LFU,LHU,FLD", type=_numbers(4, "LRU,LFU,LHU,FLD"), default=(0.25, 0.25, 0.25, 0.25),
                    help="weights of HOBBIT's eq. 3 for the 'weighted' policy")
     p.add_argument("--seed", type=int, default=0, help="seed of the random policy")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")

@@ -14,6 +14,7 @@ _NATIVE_POLICY = {"lru": 0, "lfu": 1, "lhu": 2, "fld": 3, "random": 4, "weighted
 
 # HOBBIT's thresholds for Mixtral-8x7B (§3.2): 67 % of selections high, 30 % low, 3 % skipped
 DEFAULT_T1 = 0.6
+MAX_PREFETCH_LAYERS = 8
 DEFAULT_T2 = 0.9
 
 
@@ -28,7 +29,9 @@ class OffloadConfig:
     """Expert cache budget in MiB; None sizes it from the memory actually available."""
 
     prefetch_layers: int = 0
-    """0 loads on demand only; 1 also prefetches, during decode, the experts the next layer's router picks on the current layer's input."""
+    """0 loads on demand only; P > 0 also prefetches, during decode, the experts the next P layers' routers
+    pick on the current layer's input, going one layer deeper only while the predicted experts are all cached
+    (HOBBIT §3.3)."""
 
     direct_io: bool = True
     """Read experts with O_DIRECT (no double caching in the page cache) where the file system allows it."""
@@ -72,8 +75,8 @@ class OffloadConfig:
             raise ValueError(f"cache_mb must be positive, got {self.cache_mb}")
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be at least 1, got {self.io_threads}")
-        if self.prefetch_layers not in (0, 1):
-            raise ValueError(f"prefetch_layers must be 0 or 1, got {self.prefetch_layers}")
+        if not 0 <= self.prefetch_layers <= MAX_PREFETCH_LAYERS:
+            raise ValueError(f"prefetch_layers must be 0..{MAX_PREFETCH_LAYERS}, got {self.prefetch_layers}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown cache policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         w = self.policy_weights
