@@ -23,12 +23,13 @@ def test_bench_reports_every_figure(model_dir, tmp_path):
     budget = 5 * info.expert_bytes / MB
     out = tmp_path / "result"
     p = _bench([str(path), "--caps", "none", "--cap-mb", "700", "--repeats", "2", "-n", "6", "--threads", "2",
-                "--config", f"lru=--cache-mb {budget:.4f}", "--config", f"lfu=--policy lfu --cache-mb {budget:.4f}",
+                "--config", f"lru=--cache-mb {budget:.4f} --mode gpu-centric",
+                "--config", f"lfu=--policy lfu --cache-mb {budget:.4f} --mode gpu-centric",
                 "--out", str(out), "--no-progress"])
     assert p.returncode == 0, p.stderr
-    assert "disk:" in p.stdout and "same output as stock: yes" in p.stdout
+    assert "disk:" in p.stdout and "reproduce stock: yes" in p.stdout
     r = json.loads((out / "bench.json").read_text())
-    assert r["disk_bytes_per_s"] > 0
+    assert r["disk_bytes_per_s"] > 0 and r["stock_compute_ms"] > 0
     assert [row["cap"] for row in r["rows"]] == ["none", "700MB"]
     for row in r["rows"]:
         assert row["same_output_as_stock"]
@@ -37,7 +38,9 @@ def test_bench_reports_every_figure(model_dir, tmp_path):
         for s in row["configs"]:
             assert s["errors"] == [] and s["decode_tok_s"] > 0 and len(s["all_decode_tok_s"]) == 2
             assert s["ttft_short_ms"] > 0 and s["ttft_long_ms"] > 0 and s["same_output_all_repeats"]
-            assert s["ratio_to_stock"] > 0
+            assert s["ratio_to_stock"] > 0 and s["same_output_as_stock"]
+            # the bound is the disk time of the bytes read plus compute
+            assert s["compute_ms_per_token"] > 0 and s["bound_tok_s"] > 0 and s["time_over_bound"] > 0
         assert not stock["offloaded"] and lru["offloaded"] and lfu["offloaded"]
         assert stock["ratio_to_stock"] == 1.0
         # 5 slots for 4 layers x top-2: the pools miss and read from disk
@@ -79,3 +82,22 @@ def test_bench_several_models_in_one_command(model_dir, tmp_path):
         r = json.loads((out / model.stem / "bench.json").read_text())
         assert r["model"] == str(model.resolve()) and r["rows"][0]["same_output_as_stock"]
         assert [s["config"] for s in r["rows"][0]["configs"]] == ["stock", "lru"]
+
+
+def test_bench_mixed_precision_config(model_dir, tmp_path):
+    from hobbitpy.prepare import prepare_companion
+
+    path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    low = prepare_companion(path, "Q4_0", out_path=tmp_path / "low.gguf", progress=False)
+    info = hobbitpy.inspect_model(path)
+    budget = info.expert_bytes_total / 2 / MB
+    out = tmp_path / "mixed"
+    p = _bench([str(path), "--caps", "none", "--repeats", "1", "-n", "6", "--threads", "2",
+                "--config", f"hobbit=--low {low} --cache-mb {budget:.4f} --prefetch-layers 2 --policy hobbit",
+                "--out", str(out), "--no-progress"])
+    assert p.returncode == 0, p.stderr
+    stock, hobbit = json.loads((out / "bench.json").read_text())["rows"][0]["configs"]
+    d = hobbit["decode_stats"]
+    assert d["n_level"] == 2 and len(d["served"]) == 2
+    assert sum(d["served"]) + d["n_skipped"] == 5 * info.n_layer_moe * info.n_expert_used  # 5 decode steps
+    assert len(hobbit["pool_hit_ratio"]) == 2

@@ -27,7 +27,7 @@ def test_half_budget_prints_the_stock_greedy_text(model_dir, tmp_path):
     common = [path, "--prompt", "The harbour at dawn", "-n", "24", "--temp", "0", "--threads", "2"]
 
     stock = run(*common, "--no-offload", "--stats-json", tmp_path / "stock.json")
-    offl = run(*common, "--cache-mb", half_mb, "--stats-json", tmp_path / "offload.json")
+    offl = run(*common, "--cache-mb", half_mb, "--mode", "gpu-centric", "--stats-json", tmp_path / "offload.json")
     assert len(stock.stdout.strip()) > 0
     assert offl.stdout == stock.stdout
 

@@ -19,6 +19,10 @@ BUDGETS = {
     "all": lambda info: info.expert_bytes_total,
 }
 
+# these tests check the pool path: every missed expert is loaded (the cooperative and auto
+# modes, which may compute it in place instead, have their own tests in test_cooperative.py)
+POOL = "gpu-centric"
+
 _reference: dict = {}
 
 
@@ -36,7 +40,7 @@ def test_offloaded_logits_equal_stock(model_dir, arch, budget):
     assert ref_stats is None  # the reference really ran without the runtime
 
     budget_bytes = BUDGETS[budget](info)
-    scores, text, stats, _ = run_logits(path, hobbitpy.OffloadConfig(cache_mb=budget_bytes / MB))
+    scores, text, stats, _ = run_logits(path, hobbitpy.OffloadConfig(cache_mb=budget_bytes / MB, mode=POOL))
 
     assert np.isfinite(ref_scores).all()
     assert scores.shape == ref_scores.shape
@@ -63,7 +67,7 @@ def test_exact_with_thread_counts_and_more_experts(model_dir, n_threads):
     # 16 experts, top-4: a different routing width and a thread count of 1
     path = tiny_model(model_dir, "llama", n_expert=16, n_expert_used=4)
     ref_scores, ref_text, _, info = run_logits(path, hobbitpy.OffloadConfig(enabled=False), n_threads=n_threads)
-    scores, text, stats, _ = run_logits(path, hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total / 3 / MB),
+    scores, text, stats, _ = run_logits(path, hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total / 3 / MB, mode=POOL),
                                         n_threads=n_threads)
     assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
     assert text == ref_text
@@ -73,7 +77,7 @@ def test_exact_with_thread_counts_and_more_experts(model_dir, n_threads):
 def test_offload_does_not_read_experts_at_load(model_dir):
     path = tiny_model(model_dir, "llama")
     info = hobbitpy.inspect_model(path)
-    llm = hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total / 2 / MB),
+    llm = hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total / 2 / MB, mode=POOL),
                          n_ctx=64, verbose=False)
     try:
         stats = llm.offload_stats()
@@ -91,7 +95,7 @@ def test_mixed_expert_types_get_one_pool_each(model_dir, budget):
     ref_scores, ref_text, _, info = reference(path)
     assert not info.uniform
     budget_bytes = BUDGETS[budget](info)
-    scores, text, stats, _ = run_logits(path, hobbitpy.OffloadConfig(cache_mb=budget_bytes / MB))
+    scores, text, stats, _ = run_logits(path, hobbitpy.OffloadConfig(cache_mb=budget_bytes / MB, mode=POOL))
     assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
     assert text == ref_text
     assert stats["expert_misses"] > 0
@@ -109,7 +113,7 @@ def test_types_the_cpu_repacks_stay_exact(model_dir, arch, budget):
     path = tiny_model(model_dir, arch, expert_type="Q4_K", n_embd=256, n_ff=512)
     ref_scores, ref_text, _, info = reference(path)
     budget_bytes = BUDGETS[budget](info)
-    scores, text, stats, _ = run_logits(path, hobbitpy.OffloadConfig(cache_mb=budget_bytes / MB))
+    scores, text, stats, _ = run_logits(path, hobbitpy.OffloadConfig(cache_mb=budget_bytes / MB, mode=POOL))
     assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
     assert text == ref_text
     assert stats["expert_misses"] > 0 and stats["expert_inplace"] == 0

@@ -63,7 +63,7 @@ def test_offloaded_load_leaves_expert_bytes_on_disk(model_dir, tmp_path):
     assert resident_fraction(path, expert_start, end) < 0.05  # the drop worked
 
     info = hobbitpy.inspect_model(path)
-    llm = hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total / 2 / MB),
+    llm = hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total / 2 / MB, mode="gpu-centric"),
                          n_ctx=64, verbose=False)
     try:
         assert llm.offloaded

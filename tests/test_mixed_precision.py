@@ -79,7 +79,7 @@ def test_three_levels_at_the_minimum_budget_are_bit_exact(model_dir):
     mid = identical_companion(path, model_dir / f"{path.stem}.mid.gguf")
     low = identical_companion(path, model_dir / f"{path.stem}.low.gguf")
     ref_scores, ref_text, _, info = reference(path)
-    config = hobbitpy.OffloadConfig(cache_mb=3 * info.min_budget_bytes / MB, mid=str(mid), low=str(low),
+    config = hobbitpy.OffloadConfig(cache_mb=3 * info.min_budget_bytes / MB, mid=str(mid), low=str(low), mode="gpu-centric",
                                     t1=0.0, t_mid=0.3, t2=1.0)
     scores, text, stats, _ = run_logits(path, config)
     assert_bit_equal(scores, ref_scores)

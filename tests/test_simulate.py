@@ -126,7 +126,7 @@ def test_every_policy_is_exact(model_dir, policy):
     path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
     info = hobbitpy.inspect_model(path)
     ref, ref_text, _, _ = run_logits(path, OffloadConfig(enabled=False))
-    got, text, stats, _ = run_logits(path, OffloadConfig(cache_mb=_slots_budget_mb(info, 3), policy=policy))
+    got, text, stats, _ = run_logits(path, OffloadConfig(cache_mb=_slots_budget_mb(info, 3), policy=policy, mode="gpu-centric"))
     assert stats["expert_misses"] > 0
     assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
     assert text == ref_text

@@ -58,6 +58,21 @@ enum hobbit_policy {
 // precision levels: 0 is the model's own experts (high), then optional companion files
 // with the same experts at lower precision (`hobbitpy prepare`): [high, low] or [high, mid, low]
 #define HOBBIT_MAX_LEVELS 3
+#define HOBBIT_AUTO_LOW_SHARE 0.85f
+
+// what a hit at another precision than the wanted one does (mixed precision)
+enum hobbit_hit_policy {
+    HOBBIT_HIT_FOUND   = 0, // use the copy found, at whatever precision
+    HOBBIT_HIT_UPGRADE = 1, // use it, and load the wanted precision in the background when it was lower
+    HOBBIT_HIT_EXACT   = 2, // serve exactly the wanted precision (load it when missing; skip when the rule says skip)
+};
+
+// where a missed expert runs (HOBBIT §4, Fiddler's Algorithm 1)
+enum hobbit_mode {
+    HOBBIT_MODE_GPU_CENTRIC = 0, // load it into a pool slot (in place only when a ubatch needs more experts than the pools hold)
+    HOBBIT_MODE_COOPERATIVE = 1, // compute it in place on the model's mapped weights (the cache fills by prefetch and warm-up)
+    HOBBIT_MODE_AUTO        = 2, // per expert and ubatch, by the latency model measured at start-up
+};
 
 // weights of HOBBIT's eq. 3; they should sum to 1
 struct hobbit_policy_weights {
@@ -76,11 +91,16 @@ struct hobbit_params {
     // mixed precision (HOBBIT §3.2); n_level = 1 serves every expert from the model at its own precision
     int32_t n_level;                                // 1..HOBBIT_MAX_LEVELS
     const char * level_paths[HOBBIT_MAX_LEVELS];    // [1..n_level-1]: expert-only GGUF of the same model (copied at request)
-    float   level_shares[HOBBIT_MAX_LEVELS];        // how the budget above the minimum is split among the levels (all 0 = evenly)
+    float   level_shares[HOBBIT_MAX_LEVELS];        // how the budget above the minimum is split among the levels; all 0 =
+                                                    // automatic: the lowest level gets room for all of its experts, up to
+                                                    // HOBBIT_AUTO_LOW_SHARE of the budget, the others share the rest evenly
     float   t1;            // a selection's score (eq. 2) <= t1: high precision
     float   t_mid;         // three levels: score <= t_mid: the middle level
     float   t2;            // score > t2: a missed expert is skipped (no output this token)
-    bool    upgrade_hits;  // a hit at a lower precision than wanted is used, and the wanted copy loads in the background
+    enum hobbit_hit_policy hit_policy; // a hit at another precision than the wanted one
+    enum hobbit_mode mode; // where missed experts run; in place needs an expert type the CPU does not repack
+    bool    warm_low;      // at start, fill the lowest level's pool with its experts in the background: every
+                           // selection then has a copy in memory (a hit at the precision found) once it is done
 };
 
 struct hobbit_model_info {
@@ -119,6 +139,10 @@ struct hobbit_stats {
     int64_t n_skipped;             // selections skipped: score above t2 and not cached
     int64_t upgrades;              // background loads of the wanted precision after a lower-precision hit
     int64_t prefetch_wasted;       // prefetched experts evicted or dropped before any use
+    int64_t warm_loads;            // loads queued at start to fill the lowest level's pool (warm_low)
+    int32_t mode;                  // enum hobbit_mode in effect (gpu-centric when in place is not possible)
+    double  load_bytes_per_s;      // latency model (auto mode): one load's bandwidth at start-up
+    double  map_bytes_per_s;       // and faulting the same bytes in through the mapping
 };
 
 // counters of one pool (one per expert signature; index 0 .. n_pool-1)

@@ -43,6 +43,7 @@ void io_scheduler::submit(const std::vector<load_task> & tasks) {
         for (const load_task & task : tasks) {
             auto ld = std::make_shared<load>();
             ld->task = task;
+            n_background += task.prefetch ? 1 : 0;
             std::deque<piece> & q = task.prefetch ? prefetches : on_demand;
             const expert_layer_layout & layer = indexes[task.level]->layers[task.layer];
             for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
@@ -78,6 +79,7 @@ std::deque<load_task> io_scheduler::drop_prefetches(const std::function<bool(con
             if (ld.get() != last) {
                 dropped.push_back(ld->task);
                 last = ld.get();
+                n_background--;
             }
             it = prefetches.erase(it);
         } else {
@@ -85,6 +87,11 @@ std::deque<load_task> io_scheduler::drop_prefetches(const std::function<bool(con
         }
     }
     return dropped;
+}
+
+int io_scheduler::background_in_flight() {
+    std::lock_guard<std::mutex> lock(mtx);
+    return n_background;
 }
 
 void io_scheduler::loop(level_stores & stores) {
@@ -131,6 +138,7 @@ void io_scheduler::loop(level_stores & stores) {
             }
             last = --ld.pieces_left == 0;
             us = now_us() - ld.t_start_us;
+            n_background -= (last && task.prefetch) ? 1 : 0;
         }
         if (last) {
             on_done(task, ld.error, ld.error.empty() ? indexes[task.level]->layers[task.layer].n_bytes() : 0, us);

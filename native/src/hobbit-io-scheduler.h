@@ -51,6 +51,9 @@ public:
     // drop queued (not started) prefetches for which pred returns true; returns them
     std::deque<load_task> drop_prefetches(const std::function<bool(const load_task &)> & pred);
 
+    // background (prefetch-class) loads queued or being read
+    int background_in_flight();
+
     static constexpr uint64_t PIECE_BYTES = 2u << 20;
 
 private:
@@ -82,6 +85,7 @@ private:
     std::condition_variable cv;
     std::deque<piece>       on_demand;
     std::deque<piece>       prefetches;
+    int                     n_background = 0; // prefetch-class loads submitted and not yet completed
     bool                    closing = false;
     std::vector<std::thread> workers;
 };

@@ -52,8 +52,10 @@ static std::string mib(int64_t n_bytes) {
 }
 
 // how the budget is split among the levels: each gets its minimum (one token's top-k), the
-// rest goes by share; a level that could hold all of its experts with less passes the
-// excess on, to the highest precision first
+// rest goes by share (or, with no shares given, the lowest level gets room for all of its
+// experts up to HOBBIT_AUTO_LOW_SHARE of the budget: a copy of every expert in memory means
+// a decode never waits for the disk); a level that could hold all of its experts with less
+// passes the excess on, to the highest precision first
 static std::vector<int64_t> level_budgets(const std::vector<const expert_index *> & levels, const hobbit_params & params) {
     const int n = (int) levels.size();
     int64_t min_total = 0;
@@ -67,7 +69,8 @@ static std::vector<int64_t> level_budgets(const std::vector<const expert_index *
             " is below the minimum of " + mib(min_total) + (n > 1 ? " (one token's experts at each precision: " + parts + ")" :
             " (" + std::to_string(levels[0]->info.n_expert_used) + " experts of one token)"));
     }
-    float share_total = 0.0f;
+    std::vector<double> share(n, 0.0);
+    double share_total = 0.0;
     for (int l = 0; l < n; ++l) {
         if (!(params.level_shares[l] >= 0.0f)) {
             throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "level_shares must be non-negative");
@@ -75,11 +78,25 @@ static std::vector<int64_t> level_budgets(const std::vector<const expert_index *
         share_total += params.level_shares[l];
     }
     const int64_t spare = params.budget_bytes - min_total;
+    if (share_total > 0.0) {
+        for (int l = 0; l < n; ++l) {
+            share[l] = params.level_shares[l] / share_total;
+        }
+    } else if (n == 1) {
+        share[0] = 1.0;
+    } else {
+        const expert_index & low = *levels[n - 1];
+        const double low_bytes = std::min<double>(low.info.expert_bytes_total - low.info.min_budget_bytes,
+                                                  HOBBIT_AUTO_LOW_SHARE * params.budget_bytes);
+        share[n - 1] = spare > 0 ? std::min(1.0, low_bytes / spare) : 0.0;
+        for (int l = 0; l < n - 1; ++l) {
+            share[l] = (1.0 - share[n - 1]) / (n - 1);
+        }
+    }
     std::vector<int64_t> budget(n);
     int64_t excess = 0;
     for (int l = 0; l < n; ++l) {
-        const double share = share_total > 0.0f ? params.level_shares[l] / share_total : 1.0 / n;
-        budget[l] = levels[l]->info.min_budget_bytes + (int64_t) (spare * share);
+        budget[l] = levels[l]->info.min_budget_bytes + (int64_t) (spare * share[l]);
         const int64_t all = levels[l]->info.expert_bytes_total;
         if (budget[l] > all) {
             excess += budget[l] - all;
@@ -120,6 +137,9 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         index.check_companion(companions.back());
     }
     thresholds = { n_level, params.t1, params.t_mid, params.t2 };
+    if (params.hit_policy < HOBBIT_HIT_FOUND || params.hit_policy > HOBBIT_HIT_EXACT) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "unknown hit policy " + std::to_string((int) params.hit_policy));
+    }
     const bool ordered = 0.0f <= params.t1 && params.t1 <= params.t2 && params.t2 <= 1.0f &&
                          (n_level < 3 || (params.t1 <= params.t_mid && params.t_mid <= params.t2));
     if (n_level > 1 && !ordered) {
@@ -180,6 +200,22 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
             pools.push_back(std::move(pg));
         }
     }
+    // in place runs the model's own mapped weights with stock's kernels: only where the CPU
+    // does not repack that type on load (a repacked pool computes with other kernels)
+    inplace_ok.assign(info.n_layer, false);
+    bool any_inplace = false;
+    for (int il : moe_layers) {
+        inplace_ok[il] = model != nullptr && !pools[pool_of[0][il]].pool->repacked();
+        any_inplace = any_inplace || inplace_ok[il];
+    }
+    if (params.mode < HOBBIT_MODE_GPU_CENTRIC || params.mode > HOBBIT_MODE_AUTO) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "unknown mode " + std::to_string((int) params.mode));
+    }
+    executor = executor_choice_make(index, params.mode, any_inplace, params.direct_io);
+    stats_.mode             = any_inplace ? params.mode : HOBBIT_MODE_GPU_CENTRIC;
+    stats_.load_bytes_per_s = executor.load_bytes_per_s;
+    stats_.map_bytes_per_s  = executor.map_bytes_per_s;
+
     if (params.prefetch_layers > 0 && model != nullptr) {
         predictor = predictor_make_stacked_gates(load_routers(model, moe_layers), info.n_embd, info.n_expert_used,
                                                  params.prefetch_layers);
@@ -209,7 +245,8 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         // experts run in place only when a ubatch selects more pairs than the pools hold,
         // and never when the model's pool is repacked: the mapped original would take other
         // kernels than stock, so such a ubatch runs in waves instead (n_waves)
-        lo.inplace_min_pairs = pools[pool_of[0][il]].pool->repacked() ? INT32_MAX : layer_capacity(il) + 1;
+        lo.inplace_min_pairs = !inplace_ok[il] ? INT32_MAX :
+                               params.mode != HOBBIT_MODE_GPU_CENTRIC ? 0 : layer_capacity(il) + 1;
         lo.dispatch    = &hobbit_runtime::dispatch_op;
     }
     offload_desc.n_layer  = info.n_layer;
@@ -221,6 +258,45 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     stats_.n_slot       = (int32_t) n_slot_total;
     stats_.direct_io    = io->direct_io();
     stats_.n_level      = n_level;
+
+    if (params.warm_low && n_level > 1) {
+        warm_lowest_level();
+    }
+}
+
+double hobbit_runtime::resident(int il, int e) const {
+    uint64_t total = 0;
+    double resident_bytes = 0.0;
+    for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
+        const ggml_tensor * t = llama_model_get_expert_tensor(model, il, (llama_moe_proj) p);
+        if (t == nullptr || t->data == nullptr) {
+            continue;
+        }
+        const size_t n = t->nb[2];
+        resident_bytes += resident_share((const char *) t->data + (size_t) e * n, n) * n;
+        total += n;
+    }
+    return total > 0 ? resident_bytes / total : 0.0;
+}
+
+void hobbit_runtime::warm_lowest_level() {
+    // expert by expert across the layers, so a pool too small for all of them still holds
+    // some of every layer; on-demand loads overtake these (they are background loads)
+    std::lock_guard<std::mutex> lock(mtx);
+    std::vector<load_task> loads;
+    const int low = n_level - 1;
+    for (int e = 0; e < index.info.n_expert; ++e) {
+        for (int il : moe_layers) {
+            const int p = pool_of[low][il];
+            const expert_pool & pool = *pools[p].pool;
+            const bool has_free = std::any_of(pool.slots.begin(), pool.slots.end(),
+                                              [](const pool_slot & s) { return s.state == slot_state::empty; });
+            if (has_free && queue_background_load(p, il, e, /*prefetch*/ false, loads) >= 0) {
+                stats_.warm_loads++;
+            }
+        }
+    }
+    io->submit(loads);
 }
 
 hobbit_runtime::~hobbit_runtime() {
@@ -282,15 +358,15 @@ int hobbit_runtime::take_slot(int p) {
     return s;
 }
 
-int hobbit_runtime::take_slot_near(int il, int want, int & level) {
-    for (int l = want; l < n_level; ++l) {
+int hobbit_runtime::take_slot_near(int il, int want, bool allow_lower, int & level) {
+    for (int l = want; l >= 0; --l) {
         const int s = take_slot(pool_of[l][il]);
         if (s >= 0) {
             level = l;
             return s;
         }
     }
-    for (int l = want - 1; l >= 0; --l) {
+    for (int l = want + 1; allow_lower && l < n_level; ++l) {
         const int s = take_slot(pool_of[l][il]);
         if (s >= 0) {
             level = l;
@@ -432,8 +508,16 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
     if (wave == 0) {
         served.assign(n_expert, false);
     }
+    // the cached copy a selection may use: any level, or with HOBBIT_HIT_EXACT only the wanted one
+    const auto lookup = [&](int e, int & level) {
+        if (params.hit_policy != HOBBIT_HIT_EXACT) {
+            return find_cached(il, e, level);
+        }
+        level = want[e];
+        return want[e] < n_level ? pools[pool_of[want[e]][il]].pool->find(il, e) : -1;
+    };
     // experts already in a pool first: they cost nothing this wave
-    std::stable_partition(order.begin(), order.end(), [&](int e) { int l; return find_cached(il, e, l) >= 0; });
+    std::stable_partition(order.begin(), order.end(), [&](int e) { int l; return lookup(e, l) >= 0; });
 
     if (!failed()) {
         // the previous wave's or layer's matmuls are done: their slots may go
@@ -477,7 +561,7 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
                 continue;
             }
             int level = -1;
-            int s = find_cached(il, e, level);
+            int s = lookup(e, level);
             if (s >= 0) {
                 pool_group & pg = pools[pool_of[level][il]];
                 stats_.expert_hits++;
@@ -487,7 +571,7 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
                     pg.pool->slots[s].prefetched = false;
                 }
                 pg.policy->on_access(s, /*high*/ level == 0);
-                if (level > want[e] && params.upgrade_hits) {
+                if (level > want[e] && params.hit_policy == HOBBIT_HIT_UPGRADE) {
                     upgrade.emplace_back(e, want[e]);
                 }
             } else if (want[e] == SKIP) {
@@ -495,8 +579,19 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
                 level_of[e] = SKIP;
                 stats_.n_skipped += n_pairs[e];
                 continue;
+            } else if (has_inplace && inplace_ok[il] &&
+                       executor.in_place(n_pairs[e], executor.mode == HOBBIT_MODE_AUTO ? resident(il, e) : 0.0)) {
+                // cooperative: computed on the mapped model instead of loaded
+                stats_.expert_inplace++;
+                stats_.served[0] += n_pairs[e];
+                served[e]  = true;
+                inplace[e] = true;
+                continue;
             } else {
-                s = take_slot_near(il, want[e], level);
+                // a lower precision than wanted only without an in-place pass: in place, the
+                // model's own weights serve the expert better (waves must fill every level,
+                // or the last one could be left with more experts than slots)
+                s = take_slot_near(il, want[e], !has_inplace, level);
                 while (s < 0 && must_fit && !failed()) {
                     // prefetches stand in the way: unpin the predicted experts, drop the
                     // queued loads, wait for a running one
@@ -510,7 +605,7 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
                             pools[t.group].pool->clear(t.slot);
                         }
                     }
-                    s = take_slot_near(il, want[e], level);
+                    s = take_slot_near(il, want[e], true, level);
                     if (s >= 0) {
                         break;
                     }
@@ -528,11 +623,12 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
                         break;
                     }
                     cv_loaded.wait(lock);
-                    s = take_slot_near(il, want[e], level);
+                    s = take_slot_near(il, want[e], true, level);
                 }
                 if (s < 0) {
                     if (has_inplace) {
                         stats_.expert_inplace++;
+                        stats_.served[0] += n_pairs[e];
                         served[e]  = true;
                         inplace[e] = true;
                     }
@@ -557,9 +653,13 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
             served[e]   = true;
             stats_.served[level] += n_pairs[e];
         }
-        // the wanted precision of a lower-precision hit loads behind everything this layer
-        // waits for, for the next time the expert is selected
+        // the wanted precision of a lower-precision hit loads in the background, one at a
+        // time, so upgrades use the disk's idle time and never queue up ahead of what the
+        // next layers will need
         for (const auto & [e, level] : upgrade) {
+            if (io->background_in_flight() + (int) loads.size() > 0) {
+                break;
+            }
             if (pools[pool_of[level][il]].pool->find(il, e) < 0 &&
                 queue_background_load(pool_of[level][il], il, e, /*prefetch*/ false, loads) >= 0) {
                 stats_.upgrades++;

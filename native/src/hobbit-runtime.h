@@ -7,6 +7,7 @@
 
 #include "hobbit-cache-policy.h"
 #include "hobbit-expert-pool.h"
+#include "hobbit-executor-choice.h"
 #include "hobbit-expert-store.h"
 #include "hobbit-io-scheduler.h"
 #include "hobbit-pool-plan.h"
@@ -63,9 +64,9 @@ private:
     void dispatch(ggml_tensor * dst, int il, int wave);
     // a slot of pool p for a new expert, or -1 if every slot is pinned or loading; needs mtx
     int  take_slot(int p);
-    // a slot for expert of layer il, at level want if one is free, else at the nearest
-    // lower precision, else higher; level set to the level found; needs mtx
-    int  take_slot_near(int il, int want, int & level);
+    // a slot for an expert of layer il at level want if one is free, else at the nearest
+    // higher precision, else (allow_lower) lower; level set to the level found; needs mtx
+    int  take_slot_near(int il, int want, bool allow_lower, int & level);
     // the slot of (il, e) at the highest precision cached, or -1; level set; needs mtx
     int  find_cached(int il, int e, int & level) const;
     // the layer's pools (one per level) hold up to this many experts at once
@@ -77,6 +78,10 @@ private:
     // predicted experts stay pinned until their layer runs (or a new graph starts); needs mtx
     void pin_predicted(int p, int s, int il);
     void release_predicted(const std::function<bool(int p, int s, int il)> & pred);
+    // share of expert e of layer il resident in the page cache (its slices of the mapped model)
+    double resident(int il, int e) const;
+    // fill the free slots of the lowest level's pools in the background (params.warm_low)
+    void warm_lowest_level();
     const expert_index & level_index(int level) const { return level == 0 ? index : companions[level - 1]; }
     int64_t used_pool_bytes() const; // needs mtx
     void fail(const std::string & msg); // the first failure sticks; needs mtx
@@ -102,6 +107,8 @@ private:
     std::vector<pool_group>         pools;
     std::vector<std::vector<int>>   pool_of;    // [level][n_layer]: index in pools, -1 for dense layers
     std::unique_ptr<predictor_i>    predictor;
+    executor_choice                 executor;   // load a missed expert, or compute it in place
+    std::vector<bool>               inplace_ok; // [n_layer]: the layer's experts may run on the mapped model
     std::unique_ptr<trace_recorder> recorder;     // while a trace is recorded
     const llama_model *             model = nullptr;
     std::vector<int>                moe_layers;

@@ -74,7 +74,9 @@ struct hobbit_params {
     float   t1;
     float   t_mid;
     float   t2;
-    bool    upgrade_hits;
+    int     hit_policy;
+    int     mode;
+    bool    warm_low;
 };
 
 struct hobbit_model_info {
@@ -113,6 +115,10 @@ struct hobbit_stats {
     int64_t n_skipped;
     int64_t upgrades;
     int64_t prefetch_wasted;
+    int64_t warm_loads;
+    int32_t mode;
+    double  load_bytes_per_s;
+    double  map_bytes_per_s;
 };
 
 struct hobbit_pool_stats {

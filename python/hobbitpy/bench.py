@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 
+from .companions import resolve_levels
 from .config import MB
 from .disk import drop_from_page_cache, measure_read_bandwidth
 from .errors import HobbitError
@@ -44,6 +45,7 @@ class BenchConfig:
         import dataclasses
 
         from .cli import add_offload_args, offload_config_from_args
+        from .errors import HobbitError
 
         name, _, flags = text.partition("=")
         name = name.strip()
@@ -53,7 +55,7 @@ class BenchConfig:
         add_offload_args(p)
         try:
             config = offload_config_from_args(p.parse_args(shlex.split(flags)))
-        except (argparse.ArgumentError, SystemExit) as e:
+        except (argparse.ArgumentError, SystemExit, HobbitError) as e:
             raise ValueError(f"bad flags in configuration {text!r}: {e}") from None
         return cls(name, dataclasses.asdict(config) if config.enabled else None)
 
@@ -86,10 +88,12 @@ class BenchResult:
     disk_direct: bool
     cap_method: str
     rows: list[dict] = field(default_factory=list)
+    stock_compute_ms: float | None = None  # per token, warm and uncapped
 
     def as_dict(self) -> dict:
         return {"model": self.model, "machine": self.machine, "disk_bytes_per_s": self.disk_bytes_per_s,
-                "disk_direct": self.disk_direct, "cap_method": self.cap_method, "rows": self.rows}
+                "disk_direct": self.disk_direct, "cap_method": self.cap_method,
+                "stock_compute_ms": self.stock_compute_ms, "rows": self.rows}
 
 
 def _machine() -> dict:
@@ -104,7 +108,7 @@ def _machine() -> dict:
 
 
 def _run_one(model: str, cfg: BenchConfig, cap: Cap, memcap: MemoryCap | None, n_predict: int, threads: int,
-             prompt_tokens: tuple[int, int], fallback_budget_mb: float | None) -> dict:
+             prompt_tokens: tuple[int, int], fallback_budget_mb: float | None, cold: bool = True) -> dict:
     offload = cfg.offload
     if offload is not None and memcap is None and cap.limit_bytes is not None and offload.get("cache_mb") is None:
         offload = dict(offload, cache_mb=fallback_budget_mb)  # no cgroup: the budget stands in for the cap
@@ -112,7 +116,10 @@ def _run_one(model: str, cfg: BenchConfig, cap: Cap, memcap: MemoryCap | None, n
             "prompt_tokens": list(prompt_tokens)}
     if memcap is not None:
         memcap.set_limit(cap.limit_bytes)
-    drop_from_page_cache(model)
+    if cold:
+        # the model and the files of its lower precisions: every run reads what it needs from the disk
+        for path in (model,) + (resolve_levels(model, offload.get("mid"), offload.get("low")) if offload else ()):
+            drop_from_page_cache(path)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "hobbitpy.bench_worker", json.dumps(spec)],
                           preexec_fn=memcap.enter if memcap is not None else None, capture_output=True, text=True)
@@ -134,7 +141,7 @@ def _median(runs: list[dict], key: str):
     return statistics.median(vals) if vals else None
 
 
-def _summarize(name: str, runs: list[dict], disk_bw: float) -> dict:
+def _summarize(name: str, runs: list[dict], disk_bw: float, stock_compute_s: float | None) -> dict:
     ok = [r for r in runs if "error" not in r]
     s = {"config": name, "n_runs": len(runs), "errors": [r["error"] for r in runs if "error" in r]}
     if not ok:
@@ -155,12 +162,19 @@ def _summarize(name: str, runs: list[dict], disk_bw: float) -> dict:
                            for i in range(len(ok[0]["pools"]))],
         "generated": ok[0]["generated"],
         "same_output_all_repeats": len({tuple(r["generated"]) for r in ok}) == 1,
+        "decode_stats": ok[0].get("decode_stats"),
     })
+    # compute per token: what a hobbitpy run did not spend waiting for loads; for stock, a
+    # warm run without a cap (every weight in the page cache)
+    s["compute_ms_per_token"] = _median(ok, "compute_ms_per_token") if s["offloaded"] else (
+        stock_compute_s * 1000.0 if stock_compute_s else None)
     if s["decode_tok_s"] and s["bytes_per_token"] is not None:
-        bound_s = s["bytes_per_token"] / disk_bw
-        s["disk_bound_tok_s"] = 1.0 / bound_s if bound_s > 0 else None
-        # decode time per token over the time the disk needs for its reads (1.0 = at the bound)
-        s["time_over_disk_bound"] = (1.0 / s["decode_tok_s"]) / bound_s if bound_s > 0 else None
+        disk_s = s["bytes_per_token"] / disk_bw
+        s["disk_bound_tok_s"] = 1.0 / disk_s if disk_s > 0 else None
+        # the bound: the disk time of the bytes read plus compute; decode time over it (1.0 = at the bound)
+        bound_s = disk_s + (s["compute_ms_per_token"] or 0.0) / 1000.0
+        s["bound_tok_s"] = 1.0 / bound_s if bound_s > 0 else None
+        s["time_over_bound"] = (1.0 / s["decode_tok_s"]) / bound_s if bound_s > 0 else None
     return s
 
 
@@ -190,6 +204,13 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
 
         bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr)
     try:
+        # compute of stock decode: a warm run with no cap (the file read once, then from memory)
+        warm = [_run_one(model, BenchConfig(STOCK, None), Cap("none", None), memcap, n_predict, threads, prompt_tokens,
+                         None, cold=False) for _ in range(2)]
+        stock_compute_s = 1.0 / warm[-1]["decode_tok_s"] if warm[-1].get("decode_tok_s") else None
+        result.stock_compute_ms = stock_compute_s * 1000.0 if stock_compute_s else None
+        if stock_compute_s:
+            log(f"stock compute: {stock_compute_s * 1000.0:.1f} ms per token (warm, no cap)")
         for cap in caps:
             fallback = None
             if cap.limit_bytes is not None:
@@ -203,13 +224,16 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
                     if bar is not None:
                         bar.update(1)
             row = {"cap": cap.label, "cap_mb": cap.limit_bytes / MB if cap.limit_bytes else None,
-                   "configs": [_summarize(c.name, runs[c.name], disk_bw) for c in all_configs]}
+                   "configs": [_summarize(c.name, runs[c.name], disk_bw, stock_compute_s) for c in all_configs]}
             stock = row["configs"][0]
             for s in row["configs"]:
                 if s.get("decode_tok_s") and stock.get("decode_tok_s"):
                     s["ratio_to_stock"] = s["decode_tok_s"] / stock["decode_tok_s"]
-            outputs = {tuple(s["generated"]) for s in row["configs"] if "generated" in s}
-            row["same_output_as_stock"] = len(outputs) == 1
+                if "generated" in s and "generated" in stock:
+                    s["same_output_as_stock"] = s["generated"] == stock["generated"]
+            # configurations at one precision must reproduce stock exactly; mixed precision may differ
+            row["same_output_as_stock"] = all(s.get("same_output_as_stock", True) for s in row["configs"]
+                                              if not (s.get("decode_stats") or {}).get("n_level", 1) > 1)
             result.rows.append(row)
             if bar is not None:
                 bar.clear()
@@ -226,22 +250,27 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
 
 def format_row(row: dict) -> str:
     head = f"cap {row['cap']}" + (f" ({row['cap_mb']:.0f} MB)" if row["cap_mb"] else " (no limit)")
-    lines = [head + f"   same output as stock: {'yes' if row['same_output_as_stock'] else 'NO'}",
+    lines = [head + f"   one-precision configurations reproduce stock: {'yes' if row['same_output_as_stock'] else 'NO'}",
              f"  {'config':<14} {'tok/s':>7} {'x stock':>7} {'TTFT16':>8} {'TTFT128':>8} {'MB/tok':>7} "
-             f"{'bound':>6} {'t/bound':>7} {'hit':>13} {'budget':>7} {'peak MB':>7}"]
+             f"{'bound':>6} {'t/bound':>7} {'hit':>13} {'low/skip':>9} {'=stock':>6} {'budget':>7} {'peak MB':>7}"]
     for s in row["configs"]:
         if s.get("decode_tok_s") is None:
             lines.append(f"  {s['config']:<14} failed: {'; '.join(s['errors'])[:300]}")
             continue
         ratio = f"{s['ratio_to_stock']:.2f}" if s.get("ratio_to_stock") else "-"
-        bound = f"{s['disk_bound_tok_s']:.1f}" if s.get("disk_bound_tok_s") else "-"
-        over = f"{s['time_over_disk_bound']:.2f}" if s.get("time_over_disk_bound") else "-"
+        bound = f"{s['bound_tok_s']:.1f}" if s.get("bound_tok_s") else "-"
+        over = f"{s['time_over_bound']:.2f}" if s.get("time_over_bound") else "-"
         hits = ",".join(f"{h:.2f}" for h in s["pool_hit_ratio"]) or "-"
         budget = f"{s['budget_mb']:.0f}" if s["offloaded"] else "stock"
         peak = f"{s['peak_mb']:.0f}" if s.get("peak_mb") is not None else "-"
+        d = s.get("decode_stats") or {}
+        served = d.get("served") or []
+        total = sum(served) + d.get("n_skipped", 0)
+        shares = f"{sum(served[1:]) / total:.0%}/{d.get('n_skipped', 0) / total:.0%}" if total and len(served) > 1 else "-"
+        same = "yes" if s.get("same_output_as_stock") else "no"
         lines.append(f"  {s['config']:<14} {s['decode_tok_s']:>7.2f} {ratio:>7} {s['ttft_short_ms']:>7.0f}ms "
                      f"{s['ttft_long_ms']:>6.0f}ms {s['bytes_per_token'] / MB:>7.1f} {bound:>6} {over:>7} "
-                     f"{hits:>13} {budget:>7} {peak:>7}")
+                     f"{hits:>13} {shares:>9} {same:>6} {budget:>7} {peak:>7}")
         if s["errors"]:
             lines.append(f"  {'':<14} {len(s['errors'])} run(s) failed: {s['errors'][0][:200]}")
     return "\n".join(lines)

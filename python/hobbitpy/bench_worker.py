@@ -78,6 +78,12 @@ def run(spec: dict) -> dict:
         stats = llm.offload_stats()
         r["runtime_bytes_per_token"] = stats["bytes_read"] / n_steps if stats else 0.0
         r["stall_ms_per_token"] = stats["stall_us"] / 1000.0 / n_steps if stats else 0.0
+        # what the decode did not spend waiting for expert loads
+        r["compute_ms_per_token"] = (decode_s * 1000.0 - stats["stall_us"] / 1000.0) / n_steps if stats else None
+        if stats:
+            r["decode_stats"] = {k: stats[k] for k in ("n_level", "served", "n_skipped", "expert_hits", "expert_misses",
+                                                       "prefetch_issued", "prefetch_used", "prefetch_wasted", "upgrades",
+                                                       "warm_loads", "bytes_read", "stall_us")}
         r["pools"] = [dict(p, hit_ratio=p["hits"] / max(1, p["hits"] + p["misses"])) for p in llm.pool_stats()]
         r["generated"] = generated
 

@@ -30,10 +30,10 @@ def _add_run_parser(sub) -> None:
 def _add_policy_args(p) -> None:
     from hobbitpy.config import POLICIES
 
-    p.add_argument("--policy", choices=POLICIES, default="lru",
+    p.add_argument("--policy", choices=POLICIES, default=None,
                    help="expert cache replacement policy (default lru; hobbit = HOBBIT's eq. 3 mix of the four)")
     p.add_argument("--policy-weights", metavar="LRU,LFU,LHU,FLD", type=_numbers(4, "LRU,LFU,LHU,FLD"),
-                   default=(0.25, 0.25, 0.25, 0.25), help="weights of HOBBIT's eq. 3 for --policy hobbit")
+                   default=None, help="weights of HOBBIT's eq. 3 for --policy hobbit (default 0.25 each)")
 
 
 def _numbers(n: int | None, what: str):
@@ -50,22 +50,30 @@ def _numbers(n: int | None, what: str):
 
 
 def _add_precision_args(p) -> None:
-    from hobbitpy.config import DEFAULT_T1, DEFAULT_T2
+    from hobbitpy.config import DEFAULT_T1, DEFAULT_T2, HIT_POLICIES, MODES
 
     p.add_argument("--low", metavar="TYPE|PATH",
                    help="mixed precision: low-precision copies of the experts, a type (Q2_K: the file "
                         "`hobbitpy prepare` writes next to the model) or a companion GGUF file")
     p.add_argument("--mid", metavar="TYPE|PATH", help="a middle precision level between the model's and --low")
-    p.add_argument("--t1", type=float, default=DEFAULT_T1,
+    p.add_argument("--t1", type=float, default=None,
                    help=f"a missed expert whose score (HOBBIT eq. 2) is at most T1 loads at high precision (default {DEFAULT_T1})")
     p.add_argument("--t-mid", type=float, default=None,
                    help="with --mid: a score at most T_MID loads at the middle precision (default halfway from T1 to T2)")
-    p.add_argument("--t2", type=float, default=DEFAULT_T2,
+    p.add_argument("--t2", type=float, default=None,
                    help=f"a missed expert whose score is above T2 is skipped (default {DEFAULT_T2})")
     p.add_argument("--level-shares", metavar="HIGH,[MID,]LOW", type=_numbers(None, "0.5,0.5"), default=None,
-                   help="how the expert budget is split among the precision levels (default evenly)")
-    p.add_argument("--no-upgrade", action="store_true",
-                   help="do not load the wanted precision in the background after a lower-precision hit")
+                   help="how the expert budget is split among the precision levels (default: room for every expert "
+                        "at the lowest precision, up to 85%% of the budget; the rest to the others)")
+    p.add_argument("--hits", choices=HIT_POLICIES, default="upgrade",
+                   help="a hit at another precision than wanted: use it (found), use it and load the wanted one in the "
+                        "background when the disk is idle (upgrade, default), or serve exactly the wanted precision (exact)")
+    p.add_argument("--mode", choices=MODES, default="auto",
+                   help="where a missed expert runs: loaded into the cache (gpu-centric), computed in place on the "
+                        "mapped model (cooperative), or chosen per expert and ubatch by a latency model measured at "
+                        "start-up (auto, default)")
+    p.add_argument("--no-warm", action="store_true",
+                   help="do not fill the lowest precision's pool in the background at start")
 
 
 def add_offload_args(p) -> None:
@@ -84,16 +92,36 @@ def add_offload_args(p) -> None:
     p.add_argument("--no-direct-io", action="store_true", help="read experts through the page cache")
     _add_policy_args(p)
     _add_precision_args(p)
+    prof = p.add_mutually_exclusive_group()
+    prof.add_argument("--profile", metavar="FILE",
+                      help="settings from a `hobbitpy calibrate` profile (run applies MODEL.hobbit-profile.json "
+                           "by itself); flags given here win over it")
+    prof.add_argument("--no-profile", action="store_true", help="ignore the profile next to the model")
 
 
-def offload_config_from_args(args):
+def offload_config_from_args(args, model_path: str | None = None, *, auto_profile: bool = False):
+    """The OffloadConfig of the flags: built-in defaults, then the profile (--profile, or
+    with auto_profile the one next to model_path), then the flags given."""
     from hobbitpy import OffloadConfig
+    from hobbitpy.profile import PROFILE_SETTINGS, load_profile, profile_path
 
+    settings = {}
+    profile = args.profile
+    if profile is None and auto_profile and model_path and not args.no_profile and not args.no_offload:
+        default = profile_path(model_path)
+        profile = str(default) if default.exists() else None
+    if profile is not None:
+        settings.update(load_profile(profile, model_path).settings)
+        print(f"hobbitpy: settings from {profile}", file=sys.stderr)
+    for name in PROFILE_SETTINGS:
+        if getattr(args, name) is not None:
+            settings[name] = getattr(args, name)
+    if "policy_weights" in settings:
+        settings["policy_weights"] = tuple(settings["policy_weights"])
     return OffloadConfig(enabled=not args.no_offload, cache_mb=args.cache_mb,
                          prefetch_layers=args.prefetch_layers, direct_io=not args.no_direct_io,
-                         policy=args.policy, policy_weights=args.policy_weights,
-                         low=args.low, mid=args.mid, t1=args.t1, t_mid=args.t_mid, t2=args.t2,
-                         level_shares=args.level_shares, upgrade_hits=not args.no_upgrade)
+                         level_shares=args.level_shares, hits=args.hits, warm=not args.no_warm,
+                         mode=args.mode, **settings)
 
 
 def _add_bench_parser(sub) -> None:
@@ -242,6 +270,9 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("model", help="GGUF model file")
     p.add_argument("--text", required=True, help="UTF-8 text file")
     p.add_argument("--ctx", type=int, default=256, help="window length in tokens (default 256)")
+    p.add_argument("--ubatch", type=int, default=None,
+                   help="tokens per forward pass (default: the window); 1 scores mixed precision as token-by-token "
+                        "decoding uses it")
     p.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--no-reference", action="store_true", help="perplexity only, no stock run to compare with")
@@ -264,9 +295,9 @@ def _eval(args) -> int:
     except (OSError, UnicodeDecodeError) as e:
         return _fail(f"{args.text}: cannot read the text ({e})")
     try:
-        offload = offload_config_from_args(args)
+        offload = offload_config_from_args(args, args.model)
         r = evaluate(args.model, text, offload, n_ctx=args.ctx, max_tokens=args.max_tokens, n_threads=args.threads,
-                     compare_to_reference=not args.no_reference,
+                     compare_to_reference=not args.no_reference, n_ubatch=args.ubatch,
                      progress=lambda xs: tqdm(xs, desc="eval", unit="window", file=sys.stderr))
     except (HobbitError, ValueError) as e:
         return _fail(str(e))
@@ -355,6 +386,62 @@ def _prepare(args) -> int:
     return 0
 
 
+def _add_calibrate_parser(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure T1/T2 and the cache policy weights for a model; write its profile",
+                       description="Record a routing trace on prompts from the text, pick the thresholds T1 (high/low) "
+                                   "and T2 (skip) whose perplexity stays within the budget of the all-high run, search "
+                                   "the eq. 3 weights that minimize the simulated miss penalty, and write "
+                                   "MODEL.hobbit-profile.json, which `hobbitpy run` applies by itself.")
+    p.add_argument("model", help="GGUF model file (MoE)")
+    p.add_argument("--text", required=True, help="UTF-8 text file (held-out text of the kind the model will see)")
+    p.add_argument("--low", default="Q2_K", metavar="TYPE|PATH",
+                   help="the low-precision level (default Q2_K: the file `hobbitpy prepare` writes)")
+    p.add_argument("--max-ppl-increase", type=float, default=0.01,
+                   help="perplexity budget relative to all-high precision (default 0.01 = 1%%)")
+    p.add_argument("--max-tokens", type=int, default=2048, help="tokens of the text scored per setting (default 2048)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--out", help="profile file (default: next to the model; never overwritten)")
+    p.set_defaults(func=_calibrate)
+
+
+def _calibrate(args) -> int:
+    from hobbitpy import HobbitError
+    from hobbitpy.calibrate import calibrate
+    from hobbitpy.companions import resolve_level
+    from hobbitpy.profile import profile_path
+
+    out = args.out or str(profile_path(args.model))
+    if os.path.exists(out):
+        return _fail(f"{out}: already exists; a profile is never overwritten (remove it or choose --out)")
+    if not 0 <= args.max_ppl_increase < 1:
+        return _fail(f"--max-ppl-increase must be in [0, 1), got {args.max_ppl_increase}")
+    if args.max_tokens < 16:
+        return _fail(f"--max-tokens must be at least 16, got {args.max_tokens}")
+    try:
+        with open(args.text, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        return _fail(f"{args.text}: cannot read the text ({e})")
+    try:
+        low_path = resolve_level(args.model, args.low, "--low")
+        result = calibrate(args.model, text, low=args.low, low_path=low_path, max_ppl_increase=args.max_ppl_increase,
+                           max_tokens=args.max_tokens, n_threads=args.threads)
+        result.profile.save(out)
+    except (HobbitError, ValueError, OSError) as e:
+        return _fail(str(e))
+    s = result.profile.settings
+    c = result.profile.calibration
+    print(f"T1 {s['t1']:.3f}, T2 {s['t2']:.3f}: {c['low_share']:.1%} of selections low, {c['skip_share']:.1%} skipped; "
+          f"perplexity {c['perplexity']:.4f} vs {c['reference_perplexity']:.4f} all-high")
+    print("policy weights (LRU, LFU, LHU, FLD): " + ", ".join(f"{w:.1f}" for w in s["policy_weights"]))
+    budgets = ", ".join(f"{b:.0f}" for b in c["policy_budgets_mb"])
+    print(f"miss penalty relative to Belady at {budgets} MB:")
+    for row in c["policies"]:
+        print(f"  {row['policy']:<20} " + "  ".join(f"{r:5.2f}" for r in row["ratio_to_belady"]))
+    print(f"wrote {out}")
+    return 0
+
+
 def _json_target_error(path: str | None) -> str | None:
     """Why the results cannot go to path (an existing file is never overwritten), or None."""
     if path is None:
@@ -399,8 +486,8 @@ def _run(args) -> int:
             return _fail(f"{args.stats_json}: cannot write the statistics there (no such writable directory)")
 
     try:
-        offload = offload_config_from_args(args)
-    except ValueError as e:
+        offload = offload_config_from_args(args, args.model, auto_profile=True)
+    except (ValueError, HobbitError) as e:
         return _fail(str(e))
 
     try:
@@ -457,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_run_parser(sub)
     _add_inflate_parser(sub)
     _add_prepare_parser(sub)
+    _add_calibrate_parser(sub)
     _add_bench_parser(sub)
     _add_trace_parser(sub)
     _add_simulate_parser(sub)

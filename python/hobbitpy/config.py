@@ -12,6 +12,12 @@ MB = 1024 * 1024
 POLICIES = ("lru", "lfu", "lhu", "fld", "random", "weighted", "hobbit")
 _NATIVE_POLICY = {"lru": 0, "lfu": 1, "lhu": 2, "fld": 3, "random": 4, "weighted": 5, "hobbit": 5}
 
+# where a missed expert runs (hobbit.h enum hobbit_mode, in its order)
+MODES = ("gpu-centric", "cooperative", "auto")
+
+# what a hit at another precision does (hobbit.h enum hobbit_hit_policy, in its order)
+HIT_POLICIES = ("found", "upgrade", "exact")
+
 # HOBBIT's thresholds for Mixtral-8x7B (§3.2): 67 % of selections high, 30 % low, 3 % skipped
 DEFAULT_T1 = 0.6
 MAX_PREFETCH_LAYERS = 8
@@ -65,10 +71,22 @@ class OffloadConfig:
     """A missed selection whose score is above t2 is skipped (it contributes nothing to that token)."""
 
     level_shares: tuple[float, ...] | None = None
-    """How the budget above the minimum is split among the levels, high first; None = evenly."""
+    """How the budget above the minimum is split among the levels, high first; None = automatic: the
+    lowest level gets room for a copy of every expert (up to 85 % of the budget), the others the rest."""
 
-    upgrade_hits: bool = True
-    """A hit at a lower precision than wanted is used as is, and the wanted copy loads in the background."""
+    hits: str = "upgrade"
+    """What a hit at another precision than wanted does: "found" uses it; "upgrade" uses it and, when it
+    was lower, loads the wanted copy in the background; "exact" serves only the wanted precision
+    (and skips what the rule skips), to measure the rule's own effect on quality."""
+
+    mode: str = "auto"
+    """Where a missed expert runs: "gpu-centric" loads it into the cache; "cooperative" computes it in place
+    on the mapped model file; "auto" decides per expert and ubatch with a latency model measured at start-up
+    (in place for wide ubatches when faulting the file in is as fast as loading, and for experts the page
+    cache already holds)."""
+
+    warm: bool = True
+    """With mixed precision, fill the lowest level's pool with its experts in the background at start."""
 
     def __post_init__(self) -> None:
         if self.cache_mb is not None and not self.cache_mb > 0:
@@ -82,6 +100,10 @@ class OffloadConfig:
         w = self.policy_weights
         if len(w) != 4 or any(x < 0 for x in w) or abs(sum(w) - 1.0) > 1e-6:
             raise ValueError(f"policy_weights must be four non-negative weights (LRU, LFU, LHU, FLD) summing to 1, got {w}")
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.hits not in HIT_POLICIES:
+            raise ValueError(f"unknown hit policy {self.hits!r}; choose one of {', '.join(HIT_POLICIES)}")
         if self.mid is not None and self.low is None:
             raise ValueError("a middle precision (mid) needs a low one (low) below it")
         if not 0.0 <= self.t1 <= self.t2 <= 1.0:
@@ -123,11 +145,12 @@ class OffloadConfig:
         keep = [ffi.new("char[]", os.fsencode(path)) for path in level_paths]
         for level, c_path in enumerate(keep, start=1):
             params.level_paths[level] = c_path
-        shares = self.level_shares or (1.0,) * self.n_level
-        for level, share in enumerate(shares):
+        for level, share in enumerate(self.level_shares or (0.0,) * self.n_level):  # zeros: automatic
             params.level_shares[level] = share
         params.t1 = self.t1
         params.t2 = self.t2
         params.t_mid = self.t_mid if self.t_mid is not None else (self.t1 + self.t2) / 2
-        params.upgrade_hits = self.upgrade_hits
+        params.hit_policy = HIT_POLICIES.index(self.hits)
+        params.warm_low = self.warm
+        params.mode = MODES.index(self.mode)
         return params, keep

@@ -48,15 +48,22 @@ def _window_logits(llm, window: list[int]) -> np.ndarray:
 
 def evaluate(model_path: str | os.PathLike, text: str, offload: OffloadConfig, *, n_ctx: int = 256,
              max_tokens: int | None = None, compare_to_reference: bool = True, n_threads: int | None = None,
-             progress=None) -> EvalResult:
+             n_ubatch: int | None = None, progress=None) -> EvalResult:
     """Perplexity of `offload` on `text`, and (compare_to_reference) KL and top-1
-    agreement against stock llama.cpp on the same windows."""
+    agreement against stock llama.cpp on the same windows.
+
+    n_ubatch (default n_ctx): tokens per forward pass. Mixed precision decides per pass:
+    an expert that any token of the pass wants at high precision serves all of them at
+    high, so n_ubatch=1 measures what token-by-token decoding gets."""
     from .llama import Llama
 
     model_path = os.fspath(model_path)
     if n_ctx < 2:
         raise ValueError(f"n_ctx must be at least 2, got {n_ctx}")
-    common = dict(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True, verbose=False,
+    n_ubatch = n_ctx if n_ubatch is None else n_ubatch
+    if not 1 <= n_ubatch <= n_ctx:
+        raise ValueError(f"n_ubatch must be 1..n_ctx ({n_ctx}), got {n_ubatch}")
+    common = dict(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ubatch, logits_all=True, verbose=False,
                   n_threads=n_threads or os.cpu_count() or 1)
     candidate = Llama(model_path, offload=offload, **common)
     reference = Llama(model_path, offload=OffloadConfig(enabled=False), **common) if compare_to_reference else None

@@ -96,10 +96,8 @@ class Llama(llama_cpp.Llama):
         stats = {}
         for name in dir(s):
             value = getattr(s, name)
-            if isinstance(value, bool):
+            if isinstance(value, (bool, int, float)):
                 stats[name] = value
-            elif isinstance(value, int):
-                stats[name] = int(value)
             else:  # an array, one entry per precision level
                 stats[name] = [int(v) for v in value][:s.n_level]
         return stats

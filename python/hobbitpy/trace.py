@@ -121,8 +121,11 @@ def record_trace(model_path: str | os.PathLike, prompts: list[str], *, n_predict
         cache_mb = max(budget, info.min_budget_bytes) / MB
     # logits_all: otherwise llama.cpp drops every row but the last of a batch before the
     # last layer, whose routing would then be missing for prompt tokens
-    llm = Llama(model_path, offload=OffloadConfig(cache_mb=cache_mb, policy=policy), n_ctx=n_ctx, logits_all=True,
-                n_batch=n_batch, n_ubatch=n_batch, n_threads=n_threads or os.cpu_count() or 1, verbose=False)
+    # gpu-centric: every miss is loaded, so the runtime's own counts are the pool's (what
+    # the simulator replays)
+    offload = OffloadConfig(cache_mb=cache_mb, policy=policy, mode="gpu-centric")
+    llm = Llama(model_path, offload=offload, n_ctx=n_ctx, logits_all=True, n_batch=n_batch, n_ubatch=n_batch,
+                n_threads=n_threads or os.cpu_count() or 1, verbose=False)
     try:
         if not llm.offloaded:
             raise HobbitError(f"{model_path}: the expert runtime did not attach; cannot trace")

@@ -1,0 +1,69 @@
+"""Policy profiles: what `hobbitpy calibrate` found for one model, as a JSON file next to
+it (``MODEL.hobbit-profile.json``), which `hobbitpy run` applies by itself.
+
+A profile holds the settings (low-precision level, thresholds T1/T2, eq. 3 weights)
+and, for the record, how they were measured. Flags given on the command line win over
+the profile; the profile wins over the built-in defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+import json
+import os
+import pathlib
+
+from .errors import HobbitError
+
+PROFILE_VERSION = 1
+
+# the OffloadConfig fields a profile may set
+PROFILE_SETTINGS = ("low", "mid", "t1", "t_mid", "t2", "policy", "policy_weights")
+
+
+@dataclass
+class Profile:
+    model: str                     # file name of the model it was calibrated for
+    model_bytes: int               # its size: a profile of another file of the same name is refused
+    settings: dict                 # OffloadConfig fields (PROFILE_SETTINGS)
+    calibration: dict = field(default_factory=dict)  # how they were found: perplexities, sweeps, policy search
+
+    def save(self, path: str | os.PathLike) -> pathlib.Path:
+        path = pathlib.Path(path)
+        if path.exists():
+            raise FileExistsError(f"{path}: already exists; a profile is never overwritten (remove it or choose --out)")
+        tmp = path.with_name(path.name + ".partial")
+        tmp.write_text(json.dumps({"hobbitpy_profile": PROFILE_VERSION, **asdict(self)}, indent=2) + "\n")
+        os.replace(tmp, path)
+        return path
+
+
+def profile_path(model_path: str | os.PathLike) -> pathlib.Path:
+    """Where calibrate writes a model's profile and run looks for it."""
+    model = pathlib.Path(model_path)
+    return model.with_name(f"{model.stem}.hobbit-profile.json")
+
+
+def load_profile(path: str | os.PathLike, model_path: str | os.PathLike | None) -> Profile:
+    """Read a profile and check it belongs to this model (when model_path is given);
+    raises HobbitError naming the file."""
+    path = pathlib.Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HobbitError(f"{path}: cannot read the profile ({e})") from None
+    if not isinstance(data, dict) or data.get("hobbitpy_profile") != PROFILE_VERSION:
+        raise HobbitError(f"{path}: not a hobbitpy profile (version {PROFILE_VERSION})")
+    try:
+        profile = Profile(model=data["model"], model_bytes=int(data["model_bytes"]), settings=dict(data["settings"]),
+                          calibration=dict(data.get("calibration", {})))
+    except (KeyError, TypeError, ValueError) as e:
+        raise HobbitError(f"{path}: incomplete profile ({e})") from None
+    unknown = set(profile.settings) - set(PROFILE_SETTINGS)
+    if unknown:
+        raise HobbitError(f"{path}: unknown settings {', '.join(sorted(unknown))}")
+    size = os.path.getsize(model_path) if model_path is not None else profile.model_bytes
+    if profile.model_bytes != size:
+        raise HobbitError(f"{path}: calibrated for {profile.model} of {profile.model_bytes} bytes, but {model_path} "
+                          f"has {size} bytes; calibrate this model again")
+    return profile
