@@ -99,6 +99,9 @@ struct hobbit_params {
     float   t2;            // score > t2: a missed expert is skipped (no output this token)
     enum hobbit_hit_policy hit_policy; // a hit at another precision than the wanted one
     enum hobbit_mode mode; // where missed experts run; in place needs an expert type the CPU does not repack
+    int64_t page_cache_room_bytes; // memory left for the page cache beside the pools (auto mode computes a wide
+                                   // ubatch's misses in place only within it: under a tight memory cap faulted-in
+                                   // weights would evict each other); -1 = no limit known
     bool    warm_low;      // at start, fill the lowest level's pool with its experts in the background: every
                            // selection then has a copy in memory (a hit at the precision found) once it is done
 };
@@ -143,6 +146,7 @@ struct hobbit_stats {
     int32_t mode;                  // enum hobbit_mode in effect (gpu-centric when in place is not possible)
     double  load_bytes_per_s;      // latency model (auto mode): one load's bandwidth at start-up
     double  map_bytes_per_s;       // and faulting the same bytes in through the mapping
+    int64_t demand_bytes_read;     // of bytes_read, what a dispatch waited for (on-demand loads; the rest ran in the background)
 };
 
 // counters of one pool (one per expert signature; index 0 .. n_pool-1)

@@ -52,6 +52,7 @@ struct hobbit_params hobbit_default_params(void) {
     p.hit_policy      = HOBBIT_HIT_UPGRADE;
     p.warm_low        = true;
     p.mode            = HOBBIT_MODE_AUTO;
+    p.page_cache_room_bytes = -1;
     return p;
 }
 

@@ -6,27 +6,41 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
+#include <thread>
 #include <vector>
 
 static double seconds_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-bool executor_choice::in_place(int n_tokens, double resident) const {
+// in place wins a wide ubatch unless faulting the file in is this much slower than loading
+// (measured here: both near 1 GB/s, and in place took a 16-token prefill in 0.9-1.1 s where
+// loading took 1.6 s: one pass over the layer instead of waiting slot by slot)
+static constexpr double WIDE_UBATCH_MAP_FACTOR = 0.5;
+
+bool executor_choice::in_place(int n_tokens, double resident, int64_t layer_bytes, int64_t room) const {
     if (!available || mode == HOBBIT_MODE_GPU_CENTRIC) {
         return false;
     }
     if (mode == HOBBIT_MODE_COOPERATIVE) {
         return true;
     }
-    // auto: weights already in the page cache cost no read at all in place
+    // auto: in place faults the weights into the page cache, which must hold them while
+    // the layer computes; under a tight memory cap the pools took that room, and faulted-in
+    // pages would evict each other mid-matmul (measured: prefill 6x slower than loading).
+    // So auto goes in place only where the room holds every expert of the layer.
+    if (room >= 0 && layer_bytes > room) {
+        return false;
+    }
+    // weights already in the page cache cost no read at all in place
     if (resident >= 0.9) {
         return true;
     }
     // a single token keeps what it loads for the next ones (reuse); a wide ubatch uses each
     // expert for many tokens at once, and in place every expert of the layer runs in one
-    // pass, with the file's readahead, instead of waiting for loads slot by slot
-    return n_tokens > 1 && map_bytes_per_s >= load_bytes_per_s;
+    // pass instead of waiting for its loads slot by slot, which is worth some bandwidth
+    return n_tokens > 1 && map_bytes_per_s >= WIDE_UBATCH_MAP_FACTOR * load_bytes_per_s;
 }
 
 executor_choice executor_choice_make(const expert_index & index, enum hobbit_mode mode, bool available, bool direct_io) {
@@ -36,15 +50,17 @@ executor_choice executor_choice_make(const expert_index & index, enum hobbit_mod
     if (!available || mode != HOBBIT_MODE_AUTO) {
         return c; // only auto decides by the bandwidths
     }
+    // the largest projection of expert 0 of the first MoE layer
     const expert_proj_layout * probe = nullptr;
-    for (const expert_layer_layout & layer : index.layers) {
-        for (const expert_proj_layout & p : layer.proj) {
-            if (p.present && (probe == nullptr || p.n_bytes > probe->n_bytes)) {
-                probe = &p;
+    int probe_layer = -1, probe_proj = -1;
+    for (int il = 0; il < (int) index.layers.size() && probe == nullptr; ++il) {
+        for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
+            const expert_proj_layout & pl = index.layers[il].proj[p];
+            if (index.layers[il].has_experts() && pl.present && (probe == nullptr || pl.n_bytes > probe->n_bytes)) {
+                probe = &pl;
+                probe_layer = il;
+                probe_proj = p;
             }
-        }
-        if (probe != nullptr) {
-            break;
         }
     }
     const int fd = open(index.path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -59,22 +75,25 @@ executor_choice executor_choice_make(const expert_index & index, enum hobbit_mod
     const uint64_t end = probe->offset + probe->n_bytes;
     const size_t span = end - begin;
 
-    // a load: what the I/O threads do (one reader here, as a lower bound)
+    // both paths with two threads on halves of the same bytes, as they run: two I/O
+    // threads reading pieces of a load, two compute threads faulting in the mapped weights
+    const auto timed_halves = [](const std::function<void(uint64_t, uint64_t)> & read_range, uint64_t n) {
+        const auto t0 = std::chrono::steady_clock::now();
+        std::thread other([&] { read_range(n / 2, n); });
+        read_range(0, n / 2);
+        other.join();
+        return seconds_since(t0);
+    };
+
+    // a load: pread (O_DIRECT when in use) into a buffer
     try {
         posix_fadvise(fd, begin, span, POSIX_FADV_DONTNEED);
-        expert_store store(index, direct_io);
-        const auto t0 = std::chrono::steady_clock::now();
-        for (int il = 0; il < (int) index.layers.size(); ++il) {
-            if (index.layers[il].has_experts()) {
-                for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
-                    if (&index.layers[il].proj[p] == probe) {
-                        store.read_slice(il, 0, p);
-                    }
-                }
-                break;
-            }
-        }
-        const double s = seconds_since(t0);
+        expert_store store_a(index, direct_io);
+        expert_store store_b(index, direct_io);
+        std::vector<uint8_t> dst(probe->n_bytes);
+        const double s = timed_halves([&](uint64_t b, uint64_t e) {
+            (b == 0 ? store_a : store_b).read_piece(probe_layer, 0, probe_proj, b, e, dst.data());
+        }, probe->n_bytes);
         c.load_bytes_per_s = s > 0 ? probe->n_bytes / s : 0.0;
     } catch (const std::exception &) {
         c.load_bytes_per_s = 0.0;
@@ -84,18 +103,24 @@ executor_choice executor_choice_make(const expert_index & index, enum hobbit_mod
     posix_fadvise(fd, begin, span, POSIX_FADV_DONTNEED);
     void * map = mmap(nullptr, span, PROT_READ, MAP_SHARED, fd, (off_t) begin);
     if (map != MAP_FAILED) {
-        const auto t0 = std::chrono::steady_clock::now();
-        volatile uint8_t sink = 0;
-        for (size_t off = 0; off < span; off += page) {
-            sink ^= ((const uint8_t *) map)[off];
-        }
-        (void) sink;
-        const double s = seconds_since(t0);
+        const double s = timed_halves([&](uint64_t b, uint64_t e) {
+            volatile uint8_t sink = 0;
+            for (uint64_t off = b / page * page; off < e; off += page) {
+                sink ^= ((const uint8_t *) map)[off];
+            }
+            (void) sink;
+        }, span);
         c.map_bytes_per_s = s > 0 ? span / s : 0.0;
         munmap(map, span);
     }
     close(fd);
     return c;
+}
+
+void map_advise_normal(const void * addr, size_t n_bytes) {
+    const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
+    const uintptr_t begin = (uintptr_t) addr / page * page;
+    posix_madvise((void *) begin, (uintptr_t) addr + n_bytes - begin, POSIX_MADV_NORMAL);
 }
 
 double resident_share(const void * addr, size_t n_bytes) {

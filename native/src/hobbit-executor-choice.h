@@ -22,13 +22,17 @@ struct executor_choice {
     double map_bytes_per_s  = 0.0;
 
     // compute a missed expert in place? n_tokens: tokens of the ubatch using it; resident:
-    // the share of its bytes already in the page cache
-    bool in_place(int n_tokens, double resident) const;
+    // the share of its bytes already in the page cache; layer_bytes: every expert of its
+    // layer; room: what the page cache may hold now beside the pools (-1 = no limit known)
+    bool in_place(int n_tokens, double resident, int64_t layer_bytes, int64_t room) const;
 };
 
 // measure the latency model on the first expert of the first MoE layer (drops that range
 // of the model file from the page cache first; a failed measurement leaves 0 bandwidths)
 executor_choice executor_choice_make(const expert_index & index, enum hobbit_mode mode, bool available, bool direct_io);
+
+// back to the kernel's default readahead over [addr, addr + n_bytes) of a file mapping
+void map_advise_normal(const void * addr, size_t n_bytes);
 
 // share of [addr, addr + n_bytes) resident in memory (mincore); 0 on error
 double resident_share(const void * addr, size_t n_bytes);

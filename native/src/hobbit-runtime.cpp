@@ -212,6 +212,19 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "unknown mode " + std::to_string((int) params.mode));
     }
     executor = executor_choice_make(index, params.mode, any_inplace, params.direct_io);
+    if (any_inplace && params.mode != HOBBIT_MODE_GPU_CENTRIC) {
+        // the loader maps offloaded experts with MADV_RANDOM (nothing of them may be read at
+        // load); in place, a fault must read ahead like stock's mapping, or every 4 KB page
+        // becomes its own read (measured: a prefill 15x slower)
+        for (int il : moe_layers) {
+            for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
+                const ggml_tensor * t = llama_model_get_expert_tensor(model, il, (llama_moe_proj) p);
+                if (t != nullptr && t->data != nullptr) {
+                    map_advise_normal(t->data, ggml_nbytes(t));
+                }
+            }
+        }
+    }
     stats_.mode             = any_inplace ? params.mode : HOBBIT_MODE_GPU_CENTRIC;
     stats_.load_bytes_per_s = executor.load_bytes_per_s;
     stats_.map_bytes_per_s  = executor.map_bytes_per_s;
@@ -262,6 +275,12 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     if (params.warm_low && n_level > 1) {
         warm_lowest_level();
     }
+}
+
+int64_t hobbit_runtime::page_cache_room() const {
+    // pool memory is committed as slots are first written and stays; what is not yet
+    // committed is still free for the page cache
+    return params.page_cache_room_bytes < 0 ? -1 : params.page_cache_room_bytes + stats_.pool_bytes - stats_.peak_pool_bytes;
 }
 
 double hobbit_runtime::resident(int il, int e) const {
@@ -400,6 +419,33 @@ int hobbit_runtime::queue_background_load(int p, int il, int e, bool prefetch, s
     pool.slot_targets(s, task.dst, task.view);
     loads.push_back(task);
     return s;
+}
+
+void hobbit_runtime::prefetch_next_layer_whole(int il, std::vector<load_task> & loads) {
+    const auto it = std::find(moe_layers.begin(), moe_layers.end(), il);
+    if (it == moe_layers.end() || it + 1 == moe_layers.end()) {
+        return;
+    }
+    const int next = *(it + 1);
+    const int p = pool_of[0][next];
+    // no more than the pool holds beside what this layer pinned, or the loads would evict each other
+    int room = 0;
+    for (const pool_slot & slot : pools[p].pool->slots) {
+        room += slot.pins == 0 && slot.state != slot_state::loading;
+    }
+    for (int e = 0; e < index.info.n_expert && room > 0; ++e) {
+        int level = -1;
+        if (find_cached(next, e, level) >= 0) {
+            continue;
+        }
+        const int s = queue_background_load(p, next, e, /*prefetch*/ true, loads);
+        if (s < 0) {
+            break;
+        }
+        stats_.prefetch_issued++;
+        pin_predicted(p, s, next);
+        room--;
+    }
 }
 
 void hobbit_runtime::pin_predicted(int p, int s, int il) {
@@ -556,6 +602,7 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
         }
 
         std::vector<std::pair<int, int>> upgrade; // (expert, wanted level) hit at a lower precision
+        bool any_inplace = false;                 // some expert of this wave runs on the mapped model
         for (int e : order) {
             if (served[e]) {
                 continue;
@@ -580,8 +627,10 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
                 stats_.n_skipped += n_pairs[e];
                 continue;
             } else if (has_inplace && inplace_ok[il] &&
-                       executor.in_place(n_pairs[e], executor.mode == HOBBIT_MODE_AUTO ? resident(il, e) : 0.0)) {
+                       executor.in_place(n_pairs[e], executor.mode == HOBBIT_MODE_AUTO ? resident(il, e) : 0.0,
+                                         (int64_t) index.layers[il].n_bytes() * n_expert, page_cache_room())) {
                 // cooperative: computed on the mapped model instead of loaded
+                any_inplace = true;
                 stats_.expert_inplace++;
                 stats_.served[0] += n_pairs[e];
                 served[e]  = true;
@@ -627,6 +676,7 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
                 }
                 if (s < 0) {
                     if (has_inplace) {
+                        any_inplace = true;
                         stats_.expert_inplace++;
                         stats_.served[0] += n_pairs[e];
                         served[e]  = true;
@@ -670,6 +720,9 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
         if (predictor && wave == 0 && n_tokens == 1 && x->type == GGML_TYPE_F32 && x->ne[0] == index.info.n_embd) {
             prefetch_next_layers(il, (const float *) x->data, loads);
         }
+        if (wave == 0 && !any_inplace && (int64_t) n_pair >= 2 * n_expert) {
+            prefetch_next_layer_whole(il, loads);
+        }
         io->submit(loads);
         stats_.peak_pool_bytes = std::max<int64_t>(stats_.peak_pool_bytes, used_pool_bytes());
 
@@ -712,6 +765,7 @@ void hobbit_runtime::on_load_done(const load_task & task, const std::string & er
         } else {
             pools[task.group].pool->slots[task.slot].state = slot_state::ready;
             stats_.bytes_read += (int64_t) n_bytes;
+            stats_.demand_bytes_read += task.prefetch ? 0 : (int64_t) n_bytes;
             pools[task.group].bytes_read += (int64_t) n_bytes;
             stats_.n_reads++;
             // nobody waits and the graph is between two MoE layers: this read ran under compute
@@ -755,6 +809,9 @@ void hobbit_runtime::reset_stats() {
     stats_.n_slot          = keep.n_slot;
     stats_.direct_io       = keep.direct_io;
     stats_.n_level         = keep.n_level;
+    stats_.mode            = keep.mode;
+    stats_.load_bytes_per_s = keep.load_bytes_per_s;
+    stats_.map_bytes_per_s = keep.map_bytes_per_s;
     stats_.peak_pool_bytes = used_pool_bytes();
 }
 

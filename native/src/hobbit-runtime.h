@@ -75,9 +75,14 @@ private:
     int  queue_background_load(int p, int il, int e, bool prefetch, std::vector<load_task> & loads);
     // HOBBIT's adaptive prefetch (§3.3) from layer il's router input x; needs mtx
     void prefetch_next_layers(int il, const float * x, std::vector<load_task> & loads);
+    // a wide ubatch (prefill) needs nearly every expert of the next MoE layer: load them at
+    // high precision while this layer computes; needs mtx
+    void prefetch_next_layer_whole(int il, std::vector<load_task> & loads);
     // predicted experts stay pinned until their layer runs (or a new graph starts); needs mtx
     void pin_predicted(int p, int s, int il);
     void release_predicted(const std::function<bool(int p, int s, int il)> & pred);
+    // what the page cache may hold now beside the pools, or -1 if no limit is known; needs mtx
+    int64_t page_cache_room() const;
     // share of expert e of layer il resident in the page cache (its slices of the mapped model)
     double resident(int il, int e) const;
     // fill the free slots of the lowest level's pools in the background (params.warm_low)

@@ -76,6 +76,7 @@ struct hobbit_params {
     float   t2;
     int     hit_policy;
     int     mode;
+    int64_t page_cache_room_bytes;
     bool    warm_low;
 };
 
@@ -119,6 +120,7 @@ struct hobbit_stats {
     int32_t mode;
     double  load_bytes_per_s;
     double  map_bytes_per_s;
+    int64_t demand_bytes_read;
 };
 
 struct hobbit_pool_stats {

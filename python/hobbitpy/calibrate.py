@@ -27,6 +27,7 @@ from .config import MB, OffloadConfig
 from .evaluate import evaluate
 from .model_file import inspect_model
 from .profile import Profile, profile_path
+from .scores import selection_scores, threshold_for_share
 from .simulate import simulate
 from .trace import Trace, record_trace
 
@@ -35,26 +36,6 @@ SKIP_SHARES = (0.01, 0.02, 0.03, 0.05, 0.1)
 FIGURE_SHARES = (0.1, 0.2, 0.3, 0.4)          # HOBBIT Fig. 3b: skip vs low-precision replacement
 POLICY_BUDGETS = (0.25, 0.5, 0.75)            # shares of all experts the simulated cache holds
 WEIGHT_STEP = 0.1
-
-
-def selection_scores(weights: np.ndarray) -> np.ndarray:
-    """HOBBIT eq. 2 for every selection: [..., k] gate weights -> [..., k] scores (the
-    normalized weight of the selections ranked above; 0 for the first). The runtime's
-    precision_scores, in numpy."""
-    a = np.abs(weights.astype(np.float64))
-    order = np.argsort(-a, axis=-1, kind="stable")
-    ranked = np.take_along_axis(a, order, -1)
-    total = ranked.sum(-1, keepdims=True)
-    above = np.cumsum(ranked, -1) - ranked
-    ranked_scores = np.where(total > 0, above / np.where(total > 0, total, 1.0), 0.0)
-    scores = np.empty_like(ranked_scores)
-    np.put_along_axis(scores, order, ranked_scores, -1)
-    return scores
-
-
-def threshold_for_share(scores: np.ndarray, share: float) -> float:
-    """The score threshold above which `share` of the selections lie."""
-    return float(np.quantile(scores[np.isfinite(scores)], 1.0 - share))
 
 
 def prompts_from_text(text: str, n_prompts: int = 24, n_words: int = 48) -> list[str]:

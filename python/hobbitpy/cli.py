@@ -233,9 +233,14 @@ def _add_simulate_parser(sub) -> None:
     p.add_argument("--budget-mb", type=float, nargs="+", required=True, help="expert cache budget(s) in MB")
     p.add_argument("--policy", nargs="+", choices=POLICIES, default=list(DEFAULT_POLICIES),
                    help=f"policies to replay (default: {' '.join(DEFAULT_POLICIES)})")
-    p.add_argument("--policy-weights", metavar="LRU,LFU,LHU,FLD", type=_numbers(4, "LRU,LFU,LHU,FLD"), default=(0.25, 0.25, 0.25, 0.25),
-                   help="weights of HOBBIT's eq. 3 for the 'weighted' policy")
+    p.add_argument("--policy-weights", metavar="LRU,LFU,LHU,FLD", type=_numbers(4, "LRU,LFU,LHU,FLD"),
+                   default=(0.25, 0.25, 0.25, 0.25),
+                   help="weights of HOBBIT's eq. 3 for the hobbit (weighted) policy")
     p.add_argument("--seed", type=int, default=0, help="seed of the random policy")
+    p.add_argument("--t1", type=float, default=None,
+                   help="mixed precision: a selection whose eq. 2 score is above T1 is wanted at low precision")
+    p.add_argument("--low-cost", type=float, default=0.31,
+                   help="with --t1: a low-precision miss costs this much of a high one (default 0.31, Q2_K/Q8_0 bytes)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.set_defaults(func=_simulate)
 
@@ -249,7 +254,10 @@ def _simulate(args) -> int:
         return _fail(why)
     try:
         t = load_trace(args.trace)
-        results = simulate_all(t, args.budget_mb, args.policy, weights=args.policy_weights, seed=args.seed)
+        if args.t1 is not None and not 0 <= args.t1 <= 1:
+            return _fail(f"--t1 must be in [0, 1], got {args.t1}")
+        results = simulate_all(t, args.budget_mb, args.policy, weights=args.policy_weights or (0.25,) * 4,
+                               seed=args.seed, t1=args.t1, low_miss_cost=args.low_cost)
     except (HobbitError, ValueError) as e:
         return _fail(str(e))
     m = t.meta

@@ -124,7 +124,7 @@ class OffloadConfig:
     def budget_bytes(self) -> int | None:
         return None if self.cache_mb is None else int(self.cache_mb * MB)
 
-    def to_native(self, budget_bytes: int, level_paths: tuple[str, ...] = ()):
+    def to_native(self, budget_bytes: int, level_paths: tuple[str, ...] = (), page_cache_room_bytes: int = -1):
         """The hobbit_params struct for a budget in bytes, and the C strings it points to
         (keep them alive until the model has loaded). level_paths: the companion files of
         the levels below the model's, high to low (see companions.resolve_levels)."""
@@ -153,4 +153,5 @@ class OffloadConfig:
         params.hit_policy = HIT_POLICIES.index(self.hits)
         params.warm_low = self.warm
         params.mode = MODES.index(self.mode)
+        params.page_cache_room_bytes = page_cache_room_bytes
         return params, keep

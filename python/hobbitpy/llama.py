@@ -43,7 +43,8 @@ class Llama(llama_cpp.Llama):
                               "load the model with OffloadConfig(enabled=False)")
         if self.offload_plan.budget_bytes is not None:
             err = error_buffer()
-            params, _c_strings = offload.to_native(self.offload_plan.budget_bytes, self.level_paths)
+            params, _c_strings = offload.to_native(self.offload_plan.budget_bytes, self.level_paths,
+                                                   self.offload_plan.page_cache_room_bytes)
             if lib.hobbit_request_offload(params, err, len(err)) != 0:
                 raise HobbitError(to_str(err))
         try:

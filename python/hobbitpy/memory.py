@@ -81,6 +81,8 @@ class OffloadPlan:
     """Expert cache budget; None runs the stock path (every expert mapped)."""
     reason: str
     """One line for the user: why this plan."""
+    page_cache_room_bytes: int = -1
+    """Memory left beside the pools for the page cache (experts computed in place); -1 = not known."""
 
 
 def plan_offload(info: ModelInfo, config: OffloadConfig, n_ctx: int,
@@ -96,6 +98,8 @@ def plan_offload(info: ModelInfo, config: OffloadConfig, n_ctx: int,
     if not info.is_moe:
         return OffloadPlan(None, f"{name} is a dense model (no routed experts): running it without offload")
     min_bytes = info.min_budget_bytes + sum(c.min_budget_bytes for c in companions)
+    # KV cache upper bound: K and V, f16, full width, every layer
+    kv_bytes = 2 * info.n_layer * n_ctx * info.n_embd * 2
     min_mb = min_bytes / MB
     if config.budget_bytes is not None:
         if config.budget_bytes < min_bytes:
@@ -103,11 +107,10 @@ def plan_offload(info: ModelInfo, config: OffloadConfig, n_ctx: int,
                     else f"one token's top-k at each of {1 + len(companions)} precisions")
             raise BudgetError(f"{name}: an expert cache of {config.cache_mb:g} MB is below the minimum of {min_mb:.1f} MB "
                               f"({what})")
+        room = max(0, available_memory_bytes() - info.resident_bytes - kv_bytes - config.budget_bytes)
         return OffloadPlan(config.budget_bytes, f"expert cache {config.budget_bytes / MB:.1f} MB "
-                                                f"of {info.expert_bytes_total / MB:.1f} MB of experts")
+                                                f"of {info.expert_bytes_total / MB:.1f} MB of experts", room)
 
-    # KV cache upper bound: K and V, f16, full width, every layer
-    kv_bytes = 2 * info.n_layer * n_ctx * info.n_embd * 2
     available = available_memory_bytes()
     budget = available - info.resident_bytes - kv_bytes - HEADROOM_BYTES
     if budget >= info.expert_bytes_total:
@@ -118,4 +121,4 @@ def plan_offload(info: ModelInfo, config: OffloadConfig, n_ctx: int,
                           f"KV cache need {(info.resident_bytes + kv_bytes + HEADROOM_BYTES) / MB:.0f} MB and the "
                           f"expert cache at least {min_mb:.1f} MB")
     return OffloadPlan(budget, f"expert cache {budget / MB:.1f} MB (from {available / MB:.0f} MB available) "
-                               f"of {info.expert_bytes_total / MB:.1f} MB of experts")
+                               f"of {info.expert_bytes_total / MB:.1f} MB of experts", HEADROOM_BYTES)

@@ -16,9 +16,10 @@ import numpy as np
 from ._native import error_buffer, ffi, lib, to_str
 from .config import MB
 from .errors import HobbitError
+from .scores import selection_scores
 from .trace import Trace
 
-POLICIES = ("lru", "lfu", "lhu", "fld", "random", "weighted", "belady")
+POLICIES = ("lru", "lfu", "lhu", "fld", "random", "weighted", "hobbit", "belady")
 DEFAULT_POLICIES = ("lru", "lfu", "lhu", "fld", "random", "belady")
 
 
@@ -54,10 +55,15 @@ def slots_for_budget(trace: Trace, budget_mb: float) -> int:
 
 
 def simulate(trace: Trace, budget_mb: float, policy: str, *, weights=(0.25, 0.25, 0.25, 0.25), seed: int = 0,
-             high_precision: np.ndarray | None = None, low_miss_cost: float = 1.0) -> SimResult:
-    """Misses of `policy` on `trace` with a cache of `budget_mb`."""
+             high_precision: np.ndarray | None = None, low_miss_cost: float = 1.0, t1: float | None = None) -> SimResult:
+    """Misses of `policy` on `trace` with a cache of `budget_mb`. A selection is wanted at
+    high precision per high_precision, or (t1) when its eq. 2 score is at most t1; a
+    low-precision miss costs low_miss_cost of a high one (HOBBIT's miss penalty)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    if high_precision is None and t1 is not None:
+        high_precision = selection_scores(trace.weights) <= t1
+    native_policy = "weighted" if policy == "hobbit" else policy
     n_slot = slots_for_budget(trace, budget_mb)
     experts = np.ascontiguousarray(trace.experts, dtype=np.int32)
     seq_start = np.ascontiguousarray(trace.seq_start, dtype=np.uint8)
@@ -74,7 +80,7 @@ def simulate(trace: Trace, budget_mb: float, policy: str, *, weights=(0.25, 0.25
     w = ffi.new("struct hobbit_policy_weights *", dict(zip(("lru", "lfu", "lhu", "fld"), weights)))
     r = ffi.new("struct hobbit_sim_result *")
     err = error_buffer()
-    if lib.hobbit_simulate_cache(t, policy.encode(), w, n_slot, seed, low_miss_cost, r, err, len(err)) != 0:
+    if lib.hobbit_simulate_cache(t, native_policy.encode(), w, n_slot, seed, low_miss_cost, r, err, len(err)) != 0:
         raise HobbitError(to_str(err))
     misses = int(r.misses_high + r.misses_low)
     return SimResult(policy=policy, budget_mb=budget_mb, n_slot=n_slot, accesses=int(r.accesses), hits=int(r.hits),
