@@ -175,3 +175,26 @@ def test_bad_thresholds_are_refused():
         hobbitpy.OffloadConfig(mid="Q4_K")
     with pytest.raises(ValueError, match="level_shares"):
         hobbitpy.OffloadConfig(low="Q2_K", level_shares=(1.0,))
+
+
+def test_default_split_keeps_every_expert_at_low_precision(model_dir):
+    # by default the lowest level gets room for a copy of every expert and fills it in the
+    # background: once warm, a decode finds every selection in memory at some precision
+    from hobbitpy.prepare import prepare_companion
+
+    path = tiny_model(model_dir, "llama")
+    low = model_dir / f"{path.stem}.q4_0.gguf"
+    if not low.exists():
+        prepare_companion(path, "Q4_0", out_path=low, progress=False)
+    info = hobbitpy.inspect_model(path)
+    config = hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total * 0.8 / MB, low=str(low), mode="gpu-centric")
+    with hobbitpy.Llama(path, offload=config, n_ctx=128, verbose=False) as llm:
+        pools = llm.pool_stats()
+        assert pools[1]["n_slot"] == info.n_layer_moe * info.n_expert
+        llm.create_completion("Once upon a time", max_tokens=4, temperature=0.0)
+        assert llm.offload_stats()["warm_loads"] == info.n_layer_moe * info.n_expert
+        llm.reset_offload_stats()
+        llm.create_completion(" in a land far away", max_tokens=8, temperature=0.0)
+        s = llm.offload_stats()
+    assert s["expert_misses"] == 0 and s["demand_bytes_read"] == 0
+    assert s["expert_hits"] > 0 and s["served"][1] > 0
