@@ -123,6 +123,12 @@ void map_advise_normal(const void * addr, size_t n_bytes) {
     posix_madvise((void *) begin, (uintptr_t) addr + n_bytes - begin, POSIX_MADV_NORMAL);
 }
 
+void map_advise_willneed(const void * addr, size_t n_bytes) {
+    const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
+    const uintptr_t begin = (uintptr_t) addr / page * page;
+    posix_madvise((void *) begin, (uintptr_t) addr + n_bytes - begin, POSIX_MADV_WILLNEED);
+}
+
 double resident_share(const void * addr, size_t n_bytes) {
     if (addr == nullptr || n_bytes == 0) {
         return 0.0;

@@ -34,5 +34,8 @@ executor_choice executor_choice_make(const expert_index & index, enum hobbit_mod
 // back to the kernel's default readahead over [addr, addr + n_bytes) of a file mapping
 void map_advise_normal(const void * addr, size_t n_bytes);
 
+// ask the kernel to read [addr, addr + n_bytes) of a file mapping ahead, asynchronously
+void map_advise_willneed(const void * addr, size_t n_bytes);
+
 // share of [addr, addr + n_bytes) resident in memory (mincore); 0 on error
 double resident_share(const void * addr, size_t n_bytes);

@@ -448,6 +448,26 @@ void hobbit_runtime::prefetch_next_layer_whole(int il, std::vector<load_task> & 
     }
 }
 
+void hobbit_runtime::read_ahead_next_layer(int il) {
+    const auto it = std::find(moe_layers.begin(), moe_layers.end(), il);
+    if (it == moe_layers.end() || it + 1 == moe_layers.end()) {
+        return;
+    }
+    const int next = *(it + 1);
+    // the page cache holds this layer's experts while they compute: only with room for both
+    const int64_t layer_bytes = (int64_t) index.layers[next].n_bytes() * index.info.n_expert;
+    const int64_t room = page_cache_room();
+    if (room >= 0 && (int64_t) index.layers[il].n_bytes() * index.info.n_expert + layer_bytes > room) {
+        return;
+    }
+    for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
+        const ggml_tensor * t = llama_model_get_expert_tensor(model, next, (llama_moe_proj) p);
+        if (t != nullptr && t->data != nullptr) {
+            map_advise_willneed(t->data, ggml_nbytes(t));
+        }
+    }
+}
+
 void hobbit_runtime::pin_predicted(int p, int s, int il) {
     pools[p].pool->slots[s].pins++;
     predicted_pins.push_back({ p, s, il, graph_seq });
@@ -720,8 +740,12 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
         if (predictor && wave == 0 && n_tokens == 1 && x->type == GGML_TYPE_F32 && x->ne[0] == index.info.n_embd) {
             prefetch_next_layers(il, (const float *) x->data, loads);
         }
-        if (wave == 0 && !any_inplace && (int64_t) n_pair >= 2 * n_expert) {
-            prefetch_next_layer_whole(il, loads);
+        if (wave == 0 && (int64_t) n_pair >= 2 * n_expert) {
+            if (!any_inplace) {
+                prefetch_next_layer_whole(il, loads);
+            } else {
+                read_ahead_next_layer(il);
+            }
         }
         io->submit(loads);
         stats_.peak_pool_bytes = std::max<int64_t>(stats_.peak_pool_bytes, used_pool_bytes());

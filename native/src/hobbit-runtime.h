@@ -78,6 +78,9 @@ private:
     // a wide ubatch (prefill) needs nearly every expert of the next MoE layer: load them at
     // high precision while this layer computes; needs mtx
     void prefetch_next_layer_whole(int il, std::vector<load_task> & loads);
+    // a wide ubatch computing in place: the next MoE layer's experts are read into the page
+    // cache (readahead, asynchronous) while this layer computes, if there is room; needs mtx
+    void read_ahead_next_layer(int il);
     // predicted experts stay pinned until their layer runs (or a new graph starts); needs mtx
     void pin_predicted(int p, int s, int il);
     void release_predicted(const std::function<bool(int p, int s, int il)> & pred);

@@ -151,6 +151,7 @@ def _summarize(name: str, runs: list[dict], disk_bw: float, stock_compute_s: flo
         "all_decode_tok_s": [round(r["decode_tok_s"], 3) for r in ok if r.get("decode_tok_s")],
         "ttft_short_ms": _median(ok, "ttft_short_ms"),
         "ttft_long_ms": _median(ok, "ttft_long_ms"),
+        "load_s": _median(ok, "load_s"),
         "bytes_per_token": _median(ok, "decode_disk_bytes_per_token"),
         "runtime_bytes_per_token": _median(ok, "runtime_bytes_per_token"),
         "stall_ms_per_token": _median(ok, "stall_ms_per_token"),
@@ -258,7 +259,7 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
 def format_row(row: dict) -> str:
     head = f"cap {row['cap']}" + (f" ({row['cap_mb']:.0f} MB)" if row["cap_mb"] else " (no limit)")
     lines = [head + f"   one-precision configurations reproduce stock: {'yes' if row['same_output_as_stock'] else 'NO'}",
-             f"  {'config':<14} {'tok/s':>7} {'x stock':>7} {'TTFT16':>8} {'TTFT128':>8} {'MB/tok':>7} "
+             f"  {'config':<14} {'tok/s':>7} {'x stock':>7} {'load':>6} {'TTFT16':>8} {'TTFT128':>8} {'MB/tok':>7} "
              f"{'bound':>6} {'t/bound':>7} {'t/crit':>6} {'hit':>13} {'low/skip':>9} {'=stock':>6} {'budget':>7} "
              f"{'peak MB':>7}"]
     for s in row["configs"]:
@@ -277,7 +278,8 @@ def format_row(row: dict) -> str:
         total = sum(served) + d.get("n_skipped", 0)
         shares = f"{sum(served[1:]) / total:.0%}/{d.get('n_skipped', 0) / total:.0%}" if total and len(served) > 1 else "-"
         same = "yes" if s.get("same_output_as_stock") else "no"
-        lines.append(f"  {s['config']:<14} {s['decode_tok_s']:>7.2f} {ratio:>7} {s['ttft_short_ms']:>7.0f}ms "
+        load = f"{s['load_s']:.2f}s" if s.get("load_s") is not None else "-"
+        lines.append(f"  {s['config']:<14} {s['decode_tok_s']:>7.2f} {ratio:>7} {load:>6} {s['ttft_short_ms']:>7.0f}ms "
                      f"{s['ttft_long_ms']:>6.0f}ms {s['bytes_per_token'] / MB:>7.1f} {bound:>6} {over:>7} {crit:>6} "
                      f"{hits:>13} {shares:>9} {same:>6} {budget:>7} {peak:>7}")
         if s["errors"]:
