@@ -34,5 +34,6 @@ cuda_dir=llama.cpp/ggml/src/ggml-cuda/CMakeFiles/ggml-cuda.dir
 hobbit_dir=native/CMakeFiles/hobbit.dir/src
 # objects only: linking would build all of ggml-cuda (hours on 2 cores)
 ninja -C "$build" "$cuda_dir/arange.cu.o" "$cuda_dir/argsort.cu.o" "$cuda_dir/getrows.cu.o" \
-    "$hobbit_dir/hobbit-runtime.cpp.o" "$hobbit_dir/hobbit-expert-pool.cpp.o" "$hobbit_dir/hobbit-api.cpp.o"
+    "$hobbit_dir/hobbit-runtime.cpp.o" "$hobbit_dir/hobbit-expert-pool.cpp.o" "$hobbit_dir/hobbit-api.cpp.o" \
+    "$hobbit_dir/hobbit-executor-choice.cpp.o" "$hobbit_dir/hobbit-precision-scorer.cpp.o" "$hobbit_dir/hobbit-predictor.cpp.o"
 echo "CUDA configure and compile-check passed ($build)"
