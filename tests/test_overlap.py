@@ -9,6 +9,10 @@ import pytest
 import hobbitpy
 from conftest import MB, run_logits, tiny_model
 
+# prefetch is what these tests measure: with memory to spare, auto mode would compute the
+# (page-cached) experts in place and have nothing to prefetch
+LOAD = "gpu-centric"
+
 
 def test_prefetch_completes_while_compute_runs(model_dir):
     path = tiny_model(model_dir, "llama", n_layer=6)
@@ -16,11 +20,11 @@ def test_prefetch_completes_while_compute_runs(model_dir):
     budget_mb = info.expert_bytes_total / 2 / MB
 
     ref_scores, ref_text, _, _ = run_logits(path, hobbitpy.OffloadConfig(enabled=False))
-    scores, text, _, _ = run_logits(path, hobbitpy.OffloadConfig(cache_mb=budget_mb, prefetch_layers=1))
+    scores, text, _, _ = run_logits(path, hobbitpy.OffloadConfig(cache_mb=budget_mb, prefetch_layers=1, mode=LOAD))
     assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
     assert text == ref_text
 
-    llm = hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(cache_mb=budget_mb, prefetch_layers=1),
+    llm = hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(cache_mb=budget_mb, prefetch_layers=1, mode=LOAD),
                          n_ctx=256, verbose=False, n_threads=2)
     try:
         llm.create_completion("The old lighthouse keeper said", max_tokens=48, temperature=0.0)
@@ -43,7 +47,7 @@ def test_adaptive_prefetch_is_exact_and_accounts_for_its_guesses(model_dir, dept
     path = tiny_model(model_dir, "llama", n_layer=6)
     info = hobbitpy.inspect_model(path)
     ref_scores, ref_text, _, _ = run_logits(path, hobbitpy.OffloadConfig(enabled=False))
-    config = hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total * 0.6 / MB, prefetch_layers=depth)
+    config = hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total * 0.6 / MB, prefetch_layers=depth, mode=LOAD)
     scores, text, _, _ = run_logits(path, config)
     assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
     assert text == ref_text
@@ -63,7 +67,7 @@ def test_prefetch_never_reads_an_expert_twice_when_all_fit(model_dir):
     # load anything already cached or loading, and predictions stop at the cached layers
     path = tiny_model(model_dir, "llama", n_layer=6)
     info = hobbitpy.inspect_model(path)
-    config = hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total / MB, prefetch_layers=4)
+    config = hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total / MB, prefetch_layers=4, mode=LOAD)
     with hobbitpy.Llama(path, offload=config, n_ctx=256, verbose=False, n_threads=2) as llm:
         llm.create_completion("The old lighthouse keeper said that the storms of the winter had never been so "
                               "fierce", max_tokens=32, temperature=0.0)
@@ -80,7 +84,7 @@ def test_mixed_precision_prefetch_is_exact_with_identical_levels(model_dir):
     info = hobbitpy.inspect_model(path)
     ref_scores, ref_text, _, _ = run_logits(path, hobbitpy.OffloadConfig(enabled=False))
     config = hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total * 0.6 / MB, prefetch_layers=2,
-                                    low=str(low), t1=0.0, t2=1.0, policy="hobbit")
+                                    low=str(low), t1=0.0, t2=1.0, policy="hobbit", mode=LOAD)
     scores, text, stats, _ = run_logits(path, config)
     assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
     assert text == ref_text

@@ -43,3 +43,60 @@ std::vector<pool_plan_group> pool_plan_make(const expert_index & index, int64_t 
     }
     return groups;
 }
+
+std::vector<int64_t> pool_plan_level_budgets(const std::vector<const expert_index *> & levels, int64_t budget_bytes,
+                                             const float * level_shares) {
+    const int n = (int) levels.size();
+    int64_t min_total = 0;
+    std::string parts;
+    for (int l = 0; l < n; ++l) {
+        min_total += levels[l]->info.min_budget_bytes;
+        parts += (l ? " + " : "") + mib(levels[l]->info.min_budget_bytes);
+    }
+    if (budget_bytes < min_total) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_BUDGET, levels[0]->path + ": expert budget " + mib(budget_bytes) +
+            " is below the minimum of " + mib(min_total) + (n > 1 ? " (one token's experts at each precision: " + parts + ")" :
+            " (" + std::to_string(levels[0]->info.n_expert_used) + " experts of one token)"));
+    }
+    std::vector<double> share(n, 0.0);
+    double share_total = 0.0;
+    for (int l = 0; l < n; ++l) {
+        if (!(level_shares[l] >= 0.0f)) {
+            throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "level_shares must be non-negative");
+        }
+        share_total += level_shares[l];
+    }
+    const int64_t spare = budget_bytes - min_total;
+    if (share_total > 0.0) {
+        for (int l = 0; l < n; ++l) {
+            share[l] = level_shares[l] / share_total;
+        }
+    } else if (n == 1) {
+        share[0] = 1.0;
+    } else {
+        const expert_index & low = *levels[n - 1];
+        const double low_bytes = std::min<double>(low.info.expert_bytes_total - low.info.min_budget_bytes,
+                                                  HOBBIT_AUTO_LOW_SHARE * budget_bytes);
+        share[n - 1] = spare > 0 ? std::min(1.0, low_bytes / spare) : 0.0;
+        for (int l = 0; l < n - 1; ++l) {
+            share[l] = (1.0 - share[n - 1]) / (n - 1);
+        }
+    }
+    std::vector<int64_t> budget(n);
+    int64_t excess = 0;
+    for (int l = 0; l < n; ++l) {
+        budget[l] = levels[l]->info.min_budget_bytes + (int64_t) (spare * share[l]);
+        const int64_t all = levels[l]->info.expert_bytes_total;
+        if (budget[l] > all) {
+            excess += budget[l] - all;
+            budget[l] = all;
+        }
+    }
+    for (int l = 0; l < n && excess > 0; ++l) {
+        const int64_t room = std::max<int64_t>(0, levels[l]->info.expert_bytes_total - budget[l]);
+        const int64_t give = std::min(room, excess);
+        budget[l] += give;
+        excess -= give;
+    }
+    return budget;
+}

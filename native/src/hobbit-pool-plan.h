@@ -1,8 +1,8 @@
 // hobbit-pool-plan.h - how a byte budget becomes pools and slots.
 //
-// One pool per expert signature (projection shapes and types); every pool gets one
-// token's top-k, the rest of the budget is shared in proportion to each signature's
-// expert bytes. Pure arithmetic on the file index, so Python can ask before loading.
+// The budget is split among the precision levels; within a level, one pool per expert
+// signature (projection shapes and types), each with one token's top-k, the rest shared
+// in proportion to each signature's expert bytes. Pure arithmetic on the file indexes.
 #pragma once
 
 #include "hobbit-expert-store.h"
@@ -18,3 +18,12 @@ struct pool_plan_group {
 
 // throws hobbit_error if the budget is below info.min_budget_bytes
 std::vector<pool_plan_group> pool_plan_make(const expert_index & index, int64_t budget_bytes);
+
+// how a budget is split among precision levels (levels[0] the model, then its companions):
+// each gets its minimum (one token's top-k), the rest goes by level_shares (or, all 0, the
+// lowest level gets room for all of its experts up to HOBBIT_AUTO_LOW_SHARE of the budget:
+// a copy of every expert in memory means a decode never waits for the disk); a level
+// that could hold all of its experts with less passes the excess on, highest precision
+// first. Throws hobbit_error if the budget is below the levels' minima.
+std::vector<int64_t> pool_plan_level_budgets(const std::vector<const expert_index *> & levels, int64_t budget_bytes,
+                                             const float * level_shares);

@@ -45,73 +45,6 @@ static std::vector<router_weights> load_routers(const llama_model * model, const
     return routers;
 }
 
-static std::string mib(int64_t n_bytes) {
-    char buf[64];
-    snprintf(buf, sizeof(buf), "%.1f MB", n_bytes / (1024.0 * 1024.0));
-    return buf;
-}
-
-// how the budget is split among the levels: each gets its minimum (one token's top-k), the
-// rest goes by share (or, with no shares given, the lowest level gets room for all of its
-// experts up to HOBBIT_AUTO_LOW_SHARE of the budget: a copy of every expert in memory means
-// a decode never waits for the disk); a level that could hold all of its experts with less
-// passes the excess on, to the highest precision first
-static std::vector<int64_t> level_budgets(const std::vector<const expert_index *> & levels, const hobbit_params & params) {
-    const int n = (int) levels.size();
-    int64_t min_total = 0;
-    std::string parts;
-    for (int l = 0; l < n; ++l) {
-        min_total += levels[l]->info.min_budget_bytes;
-        parts += (l ? " + " : "") + mib(levels[l]->info.min_budget_bytes);
-    }
-    if (params.budget_bytes < min_total) {
-        throw hobbit_error(HOBBIT_STATUS_ERROR_BUDGET, levels[0]->path + ": expert budget " + mib(params.budget_bytes) +
-            " is below the minimum of " + mib(min_total) + (n > 1 ? " (one token's experts at each precision: " + parts + ")" :
-            " (" + std::to_string(levels[0]->info.n_expert_used) + " experts of one token)"));
-    }
-    std::vector<double> share(n, 0.0);
-    double share_total = 0.0;
-    for (int l = 0; l < n; ++l) {
-        if (!(params.level_shares[l] >= 0.0f)) {
-            throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "level_shares must be non-negative");
-        }
-        share_total += params.level_shares[l];
-    }
-    const int64_t spare = params.budget_bytes - min_total;
-    if (share_total > 0.0) {
-        for (int l = 0; l < n; ++l) {
-            share[l] = params.level_shares[l] / share_total;
-        }
-    } else if (n == 1) {
-        share[0] = 1.0;
-    } else {
-        const expert_index & low = *levels[n - 1];
-        const double low_bytes = std::min<double>(low.info.expert_bytes_total - low.info.min_budget_bytes,
-                                                  HOBBIT_AUTO_LOW_SHARE * params.budget_bytes);
-        share[n - 1] = spare > 0 ? std::min(1.0, low_bytes / spare) : 0.0;
-        for (int l = 0; l < n - 1; ++l) {
-            share[l] = (1.0 - share[n - 1]) / (n - 1);
-        }
-    }
-    std::vector<int64_t> budget(n);
-    int64_t excess = 0;
-    for (int l = 0; l < n; ++l) {
-        budget[l] = levels[l]->info.min_budget_bytes + (int64_t) (spare * share[l]);
-        const int64_t all = levels[l]->info.expert_bytes_total;
-        if (budget[l] > all) {
-            excess += budget[l] - all;
-            budget[l] = all;
-        }
-    }
-    for (int l = 0; l < n && excess > 0; ++l) {
-        const int64_t room = std::max<int64_t>(0, levels[l]->info.expert_bytes_total - budget[l]);
-        const int64_t give = std::min(room, excess);
-        budget[l] += give;
-        excess -= give;
-    }
-    return budget;
-}
-
 hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & path, const hobbit_params & params)
         : index(expert_index::from_file(path)), params(params), model(model) {
     const hobbit_model_info & info = index.info;
@@ -179,7 +112,7 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     for (int l = 0; l < n_level; ++l) {
         level_indexes.push_back(&level_index(l));
     }
-    const std::vector<int64_t> budgets = level_budgets(level_indexes, params);
+    const std::vector<int64_t> budgets = pool_plan_level_budgets(level_indexes, params.budget_bytes, params.level_shares);
     pool_of.assign(n_level, std::vector<int>(info.n_layer, -1));
     int64_t n_slot_total = 0;
     for (int l = 0; l < n_level; ++l) {
@@ -275,6 +208,12 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     if (params.warm_low && n_level > 1) {
         warm_lowest_level();
     }
+}
+
+bool hobbit_runtime::runs_in_place(int il, int e, int n_tokens) const {
+    return inplace_ok[il] && executor.in_place(n_tokens, executor.mode == HOBBIT_MODE_AUTO ? resident(il, e) : 0.0,
+                                               (int64_t) index.layers[il].n_bytes() * index.info.n_expert,
+                                               page_cache_room());
 }
 
 int64_t hobbit_runtime::page_cache_room() const {
@@ -435,7 +374,7 @@ void hobbit_runtime::prefetch_next_layer_whole(int il, std::vector<load_task> & 
     }
     for (int e = 0; e < index.info.n_expert && room > 0; ++e) {
         int level = -1;
-        if (find_cached(next, e, level) >= 0) {
+        if (find_cached(next, e, level) >= 0 || runs_in_place(next, e, 2)) {
             continue;
         }
         const int s = queue_background_load(p, next, e, /*prefetch*/ true, loads);
@@ -499,6 +438,9 @@ void hobbit_runtime::prefetch_next_layers(int il, const float * x, std::vector<l
             const int e = lp.experts[i];
             int level = -1;
             int s = find_cached(lp.il, e, level);
+            if (s < 0 && runs_in_place(lp.il, e, 1)) {
+                continue; // it would run in place on the page cache's copy: as good as cached
+            }
             if (s < 0) {
                 if (want[i] == PRECISION_SKIP) {
                     continue; // it would be skipped if missed: nothing worth fetching
@@ -646,9 +588,7 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
                 level_of[e] = SKIP;
                 stats_.n_skipped += n_pairs[e];
                 continue;
-            } else if (has_inplace && inplace_ok[il] &&
-                       executor.in_place(n_pairs[e], executor.mode == HOBBIT_MODE_AUTO ? resident(il, e) : 0.0,
-                                         (int64_t) index.layers[il].n_bytes() * n_expert, page_cache_room())) {
+            } else if (has_inplace && runs_in_place(il, e, n_pairs[e])) {
                 // cooperative: computed on the mapped model instead of loaded
                 any_inplace = true;
                 stats_.expert_inplace++;

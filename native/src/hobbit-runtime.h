@@ -84,6 +84,8 @@ private:
     // predicted experts stay pinned until their layer runs (or a new graph starts); needs mtx
     void pin_predicted(int p, int s, int il);
     void release_predicted(const std::function<bool(int p, int s, int il)> & pred);
+    // would a miss of expert e of layer il used by n_tokens run in place (executor choice)? needs mtx
+    bool runs_in_place(int il, int e, int n_tokens) const;
     // what the page cache may hold now beside the pools, or -1 if no limit is known; needs mtx
     int64_t page_cache_room() const;
     // share of expert e of layer il resident in the page cache (its slices of the mapped model)

@@ -6,7 +6,9 @@
 #include "hobbit-expert-pool.h"
 #include "hobbit-expert-store.h"
 #include "hobbit-io-scheduler.h"
+#include "hobbit-pool-plan.h"
 #include "hobbit-precision-scorer.h"
+#include "hobbit-predictor.h"
 
 #include "ggml.h"
 #include "gguf.h"
@@ -333,6 +335,69 @@ static void test_companion_check(const std::string & path, const std::string & d
     printf("ok companion check\n");
 }
 
+// the budget split among precision levels, by hand
+static void test_level_budgets(const std::string & path) {
+    const expert_index idx = expert_index::from_file(path);
+    const int64_t expert = (int64_t) idx.info.expert_bytes, total = idx.info.expert_bytes_total;
+    const int64_t min = idx.info.min_budget_bytes; // one token's top-k
+    const std::vector<const expert_index *> levels = { &idx, &idx };
+    const float automatic[HOBBIT_MAX_LEVELS] = { 0.0f, 0.0f, 0.0f };
+    // automatic: the low level gets room for every expert, the high one the rest
+    std::vector<int64_t> b = pool_plan_level_budgets(levels, 1000000, automatic);
+    CHECK(b[1] == total && b[0] == 1000000 - total && b[0] >= min);
+    // ... but never more than HOBBIT_AUTO_LOW_SHARE of the budget
+    b = pool_plan_level_budgets(levels, 3 * min, automatic);
+    CHECK(b[1] <= (int64_t) (HOBBIT_AUTO_LOW_SHARE * 3 * min) + 1 && b[0] >= min && b[0] + b[1] <= 3 * min);
+    // explicit shares split what is above the minima
+    const float even[HOBBIT_MAX_LEVELS] = { 1.0f, 1.0f, 0.0f };
+    b = pool_plan_level_budgets(levels, 2 * min + 10 * expert, even);
+    CHECK(b[0] == min + 5 * expert && b[1] == min + 5 * expert);
+    // a level that holds all of its experts passes the rest on to the highest precision
+    const float low_heavy[HOBBIT_MAX_LEVELS] = { 0.0f, 1.0f, 0.0f };
+    b = pool_plan_level_budgets(levels, 2 * total, low_heavy);
+    CHECK(b[1] == total && b[0] == total);
+    bool refused = false;
+    try {
+        pool_plan_level_budgets(levels, 2 * min - 1, automatic);
+    } catch (const hobbit_error & e) {
+        refused = e.status == HOBBIT_STATUS_ERROR_BUDGET && std::string(e.what()).find("each precision") != std::string::npos;
+    }
+    CHECK(refused);
+    printf("ok level budgets\n");
+}
+
+// stacked gates: the next layers' routers on this layer's input, nearest first
+static void test_stacked_predictor() {
+    const int n_embd = 2;
+    std::vector<router_weights> routers(3);
+    for (int i = 0; i < 3; ++i) {
+        routers[i].il = 2 * i; // MoE layers 0, 2, 4
+    }
+    // x = (1, 0): layer 2 ranks experts 2 > 0 > 1, layer 4 ranks 1 > 2 > 0
+    routers[0].w = { 1, 0,  2, 0,  3, 0 };
+    routers[1].w = { 0.5f, 0,  -1, 0,  2, 0 };
+    routers[2].w = { -1, 0,  3, 0,  1, 0 };
+    auto predictor = predictor_make_stacked_gates(routers, n_embd, /*n_predict*/ 2, /*max_depth*/ 2);
+    const float x[2] = { 1.0f, 0.0f };
+    std::vector<layer_prediction> out;
+    predictor->predict(0, x, 2, out);
+    CHECK(out.size() == 2 && out[0].il == 2 && out[1].il == 4);
+    CHECK(out[0].experts == std::vector<int>({ 2, 0 }) && out[1].experts == std::vector<int>({ 1, 2 }));
+    // softmax over the top-k: exp(2) : exp(0.5), summing to 1
+    CHECK(std::fabs(out[0].weights[0] + out[0].weights[1] - 1.0f) < 1e-6f);
+    CHECK(std::fabs(out[0].weights[0] / out[0].weights[1] - std::exp(1.5f)) < 1e-3f);
+    out.clear();
+    predictor->predict(0, x, 1, out); // a smaller depth asked for
+    CHECK(out.size() == 1 && out[0].il == 2);
+    out.clear();
+    predictor->predict(2, x, 2, out); // only one layer left after layer 2
+    CHECK(out.size() == 1 && out[0].il == 4);
+    out.clear();
+    predictor->predict(4, x, 2, out); // the last MoE layer predicts nothing
+    CHECK(out.empty());
+    printf("ok stacked predictor\n");
+}
+
 int main(int argc, char ** argv) {
     const std::string dir = argc > 1 ? argv[1] : "/tmp";
     const std::string path = write_model(dir + "/hobbit-native-test-" + std::to_string(getpid()) + ".gguf");
@@ -347,6 +412,8 @@ int main(int argc, char ** argv) {
     test_scheduler(path);
     test_precision_scorer();
     test_companion_check(path, dir);
+    test_level_budgets(path);
+    test_stacked_predictor();
     unlink(path.c_str());
     printf("all native tests passed\n");
     return 0;
