@@ -52,7 +52,7 @@ def test_cooperative_with_prefetch_and_mixed_precision(model_dir):
 def test_auto_measures_its_latency_model(model_dir):
     path = tiny_model(model_dir, "llama")
     info = hobbitpy.inspect_model(path)
-    with hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(cache_mb=info.min_budget_bytes * 2 / MB), n_ctx=64,
+    with hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(cache_mb=info.min_budget_bytes * 2 / MB, mode="auto"), n_ctx=64,
                         verbose=False) as llm:
         s = llm.offload_stats()
     assert s["mode"] == 2 and s["load_bytes_per_s"] > 0 and s["map_bytes_per_s"] > 0

@@ -51,7 +51,7 @@ struct hobbit_params hobbit_default_params(void) {
     p.t2              = 0.9f;
     p.hit_policy      = HOBBIT_HIT_UPGRADE;
     p.warm_low        = true;
-    p.mode            = HOBBIT_MODE_AUTO;
+    p.mode            = HOBBIT_MODE_GPU_CENTRIC; // auto measured slower under tight caps (docs/BENCHMARKS.md)
     p.page_cache_room_bytes = -1;
     return p;
 }

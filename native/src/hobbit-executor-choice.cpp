@@ -29,7 +29,7 @@ bool executor_choice::in_place(int n_tokens, double resident, int64_t layer_byte
     // auto: in place faults the weights into the page cache, which must hold them while
     // the layer computes and the next one is read ahead; under a tight memory cap the pools
     // took that room, and faulted-in pages would evict each other mid-matmul (measured: a
-    // prefill 6x slower than loading, a decode 1.5x). So auto goes in place only where the
+    // prefill 6x slower than loading, a decode 1.2x). So auto goes in place only where the
     // room holds two layers' experts.
     if (room >= 0 && 2 * layer_bytes > room) {
         return false;

@@ -68,10 +68,10 @@ def _add_precision_args(p) -> None:
     p.add_argument("--hits", choices=HIT_POLICIES, default="upgrade",
                    help="a hit at another precision than wanted: use it (found), use it and load the wanted one in the "
                         "background when the disk is idle (upgrade, default), or serve exactly the wanted precision (exact)")
-    p.add_argument("--mode", choices=MODES, default="auto",
-                   help="where a missed expert runs: loaded into the cache (gpu-centric), computed in place on the "
-                        "mapped model (cooperative), or chosen per expert and ubatch by a latency model measured at "
-                        "start-up (auto, default)")
+    p.add_argument("--mode", choices=MODES, default="gpu-centric",
+                   help="where a missed expert runs: loaded into the cache (gpu-centric, default), computed in place "
+                        "on the mapped model (cooperative), or chosen per expert and ubatch by a latency model measured "
+                        "at start-up (auto)")
     p.add_argument("--no-warm", action="store_true",
                    help="do not fill the lowest precision's pool in the background at start")
 

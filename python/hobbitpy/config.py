@@ -79,11 +79,12 @@ class OffloadConfig:
     was lower, loads the wanted copy in the background; "exact" serves only the wanted precision
     (and skips what the rule skips), to measure the rule's own effect on quality."""
 
-    mode: str = "auto"
+    mode: str = "gpu-centric"
     """Where a missed expert runs: "gpu-centric" loads it into the cache; "cooperative" computes it in place
     on the mapped model file; "auto" decides per expert and ubatch with a latency model measured at start-up
-    (in place for wide ubatches when faulting the file in is as fast as loading, and for experts the page
-    cache already holds)."""
+    (in place for wide ubatches when faulting the file in is about as fast as loading, and for experts the
+    page cache already holds, while the page cache has room for two layers). gpu-centric is the default:
+    under tight memory caps auto measured up to 1.5x slower decode (docs/BENCHMARKS.md)."""
 
     warm: bool = True
     """With mixed precision, fill the lowest level's pool with its experts in the background at start."""
