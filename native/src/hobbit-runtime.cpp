@@ -145,10 +145,11 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "unknown mode " + std::to_string((int) params.mode));
     }
     executor = executor_choice_make(index, params.mode, any_inplace, params.direct_io);
-    if (any_inplace && params.mode != HOBBIT_MODE_GPU_CENTRIC) {
+    if (any_inplace) {
         // the loader maps offloaded experts with MADV_RANDOM (nothing of them may be read at
-        // load); in place, a fault must read ahead like stock's mapping, or every 4 KB page
-        // becomes its own read (measured: a prefill 15x slower)
+        // load); in place (any mode: a prompt wider than the pools runs its overflow in place),
+        // a fault must read ahead like stock's mapping, or every 4 KB page becomes its own
+        // read (measured: a prefill 6-15x slower)
         for (int il : moe_layers) {
             for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
                 const ggml_tensor * t = llama_model_get_expert_tensor(model, il, (llama_moe_proj) p);
