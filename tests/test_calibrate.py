@@ -74,6 +74,12 @@ def test_run_applies_the_profile(calibrated, tmp_path, capsys):
     assert "settings from" in capsys.readouterr().err
     stats = json.loads(stats_file.read_text())
     assert stats["runtime"]["n_level"] == 2
+    # per pool and per precision, as --stats-json promises
+    assert [p["level"] for p in stats["pools"]] == [0, 1]
+    assert all({"hits", "misses", "bytes_read"} <= set(p) for p in stats["pools"])
+    assert len(stats["served_share"]) == 2
+    assert abs(sum(stats["served_share"]) + stats["skipped_share"] - 1.0) < 1e-9
+    assert {"n_skipped", "prefetch_used", "prefetch_wasted"} <= set(stats)
     # --no-profile: one precision again
     code = main(["run", str(calibrated), "--prompt", "And the LORD said", "-n", "8", "--temp", "0",
                  "--cache-mb", "4", "--no-profile", "--stats-json", str(tmp_path / "plain.json")])

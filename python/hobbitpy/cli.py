@@ -538,7 +538,20 @@ def _run(args) -> int:
             "peak_pool_bytes": s["peak_pool_bytes"] if s else 0,
             "budget_bytes": s["budget_bytes"] if s else 0,
             "runtime": s,
+            # per pool (precision level and expert signature): hits, misses, bytes read
+            "pools": llm.pool_stats(),
         })
+        if s:
+            selections = sum(s["served"]) + s["n_skipped"]
+            stats.update({
+                "n_skipped": s["n_skipped"],
+                "prefetch_issued": s["prefetch_issued"],
+                "prefetch_used": s["prefetch_used"],
+                "prefetch_wasted": s["prefetch_wasted"],
+                # share of the selections served at each precision level (0 = the model's own)
+                "served_share": [n / selections if selections else 0.0 for n in s["served"]],
+                "skipped_share": s["n_skipped"] / selections if selections else 0.0,
+            })
     if args.stats_json:
         with open(args.stats_json, "w") as f:
             json.dump(stats, f, indent=2)
