@@ -297,11 +297,9 @@ def _eval(args) -> int:
 
     if why := _json_target_error(args.json):
         return _fail(why)
-    try:
-        with open(args.text, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        return _fail(f"{args.text}: cannot read the text ({e})")
+    text, why = _read_text(args.text)
+    if why:
+        return _fail(why)
     try:
         offload = offload_config_from_args(args, args.model)
         r = evaluate(args.model, text, offload, n_ctx=args.ctx, max_tokens=args.max_tokens, n_threads=args.threads,
@@ -425,11 +423,9 @@ def _calibrate(args) -> int:
         return _fail(f"--max-ppl-increase must be in [0, 1), got {args.max_ppl_increase}")
     if args.max_tokens < 16:
         return _fail(f"--max-tokens must be at least 16, got {args.max_tokens}")
-    try:
-        with open(args.text, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        return _fail(f"{args.text}: cannot read the text ({e})")
+    text, why = _read_text(args.text)
+    if why:
+        return _fail(why)
     try:
         low_path = resolve_level(args.model, args.low, "--low")
         result = calibrate(args.model, text, low=args.low, low_path=low_path, max_ppl_increase=args.max_ppl_increase,
@@ -448,6 +444,15 @@ def _calibrate(args) -> int:
         print(f"  {row['policy']:<20} " + "  ".join(f"{r:5.2f}" for r in row["ratio_to_belady"]))
     print(f"wrote {out}")
     return 0
+
+
+def _read_text(path: str) -> tuple[str, str | None]:
+    """The UTF-8 text of --text, or why it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(), None
+    except (OSError, UnicodeDecodeError) as e:
+        return "", f"{path}: cannot read the text ({e})"
 
 
 def _json_target_error(path: str | None) -> str | None:
