@@ -101,3 +101,46 @@ def test_bench_mixed_precision_config(model_dir, tmp_path):
     assert d["n_level"] == 2 and len(d["served"]) == 2
     assert sum(d["served"]) + d["n_skipped"] == 5 * info.n_layer_moe * info.n_expert_used  # 5 decode steps
     assert len(hobbit["pool_hit_ratio"]) == 2
+
+
+def test_bench_frontier_against_uniform_quants(model_dir, tmp_path):
+    # stock on the model and on two uniform quants made by llama.cpp's quantizer, a
+    # hobbitpy ladder, each scored against stock on the model: the frontier table and PNG
+    from hobbitpy.prepare import prepare_companion
+
+    path = tiny_model(model_dir, "llama", n_embd=256)  # rows of whole K-quant blocks
+    low = prepare_companion(path, "Q2_K", tmp_path / "experts-Q2_K.gguf", progress=False)
+    text = tmp_path / "held-out.txt"
+    text.write_text("The keeper climbed the stairs of the tower every evening and lit the lamp. " * 40)
+    quant_dir = tmp_path / "quants"
+    out = tmp_path / "frontier"
+    args = [str(path), "--caps", "none", "--repeats", "1", "-n", "4", "--threads", "2", "--quants", "Q4_K_M,Q2_K",
+            "--quant-dir", str(quant_dir), "--quality", str(text), "--quality-tokens", "96",
+            "--config", f"q2=--high {low}", "--no-progress"]
+    p = _bench(args + ["--out", str(out)])
+    assert p.returncode == 0, p.stderr
+    assert "frontier, cap none" in p.stdout and "made " in p.stdout
+    r = json.loads((out / "bench.json").read_text())
+    assert r["quality"]["n_tokens"] == 96 and r["quality"]["reference_perplexity"] > 1
+    row = r["rows"][0]
+    assert [s["config"] for s in row["configs"]] == ["stock", "Q4_K_M", "Q2_K", "q2"]
+    by = {s["config"]: s for s in row["configs"]}
+    assert by["stock"]["ppl_increase"] == 0 and by["stock"]["mean_kl"] == 0
+    for s in row["configs"]:
+        assert s["decode_tok_s"] > 0 and isinstance(s["dominated_by"], list) and s["lossy"] == (s["config"] != "stock")
+    # a lossy copy moves the distribution, and its file is smaller
+    assert by["Q2_K"]["mean_kl"] > 0 and by["q2"]["mean_kl"] > 0
+    assert by["Q2_K"]["file_mb"] < by["Q4_K_M"]["file_mb"] < by["stock"]["file_mb"]
+    assert by["q2"]["offloaded"] and not by["Q2_K"]["offloaded"]
+    # a configuration that is slower and worse than another is dominated by it
+    for s in row["configs"]:
+        for name in s["dominated_by"]:
+            o = by[name]
+            assert o["decode_tok_s"] >= s["decode_tok_s"] and o["ppl_increase"] <= s["ppl_increase"]
+    assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the quants are kept and reused, never made again
+    made = sorted(quant_dir.iterdir())
+    assert len(made) == 2
+    p = _bench(args + ["--out", str(tmp_path / "again"), "--caps", "none"])
+    assert p.returncode == 0, p.stderr
+    assert "reusing" in p.stdout and sorted(quant_dir.iterdir()) == made

@@ -62,7 +62,7 @@ def test_plan_for_a_model_larger_than_memory():
                               n_expert_used=2, n_embd=4096, expert_bytes=expert,
                               expert_bytes_total=32 * 64 * expert, min_budget_bytes=2 * expert,
                               file_bytes=32 * 64 * expert + 512 * MB, uniform=True)
-    plan = hobbitpy.plan_offload(info, hobbitpy.OffloadConfig(), n_ctx=512)
+    plan = hobbitpy.plan_offload(info, hobbitpy.OffloadConfig(), context_bytes=64 * MB)
     assert plan.budget_bytes is not None
     assert info.min_budget_bytes <= plan.budget_bytes < avail - info.resident_bytes
 
@@ -71,7 +71,7 @@ def test_split_model_runs_without_offload():
     info = hobbitpy.ModelInfo(path="big-00001-of-00003.gguf", arch="llama", n_layer=2, n_layer_moe=2, n_expert=8,
                               n_expert_used=2, n_embd=64, expert_bytes=MB, expert_bytes_total=16 * MB,
                               min_budget_bytes=2 * MB, file_bytes=20 * MB, uniform=True, n_split=3)
-    plan = hobbitpy.plan_offload(info, hobbitpy.OffloadConfig(cache_mb=8), n_ctx=512)
+    plan = hobbitpy.plan_offload(info, hobbitpy.OffloadConfig(cache_mb=8), context_bytes=64 * MB)
     assert plan.budget_bytes is None and "split into 3 files" in plan.reason
 
 

@@ -55,15 +55,17 @@ enum hobbit_policy {
     HOBBIT_POLICY_WEIGHTED = 5, // HOBBIT eq. 3: policy_weights mix LRU, LFU, LHU and FLD
 };
 
-// precision levels: 0 is the model's own experts (high), then optional companion files
-// with the same experts at lower precision (`hobbitpy prepare`): [high, low] or [high, mid, low]
+// precision levels: 0 is the model's own experts (high) or a companion at the precision chosen
+// for it, then optional companion files with the same experts at lower precision (`hobbitpy
+// prepare`): [high, low] or [high, mid, low]
 #define HOBBIT_MAX_LEVELS 3
 #define HOBBIT_AUTO_LOW_SHARE 0.85f
 
 // what a hit at another precision than the wanted one does (mixed precision)
 enum hobbit_hit_policy {
     HOBBIT_HIT_FOUND   = 0, // use the copy found, at whatever precision
-    HOBBIT_HIT_UPGRADE = 1, // use it, and load the wanted precision in the background when it was lower
+    HOBBIT_HIT_UPGRADE = 1, // use it, and load the wanted precision in the background when it was lower and the
+                            // expert is some token's first (top-1) selection
     HOBBIT_HIT_EXACT   = 2, // serve exactly the wanted precision (load it when missing; skip when the rule says skip)
 };
 
@@ -90,7 +92,10 @@ struct hobbit_params {
 
     // mixed precision (HOBBIT §3.2); n_level = 1 serves every expert from the model at its own precision
     int32_t n_level;                                // 1..HOBBIT_MAX_LEVELS
-    const char * level_paths[HOBBIT_MAX_LEVELS];    // [1..n_level-1]: expert-only GGUF of the same model (copied at request)
+    const char * level_paths[HOBBIT_MAX_LEVELS];    // [1..n_level-1]: expert-only GGUF of the same model (copied at request);
+                                                    // [0]: NULL = the model's own experts are the high level, else a
+                                                    // companion is (a precision ladder: the model file's experts are
+                                                    // then never read, and nothing runs in place)
     float   level_shares[HOBBIT_MAX_LEVELS];        // how the budget above the minimum is split among the levels; all 0 =
                                                     // automatic: the lowest level gets room for all of its experts, up to
                                                     // HOBBIT_AUTO_LOW_SHARE of the budget, the others share the rest evenly
@@ -103,7 +108,8 @@ struct hobbit_params {
                                    // ubatch's misses in place only within it: under a tight memory cap faulted-in
                                    // weights would evict each other); -1 = no limit known
     bool    warm_low;      // at start, fill the lowest level's pool with its experts in the background: every
-                           // selection then has a copy in memory (a hit at the precision found) once it is done
+                           // selection then has a copy in memory (a hit at the precision found) once it is done;
+                           // then the free slots of the higher levels (with several levels or a high companion)
 };
 
 struct hobbit_model_info {
@@ -119,6 +125,15 @@ struct hobbit_model_info {
     int64_t file_bytes;            // size of the GGUF file
     bool    uniform;               // every MoE block has the same expert shapes and types (else one pool per signature)
     int32_t n_split;               // files the model is split into (split.count; 1 = one file)
+    // what sizes a context's buffers (KV cache, compute buffer, logits), read from the metadata and tensor shapes
+    int32_t n_vocab;               // rows of token_embd
+    int32_t n_head;                // attention heads (the largest, when given per layer)
+    int32_t n_head_kv;             // key/value heads (the largest)
+    int32_t n_embd_head_k;         // key length per head
+    int32_t n_embd_head_v;         // value length per head
+    int32_t n_ff_expert;           // width of a routed expert's gate/up rows (the largest)
+    int32_t n_ff_dense;            // width of a dense FFN or shared expert (the largest; 0 = none)
+    int32_t n_ctx_train;           // context length the model was trained with
 };
 
 struct hobbit_stats {
@@ -142,11 +157,13 @@ struct hobbit_stats {
     int64_t n_skipped;             // selections skipped: score above t2 and not cached
     int64_t upgrades;              // background loads of the wanted precision after a lower-precision hit
     int64_t prefetch_wasted;       // prefetched experts evicted or dropped before any use
-    int64_t warm_loads;            // loads queued at start to fill the lowest level's pool (warm_low)
+    int64_t warm_loads;            // loads queued at start to fill the pools, the lowest level first (warm_low)
     int32_t mode;                  // enum hobbit_mode in effect (gpu-centric when in place is not possible)
     double  load_bytes_per_s;      // latency model (auto mode): one load's bandwidth at start-up
     double  map_bytes_per_s;       // and faulting the same bytes in through the mapping
     int64_t demand_bytes_read;     // of bytes_read, what a dispatch waited for (on-demand loads; the rest ran in the background)
+    int64_t dispatch_us;           // time the dispatch ops spent deciding and bookkeeping (their waits are stall_us)
+    int64_t background_bytes_read; // of bytes_read, what loaded in the background (prefetch, upgrades, warm-up)
 };
 
 // counters of one pool (one per expert signature; index 0 .. n_pool-1)

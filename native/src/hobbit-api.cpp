@@ -86,8 +86,10 @@ enum hobbit_status hobbit_request_offload(const struct hobbit_params * params, c
     g_pending_params = *params;
     // the caller's strings may be gone by the time the model loads
     for (int l = 0; l < HOBBIT_MAX_LEVELS; ++l) {
-        g_pending_level_paths[l] = (l > 0 && l < params->n_level && params->level_paths[l]) ? params->level_paths[l] : "";
-        g_pending_params.level_paths[l] = l > 0 && l < params->n_level ? g_pending_level_paths[l].c_str() : nullptr;
+        // level 0 has a file only when the high precision is a companion too (a precision ladder)
+        const bool has_file = l < params->n_level && params->level_paths[l] && (l > 0 || params->level_paths[l][0] != '\0');
+        g_pending_level_paths[l] = has_file ? params->level_paths[l] : "";
+        g_pending_params.level_paths[l] = has_file ? g_pending_level_paths[l].c_str() : nullptr;
     }
     g_attach_error.clear();
     llama_moe_offload_request_next_load(&hobbit_attach, nullptr);

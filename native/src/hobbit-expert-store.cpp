@@ -66,6 +66,27 @@ static int64_t gguf_get_int(const gguf_context * ctx, const std::string & key) {
     }
 }
 
+// an integer key, or the largest of an integer array (per-layer values); -1 if missing
+static int64_t gguf_get_int_max(const gguf_context * ctx, const std::string & key) {
+    const int64_t id = gguf_find_key(ctx, key.c_str());
+    if (id < 0 || gguf_get_kv_type(ctx, id) != GGUF_TYPE_ARRAY) {
+        return gguf_get_int(ctx, key);
+    }
+    const enum gguf_type t = gguf_get_arr_type(ctx, id);
+    int64_t best = -1;
+    for (size_t i = 0; i < gguf_get_arr_n(ctx, id); ++i) {
+        const void * d = gguf_get_arr_data(ctx, id);
+        int64_t v = -1;
+        switch (t) {
+            case GGUF_TYPE_UINT32: v = ((const uint32_t *) d)[i]; break;
+            case GGUF_TYPE_INT32:  v = ((const int32_t *) d)[i];  break;
+            default: return -1;
+        }
+        best = std::max(best, v);
+    }
+    return best;
+}
+
 expert_index expert_index::from_file(const std::string & path) {
     expert_index idx;
     idx.path = path;
@@ -122,6 +143,31 @@ expert_index expert_index::from_file(const std::string & path) {
     info.n_embd        = (int32_t) std::max<int64_t>(0, gguf_get_int(ctx.get(), arch + ".embedding_length"));
     info.n_split       = (int32_t) std::max<int64_t>(1, gguf_get_int(ctx.get(), "split.count"));
     info.uniform       = true;
+    info.n_head        = (int32_t) std::max<int64_t>(1, gguf_get_int_max(ctx.get(), arch + ".attention.head_count"));
+    info.n_head_kv     = (int32_t) std::max<int64_t>(1, gguf_get_int_max(ctx.get(), arch + ".attention.head_count_kv"));
+    if (gguf_get_int_max(ctx.get(), arch + ".attention.head_count_kv") < 0) {
+        info.n_head_kv = info.n_head;
+    }
+    const int64_t head_k = gguf_get_int(ctx.get(), arch + ".attention.key_length");
+    const int64_t head_v = gguf_get_int(ctx.get(), arch + ".attention.value_length");
+    info.n_embd_head_k = (int32_t) (head_k > 0 ? head_k : info.n_embd / info.n_head);
+    info.n_embd_head_v = (int32_t) (head_v > 0 ? head_v : info.n_embd_head_k);
+    info.n_ctx_train   = (int32_t) std::max<int64_t>(0, gguf_get_int(ctx.get(), arch + ".context_length"));
+    for (int64_t t = 0; t < gguf_get_n_tensors(ctx.get()); ++t) {
+        const std::string name = gguf_get_tensor_name(ctx.get(), t);
+        const int64_t * ne = gguf_get_tensor_ne(ctx.get(), t);
+        const auto ends_with = [&](const char * suffix) {
+            const size_t n = strlen(suffix);
+            return name.size() >= n && name.compare(name.size() - n, n, suffix) == 0;
+        };
+        if (name == "token_embd.weight") {
+            info.n_vocab = (int32_t) ne[1];
+        } else if (ends_with("ffn_gate_exps.weight") || ends_with("ffn_up_exps.weight") || ends_with("ffn_gate_up_exps.weight")) {
+            info.n_ff_expert = std::max(info.n_ff_expert, (int32_t) ne[1]);
+        } else if (ends_with("ffn_up.weight") || ends_with("ffn_up_shexp.weight")) {
+            info.n_ff_dense = std::max(info.n_ff_dense, (int32_t) ne[1]);
+        }
+    }
 
     idx.layers.resize(info.n_layer);
     const expert_layer_layout * first = nullptr;

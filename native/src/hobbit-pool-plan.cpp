@@ -36,10 +36,24 @@ std::vector<pool_plan_group> pool_plan_make(const expert_index & index, int64_t 
         groups[g].layers.push_back(il);
     }
     const int64_t spare = budget_bytes - info.min_budget_bytes;
+    int64_t left = spare;
     for (auto & g : groups) {
         const int64_t group_bytes = g.expert_bytes * info.n_expert * (int64_t) g.layers.size();
-        const int64_t extra = (int64_t) ((double) spare * group_bytes / info.expert_bytes_total) / g.expert_bytes;
+        const int64_t extra = (int64_t) ((__int128) spare * group_bytes / info.expert_bytes_total) / g.expert_bytes;
         g.n_slot = (int) std::min<int64_t>(info.n_expert_used + extra, (int64_t) info.n_expert * g.layers.size());
+        left -= (g.n_slot - info.n_expert_used) * g.expert_bytes;
+    }
+    // what the rounding down left over goes to whichever groups it still buys a slot in: a
+    // budget of exactly every expert gives every expert a slot, in every group
+    for (bool more = true; more;) {
+        more = false;
+        for (auto & g : groups) {
+            if (left >= g.expert_bytes && g.n_slot < (int64_t) info.n_expert * (int64_t) g.layers.size()) {
+                g.n_slot++;
+                left -= g.expert_bytes;
+                more = true;
+            }
+        }
     }
     return groups;
 }

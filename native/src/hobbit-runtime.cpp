@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cmath>
 #include <cstring>
 
 // the names of hobbit.h's enum hobbit_policy, in its order
@@ -59,6 +60,13 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "n_level must be 1.." + std::to_string(HOBBIT_MAX_LEVELS));
     }
     n_level = params.n_level;
+    if (params.level_paths[0] != nullptr && params.level_paths[0][0] != '\0') {
+        high.emplace(expert_index::from_file(params.level_paths[0]));
+        if (high->info.n_split > 1) {
+            throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, high->path + ": split GGUF files cannot be companions");
+        }
+        index.check_companion(*high);
+    }
     for (int l = 1; l < n_level; ++l) {
         if (params.level_paths[l] == nullptr || params.level_paths[l][0] == '\0') {
             throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "precision level " + std::to_string(l) + " has no file");
@@ -138,7 +146,8 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     inplace_ok.assign(info.n_layer, false);
     bool any_inplace = false;
     for (int il : moe_layers) {
-        inplace_ok[il] = model != nullptr && !pools[pool_of[0][il]].pool->repacked();
+        // with a companion as the high level the model's experts are another precision than asked for
+        inplace_ok[il] = model != nullptr && !high && !pools[pool_of[0][il]].pool->repacked();
         any_inplace = any_inplace || inplace_ok[il];
     }
     if (params.mode < HOBBIT_MODE_GPU_CENTRIC || params.mode > HOBBIT_MODE_AUTO) {
@@ -206,8 +215,8 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     stats_.direct_io    = io->direct_io();
     stats_.n_level      = n_level;
 
-    if (params.warm_low && n_level > 1) {
-        warm_lowest_level();
+    if (params.warm_low && (n_level > 1 || high)) {
+        warm_pools();
     }
 }
 
@@ -238,20 +247,23 @@ double hobbit_runtime::resident(int il, int e) const {
     return total > 0 ? resident_bytes / total : 0.0;
 }
 
-void hobbit_runtime::warm_lowest_level() {
-    // expert by expert across the layers, so a pool too small for all of them still holds
-    // some of every layer; on-demand loads overtake these (they are background loads)
+void hobbit_runtime::warm_pools() {
+    // the lowest level first (a copy of every expert in memory is what spares a decode the
+    // disk), then the free slots of the higher levels; expert by expert across the layers,
+    // so a pool too small for all of them still holds some of every layer. On-demand loads
+    // overtake these (they are background loads).
     std::lock_guard<std::mutex> lock(mtx);
     std::vector<load_task> loads;
-    const int low = n_level - 1;
-    for (int e = 0; e < index.info.n_expert; ++e) {
-        for (int il : moe_layers) {
-            const int p = pool_of[low][il];
-            const expert_pool & pool = *pools[p].pool;
-            const bool has_free = std::any_of(pool.slots.begin(), pool.slots.end(),
-                                              [](const pool_slot & s) { return s.state == slot_state::empty; });
-            if (has_free && queue_background_load(p, il, e, /*prefetch*/ false, loads) >= 0) {
-                stats_.warm_loads++;
+    for (int l = n_level - 1; l >= 0; --l) {
+        for (int e = 0; e < index.info.n_expert; ++e) {
+            for (int il : moe_layers) {
+                const int p = pool_of[l][il];
+                const expert_pool & pool = *pools[p].pool;
+                const bool has_free = std::any_of(pool.slots.begin(), pool.slots.end(),
+                                                  [](const pool_slot & s) { return s.state == slot_state::empty; });
+                if (has_free && pool.find(il, e) < 0 && queue_background_load(p, il, e, /*prefetch*/ false, loads) >= 0) {
+                    stats_.warm_loads++;
+                }
             }
         }
     }
@@ -285,10 +297,11 @@ int hobbit_runtime::layer_capacity(int il) const {
 }
 
 int hobbit_runtime::n_waves(int il, int n_tokens) const {
-    // a layer whose experts may not run in place serves a wide ubatch in several waves
+    // a layer whose experts may not run in place (a repacked pool, a high companion) serves a
+    // wide ubatch in several waves
     const int n_expert = index.info.n_expert;
     const int capacity = layer_capacity(il);
-    if (!pools[pool_of[0][il]].pool->repacked() || capacity >= n_expert) {
+    if (inplace_ok[il] || capacity >= n_expert) {
         return 1;
     }
     const int64_t distinct = std::min<int64_t>((int64_t) n_tokens * index.info.n_expert_used, n_expert);
@@ -464,6 +477,8 @@ void hobbit_runtime::prefetch_next_layers(int il, const float * x, std::vector<l
 }
 
 void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
+    const int64_t t_enter = now_us();
+    int64_t waited = 0;
     const ggml_tensor * sel = dst->src[0];
     const ggml_tensor * wts = dst->src[1];                       // [1, n_used, n_tokens]
     const int n_used   = (int) sel->ne[0];
@@ -480,6 +495,7 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
     std::vector<int32_t> ids(n_pair);
     std::vector<int> n_pairs(n_expert, 0);
     std::vector<int> want(n_expert, INT_MAX);
+    std::vector<bool> top1(n_expert, false); // the expert some token weighs most
     std::vector<int> order;
     std::vector<float> w(n_used);
     std::vector<int> pair_level(n_used);
@@ -488,6 +504,7 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
             w[k] = *(const float *) ((const char *) wts->data + k*wts->nb[1] + t*wts->nb[2]);
         }
         precision_levels(thresholds, w.data(), n_used, pair_level.data());
+        const int first = (int) (std::max_element(w.begin(), w.end(), [](float a, float b) { return std::fabs(a) < std::fabs(b); }) - w.begin());
         for (int k = 0; k < n_used; ++k) {
             const int32_t e = *(const int32_t *) ((const char *) sel->data + t*sel->nb[1] + k*sel->nb[0]);
             ids[(size_t) t*n_used + k] = e;
@@ -496,6 +513,7 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
                     order.push_back(e);
                 }
                 want[e] = std::min(want[e], pair_level[k] == PRECISION_SKIP ? SKIP : pair_level[k]);
+                top1[e] = top1[e] || k == first;
             }
         }
     }
@@ -581,7 +599,10 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
                     pg.pool->slots[s].prefetched = false;
                 }
                 pg.policy->on_access(s, /*high*/ level == 0);
-                if (level > want[e] && params.hit_policy == HOBBIT_HIT_UPGRADE) {
+                // only a token's first expert is worth an upgrade: served low it costs the most
+                // quality (measured: docs/BENCHMARKS.md), and each upgrade is a read and a copy
+                // competing with decode for the cores
+                if (level > want[e] && top1[e] && params.hit_policy == HOBBIT_HIT_UPGRADE) {
                     upgrade.emplace_back(e, want[e]);
                 }
             } else if (want[e] == SKIP) {
@@ -608,7 +629,10 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
                     release_predicted([](int, int, int) { return true; });
                     for (int l = 0; l < n_level; ++l) {
                         const int p = pool_of[l][il];
-                        for (const load_task & t : io->drop_prefetches([p](const load_task & t) { return t.group == p; })) {
+                        // (not the loads of slots this wave pinned: it waits for them below)
+                        const expert_pool & pool = *pools[p].pool;
+                        for (const load_task & t : io->drop_prefetches([&](const load_task & t) {
+                                 return t.group == p && pool.slots[t.slot].pins == 0; })) {
                             if (pools[t.group].pool->slots[t.slot].prefetched) {
                                 stats_.prefetch_wasted++;
                             }
@@ -700,8 +724,10 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
             });
         });
         n_waiting--;
-        stats_.stall_us += now_us() - t0;
+        waited = now_us() - t0;
+        stats_.stall_us += waited;
         last_dispatch_il = il;
+        stats_.dispatch_us += now_us() - t_enter - waited; // the id planes below are a copy: not counted
     }
 
     if (failed()) {
@@ -731,6 +757,7 @@ void hobbit_runtime::on_load_done(const load_task & task, const std::string & er
             pools[task.group].pool->slots[task.slot].state = slot_state::ready;
             stats_.bytes_read += (int64_t) n_bytes;
             stats_.demand_bytes_read += task.prefetch ? 0 : (int64_t) n_bytes;
+            stats_.background_bytes_read += task.prefetch ? (int64_t) n_bytes : 0;
             pools[task.group].bytes_read += (int64_t) n_bytes;
             stats_.n_reads++;
             // nobody waits and the graph is between two MoE layers: this read ran under compute

@@ -23,6 +23,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -90,14 +91,15 @@ private:
     int64_t page_cache_room() const;
     // share of expert e of layer il resident in the page cache (its slices of the mapped model)
     double resident(int il, int e) const;
-    // fill the free slots of the lowest level's pools in the background (params.warm_low)
-    void warm_lowest_level();
-    const expert_index & level_index(int level) const { return level == 0 ? index : companions[level - 1]; }
+    // fill the free slots of every level's pools in the background, the lowest level first (params.warm_low)
+    void warm_pools();
+    const expert_index & level_index(int level) const { return level > 0 ? companions[level - 1] : high ? *high : index; }
     int64_t used_pool_bytes() const; // needs mtx
     void fail(const std::string & msg); // the first failure sticks; needs mtx
     void on_load_done(const load_task & task, const std::string & error, uint64_t n_bytes, int64_t us);
 
-    expert_index  index;                    // the model: level 0, the high precision
+    expert_index  index;                    // the model: level 0, the high precision, unless high is set
+    std::optional<expert_index> high;       // a companion as level 0 (a precision ladder): the model's experts are not read
     std::vector<expert_index> companions;   // levels 1..n_level-1: the same experts at lower precisions
     hobbit_params params;
     precision_thresholds thresholds;        // which level a selection wants (HOBBIT eq. 2)

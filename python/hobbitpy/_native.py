@@ -93,6 +93,14 @@ struct hobbit_model_info {
     int64_t file_bytes;
     bool    uniform;
     int32_t n_split;
+    int32_t n_vocab;
+    int32_t n_head;
+    int32_t n_head_kv;
+    int32_t n_embd_head_k;
+    int32_t n_embd_head_v;
+    int32_t n_ff_expert;
+    int32_t n_ff_dense;
+    int32_t n_ctx_train;
 };
 
 struct hobbit_stats {
@@ -121,6 +129,8 @@ struct hobbit_stats {
     double  load_bytes_per_s;
     double  map_bytes_per_s;
     int64_t demand_bytes_read;
+    int64_t dispatch_us;
+    int64_t background_bytes_read;
 };
 
 struct hobbit_pool_stats {

@@ -27,16 +27,25 @@ from .config import MB
 from .disk import drop_from_page_cache, measure_read_bandwidth
 from .errors import HobbitError
 from .memcap import MemoryCap
-from .memory import HEADROOM_BYTES
+from .memory import SLACK_BYTES, ContextShape, context_sizes
+from .frontier import format_frontier, mark_dominated, plot_frontier
 from .model_file import inspect_model
+from .quants import default_quant_dir, make_uniform_quant, quant_name
 
 STOCK = "stock"
+
+
+def bench_context_shape(n_predict: int, prompt_tokens: tuple[int, int]) -> ContextShape:
+    """The context every benchmark run uses: room for the longer prompt, or the short one and the decode."""
+    short, long_ = prompt_tokens
+    return ContextShape(n_ctx=max(short + n_predict, long_) + 8, n_batch=512)
 
 
 @dataclass
 class BenchConfig:
     name: str
     offload: dict | None  # OffloadConfig fields; None = stock llama.cpp
+    model: str | None = None  # another file of the model (a uniform quant); None = the benchmarked one
 
     @classmethod
     def parse(cls, text: str) -> "BenchConfig":
@@ -89,11 +98,12 @@ class BenchResult:
     cap_method: str
     rows: list[dict] = field(default_factory=list)
     stock_compute_ms: float | None = None  # per token, warm and uncapped
+    quality: dict | None = None  # tokens scored and the stock perplexity (--quality)
 
     def as_dict(self) -> dict:
         return {"model": self.model, "machine": self.machine, "disk_bytes_per_s": self.disk_bytes_per_s,
                 "disk_direct": self.disk_direct, "cap_method": self.cap_method,
-                "stock_compute_ms": self.stock_compute_ms, "rows": self.rows}
+                "stock_compute_ms": self.stock_compute_ms, "quality": self.quality, "rows": self.rows}
 
 
 def _machine() -> dict:
@@ -107,19 +117,26 @@ def _machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()}
 
 
+def config_files(model: str, cfg: BenchConfig) -> set[str]:
+    """Every file a run of this configuration may read."""
+    offload = cfg.offload
+    levels = resolve_levels(model, offload.get("high"), offload.get("mid"), offload.get("low")) if offload else ()
+    return {cfg.model or model, *(p for p in levels if p is not None)}
+
+
 def _run_one(model: str, cfg: BenchConfig, cap: Cap, memcap: MemoryCap | None, n_predict: int, threads: int,
-             prompt_tokens: tuple[int, int], fallback_budget_mb: float | None, cold: bool = True) -> dict:
+             prompt_tokens: tuple[int, int], fallback_budget_mb: float | None, cold_files: set[str] = frozenset()) -> dict:
     offload = cfg.offload
     if offload is not None and memcap is None and cap.limit_bytes is not None and offload.get("cache_mb") is None:
         offload = dict(offload, cache_mb=fallback_budget_mb)  # no cgroup: the budget stands in for the cap
-    spec = {"model": model, "offload": offload, "n_predict": n_predict, "threads": threads,
+    spec = {"model": cfg.model or model, "offload": offload, "n_predict": n_predict, "threads": threads,
             "prompt_tokens": list(prompt_tokens)}
+    # every file of the benchmark, not only this run's: page cache stays charged to the
+    # cgroup after the run that read it has exited
+    for path in cold_files:
+        drop_from_page_cache(path)
     if memcap is not None:
         memcap.set_limit(cap.limit_bytes)
-    if cold:
-        # the model and the files of its lower precisions: every run reads what it needs from the disk
-        for path in (model,) + (resolve_levels(model, offload.get("mid"), offload.get("low")) if offload else ()):
-            drop_from_page_cache(path)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "hobbitpy.bench_worker", json.dumps(spec)],
                           preexec_fn=memcap.enter if memcap is not None else None, capture_output=True, text=True)
@@ -133,6 +150,7 @@ def _run_one(model: str, cfg: BenchConfig, cap: Cap, memcap: MemoryCap | None, n
                       + f"; stderr: {proc.stderr.strip()[-600:]}"}
     r["wall_s"] = wall
     r["peak_bytes"] = memcap.peak_bytes() if memcap is not None else None
+    r["times_at_cap"] = memcap.times_at_limit() if memcap is not None and cap.limit_bytes is not None else None
     return r
 
 
@@ -155,7 +173,12 @@ def _summarize(name: str, runs: list[dict], disk_bw: float, stock_compute_s: flo
         "bytes_per_token": _median(ok, "decode_disk_bytes_per_token"),
         "runtime_bytes_per_token": _median(ok, "runtime_bytes_per_token"),
         "stall_ms_per_token": _median(ok, "stall_ms_per_token"),
+        "dispatch_ms_per_token": _median(ok, "dispatch_ms_per_token"),
+        "served_expert_mb_per_token": (_median(ok, "served_expert_bytes_per_token") or 0) / MB,
         "peak_mb": max((r["peak_bytes"] or 0) for r in ok) / MB if ok[0]["peak_bytes"] is not None else None,
+        "times_at_cap": max(r["times_at_cap"] for r in ok) if ok[0].get("times_at_cap") is not None else None,
+        "min_decode_tok_s": min((r["decode_tok_s"] for r in ok if r.get("decode_tok_s")), default=None),
+        "max_decode_tok_s": max((r["decode_tok_s"] for r in ok if r.get("decode_tok_s")), default=None),
         "budget_mb": ok[0]["budget_bytes"] / MB,
         "offloaded": ok[0]["offloaded"],
         "plan": ok[0]["plan"],
@@ -165,6 +188,14 @@ def _summarize(name: str, runs: list[dict], disk_bw: float, stock_compute_s: flo
         "same_output_all_repeats": len({tuple(r["generated"]) for r in ok}) == 1,
         "decode_stats": ok[0].get("decode_stats"),
     })
+    d = s.get("decode_stats")
+    if d and s["decode_tok_s"]:
+        # decode time per token = the graph (matmuls, and whatever competes with them for the
+        # cores: background reads and copies) + waits for on-demand loads + the dispatch ops
+        n_tokens = d["bytes_read"] / s["runtime_bytes_per_token"] if s["runtime_bytes_per_token"] else None
+        s["graph_ms_per_token"] = 1000.0 / s["decode_tok_s"] - s["stall_ms_per_token"] - s["dispatch_ms_per_token"]
+        s["background_mb_per_token"] = d["background_bytes_read"] / d["bytes_read"] * s["runtime_bytes_per_token"] / MB \
+            if n_tokens else 0.0
     # compute per token: what a hobbitpy run did not spend waiting for loads; for stock, a
     # warm run without a cap (every weight in the page cache)
     s["compute_ms_per_token"] = _median(ok, "compute_ms_per_token") if s["offloaded"] else (
@@ -186,23 +217,40 @@ def _summarize(name: str, runs: list[dict], disk_bw: float, stock_compute_s: flo
     return s
 
 
+def _lossy(cfg: BenchConfig) -> bool:
+    """Does the configuration serve weights at another precision than the model's (so its
+    tokens may differ from stock's)?"""
+    o = cfg.offload or {}
+    return cfg.model is not None or any(o.get(k) for k in ("high", "mid", "low"))
+
+
 def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeats: int = 3, n_predict: int = 32,
               threads: int | None = None, prompt_tokens: tuple[int, int] = (16, 128), progress=True,
-              log=print) -> BenchResult:
+              quants: list[str] = (), quant_dir: str | None = None, quality_text: str | None = None,
+              quality_tokens: int = 4096, log=print) -> BenchResult:
+    """quants: uniform quants of the model (made with llama.cpp's quantizer into quant_dir,
+    or reused from there) run by stock llama.cpp as further baselines; quality_text: score
+    every configuration's perplexity and KL against the model (stock) on this text."""
     info = inspect_model(model)
     threads = threads or os.cpu_count() or 1
     log(f"{model}: {info.file_bytes / MB:.0f} MB, {info.arch}, {info.n_layer_moe} MoE layers x {info.n_expert} experts "
         f"(top-{info.n_expert_used}), {info.expert_bytes_total / MB:.0f} MB of experts")
+    quant_configs = []
+    for q in quants:
+        path, made = make_uniform_quant(model, q, quant_dir or default_quant_dir(model), threads)
+        log(f"{'made' if made else 'reusing'} {path}: {os.path.getsize(path) / MB:.0f} MB")
+        quant_configs.append(BenchConfig(quant_name(q), None, model=str(path)))
     disk_bw, direct = measure_read_bandwidth(model, info.expert_bytes or (1 << 20), n_threads=2)
     log(f"disk: {disk_bw / 1e9:.2f} GB/s with {'O_DIRECT' if direct else 'buffered'} reads of "
         f"{info.expert_bytes / MB:.1f} MB, 2 readers")
     memcap = MemoryCap.create(f"hobbitpy-bench-{os.getpid()}")
     if memcap is None:
         log("no writable memory cgroup here: caps are NOT enforced; hobbitpy runs get an expert budget of "
-            "cap - resident weights - headroom, stock runs are uncapped")
+            "cap - resident weights - context buffers, stock runs are uncapped")
     else:
         log(f"memory cap: {memcap}, RSS and page cache together")
-    all_configs = [BenchConfig(STOCK, None)] + configs
+    all_configs = [BenchConfig(STOCK, None)] + quant_configs + configs
+    every_file = set().union(*(config_files(model, c) for c in all_configs))
     result = BenchResult(model=os.path.abspath(model), machine=_machine(), disk_bytes_per_s=disk_bw,
                          disk_direct=direct, cap_method=str(memcap) if memcap else "none (budgets only)")
     total = len(caps) * repeats * len(all_configs)
@@ -214,7 +262,7 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
     try:
         # compute of stock decode: a warm run with no cap (the file read once, then from memory)
         warm = [_run_one(model, BenchConfig(STOCK, None), Cap("none", None), memcap, n_predict, threads, prompt_tokens,
-                         None, cold=False) for _ in range(2)]
+                         None) for _ in range(2)]
         stock_compute_s = 1.0 / warm[-1]["decode_tok_s"] if warm[-1].get("decode_tok_s") else None
         result.stock_compute_ms = stock_compute_s * 1000.0 if stock_compute_s else None
         if stock_compute_s:
@@ -222,26 +270,31 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
         for cap in caps:
             fallback = None
             if cap.limit_bytes is not None:
-                fallback = max(info.min_budget_bytes, cap.limit_bytes - info.resident_bytes - HEADROOM_BYTES) / MB
+                context = context_sizes(info, bench_context_shape(n_predict, prompt_tokens)).total
+                fallback = max(info.min_budget_bytes, cap.limit_bytes - info.resident_bytes - context - SLACK_BYTES
+                               - 2 * info.expert_bytes) / MB
             runs = {c.name: [] for c in all_configs}
             for _ in range(repeats):
                 for cfg in all_configs:  # interleaved, so drifts of the machine hit every configuration alike
                     if bar is not None:
                         bar.set_postfix_str(f"cap {cap.label} {cfg.name}")
-                    runs[cfg.name].append(_run_one(model, cfg, cap, memcap, n_predict, threads, prompt_tokens, fallback))
+                    runs[cfg.name].append(_run_one(model, cfg, cap, memcap, n_predict, threads, prompt_tokens, fallback,
+                                                   every_file))
                     if bar is not None:
                         bar.update(1)
             row = {"cap": cap.label, "cap_mb": cap.limit_bytes / MB if cap.limit_bytes else None,
                    "configs": [_summarize(c.name, runs[c.name], disk_bw, stock_compute_s) for c in all_configs]}
             stock = row["configs"][0]
-            for s in row["configs"]:
+            for cfg, s in zip(all_configs, row["configs"]):
+                s["lossy"] = _lossy(cfg)
+                s["file_mb"] = os.path.getsize(cfg.model or model) / MB
                 if s.get("decode_tok_s") and stock.get("decode_tok_s"):
                     s["ratio_to_stock"] = s["decode_tok_s"] / stock["decode_tok_s"]
                 if "generated" in s and "generated" in stock:
                     s["same_output_as_stock"] = s["generated"] == stock["generated"]
-            # configurations at one precision must reproduce stock exactly; mixed precision may differ
+            # configurations at the model's precision must reproduce stock exactly; others may differ
             row["same_output_as_stock"] = all(s.get("same_output_as_stock", True) for s in row["configs"]
-                                              if not (s.get("decode_stats") or {}).get("n_level", 1) > 1)
+                                              if not s["lossy"])
             result.rows.append(row)
             if bar is not None:
                 bar.clear()
@@ -253,7 +306,50 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
             bar.close()
         if memcap is not None:
             memcap.remove()
+    if quality_text is not None:
+        score_quality(result, model, all_configs, quality_text, quality_tokens, threads, progress, log)
     return result
+
+
+def score_quality(result: BenchResult, model: str, configs: list[BenchConfig], text: str, max_tokens: int,
+                  threads: int, progress: bool, log=print) -> None:
+    """Perplexity and KL of every configuration against stock on the model, as decoding meets
+    them: stock files in wide batches (their logits do not depend on the batch), hobbitpy
+    configurations token by token with the expert budget each got under each cap."""
+    from .config import OffloadConfig
+    from .evaluate import Reference, evaluate_against, tokenize_text
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = lambda xs: tqdm(xs, desc="quality", unit="window", file=sys.stderr, leave=False)  # noqa: E731
+    ids = tokenize_text(model, text, max_tokens)
+    reference = Reference.measure(model, ids, n_threads=threads)
+    log(f"quality: {len(ids)} tokens, stock perplexity {reference.perplexity:.4f}")
+    stock_scores = {STOCK: {"perplexity": reference.perplexity, "mean_kl": 0.0, "top1_agreement": 1.0}}
+    for cfg in configs:
+        if cfg.offload is None and cfg.model is not None:
+            r = evaluate_against(cfg.model, reference, OffloadConfig(enabled=False), n_threads=threads, progress=bar)
+            stock_scores[cfg.name] = {"perplexity": r.perplexity, "mean_kl": r.mean_kl, "top1_agreement": r.top1_agreement}
+    scored = {}  # (configuration, budget): the same cache shape under two caps is scored once
+    for row in result.rows:
+        for cfg, s in zip(configs, row["configs"]):
+            key = (cfg.name, s.get("budget_mb"), s.get("offloaded"))
+            score = stock_scores.get(cfg.name) or scored.get(key)
+            if score is None and cfg.offload is not None and s.get("decode_tok_s") is not None:
+                offload = OffloadConfig(**dict(cfg.offload, cache_mb=s["budget_mb"] if s["offloaded"] else None,
+                                               policy_weights=tuple(cfg.offload["policy_weights"]),
+                                               level_shares=cfg.offload["level_shares"] and tuple(cfg.offload["level_shares"])))
+                r = evaluate_against(model, reference, offload if s["offloaded"] else OffloadConfig(enabled=False),
+                                     n_ubatch=1, n_threads=threads, progress=bar)
+                score = scored[key] = {"perplexity": r.perplexity, "mean_kl": r.mean_kl,
+                                       "top1_agreement": r.top1_agreement}
+            if score is not None:
+                s.update(score, ppl_increase=score["perplexity"] / reference.perplexity - 1.0)
+        mark_dominated(row)
+        log(format_frontier(row))
+    result.quality = {"n_tokens": len(ids), "reference_perplexity": reference.perplexity}
 
 
 def format_row(row: dict) -> str:
@@ -284,6 +380,14 @@ def format_row(row: dict) -> str:
                      f"{hits:>13} {shares:>9} {same:>6} {budget:>7} {peak:>7}")
         if s["errors"]:
             lines.append(f"  {'':<14} {len(s['errors'])} run(s) failed: {s['errors'][0][:200]}")
+    split = [s for s in row["configs"] if s.get("graph_ms_per_token") is not None]
+    if split:
+        lines.append("  decode time per token = graph (matmuls and whatever competes with them) + stall + dispatch; "
+                     "background reads alongside")
+        for s in split:
+            lines.append(f"  {s['config']:<14} {1000.0 / s['decode_tok_s']:6.2f} ms = {s['graph_ms_per_token']:6.2f} + "
+                         f"{s['stall_ms_per_token']:5.2f} + {s['dispatch_ms_per_token']:4.2f}   "
+                         f"experts streamed {s['served_expert_mb_per_token']:6.1f} MB, background {s['background_mb_per_token']:5.1f} MB")
     return "\n".join(lines)
 
 
@@ -330,6 +434,9 @@ def write_outputs(result: BenchResult, out_dir: pathlib.Path) -> list[pathlib.Pa
     written.append(j)
     png = out_dir / "bench.png"
     if plot(result, png):
+        written.append(png)
+    png = out_dir / "frontier.png"
+    if result.quality is not None and plot_frontier(result.rows, pathlib.Path(result.model).name, png):
         written.append(png)
     return written
 

@@ -18,6 +18,7 @@ import numpy as np
 import hobbitpy  # noqa: F401  (first: points llama_cpp at the patched library)
 from hobbitpy.config import OffloadConfig
 from hobbitpy.disk import read_bytes_of_process
+from hobbitpy.bench import bench_context_shape
 from hobbitpy.llama import Llama
 
 # English prose for the prompts, cut to exact token counts with the model's tokenizer
@@ -54,7 +55,8 @@ def run(spec: dict) -> dict:
     n_predict = spec["n_predict"]
     short, long_ = spec["prompt_tokens"]
     t0 = time.perf_counter()
-    llm = Llama(spec["model"], offload=offload, n_ctx=max(short + n_predict, long_) + 8, n_batch=512,
+    shape = bench_context_shape(n_predict, (short, long_))
+    llm = Llama(spec["model"], offload=offload, n_ctx=shape.n_ctx, n_batch=shape.n_batch,
                 n_threads=spec["threads"], verbose=False)
     load_s = time.perf_counter() - t0
     with llm:
@@ -78,12 +80,20 @@ def run(spec: dict) -> dict:
         stats = llm.offload_stats()
         r["runtime_bytes_per_token"] = stats["bytes_read"] / n_steps if stats else 0.0
         r["stall_ms_per_token"] = stats["stall_us"] / 1000.0 / n_steps if stats else 0.0
+        r["dispatch_ms_per_token"] = stats["dispatch_us"] / 1000.0 / n_steps if stats else 0.0
+        # expert bytes the matmuls streamed per token: what compute costs (served per level x its expert size)
+        if stats:
+            pools = llm.pool_stats()
+            level_bytes = [max((p["expert_bytes"] for p in pools if p["level"] == l), default=0)
+                           for l in range(stats["n_level"])]
+            r["served_expert_bytes_per_token"] = sum(n * b for n, b in zip(stats["served"], level_bytes)) / n_steps
         # what the decode did not spend waiting for expert loads
         r["compute_ms_per_token"] = (decode_s * 1000.0 - stats["stall_us"] / 1000.0) / n_steps if stats else None
         if stats:
             r["decode_stats"] = {k: stats[k] for k in ("n_level", "served", "n_skipped", "expert_hits", "expert_misses",
                                                        "prefetch_issued", "prefetch_used", "prefetch_wasted", "upgrades",
-                                                       "warm_loads", "bytes_read", "demand_bytes_read", "stall_us")}
+                                                       "warm_loads", "bytes_read", "demand_bytes_read", "stall_us",
+                                                       "dispatch_us", "background_bytes_read")}
         r["pools"] = [dict(p, hit_ratio=p["hits"] / max(1, p["hits"] + p["misses"])) for p in llm.pool_stats()]
         r["generated"] = generated
 

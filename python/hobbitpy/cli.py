@@ -54,8 +54,12 @@ def _add_precision_args(p) -> None:
 
     p.add_argument("--low", metavar="TYPE|PATH",
                    help="mixed precision: low-precision copies of the experts, a type (Q2_K: the file "
-                        "`hobbitpy prepare` writes next to the model) or a companion GGUF file")
+                        "`hobbitpy prepare` writes next to the model), a llama.cpp mix (Q2_K_S, Q3_K_M: the "
+                        "uniform quant in MODEL.quants/) or a GGUF file of the model's experts (any quant of it)")
     p.add_argument("--mid", metavar="TYPE|PATH", help="a middle precision level between the model's and --low")
+    p.add_argument("--high", metavar="TYPE|PATH",
+                   help="serve the high precision from a companion too (e.g. Q4_K or Q4_K_M over a Q8_0 model): the "
+                        "model file's experts are then never read; its other weights keep their precision")
     p.add_argument("--t1", type=float, default=None,
                    help=f"a missed expert whose score (HOBBIT eq. 2) is at most T1 loads at high precision (default {DEFAULT_T1})")
     p.add_argument("--t-mid", type=float, default=None,
@@ -65,7 +69,7 @@ def _add_precision_args(p) -> None:
     p.add_argument("--level-shares", metavar="HIGH,[MID,]LOW", type=_numbers(None, "0.5,0.5"), default=None,
                    help="how the expert budget is split among the precision levels (default: room for every expert "
                         "at the lowest precision, up to 85%% of the budget; the rest to the others)")
-    p.add_argument("--hits", choices=HIT_POLICIES, default="upgrade",
+    p.add_argument("--hits", choices=HIT_POLICIES, default=None,
                    help="a hit at another precision than wanted: use it (found), use it and load the wanted one in the "
                         "background when the disk is idle (upgrade, default), or serve exactly the wanted precision (exact)")
     p.add_argument("--mode", choices=MODES, default="gpu-centric",
@@ -120,7 +124,7 @@ def offload_config_from_args(args, model_path: str | None = None, *, auto_profil
         settings["policy_weights"] = tuple(settings["policy_weights"])
     return OffloadConfig(enabled=not args.no_offload, cache_mb=args.cache_mb,
                          prefetch_layers=args.prefetch_layers, direct_io=not args.no_direct_io,
-                         level_shares=args.level_shares, hits=args.hits, warm=not args.no_warm,
+                         level_shares=args.level_shares, warm=not args.no_warm,
                          mode=args.mode, **settings)
 
 
@@ -139,7 +143,16 @@ def _add_bench_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration and cap (median reported)")
     p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to decode per run (default 32)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--out", help="output folder for bench.json and bench.png (default bench-MODEL-TIME; never overwritten)")
+    p.add_argument("--quants", type=lambda t: [q for q in t.split(",") if q], default=[], metavar="Q6_K,Q4_K_M,...",
+                   help="also run stock llama.cpp on these uniform quants of the model (made by llama.cpp's "
+                        "quantizer into --quant-dir, or reused from there): what a user would download instead")
+    p.add_argument("--quant-dir", metavar="DIR", help="where the quants are kept (default: MODEL.quants/ next to the model)")
+    p.add_argument("--quality", metavar="TEXT",
+                   help="score every configuration's perplexity and KL against the model on this held-out text "
+                        "(hobbitpy's token by token, with the budget it got under each cap) and print the "
+                        "quality-speed frontier per cap; writes frontier.png")
+    p.add_argument("--quality-tokens", type=int, default=4096, help="tokens of --quality scored (default 4096)")
+    p.add_argument("--out", help="output folder for bench.json and the PNGs (default bench-MODEL-TIME; never overwritten)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_bench)
 
@@ -150,10 +163,18 @@ def _bench(args) -> int:
     from hobbitpy import HobbitError
     from hobbitpy import bench
 
-    if args.repeats < 1 or args.n_predict < 2:
-        return _fail("--repeats must be >= 1 and -n >= 2")
+    if args.repeats < 1 or args.n_predict < 2 or args.quality_tokens < 2:
+        return _fail("--repeats must be >= 1, -n >= 2 and --quality-tokens >= 2")
     model = args.models[0]
     try:
+        from hobbitpy.quants import quant_name
+
+        quants = [quant_name(q) for q in args.quants]
+        quality_text = None
+        if args.quality:
+            quality_text, why = _read_text(args.quality)
+            if why:
+                return _fail(why)
         configs = [bench.BenchConfig.parse(c) for c in (args.config or ["lru"])]
         if len({c.name for c in configs}) != len(configs):
             return _fail("configuration names must differ")
@@ -171,7 +192,9 @@ def _bench(args) -> int:
             return _fail("the models' file names must differ (each gets its own output folder)")
         for model, caps in plans:
             result = bench.run_bench(model, configs, caps, repeats=args.repeats, n_predict=args.n_predict,
-                                     threads=args.threads, progress=not args.no_progress)
+                                     threads=args.threads, progress=not args.no_progress, quants=quants,
+                                     quant_dir=args.quant_dir, quality_text=quality_text,
+                                     quality_tokens=args.quality_tokens)
             # one model: its files in the output folder; several: a folder per model
             target = out if len(plans) == 1 else out / pathlib.Path(model).stem
             for path in bench.write_outputs(result, target):
@@ -347,8 +370,11 @@ def _add_prepare_parser(sub) -> None:
                                    "Each goes next to the model as MODEL.experts-TYPE.gguf unless --out names it; "
                                    "an existing file is never overwritten.")
     p.add_argument("model", help="GGUF model file (MoE)")
-    p.add_argument("--low", default="Q2_K", metavar="TYPE", help="type of the low-precision copy (default Q2_K)")
-    p.add_argument("--mid", metavar="TYPE", help="also write a mid-precision copy of this type, e.g. Q4_K")
+    p.add_argument("--low", default="Q2_K", metavar="TYPE",
+                   help="type of the low-precision copy (default Q2_K); a llama.cpp mix (Q3_K_M, Q4_K_M, ...) makes "
+                        "that uniform quant of the model with llama.cpp's quantizer into MODEL.quants/ instead")
+    p.add_argument("--mid", metavar="TYPE", help="also write a mid-precision copy of this type or mix, e.g. Q4_K")
+    p.add_argument("--high", metavar="TYPE", help="also write a copy to serve as the high precision, e.g. Q4_K_M")
     p.add_argument("--out", help="output file (only when one copy is written)")
     p.add_argument("--source", metavar="GGUF",
                    help="the same model in higher precision (F16/BF16/F32) to quantize from (default: the model)")
@@ -363,16 +389,32 @@ def _prepare(args) -> int:
 
     from hobbitpy import HobbitError
     from hobbitpy.prepare import companion_fallbacks, default_companion_path, prepare_companion
+    from hobbitpy.quants import default_quant_dir, is_mix_name, make_uniform_quant
 
-    types = [args.low] + ([args.mid] if args.mid else [])
+    types = [args.low] + [t for t in (args.mid, args.high) if t]
+    mixes = [t for t in types if is_mix_name(t)]
+    if mixes and (args.out or args.source):
+        return _fail(f"{', '.join(mixes)}: llama.cpp mixes are whole quants of the model, made into "
+                     f"{default_quant_dir(args.model)}; --out and --source apply to companions of one type")
+    for mix in mixes:
+        try:
+            start = time.perf_counter()
+            path, made = make_uniform_quant(args.model, mix, default_quant_dir(args.model), args.threads)
+        except (HobbitError, ValueError, OSError) as e:
+            return _fail(str(e))
+        print(f"{'wrote' if made else 'already there:'} {path}: {os.path.getsize(path) / MB:.1f} MB"
+              + (f" in {time.perf_counter() - start:.1f} s" if made else "") + " (llama.cpp's quantizer; its experts serve as the level)")
+    types = [t for t in types if not is_mix_name(t)]
+    if not types:
+        return 0
     if args.out and len(types) > 1:
-        return _fail("--out names one file; with --mid each copy is written next to the model under its own name")
+        return _fail("--out names one file; with --mid or --high each copy is written next to the model under its own name")
     if args.threads < 1:
         return _fail(f"--threads must be at least 1, got {args.threads}")
     try:
         outs = [pathlib.Path(args.out)] if args.out else [default_companion_path(args.model, t) for t in types]
         if len(set(outs)) != len(outs):
-            return _fail(f"--low and --mid are the same type ({args.low})")
+            return _fail(f"--low, --mid and --high name the same type twice ({', '.join(types)})")
         # both checked before the first is written: a second failure must not follow minutes of work
         for out in outs:
             if out.exists():
@@ -442,6 +484,66 @@ def _calibrate(args) -> int:
     print(f"miss penalty relative to Belady at {budgets} MB:")
     for row in c["policies"]:
         print(f"  {row['policy']:<20} " + "  ".join(f"{r:5.2f}" for r in row["ratio_to_belady"]))
+    print(f"wrote {out}")
+    return 0
+
+
+def _add_tune_parser(sub) -> None:
+    p = sub.add_parser("tune", help="choose the precision ladder for a memory size within a perplexity budget",
+                       description="Score candidate precision ladders (the model's experts, or those of smaller quants "
+                                   "made by prepare or llama.cpp's quantizer, one or two levels, upgrade or found hits) "
+                                   "at the expert budget that MEMORY leaves, token by token on the text against stock, "
+                                   "and write the cheapest one within the perplexity budget as the model's profile, "
+                                   "which run and hobbitpy.Llama apply by themselves.")
+    p.add_argument("model", help="GGUF model file (MoE)")
+    p.add_argument("--text", required=True, help="UTF-8 held-out text of the kind the model will see")
+    p.add_argument("--memory", default="auto", metavar="MB|auto",
+                   help="memory the runs will have, in MB (e.g. a container's limit); auto: what is available now")
+    p.add_argument("--max-ppl-increase", type=float, default=0.01,
+                   help="largest perplexity increase over stock on the model (default 0.01 = 1%%)")
+    p.add_argument("--max-tokens", type=int, default=2048, help="tokens of the text scored per candidate (default 2048)")
+    p.add_argument("--ctx", type=int, default=512,
+                   help="context length the runs will use (its buffers come out of the memory; default 512, as run's)")
+    p.add_argument("--candidates", type=lambda t: [c.strip() for c in t.split(",") if c.strip()], default=None,
+                   metavar="NAME,...", help="score only these candidates (names as printed)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--out", help="profile file (default: next to the model; never overwritten)")
+    p.set_defaults(func=_tune)
+
+
+def _tune(args) -> int:
+    from hobbitpy import HobbitError
+    from hobbitpy.memory import ContextShape
+    from hobbitpy.profile import profile_path
+    from hobbitpy.tune import tune
+
+    out = args.out or str(profile_path(args.model))
+    if os.path.lexists(out):
+        return _fail(f"{out}: already exists; a profile is never overwritten (remove it or choose --out)")
+    if not 0 <= args.max_ppl_increase < 1:
+        return _fail(f"--max-ppl-increase must be in [0, 1), got {args.max_ppl_increase}")
+    if args.max_tokens < 16:
+        return _fail(f"--max-tokens must be at least 16, got {args.max_tokens}")
+    try:
+        memory = None if args.memory == "auto" else int(float(args.memory) * MB)
+    except ValueError:
+        return _fail(f"--memory must be a number of MB or auto, got {args.memory!r}")
+    if memory is not None and memory <= 0:
+        return _fail(f"--memory must be positive, got {args.memory}")
+    text, why = _read_text(args.text)
+    if why:
+        return _fail(why)
+    try:
+        profile, _ = tune(args.model, text, memory_bytes=memory, max_ppl_increase=args.max_ppl_increase,
+                          max_tokens=args.max_tokens, run_shape=ContextShape(n_ctx=args.ctx), threads=args.threads,
+                          names=args.candidates)
+        profile.save(out)
+    except (HobbitError, ValueError, OSError) as e:
+        return _fail(str(e))
+    c = profile.calibration
+    best = next(r for r in c["candidates"] if r["name"] == c["chosen"])
+    print(f"chosen: {c['chosen']} ({100 * best['ppl_increase']:+.2f} % perplexity, {best['cost']:.3g} MB per token "
+          f"at {best['budget_mb']:.0f} MB of expert cache)")
     print(f"wrote {out}")
     return 0
 
@@ -571,6 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_inflate_parser(sub)
     _add_prepare_parser(sub)
     _add_calibrate_parser(sub)
+    _add_tune_parser(sub)
     _add_bench_parser(sub)
     _add_trace_parser(sub)
     _add_simulate_parser(sub)

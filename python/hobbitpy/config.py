@@ -61,6 +61,11 @@ class OffloadConfig:
     mid: str | None = None
     """An optional middle level between the model's precision and ``low`` (e.g. Q4_K)."""
 
+    high: str | None = None
+    """The high level as a companion too (a precision ladder, e.g. Q4_K over a Q8_0 model): a type name or
+    a file path. The model file's experts are then never read; its other weights still serve at its own
+    precision. None: the model's own experts are the high level."""
+
     t1: float = DEFAULT_T1
     """A selection whose score (eq. 2) is at most t1 is served at high precision when missed."""
 
@@ -125,14 +130,14 @@ class OffloadConfig:
     def budget_bytes(self) -> int | None:
         return None if self.cache_mb is None else int(self.cache_mb * MB)
 
-    def to_native(self, budget_bytes: int, level_paths: tuple[str, ...] = (), page_cache_room_bytes: int = -1):
+    def to_native(self, budget_bytes: int, level_paths: tuple[str | None, ...] = (None,), page_cache_room_bytes: int = -1):
         """The hobbit_params struct for a budget in bytes, and the C strings it points to
-        (keep them alive until the model has loaded). level_paths: the companion files of
-        the levels below the model's, high to low (see companions.resolve_levels)."""
+        (keep them alive until the model has loaded). level_paths: the file of each level,
+        high to low, None for the model's own experts (see companions.resolve_levels)."""
         from ._native import ffi, lib
 
-        if len(level_paths) != self.n_level - 1:
-            raise ValueError(f"{self.n_level - 1} companion files expected, got {len(level_paths)}")
+        if len(level_paths) != self.n_level or None in level_paths[1:]:
+            raise ValueError(f"{self.n_level} level files expected (the first may be None), got {level_paths}")
         params = ffi.new("struct hobbit_params *", lib.hobbit_default_params())
         params.budget_bytes = budget_bytes
         params.prefetch_layers = self.prefetch_layers
@@ -143,9 +148,11 @@ class OffloadConfig:
                                  "lhu": self.policy_weights[2], "fld": self.policy_weights[3]}
         params.seed = self.seed
         params.n_level = self.n_level
-        keep = [ffi.new("char[]", os.fsencode(path)) for path in level_paths]
-        for level, c_path in enumerate(keep, start=1):
-            params.level_paths[level] = c_path
+        keep = []
+        for level, path in enumerate(level_paths):
+            if path is not None:
+                keep.append(ffi.new("char[]", os.fsencode(path)))
+                params.level_paths[level] = keep[-1]
         for level, share in enumerate(self.level_shares or (0.0,) * self.n_level):  # zeros: automatic
             params.level_shares[level] = share
         params.t1 = self.t1

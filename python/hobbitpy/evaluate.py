@@ -29,6 +29,7 @@ class EvalResult:
     mean_kl: float | None         # mean KL(reference || candidate) per token, in nats
     top1_agreement: float | None  # share of positions where both pick the same next token
     offloaded: bool
+    stats: dict | None = None     # the candidate's expert cache counters over the evaluation (None: stock)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -46,6 +47,89 @@ def _window_logits(llm, window: list[int]) -> np.ndarray:
     return np.array(llm.scores[: len(window)], dtype=np.float32)
 
 
+def _windows(ids: list[int], n_ctx: int):
+    """(window, targets) pairs: window w is scored in one pass; every token but the first is a target once."""
+    for s in range(0, len(ids) - 1, n_ctx):
+        window = ids[s: s + n_ctx]
+        targets = np.array(ids[s + 1: s + len(window) + 1])
+        yield window[: len(targets)], targets  # the last window: no target after the text's end
+
+
+def _open(model_path: str, offload: OffloadConfig, n_ctx: int, n_ubatch: int, n_threads: int | None):
+    from .llama import Llama
+
+    if n_ctx < 2:
+        raise ValueError(f"n_ctx must be at least 2, got {n_ctx}")
+    if not 1 <= n_ubatch <= n_ctx:
+        raise ValueError(f"n_ubatch must be 1..n_ctx ({n_ctx}), got {n_ubatch}")
+    return Llama(model_path, offload=offload, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ubatch, logits_all=True,
+                 verbose=False, n_threads=n_threads or os.cpu_count() or 1)
+
+
+def tokenize_text(model_path: str | os.PathLike, text: str, max_tokens: int | None = None) -> list[int]:
+    """The text as the model's tokenizer cuts it (no BOS), at most max_tokens; at least 2 tokens."""
+    from .llama import Llama
+
+    llm = Llama(os.fspath(model_path), offload=OffloadConfig(enabled=False), vocab_only=True, verbose=False)
+    try:
+        ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+    finally:
+        llm.close()
+    ids = ids[:max_tokens] if max_tokens is not None else ids
+    if len(ids) < 2:
+        raise HobbitError(f"the text has {len(ids)} token(s) with this model's tokenizer; evaluation needs at least 2")
+    return ids
+
+
+@dataclass
+class Reference:
+    """The reference's next-token log-probabilities on fixed tokens, kept to score many candidates against."""
+
+    ids: list[int]
+    n_ctx: int
+    log_probs: list[np.ndarray]   # one [window, n_vocab] array per window (float32)
+    perplexity: float
+
+    @classmethod
+    def measure(cls, model_path: str | os.PathLike, ids: list[int], *, n_ctx: int = 256, n_threads: int | None = None,
+                offload: OffloadConfig = OffloadConfig(enabled=False)) -> "Reference":
+        llm = _open(os.fspath(model_path), offload, n_ctx, n_ctx, n_threads)
+        log_probs, nll = [], 0.0
+        try:
+            for window, targets in _windows(ids, n_ctx):
+                lp = _log_softmax(_window_logits(llm, window))
+                nll -= float(lp[np.arange(len(targets)), targets].sum())
+                log_probs.append(lp.astype(np.float32))
+        finally:
+            llm.close()
+        return cls(ids, n_ctx, log_probs, math.exp(nll / (len(ids) - 1)))
+
+
+def evaluate_against(model_path: str | os.PathLike, reference: Reference, offload: OffloadConfig, *,
+                     n_ubatch: int | None = None, n_threads: int | None = None, progress=None) -> EvalResult:
+    """Perplexity, KL and top-1 agreement of `offload` on `model_path` (the reference's model or
+    another file of the same model, e.g. a smaller quant) against a measured reference."""
+    model_path = os.fspath(model_path)
+    n_ctx = reference.n_ctx
+    candidate = _open(model_path, offload, n_ctx, n_ctx if n_ubatch is None else n_ubatch, n_threads)
+    nll = kl = 0.0
+    agree = n = 0
+    try:
+        pairs = list(zip(_windows(reference.ids, n_ctx), reference.log_probs))
+        for (window, targets), ref_lp in (progress(pairs) if progress else pairs):
+            lp = _log_softmax(_window_logits(candidate, window))
+            nll -= float(lp[np.arange(len(targets)), targets].sum())
+            kl += float((np.exp(ref_lp.astype(np.float64)) * (ref_lp - lp)).sum())
+            agree += int((ref_lp.argmax(-1) == lp.argmax(-1)).sum())
+            n += len(targets)
+        offloaded, stats = candidate.offloaded, candidate.offload_stats()
+    finally:
+        candidate.close()
+    return EvalResult(model=model_path, n_tokens=n, perplexity=math.exp(nll / n),
+                      reference_perplexity=reference.perplexity, mean_kl=kl / n, top1_agreement=agree / n,
+                      offloaded=offloaded, stats=stats)
+
+
 def evaluate(model_path: str | os.PathLike, text: str, offload: OffloadConfig, *, n_ctx: int = 256,
              max_tokens: int | None = None, compare_to_reference: bool = True, n_threads: int | None = None,
              n_ubatch: int | None = None, progress=None) -> EvalResult:
@@ -55,18 +139,10 @@ def evaluate(model_path: str | os.PathLike, text: str, offload: OffloadConfig, *
     n_ubatch (default n_ctx): tokens per forward pass. Mixed precision decides per pass:
     an expert that any token of the pass wants at high precision serves all of them at
     high, so n_ubatch=1 measures what token-by-token decoding gets."""
-    from .llama import Llama
-
     model_path = os.fspath(model_path)
-    if n_ctx < 2:
-        raise ValueError(f"n_ctx must be at least 2, got {n_ctx}")
     n_ubatch = n_ctx if n_ubatch is None else n_ubatch
-    if not 1 <= n_ubatch <= n_ctx:
-        raise ValueError(f"n_ubatch must be 1..n_ctx ({n_ctx}), got {n_ubatch}")
-    common = dict(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ubatch, logits_all=True, verbose=False,
-                  n_threads=n_threads or os.cpu_count() or 1)
-    candidate = Llama(model_path, offload=offload, **common)
-    reference = Llama(model_path, offload=OffloadConfig(enabled=False), **common) if compare_to_reference else None
+    candidate = _open(model_path, offload, n_ctx, n_ubatch, n_threads)
+    reference = _open(model_path, OffloadConfig(enabled=False), n_ctx, n_ubatch, n_threads) if compare_to_reference else None
     try:
         ids = candidate.tokenize(text.encode("utf-8"), add_bos=False, special=False)
         if max_tokens is not None:
@@ -76,11 +152,8 @@ def evaluate(model_path: str | os.PathLike, text: str, offload: OffloadConfig, *
 
         nll = ref_nll = kl = 0.0
         agree = n = 0
-        starts = range(0, len(ids) - 1, n_ctx)
-        for s in (progress(starts) if progress else starts):
-            window = ids[s: s + n_ctx]
-            targets = np.array(ids[s + 1: s + len(window) + 1])
-            window = window[: len(targets)]  # the last window: no target after the text's end
+        windows = list(_windows(ids, n_ctx))
+        for window, targets in (progress(windows) if progress else windows):
             lp = _log_softmax(_window_logits(candidate, window))
             rows = np.arange(len(targets))
             nll -= float(lp[rows, targets].sum())

@@ -19,23 +19,29 @@ from ._native import error_buffer, ffi, lib, to_str
 from .companions import resolve_levels
 from .config import OffloadConfig
 from .errors import ExpertReadError, HobbitError, ModelFileError
-from .memory import OffloadPlan, plan_offload
+from .memory import ContextShape, OffloadPlan, context_sizes, plan_offload
 from .model_file import ModelInfo, inspect_model
+from .profile import profile_offload
 
 
 class Llama(llama_cpp.Llama):
-    """A drop-in for ``llama_cpp.Llama``; ``offload`` says how experts are served."""
+    """A drop-in for ``llama_cpp.Llama``; ``offload`` says how experts are served (default: the
+    profile next to the model, written by ``hobbitpy tune``, else the built-in defaults)."""
 
     def __init__(self, model_path: str | os.PathLike, *, offload: OffloadConfig | None = None, **kwargs):
         model_path = os.fspath(model_path)
-        offload = offload if offload is not None else OffloadConfig()
+        # no offload given: the profile `hobbitpy tune` or `calibrate` wrote next to the model, if any
+        offload = offload if offload is not None else profile_offload(model_path)
         self._runtime = ffi.NULL
         self._abort_cb = None
         self.model_info: ModelInfo = inspect_model(model_path)
-        # lower-precision copies of the experts, high to low (the runtime checks they match)
-        self.level_paths: tuple[str, ...] = resolve_levels(model_path, offload.mid, offload.low) if offload.enabled else ()
-        companions = tuple(inspect_model(p) for p in self.level_paths)
-        self.offload_plan: OffloadPlan = plan_offload(self.model_info, offload, kwargs.get("n_ctx", 512), companions)
+        # the file of each precision level, high to low; None: the model's own experts (the
+        # runtime checks that companions hold this model's experts)
+        self.level_paths: tuple[str | None, ...] = (
+            resolve_levels(model_path, offload.high, offload.mid, offload.low) if offload.enabled else (None,))
+        levels = tuple(self.model_info if p is None else inspect_model(p) for p in self.level_paths)
+        context_bytes = context_sizes(self.model_info, ContextShape.of(kwargs)).total if offload.enabled else 0
+        self.offload_plan: OffloadPlan = plan_offload(self.model_info, offload, context_bytes, levels)
 
         if self.offload_plan.budget_bytes is not None and kwargs.get("lora_path"):
             # an adapter on expert weights would be applied once per pass of a layer

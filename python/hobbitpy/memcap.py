@@ -28,6 +28,7 @@ class MemoryCap:
     """One child cgroup; ``set_limit`` before each run, ``enter`` in the child process."""
 
     def __init__(self, path: pathlib.Path, v2: bool):
+        self._events_at_limit = 0
         self.path = path
         self.v2 = v2
 
@@ -75,6 +76,23 @@ class MemoryCap:
         else:
             (self.path / "memory.limit_in_bytes").write_text("-1" if limit_bytes is None else str(limit_bytes))
             (self.path / "memory.max_usage_in_bytes").write_text("0")
+            (self.path / "memory.failcnt").write_text("0")
+        self._events_at_limit = self._limit_events()
+
+    def _limit_events(self) -> int:
+        if not self.v2:
+            text = _read(self.path / "memory.failcnt").strip()
+            return int(text) if text.isdigit() else 0
+        for line in _read(self.path / "memory.events").splitlines():
+            key, _, value = line.partition(" ")
+            if key == "max" and value.strip().isdigit():
+                return int(value)
+        return 0
+
+    def times_at_limit(self) -> int:
+        """How often the processes inside ran into the limit since set_limit (cgroup v1
+        memory.failcnt, v2 the "max" events): 0 = the cap never had to reclaim anything."""
+        return self._limit_events() - self._events_at_limit
 
     def peak_bytes(self) -> int:
         name = "memory.peak" if self.v2 else "memory.max_usage_in_bytes"

@@ -13,9 +13,58 @@ from .config import MB, OffloadConfig
 from .errors import BudgetError
 from .model_file import ModelInfo
 
-# compute buffers, logits, the Python process itself: kept free on top of the
-# weights and the KV cache when the budget is derived from available memory
-HEADROOM_BYTES = 160 * MB
+# what the estimate of a context's buffers cannot see: thread stacks and pools, the I/O
+# threads' bounce buffers, allocator slack (measured: tests/test_memory.py)
+SLACK_BYTES = 24 * MB
+
+
+@dataclass(frozen=True)
+class ContextShape:
+    """The context a model is loaded with (llama_cpp.Llama's arguments and defaults)."""
+
+    n_ctx: int = 512
+    n_batch: int = 512
+    n_ubatch: int = 512
+    logits_all: bool = False
+
+    @classmethod
+    def of(cls, llama_kwargs: dict) -> "ContextShape":
+        return cls(**{k: llama_kwargs[k] for k in ("n_ctx", "n_batch", "n_ubatch", "logits_all") if k in llama_kwargs})
+
+
+@dataclass(frozen=True)
+class ContextSizes:
+    """What llama.cpp allocates for a context beside the weights (bytes)."""
+
+    kv: int        # K and V cache, f16, every layer
+    compute: int   # the compute buffer of the widest ubatch: the MoE FFN's gate, up and activation rows dominate
+    logits: int    # llama.cpp's output buffer and llama_cpp's scores array
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.compute + self.logits
+
+
+def context_sizes(info: ModelInfo, shape: ContextShape) -> ContextSizes:
+    """The buffers a context of this shape allocates for the model, from its hyperparameters
+    (as llama.cpp sizes them; tests/test_memory.py checks the estimate against llama.cpp's own
+    figures for every test architecture)."""
+    n_ctx = shape.n_ctx or info.n_ctx_train or 512
+    n_ctx_kv = -(-n_ctx // 256) * 256  # llama.cpp pads the KV cache
+    n_batch = min(shape.n_batch, n_ctx)
+    n_ubatch = min(shape.n_ubatch, n_batch)
+    f32 = 4
+    kv = info.n_layer * n_ctx_kv * info.n_head_kv * (info.n_embd_head_k + info.n_embd_head_v) * 2
+    # per token of a ubatch, as llama.cpp reserves it (for every token's logits): the widest
+    # of the FFN's intermediate rows (gate, up, activation: three live at once), the attention
+    # scores and the logits, plus a dozen n_embd-wide rows
+    ffn = 3 * info.n_expert_used * info.n_ff_expert + 3 * info.n_ff_dense
+    per_token = (max(ffn, 2 * n_ctx_kv * info.n_head, info.n_vocab) + 12 * info.n_embd) * f32
+    n_outputs = n_batch if shape.logits_all else 1
+    compute = n_ubatch * per_token
+    # llama.cpp's output buffer, and the rows of llama_cpp's scores array they are copied to
+    logits = 2 * n_outputs * info.n_vocab * f32
+    return ContextSizes(kv=kv, compute=compute, logits=logits)
 
 
 def _read_int(path: pathlib.Path) -> int | None:
@@ -85,10 +134,18 @@ class OffloadPlan:
     """Memory left beside the pools for the page cache (experts computed in place); -1 = not known."""
 
 
-def plan_offload(info: ModelInfo, config: OffloadConfig, n_ctx: int,
-                 companions: tuple[ModelInfo, ...] = ()) -> OffloadPlan:
-    """Decide whether and with what budget the experts are offloaded; companions: the
-    lower-precision levels' files, each of which needs its own minimum of slots."""
+def process_resident_bytes() -> int:
+    """What this process already holds in memory (VmRSS)."""
+    return _stat_field(pathlib.Path("/proc/self/status"), "VmRSS:") * 1024
+
+
+def plan_offload(info: ModelInfo, config: OffloadConfig, context_bytes: int,
+                 levels: tuple[ModelInfo, ...] = (), available_bytes: int | None = None) -> OffloadPlan:
+    """Decide whether and with what budget the experts are offloaded. context_bytes: what
+    the context allocates beside the weights (context_sizes(...).total); levels: the files
+    of the precision levels, high to low (the model itself or its high companion first),
+    each of which needs its own minimum of slots; () = the model alone. available_bytes:
+    the memory to plan for (default: what this process may still use now)."""
     name = info.path
     if not config.enabled:
         return OffloadPlan(None, "offload off: stock llama.cpp path")
@@ -97,28 +154,37 @@ def plan_offload(info: ModelInfo, config: OffloadConfig, n_ctx: int,
                                  "running it without offload")
     if not info.is_moe:
         return OffloadPlan(None, f"{name} is a dense model (no routed experts): running it without offload")
-    min_bytes = info.min_budget_bytes + sum(c.min_budget_bytes for c in companions)
-    # KV cache upper bound: K and V, f16, full width, every layer
-    kv_bytes = 2 * info.n_layer * n_ctx * info.n_embd * 2
+    levels = levels or (info,)
+    ladder = levels[0] is not info  # the high level is a companion: the model's experts are never read
+    min_bytes = sum(level.min_budget_bytes for level in levels)
     min_mb = min_bytes / MB
+    # each I/O thread keeps, per level, an O_DIRECT bounce buffer and (repacked types) a
+    # staging buffer of one projection's slice: below one expert
+    io_bytes = config.io_threads * sum(level.expert_bytes for level in levels)
+    needs = info.resident_bytes + context_bytes + io_bytes + SLACK_BYTES
     if config.budget_bytes is not None:
         if config.budget_bytes < min_bytes:
-            what = (f"{info.n_expert_used} experts of {info.expert_bytes / MB:.2f} MB, one token's top-k" if not companions
-                    else f"one token's top-k at each of {1 + len(companions)} precisions")
+            what = (f"{info.n_expert_used} experts of {info.expert_bytes / MB:.2f} MB, one token's top-k"
+                    if len(levels) == 1 else f"one token's top-k at each of {len(levels)} precisions")
             raise BudgetError(f"{name}: an expert cache of {config.cache_mb:g} MB is below the minimum of {min_mb:.1f} MB "
                               f"({what})")
-        room = max(0, available_memory_bytes() - info.resident_bytes - kv_bytes - config.budget_bytes)
+        room = max(0, (available_bytes or available_memory_bytes()) - needs - config.budget_bytes)
         return OffloadPlan(config.budget_bytes, f"expert cache {config.budget_bytes / MB:.1f} MB "
                                                 f"of {info.expert_bytes_total / MB:.1f} MB of experts", room)
 
-    available = available_memory_bytes()
-    budget = available - info.resident_bytes - kv_bytes - HEADROOM_BYTES
-    if budget >= info.expert_bytes_total:
-        return OffloadPlan(None, f"all {info.expert_bytes_total / MB:.1f} MB of experts fit in the "
-                                 f"{available / MB:.0f} MB available: keeping them resident, no offload")
+    available = available_bytes if available_bytes is not None else available_memory_bytes()
+    budget = available - needs
+    all_bytes = sum(level.expert_bytes_total for level in levels)
+    if budget >= all_bytes:
+        if len(levels) == 1 and not ladder:
+            return OffloadPlan(None, f"all {info.expert_bytes_total / MB:.1f} MB of experts fit in the "
+                                     f"{available / MB:.0f} MB available: keeping them resident, no offload")
+        budget = all_bytes  # every level's copy of every expert fits: no more is needed
     if budget < min_bytes:
-        raise BudgetError(f"{name}: not enough memory: {available / MB:.0f} MB available, the resident weights and "
-                          f"KV cache need {(info.resident_bytes + kv_bytes + HEADROOM_BYTES) / MB:.0f} MB and the "
-                          f"expert cache at least {min_mb:.1f} MB")
-    return OffloadPlan(budget, f"expert cache {budget / MB:.1f} MB (from {available / MB:.0f} MB available) "
-                               f"of {info.expert_bytes_total / MB:.1f} MB of experts", HEADROOM_BYTES)
+        raise BudgetError(f"{name}: not enough memory: {available / MB:.0f} MB available, the resident weights "
+                          f"({info.resident_bytes / MB:.0f} MB), the context's buffers ({context_bytes / MB:.0f} MB), "
+                          f"the readers' buffers ({io_bytes / MB:.0f} MB) and {SLACK_BYTES / MB:.0f} MB of slack need "
+                          f"{needs / MB:.0f} MB and the expert cache at least {min_mb:.1f} MB")
+    return OffloadPlan(budget, f"expert cache {budget / MB:.1f} MB (from {available / MB:.0f} MB available; "
+                               f"{needs / MB:.0f} MB for the rest) of {all_bytes / MB:.1f} MB of experts",
+                       available - needs - budget)

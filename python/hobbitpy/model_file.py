@@ -29,6 +29,17 @@ class ModelInfo:
     """Every MoE block has the same expert shapes and types (else several pools)."""
     n_split: int = 1
     """Files the model is split into; offload needs one file for now."""
+    # what sizes a context's buffers (memory.context_sizes)
+    n_vocab: int = 0
+    n_head: int = 1
+    n_head_kv: int = 1
+    n_embd_head_k: int = 0
+    n_embd_head_v: int = 0
+    n_ff_expert: int = 0
+    """Width of a routed expert's gate/up rows."""
+    n_ff_dense: int = 0
+    """Width of a dense FFN or shared expert; 0 = none."""
+    n_ctx_train: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -62,4 +73,12 @@ def inspect_model(path: str | os.PathLike) -> ModelInfo:
         file_bytes=info.file_bytes,
         uniform=bool(info.uniform),
         n_split=info.n_split,
+        n_vocab=info.n_vocab,
+        n_head=info.n_head,
+        n_head_kv=info.n_head_kv,
+        n_embd_head_k=info.n_embd_head_k,
+        n_embd_head_v=info.n_embd_head_v,
+        n_ff_expert=info.n_ff_expert,
+        n_ff_dense=info.n_ff_dense,
+        n_ctx_train=info.n_ctx_train,
     )

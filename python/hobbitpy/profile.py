@@ -12,13 +12,14 @@ from dataclasses import asdict, dataclass, field
 import json
 import os
 import pathlib
+import tempfile
 
 from .errors import HobbitError
 
 PROFILE_VERSION = 1
 
 # the OffloadConfig fields a profile may set
-PROFILE_SETTINGS = ("low", "mid", "t1", "t_mid", "t2", "policy", "policy_weights")
+PROFILE_SETTINGS = ("high", "mid", "low", "t1", "t_mid", "t2", "hits", "policy", "policy_weights")
 
 
 @dataclass
@@ -30,12 +31,33 @@ class Profile:
 
     def save(self, path: str | os.PathLike) -> pathlib.Path:
         path = pathlib.Path(path)
-        if path.exists():
-            raise FileExistsError(f"{path}: already exists; a profile is never overwritten (remove it or choose --out)")
-        tmp = path.with_name(path.name + ".partial")
-        tmp.write_text(json.dumps({"hobbitpy_profile": PROFILE_VERSION, **asdict(self)}, indent=2) + "\n")
-        os.replace(tmp, path)
+        exists = FileExistsError(f"{path}: already exists; a profile is never overwritten (remove it or choose --out)")
+        if path.exists() or path.is_symlink():
+            raise exists
+        # a fresh temporary name in the target folder, then a link that fails if the target
+        # appeared meanwhile: nothing is overwritten and no planted symlink is followed
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps({"hobbitpy_profile": PROFILE_VERSION, **asdict(self)}, indent=2) + "\n")
+            os.link(tmp, path)
+        except FileExistsError:
+            raise exists from None
+        finally:
+            os.unlink(tmp)
         return path
+
+
+def profile_offload(model_path: str | os.PathLike, **overrides):
+    """The OffloadConfig the profile next to the model sets (the defaults without one), with
+    overrides on top: what `run` and `hobbitpy.Llama` use when not told otherwise."""
+    from .config import OffloadConfig
+
+    path = profile_path(model_path)
+    settings = dict(load_profile(path, model_path).settings) if path.exists() else {}
+    if "policy_weights" in settings:
+        settings["policy_weights"] = tuple(settings["policy_weights"])
+    return OffloadConfig(**{**settings, **overrides})
 
 
 def profile_path(model_path: str | os.PathLike) -> pathlib.Path:

@@ -29,7 +29,7 @@ import numpy as np
 from ._native import error_buffer, ffi, lib, to_str
 from .config import MB, OffloadConfig
 from .errors import HobbitError
-from .memory import plan_offload
+from .memory import ContextShape, context_sizes, plan_offload
 from .model_file import inspect_model
 
 TRACE_VERSION = 1
@@ -116,7 +116,8 @@ def record_trace(model_path: str | os.PathLike, prompts: list[str], *, n_predict
     # the trace comes from the runtime, so it must attach: as much cache as memory allows,
     # never more than every expert (the outputs are the same at any budget)
     if cache_mb is None:
-        plan = plan_offload(info, OffloadConfig(), n_ctx)
+        shape = ContextShape(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, logits_all=True)
+        plan = plan_offload(info, OffloadConfig(), context_sizes(info, shape).total)
         budget = plan.budget_bytes if plan.budget_bytes is not None else info.expert_bytes_total
         cache_mb = max(budget, info.min_budget_bytes) / MB
     # logits_all: otherwise llama.cpp drops every row but the last of a batch before the

@@ -1,0 +1,154 @@
+"""``hobbitpy tune``: the precision ladder, the budget split and the hit policy for a memory
+size and a quality budget, measured rather than guessed.
+
+1. The expert budget that memory leaves (the same planner `run` uses, for a process
+   capped at that size).
+2. Candidate ladders, high to low: one level (the model's own experts, or the experts of
+   a smaller quant: a ggml type written by `prepare`, or a llama.cpp mix such as Q3_K_M
+   made by its quantizer), or two levels (a low copy under a higher one), each level
+   holding only copies cheaper than the model's own. Files missing are made first (never
+   overwriting).
+3. Each candidate is scored on the text token by token at that budget, with the hit
+   behaviour it will really have (`hits` upgrade or found, warm-up, the cache churning):
+   perplexity, KL and top-1 against stock on the model; and the runtime's counters give
+   its cost per token: the expert bytes its matmuls stream plus the bytes it waited for
+   from the disk, weighted by the ratio of memory to disk bandwidth (a fixed ratio, so
+   the choice depends on the model, the text and the budget only: it is deterministic).
+4. The cheapest candidate within the perplexity budget becomes the profile next to the
+   model, which `run` and `hobbitpy.Llama` apply by themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import os
+
+from .config import MB, OffloadConfig
+from .errors import HobbitError
+from .evaluate import Reference, evaluate_against, tokenize_text
+from .memory import ContextShape, context_sizes, plan_offload, process_resident_bytes
+from .model_file import ModelInfo, inspect_model
+from .profile import Profile
+
+# memory streams expert weights to the matmuls about this many times faster than the disk
+# delivers a missed expert (O_DIRECT reads plus the copy into the slot; this machine: 1-1.7
+# GB/s against 12-20 GB/s)
+MEMORY_OVER_DISK = 10.0
+
+# levels tune considers, high to low; plain ggml types are `prepare` companions, mixes are
+# llama.cpp's uniform quants (their down projections a step higher)
+SINGLE_LEVELS = ("Q6_K", "Q4_K_M", "Q4_K", "Q3_K_M", "Q3_K", "Q2_K")
+TWO_LEVELS = (("Q4_K_M", "Q2_K"), ("Q4_K", "Q2_K"), ("Q3_K_M", "Q2_K"), ("Q4_K_M", "Q3_K"), (None, "Q2_K"))
+
+
+@dataclass
+class Candidate:
+    name: str
+    settings: dict  # OffloadConfig fields (high, low, hits)
+
+
+def candidates() -> list[Candidate]:
+    out = [Candidate("model", {})]
+    out += [Candidate(high, {"high": high}) for high in SINGLE_LEVELS]
+    for high, low in TWO_LEVELS:
+        name = f"{high or 'model'}/{low}"
+        for hits in ("upgrade", "found"):
+            out.append(Candidate(f"{name} {hits}", {"high": high, "low": low, "hits": hits}))
+    return out
+
+
+def _level_file(model: str, spec: str, threads: int, log) -> str:
+    """The file of a level, made first when missing (a `prepare` companion or a uniform quant)."""
+    from .companions import resolve_level
+    from .errors import ModelFileError
+    from .prepare import default_companion_path, prepare_companion
+    from .quants import default_quant_dir, is_mix_name, make_uniform_quant
+
+    try:
+        return resolve_level(model, spec, "--high")
+    except ModelFileError:
+        pass
+    if is_mix_name(spec):
+        path, _ = make_uniform_quant(model, spec, default_quant_dir(model), threads)
+    else:
+        path = prepare_companion(model, spec, default_companion_path(model, spec), threads=threads, progress=False)
+    log(f"made {path}")
+    return str(path)
+
+
+def expert_budget(info: ModelInfo, available_bytes: int | None, shape: ContextShape, levels: tuple[ModelInfo, ...],
+                  config: OffloadConfig) -> int | None:
+    """The budget `run` would plan with available_bytes left to it (None: the memory available
+    now), for these levels; None when it would not offload at all."""
+    plan = plan_offload(info, config, context_sizes(info, shape).total, levels, available_bytes=available_bytes)
+    return plan.budget_bytes
+
+
+def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: float = 0.01,
+         max_tokens: int = 2048, run_shape: ContextShape = ContextShape(), n_ctx: int = 256,
+         threads: int | None = None, log=print, names: list[str] | None = None) -> tuple[Profile, list[dict]]:
+    """Measure every candidate (or those named) and return the profile of the cheapest within
+    the budget, and every measurement. run_shape: the context the runs will have (their buffers
+    come out of the memory); n_ctx: the scoring windows. Raises HobbitError if none is within it."""
+    # what a run's process holds before it loads a model: this one's now, before the reference
+    available = None if memory_bytes is None else memory_bytes - process_resident_bytes()
+    threads = threads or os.cpu_count() or 1
+    info = inspect_model(model)
+    if not info.is_moe:
+        raise HobbitError(f"{model} is a dense model: there are no experts to tune")
+    ids = tokenize_text(model, text, max_tokens)
+    reference = Reference.measure(model, ids, n_ctx=n_ctx, n_threads=threads)
+    log(f"reference: stock on {model}, {len(ids)} tokens, perplexity {reference.perplexity:.4f}")
+    rows = []
+    for cand in candidates():
+        if names is not None and cand.name not in names:
+            continue
+        settings = {k: v for k, v in cand.settings.items() if v is not None}
+        try:
+            files = {k: _level_file(model, settings[k], threads, log) for k in ("high", "low") if k in settings}
+        except (HobbitError, ValueError, OSError) as e:
+            log(f"  {cand.name:<20} skipped: {e}")
+            continue
+        levels = (inspect_model(files["high"]) if "high" in files else info,) + (
+            (inspect_model(files["low"]),) if "low" in files else ())
+        # only copies cheaper than the model's own experts
+        if any(level is not info and level.expert_bytes_total >= info.expert_bytes_total for level in levels):
+            continue
+        config = OffloadConfig(**settings)
+        try:
+            budget = expert_budget(info, available, run_shape, levels, config)
+        except HobbitError as e:
+            log(f"  {cand.name:<20} does not fit: {e}")
+            continue
+        if budget is None:
+            budget = info.expert_bytes_total  # everything fits: stock would keep it all resident
+        r = evaluate_against(model, reference, OffloadConfig(**settings, cache_mb=budget / MB), n_ubatch=1,
+                             n_threads=threads)
+        row = {"name": cand.name, "settings": settings, "budget_mb": budget / MB, "perplexity": r.perplexity,
+               "ppl_increase": r.perplexity / reference.perplexity - 1.0, "mean_kl": r.mean_kl,
+               "top1_agreement": r.top1_agreement, "cost": _cost(r.stats, levels, info, r.n_tokens)}
+        rows.append(row)
+        log(f"  {cand.name:<20} budget {budget / MB:7.1f} MB  ppl {100 * row['ppl_increase']:+6.2f} %  "
+            f"KL {row['mean_kl']:.4f}  cost {row['cost']:.3g} MB/token")
+    within = [r for r in rows if r["ppl_increase"] <= max_ppl_increase]
+    if not within:
+        raise HobbitError(f"{model}: no candidate stays within {100 * max_ppl_increase:g} % perplexity at this memory "
+                          f"(best: {min(rows, key=lambda r: r['ppl_increase'])['name'] if rows else 'none fits'})")
+    best = min(within, key=lambda r: (r["cost"], r["ppl_increase"], r["name"]))
+    profile = Profile(model=os.path.basename(model), model_bytes=os.path.getsize(model), settings=best["settings"],
+                      calibration={"tool": "tune", "memory_mb": None if memory_bytes is None else memory_bytes / MB,
+                                   "run_context": run_shape.n_ctx,
+                                   "max_ppl_increase": max_ppl_increase, "n_tokens": len(ids),
+                                   "reference_perplexity": reference.perplexity, "chosen": best["name"],
+                                   "candidates": rows})
+    return profile, rows
+
+
+def _cost(stats: dict | None, levels: tuple[ModelInfo, ...], info: ModelInfo, n_tokens: int) -> float:
+    """Expert megabytes per token: what the matmuls stream, plus MEMORY_OVER_DISK times what
+    decoding waited for from the disk."""
+    if stats is None:  # stock: every expert resident (the budget held them all)
+        return info.expert_bytes_total / info.n_expert * info.n_expert_used / MB
+    per_expert = [level.expert_bytes_total / (level.n_layer_moe * level.n_expert) for level in levels]
+    served = sum(n * b for n, b in zip(stats["served"], per_expert))
+    return (served + MEMORY_OVER_DISK * stats["demand_bytes_read"]) / max(1, n_tokens) / MB

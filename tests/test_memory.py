@@ -1,0 +1,80 @@
+"""The planner's memory: the context's buffers estimated from the model's hyperparameters
+cover what llama.cpp really allocates, and a run whose budget the planner derived under
+a memory cap never runs into that cap."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+import hobbitpy
+from hobbitpy.memory import ContextShape, context_sizes
+
+from conftest import ARCHES, MB, tiny_model
+
+LLAMA_SIZES = """
+import sys, hobbitpy
+llm = hobbitpy.Llama(sys.argv[1], offload=hobbitpy.OffloadConfig(enabled=False), n_ctx=int(sys.argv[2]),
+                     n_batch=int(sys.argv[3]), n_ubatch=int(sys.argv[4]), logits_all=sys.argv[5] == "1", verbose=True)
+"""
+
+
+def llama_cpp_buffers(path, n_ctx, n_batch, n_ubatch, logits_all) -> dict[str, float]:
+    """MiB of the KV and compute buffers, as llama.cpp logs them when it makes a context
+    (a model with sliding-window layers has two KV caches)."""
+    p = subprocess.run([sys.executable, "-c", LLAMA_SIZES, str(path), str(n_ctx), str(n_batch), str(n_ubatch),
+                        str(int(logits_all))], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    sizes = {}
+    for kind in ("KV", "compute"):
+        found = re.findall(rf"CPU\s+{kind} buffer size =\s+([\d.]+) MiB", p.stderr)
+        assert found, f"no {kind} buffer in llama.cpp's log:\n{p.stderr[-3000:]}"
+        # the compute buffer is logged twice (reserved, and freed with the context)
+        sizes[kind] = sum(float(x) for x in found) if kind == "KV" else float(found[0])
+    return sizes
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("n_ctx,n_batch,n_ubatch,logits_all", [(512, 512, 512, False), (256, 256, 32, True),
+                                                                (128, 512, 1, False)])
+def test_context_estimate_covers_llama_cpp_buffers(model_dir, arch, n_ctx, n_batch, n_ubatch, logits_all):
+    path = tiny_model(model_dir, arch)
+    info = hobbitpy.inspect_model(path)
+    est = context_sizes(info, ContextShape(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, logits_all=logits_all))
+    real = llama_cpp_buffers(path, n_ctx, n_batch, n_ubatch, logits_all)
+    assert est.kv / MB >= real["KV"] - 0.01
+    assert est.compute / MB >= real["compute"] - 0.01
+    # an estimate, not a guess: within 50 % (plus 1 MB for the graph's fixed part)
+    assert est.compute / MB <= 1.5 * real["compute"] + 1.0
+    assert est.kv / MB <= 1.5 * real["KV"] + 0.1
+
+
+def test_run_with_a_derived_budget_never_reaches_its_cap(model_dir, tmp_path):
+    # experts large enough that the cap, not the process, decides the budget
+    path = tiny_model(model_dir, "llama", n_embd=256, n_ff=1024)
+    info = hobbitpy.inspect_model(path)
+    out = tmp_path / "b"
+    # the stock run with no cap tells what the process needs with every expert in memory;
+    # the cap then leaves room for about half of the experts
+    p = subprocess.run([sys.executable, "-m", "hobbitpy", "bench", str(path), "--caps", "none", "--repeats", "1",
+                        "-n", "4", "--threads", "2", "--no-progress", "--out", str(out), "--config", "lru"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    peak = json.loads((out / "bench.json").read_text())["rows"][0]["configs"][0]["peak_mb"]
+    cap_mb = peak - info.expert_bytes_total / MB / 2 + 40  # + the context and slack the planner keeps
+    out2 = tmp_path / "c"
+    p = subprocess.run([sys.executable, "-m", "hobbitpy", "bench", str(path), "--caps", "--cap-mb", f"{cap_mb:.1f}",
+                        "--repeats", "2", "-n", "8", "--threads", "2", "--no-progress", "--out", str(out2),
+                        "--config", "lru"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    lru = json.loads((out2 / "bench.json").read_text())["rows"][0]["configs"][1]
+    if lru.get("times_at_cap") is None:
+        pytest.fail("no memory cgroup here: the cap cannot be checked")
+    assert lru["errors"] == [] and lru["offloaded"]
+    assert info.min_budget_bytes / MB <= lru["budget_mb"] < info.expert_bytes_total / MB
+    assert lru["times_at_cap"] == 0, lru
+    assert lru["peak_mb"] < cap_mb

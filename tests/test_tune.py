@@ -1,0 +1,78 @@
+"""`hobbitpy tune`: a precision ladder for a memory size within a perplexity budget; the
+profile it writes meets that budget on held-out text, the choice is the same every time,
+nothing is overwritten, and `hobbitpy.Llama` applies the profile by itself."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import hobbitpy
+from hobbitpy.config import OffloadConfig
+from hobbitpy.evaluate import Reference, evaluate_against, tokenize_text
+
+from conftest import PROMPT, tiny_model
+
+TEXT = " ".join([PROMPT, "and the tide came in and went out, and the gulls cried over the harbour while the boats"
+                 " came home with their nets full of silver fish for the market in the morning"] * 30)
+CANDIDATES = "model,Q4_K_M,Q2_K,Q4_K/Q2_K upgrade,Q4_K/Q2_K found"
+
+
+def _tune(path, out, *extra, candidates=CANDIDATES):
+    return subprocess.run([sys.executable, "-m", "hobbitpy", "tune", str(path), "--text", str(out.parent / "tune.txt"),
+                           "--max-tokens", "192", "--threads", "2", "--candidates", candidates, "--out", str(out),
+                           *extra], capture_output=True, text=True, timeout=900)
+
+
+def test_tune_meets_its_budget_on_held_out_text_and_is_deterministic(model_dir, tmp_path):
+    path = tiny_model(model_dir, "llama", n_embd=256)  # rows of whole K-quant blocks
+    (tmp_path / "tune.txt").write_text(TEXT)
+    memory_mb = 400  # the process and every candidate's experts fit: the choice is by cost and quality
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    p = _tune(path, first, "--memory", str(memory_mb), "--max-ppl-increase", "0.02")
+    assert p.returncode == 0, p.stderr
+    assert "chosen:" in p.stdout
+    q = _tune(path, second, "--memory", str(memory_mb), "--max-ppl-increase", "0.02")
+    assert q.returncode == 0, q.stderr
+    a, b = json.loads(first.read_text()), json.loads(second.read_text())
+    assert a["settings"] == b["settings"] and a["calibration"]["chosen"] == b["calibration"]["chosen"]
+    rows = a["calibration"]["candidates"]
+    assert {r["name"] for r in rows} == set(CANDIDATES.split(","))
+    chosen = next(r for r in rows if r["name"] == a["calibration"]["chosen"])
+    assert chosen["ppl_increase"] <= 0.02
+    # the cheapest of those within the budget
+    assert chosen["cost"] == min(r["cost"] for r in rows if r["ppl_increase"] <= 0.02)
+
+    # held-out text (another part of the same kind of text): the chosen settings at the tuned
+    # budget stay within the budget there too
+    held_out = ("The fishermen mended their nets on the quay and talked about the weather, the price of fish "
+                "and the storms of the winter before, while children ran along the harbour wall. ") * 12
+    ids = tokenize_text(path, held_out, 192)
+    ref = Reference.measure(path, ids, n_ctx=64, n_threads=2)
+    settings = dict(a["settings"])
+    r = evaluate_against(path, ref, OffloadConfig(**settings, cache_mb=chosen["budget_mb"]), n_ubatch=1, n_threads=2)
+    assert r.perplexity / ref.perplexity - 1 <= 0.02
+
+    # never overwrites
+    before = first.read_text()
+    p = _tune(path, first, "--memory", str(memory_mb))
+    assert p.returncode == 2 and "never overwritten" in p.stderr
+    assert first.read_text() == before
+
+
+def test_llama_applies_the_profile_next_to_the_model(model_dir, tmp_path):
+    import shutil
+
+    src = tiny_model(model_dir, "llama", n_embd=256)
+    path = tmp_path / "m.gguf"
+    shutil.copyfile(src, path)
+    (tmp_path / "tune.txt").write_text(TEXT)
+    p = _tune(path, tmp_path / "m.hobbit-profile.json", "--max-ppl-increase", "0.5", candidates="Q2_K")
+    assert p.returncode == 0, p.stderr
+    assert json.loads((tmp_path / "m.hobbit-profile.json").read_text())["settings"] == {"high": "Q2_K"}
+    with hobbitpy.Llama(path, n_ctx=64, verbose=False) as llm:
+        assert llm.offloaded and {pool["type"] for pool in llm.pool_stats()} == {"Q2_K"}
+    # an explicit configuration wins over the profile
+    with hobbitpy.Llama(path, offload=OffloadConfig(enabled=False), n_ctx=64, verbose=False) as llm:
+        assert not llm.offloaded
