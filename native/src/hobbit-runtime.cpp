@@ -599,9 +599,9 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
                     pg.pool->slots[s].prefetched = false;
                 }
                 pg.policy->on_access(s, /*high*/ level == 0);
-                // only a token's first expert is worth an upgrade: served low it costs the most
-                // quality (measured: docs/BENCHMARKS.md), and each upgrade is a read and a copy
-                // competing with decode for the cores
+                // only a token's first expert is worth an upgrade: it carries the largest gate
+                // weight, so serving it low costs the most quality; and each upgrade is a read
+                // and a copy competing with decode for the cores
                 if (level > want[e] && top1[e] && params.hit_policy == HOBBIT_HIT_UPGRADE) {
                     upgrade.emplace_back(e, want[e]);
                 }

@@ -168,7 +168,8 @@ def plan_offload(info: ModelInfo, config: OffloadConfig, context_bytes: int,
                     if len(levels) == 1 else f"one token's top-k at each of {len(levels)} precisions")
             raise BudgetError(f"{name}: an expert cache of {config.cache_mb:g} MB is below the minimum of {min_mb:.1f} MB "
                               f"({what})")
-        room = max(0, (available_bytes or available_memory_bytes()) - needs - config.budget_bytes)
+        available = available_bytes if available_bytes is not None else available_memory_bytes()
+        room = max(0, available - needs - config.budget_bytes)
         return OffloadPlan(config.budget_bytes, f"expert cache {config.budget_bytes / MB:.1f} MB "
                                                 f"of {info.expert_bytes_total / MB:.1f} MB of experts", room)
 
