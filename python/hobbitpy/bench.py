@@ -68,6 +68,15 @@ class BenchConfig:
             raise ValueError(f"bad flags in configuration {text!r}: {e}") from None
         return cls(name, dataclasses.asdict(config) if config.enabled else None)
 
+    def offload_config(self, cache_mb: float | None):
+        """The OffloadConfig of this configuration with another budget (None: from memory)."""
+        from .config import OffloadConfig
+
+        fields = dict(self.offload, cache_mb=cache_mb, policy_weights=tuple(self.offload["policy_weights"]))
+        if fields["level_shares"] is not None:
+            fields["level_shares"] = tuple(fields["level_shares"])
+        return OffloadConfig(**fields)
+
 
 @dataclass
 class Cap:
@@ -192,10 +201,9 @@ def _summarize(name: str, runs: list[dict], disk_bw: float, stock_compute_s: flo
     if d and s["decode_tok_s"]:
         # decode time per token = the graph (matmuls, and whatever competes with them for the
         # cores: background reads and copies) + waits for on-demand loads + the dispatch ops
-        n_tokens = d["bytes_read"] / s["runtime_bytes_per_token"] if s["runtime_bytes_per_token"] else None
         s["graph_ms_per_token"] = 1000.0 / s["decode_tok_s"] - s["stall_ms_per_token"] - s["dispatch_ms_per_token"]
-        s["background_mb_per_token"] = d["background_bytes_read"] / d["bytes_read"] * s["runtime_bytes_per_token"] / MB \
-            if n_tokens else 0.0
+        background_share = d["background_bytes_read"] / d["bytes_read"] if d["bytes_read"] else 0.0
+        s["background_mb_per_token"] = background_share * s["runtime_bytes_per_token"] / MB
     # compute per token: what a hobbitpy run did not spend waiting for loads; for stock, a
     # warm run without a cap (every weight in the page cache)
     s["compute_ms_per_token"] = _median(ok, "compute_ms_per_token") if s["offloaded"] else (
@@ -338,11 +346,9 @@ def score_quality(result: BenchResult, model: str, configs: list[BenchConfig], t
             key = (cfg.name, s.get("budget_mb"), s.get("offloaded"))
             score = stock_scores.get(cfg.name) or scored.get(key)
             if score is None and cfg.offload is not None and s.get("decode_tok_s") is not None:
-                offload = OffloadConfig(**dict(cfg.offload, cache_mb=s["budget_mb"] if s["offloaded"] else None,
-                                               policy_weights=tuple(cfg.offload["policy_weights"]),
-                                               level_shares=cfg.offload["level_shares"] and tuple(cfg.offload["level_shares"])))
-                r = evaluate_against(model, reference, offload if s["offloaded"] else OffloadConfig(enabled=False),
-                                     n_ubatch=1, n_threads=threads, progress=bar)
+                # the budget the run got under this cap; a run that kept every expert resident is stock's path
+                offload = cfg.offload_config(s["budget_mb"]) if s["offloaded"] else OffloadConfig(enabled=False)
+                r = evaluate_against(model, reference, offload, n_ubatch=1, n_threads=threads, progress=bar)
                 score = scored[key] = {"perplexity": r.perplexity, "mean_kl": r.mean_kl,
                                        "top1_agreement": r.top1_agreement}
             if score is not None:

@@ -11,9 +11,10 @@ size and a quality budget, measured rather than guessed.
 3. Each candidate is scored on the text token by token at that budget, with the hit
    behaviour it will really have (`hits` upgrade or found, warm-up, the cache churning):
    perplexity, KL and top-1 against stock on the model; and the runtime's counters give
-   its cost per token: the expert bytes its matmuls stream plus the bytes it waited for
-   from the disk, weighted by the ratio of memory to disk bandwidth (a fixed ratio, so
-   the choice depends on the model, the text and the budget only: it is deterministic).
+   its cost per token: the expert bytes its matmuls stream, the bytes it loaded in the
+   background, and the bytes it waited for from the disk weighted by the ratio of memory
+   to disk bandwidth (a fixed ratio, so the choice depends on the model, the text and the
+   budget only: it is deterministic).
 4. The cheapest candidate within the perplexity budget becomes the profile next to the
    model, which `run` and `hobbitpy.Llama` apply by themselves.
 """
@@ -145,10 +146,12 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: f
 
 
 def _cost(stats: dict | None, levels: tuple[ModelInfo, ...], info: ModelInfo, n_tokens: int) -> float:
-    """Expert megabytes per token: what the matmuls stream, plus MEMORY_OVER_DISK times what
-    decoding waited for from the disk."""
+    """Expert megabytes per token: what the matmuls stream, plus what loaded in the background
+    (warm-up, upgrades: each a copy into a slot that competes with the matmuls for the cores),
+    plus MEMORY_OVER_DISK times what decoding waited for from the disk."""
     if stats is None:  # stock: every expert resident (the budget held them all)
         return info.expert_bytes_total / info.n_expert * info.n_expert_used / MB
     per_expert = [level.expert_bytes_total / (level.n_layer_moe * level.n_expert) for level in levels]
     served = sum(n * b for n, b in zip(stats["served"], per_expert))
-    return (served + MEMORY_OVER_DISK * stats["demand_bytes_read"]) / max(1, n_tokens) / MB
+    waited = stats["demand_bytes_read"]
+    return (served + stats["background_bytes_read"] + MEMORY_OVER_DISK * waited) / max(1, n_tokens) / MB
