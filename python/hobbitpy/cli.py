@@ -456,16 +456,8 @@ def _calibrate(args) -> int:
     from hobbitpy import HobbitError
     from hobbitpy.calibrate import calibrate
     from hobbitpy.companions import resolve_level
-    from hobbitpy.profile import profile_path
 
-    out = args.out or str(profile_path(args.model))
-    if os.path.exists(out):
-        return _fail(f"{out}: already exists; a profile is never overwritten (remove it or choose --out)")
-    if not 0 <= args.max_ppl_increase < 1:
-        return _fail(f"--max-ppl-increase must be in [0, 1), got {args.max_ppl_increase}")
-    if args.max_tokens < 16:
-        return _fail(f"--max-tokens must be at least 16, got {args.max_tokens}")
-    text, why = _read_text(args.text)
+    out, text, why = _profile_inputs(args)
     if why:
         return _fail(why)
     try:
@@ -514,25 +506,17 @@ def _add_tune_parser(sub) -> None:
 def _tune(args) -> int:
     from hobbitpy import HobbitError
     from hobbitpy.memory import ContextShape
-    from hobbitpy.profile import profile_path
     from hobbitpy.tune import tune
 
-    out = args.out or str(profile_path(args.model))
-    if os.path.lexists(out):
-        return _fail(f"{out}: already exists; a profile is never overwritten (remove it or choose --out)")
-    if not 0 <= args.max_ppl_increase < 1:
-        return _fail(f"--max-ppl-increase must be in [0, 1), got {args.max_ppl_increase}")
-    if args.max_tokens < 16:
-        return _fail(f"--max-tokens must be at least 16, got {args.max_tokens}")
+    out, text, why = _profile_inputs(args)
+    if why:
+        return _fail(why)
     try:
         memory = None if args.memory == "auto" else int(float(args.memory) * MB)
     except ValueError:
         return _fail(f"--memory must be a number of MB or auto, got {args.memory!r}")
     if memory is not None and memory <= 0:
         return _fail(f"--memory must be positive, got {args.memory}")
-    text, why = _read_text(args.text)
-    if why:
-        return _fail(why)
     try:
         profile, _ = tune(args.model, text, memory_bytes=memory, max_ppl_increase=args.max_ppl_increase,
                           max_tokens=args.max_tokens, run_shape=ContextShape(n_ctx=args.ctx), threads=args.threads,
@@ -546,6 +530,22 @@ def _tune(args) -> int:
           f"at {best['budget_mb']:.0f} MB of expert cache)")
     print(f"wrote {out}")
     return 0
+
+
+def _profile_inputs(args) -> tuple[str, str, str | None]:
+    """calibrate's and tune's shared checks, before any work: the profile file (never
+    overwritten, not even through a symlink), the budget, the text. (out, text, why not)."""
+    from hobbitpy.profile import profile_path
+
+    out = args.out or str(profile_path(args.model))
+    if os.path.lexists(out):
+        return out, "", f"{out}: already exists; a profile is never overwritten (remove it or choose --out)"
+    if not 0 <= args.max_ppl_increase < 1:
+        return out, "", f"--max-ppl-increase must be in [0, 1), got {args.max_ppl_increase}"
+    if args.max_tokens < 16:
+        return out, "", f"--max-tokens must be at least 16, got {args.max_tokens}"
+    text, why = _read_text(args.text)
+    return out, text, why
 
 
 def _read_text(path: str) -> tuple[str, str | None]:
