@@ -120,8 +120,6 @@ def offload_config_from_args(args, model_path: str | None = None, *, auto_profil
     for name in PROFILE_SETTINGS:
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
-    if "policy_weights" in settings:
-        settings["policy_weights"] = tuple(settings["policy_weights"])
     return OffloadConfig(enabled=not args.no_offload, cache_mb=args.cache_mb,
                          prefetch_layers=args.prefetch_layers, direct_io=not args.no_direct_io,
                          level_shares=args.level_shares, warm=not args.no_warm,

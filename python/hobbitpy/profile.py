@@ -54,9 +54,7 @@ def profile_offload(model_path: str | os.PathLike, **overrides):
     from .config import OffloadConfig
 
     path = profile_path(model_path)
-    settings = dict(load_profile(path, model_path).settings) if path.exists() else {}
-    if "policy_weights" in settings:
-        settings["policy_weights"] = tuple(settings["policy_weights"])
+    settings = load_profile(path, model_path).settings if path.exists() else {}
     return OffloadConfig(**{**settings, **overrides})
 
 
@@ -81,6 +79,8 @@ def load_profile(path: str | os.PathLike, model_path: str | os.PathLike | None) 
                           calibration=dict(data.get("calibration", {})))
     except (KeyError, TypeError, ValueError) as e:
         raise HobbitError(f"{path}: incomplete profile ({e})") from None
+    if "policy_weights" in profile.settings:  # a JSON list; OffloadConfig keeps a tuple
+        profile.settings["policy_weights"] = tuple(profile.settings["policy_weights"])
     unknown = set(profile.settings) - set(PROFILE_SETTINGS)
     if unknown:
         raise HobbitError(f"{path}: unknown settings {', '.join(sorted(unknown))}")
