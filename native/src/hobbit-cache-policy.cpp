@@ -1,5 +1,7 @@
 #include "hobbit-cache-policy.h"
 
+#include <algorithm>
+#include <climits>
 #include <random>
 
 namespace {
@@ -83,7 +85,53 @@ private:
     std::mt19937_64 rng;
 };
 
+class belady_policy : public cache_policy_i {
+public:
+    belady_policy(const int32_t * experts, int64_t n_step, int n_layer, int n_expert, int n_expert_used, int n_slot)
+            : n_expert(n_expert), owner(n_slot, -1), uses((size_t) n_layer * n_expert) {
+        for (int64_t step = 0; step < n_step; ++step) {
+            const int layer = (int) (step % n_layer);
+            for (int k = 0; k < n_expert_used; ++k) {
+                const int32_t e = experts[step * n_expert_used + k];
+                if (e >= 0 && e < n_expert && (uses[layer * n_expert + e].empty() || uses[layer * n_expert + e].back() != step)) {
+                    uses[layer * n_expert + e].push_back(step);
+                }
+            }
+        }
+    }
+    void on_insert(int slot, int layer, int expert) override { owner[slot] = layer * n_expert + expert; }
+    void on_access(int, bool) override {}
+    void on_layer(int) override { step++; }
+    int choose_victim(const std::vector<int> & candidates) override {
+        // the first of the candidates whose next use is the latest (or never)
+        int best = candidates.front();
+        int64_t best_next = -1;
+        for (int slot : candidates) {
+            const std::vector<int64_t> & u = uses[owner[slot]];
+            const auto it = std::lower_bound(u.begin(), u.end(), step + 1);
+            const int64_t next = it == u.end() ? INT64_MAX : *it;
+            if (next > best_next) {
+                best = slot;
+                best_next = next;
+            }
+        }
+        return best;
+    }
+    void reset() override {} // the optimum looks across sequences too
+
+private:
+    int n_expert;
+    int64_t step = -1;
+    std::vector<int> owner;                  // slot -> layer * n_expert + expert
+    std::vector<std::vector<int64_t>> uses;  // per expert: the steps that select it, ascending
+};
+
 } // namespace
+
+std::unique_ptr<cache_policy_i> cache_policy_make_belady(const int32_t * experts, int64_t n_step, int n_layer,
+                                                         int n_expert, int n_expert_used, int n_slot) {
+    return std::make_unique<belady_policy>(experts, n_step, n_layer, n_expert, n_expert_used, n_slot);
+}
 
 bool cache_policy_parse(const std::string & name, cache_policy_kind & kind) {
     for (cache_policy_kind k : { cache_policy_kind::lru, cache_policy_kind::lfu, cache_policy_kind::lhu,

@@ -9,7 +9,8 @@
 //
 // The pool decides which slots may be evicted (not pinned, not loading); the policy only
 // ranks them. The runtime and the offline simulator (hobbit-cache-sim) drive the same
-// objects, so a simulated policy is the deployed one.
+// objects and take slots by the same rule (cache_take_slot), so a simulated policy is the
+// deployed one. Belady's offline optimum is one more policy, made from the trace it replays.
 #pragma once
 
 #include <cstdint>
@@ -46,3 +47,30 @@ const char * cache_policy_name(cache_policy_kind kind);
 // weights are used by kind == weighted only; seed by random only
 std::unique_ptr<cache_policy_i> cache_policy_make(cache_policy_kind kind, int n_slot, int n_layer, int n_expert,
                                                   const cache_policy_weights & weights = {}, uint64_t seed = 0);
+
+// Belady (1966): evicts the expert whose next use lies farthest ahead, the fewest misses
+// possible. It knows the future from the trace, experts[step][n_expert_used] (-1 = none),
+// step = token * n_layer + layer, and its clock is on_layer: each call is the next step.
+std::unique_ptr<cache_policy_i> cache_policy_make_belady(const int32_t * experts, int64_t n_step, int n_layer,
+                                                         int n_expert, int n_expert_used, int n_slot);
+
+// how a slot may be used by a new expert
+enum class slot_use { empty, evictable, busy };
+
+// the slot a new expert takes among n_slot: the first empty one, else the policy's victim
+// among the evictable ones; -1 if every slot is busy (pinned or loading). use(s) says
+// which; candidates is scratch space.
+template <typename SlotUse>
+int cache_take_slot(int n_slot, SlotUse use, cache_policy_i & policy, std::vector<int> & candidates) {
+    candidates.clear();
+    for (int s = 0; s < n_slot; ++s) {
+        const slot_use u = use(s);
+        if (u == slot_use::empty) {
+            return s;
+        }
+        if (u == slot_use::evictable) {
+            candidates.push_back(s);
+        }
+    }
+    return candidates.empty() ? -1 : policy.choose_victim(candidates);
+}

@@ -2,9 +2,9 @@
 //
 // The cache is what the runtime builds for a uniform model: one pool of n_slot slots
 // shared by all MoE layers, an empty slot taken before anything is evicted, and the
-// experts of the layer being served pinned until the next layer. The policies are the
-// runtime's own objects (hobbit-cache-policy); "belady" evicts the expert whose next use
-// lies farthest ahead, the offline optimum for misses (Belady 1966), as the bound.
+// experts of the layer being served pinned until the next layer. The policies and the rule
+// that takes a slot are the runtime's own (hobbit-cache-policy); "belady", the offline
+// optimum for misses (Belady 1966), is the bound.
 #pragma once
 
 #include "hobbit-cache-policy.h"

@@ -18,6 +18,11 @@ static int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// how a pool slot may be used by a new expert (the rule of cache_take_slot)
+static slot_use use_of(const pool_slot & s) {
+    return s.state == slot_state::empty ? slot_use::empty :
+           s.state == slot_state::ready && s.pins == 0 ? slot_use::evictable : slot_use::busy;
+}
 
 // every MoE layer's router as floats, whatever its type and wherever it lives
 static std::vector<router_weights> load_routers(const llama_model * model, const std::vector<int> & moe_layers) {
@@ -311,20 +316,8 @@ int hobbit_runtime::n_waves(int il, int n_tokens) const {
 int hobbit_runtime::take_slot(int p) {
     const expert_pool & pool = *pools[p].pool;
     std::vector<int> candidates;
-    for (int s = 0; s < pool.n_slot(); ++s) {
-        const pool_slot & slot = pool.slots[s];
-        if (slot.state == slot_state::empty) {
-            return s;
-        }
-        if (slot.state == slot_state::ready && slot.pins == 0) {
-            candidates.push_back(s);
-        }
-    }
-    if (candidates.empty()) {
-        return -1;
-    }
-    const int s = pools[p].policy->choose_victim(candidates);
-    if (pool.slots[s].prefetched) {
+    const int s = cache_take_slot(pool.n_slot(), [&](int s) { return use_of(pool.slots[s]); }, *pools[p].policy, candidates);
+    if (s >= 0 && pool.slots[s].prefetched) {
         stats_.prefetch_wasted++; // evicted before any layer asked for it
     }
     return s;
@@ -476,237 +469,273 @@ void hobbit_runtime::prefetch_next_layers(int il, const float * x, std::vector<l
     }
 }
 
-void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
-    const int64_t t_enter = now_us();
-    int64_t waited = 0;
-    const ggml_tensor * sel = dst->src[0];
-    const ggml_tensor * wts = dst->src[1];                       // [1, n_used, n_tokens]
-    const int n_used   = (int) sel->ne[0];
-    const int n_tokens = (int) sel->ne[1];
-    const int n_expert = index.info.n_expert;
-    const int n_plane  = (int) dst->ne[2];                       // one plane per level + the in-place plane
-    const size_t n_pair = (size_t) n_used * n_tokens;
-    int32_t * out         = (int32_t *) dst->data;
-    int32_t * out_inplace = out + (size_t) (n_plane - 1) * n_pair;
-    const int SKIP = n_level; // as a wanted level: skipped when missed
-
-    // selection as ids [n_tokens][n_used] (the top-k view is not contiguous), and the
-    // level each expert is wanted at: the highest any of its tokens asks for
-    std::vector<int32_t> ids(n_pair);
-    std::vector<int> n_pairs(n_expert, 0);
-    std::vector<int> want(n_expert, INT_MAX);
-    std::vector<bool> top1(n_expert, false); // the expert some token weighs most
-    std::vector<int> order;
-    std::vector<float> w(n_used);
-    std::vector<int> pair_level(n_used);
-    for (int t = 0; t < n_tokens; ++t) {
-        for (int k = 0; k < n_used; ++k) {
-            w[k] = *(const float *) ((const char *) wts->data + k*wts->nb[1] + t*wts->nb[2]);
-        }
-        precision_levels(thresholds, w.data(), n_used, pair_level.data());
-        const int first = (int) (std::max_element(w.begin(), w.end(), [](float a, float b) { return std::fabs(a) < std::fabs(b); }) - w.begin());
-        for (int k = 0; k < n_used; ++k) {
-            const int32_t e = *(const int32_t *) ((const char *) sel->data + t*sel->nb[1] + k*sel->nb[0]);
-            ids[(size_t) t*n_used + k] = e;
-            if (e >= 0 && e < n_expert) {
-                if (n_pairs[e]++ == 0) {
-                    order.push_back(e);
-                }
-                want[e] = std::min(want[e], pair_level[k] == PRECISION_SKIP ? SKIP : pair_level[k]);
-                top1[e] = top1[e] || k == first;
-            }
-        }
+int hobbit_runtime::lookup(int il, int e, int want, int & level) const {
+    if (params.hit_policy != HOBBIT_HIT_EXACT) {
+        return find_cached(il, e, level);
     }
+    level = want;
+    return want < n_level ? pools[pool_of[want][il]].pool->find(il, e) : -1;
+}
 
-    // when the ubatch needs more experts than there are slots, the experts with the most
-    // tokens get the slots; the rest run in place (one wave) or in the next waves
-    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return n_pairs[a] > n_pairs[b]; });
-    const bool has_inplace = (int64_t) n_pair >= layers[il].inplace_min_pairs;
-    const bool last_wave   = wave == n_waves(il, n_tokens) - 1;
-    // with no in-place pass and no wave after this one, every expert left must get a slot
-    const bool must_fit    = last_wave && !has_inplace;
-
-    std::vector<int> slot_of(n_expert, -1);
-    std::vector<int> level_of(n_expert, -1);   // level serving the expert in this wave, SKIP, or -1
-    std::vector<bool> inplace(n_expert, false);
-    std::vector<load_task> loads;
-    std::unique_lock<std::mutex> lock(mtx);
-
+void hobbit_runtime::begin_wave(int il, int wave, const wave_selection & sel, const ggml_tensor * dst) {
     if (wave == 0) {
-        served.assign(n_expert, false);
+        served.assign(index.info.n_expert, false);
     }
-    // the cached copy a selection may use: any level, or with HOBBIT_HIT_EXACT only the wanted one
-    const auto lookup = [&](int e, int & level) {
-        if (params.hit_policy != HOBBIT_HIT_EXACT) {
-            return find_cached(il, e, level);
+    // the previous wave's or layer's matmuls are done: their slots may go
+    for (const auto & [p, s] : pinned) {
+        pools[p].pool->slots[s].pins--;
+    }
+    pinned.clear();
+    if (wave == 0 && il <= last_dispatch_il) {
+        graph_seq++;
+    }
+    // predictions for this layer have served their purpose (its selection pins what it
+    // uses); those of an earlier graph are stale
+    release_predicted([&](int, int, int layer) { return layer <= il; });
+    const int64_t graph = graph_seq;
+    predicted_pins.erase(std::remove_if(predicted_pins.begin(), predicted_pins.end(), [&](const predicted_pin & pp) {
+        if (pp.graph == graph) {
+            return false;
         }
-        level = want[e];
-        return want[e] < n_level ? pools[pool_of[want[e]][il]].pool->find(il, e) : -1;
-    };
-    // experts already in a pool first: they cost nothing this wave
-    std::stable_partition(order.begin(), order.end(), [&](int e) { int l; return lookup(e, l) >= 0; });
-
-    if (!failed()) {
-        // the previous wave's or layer's matmuls are done: their slots may go
-        for (const auto & [p, s] : pinned) {
-            pools[p].pool->slots[s].pins--;
-        }
-        pinned.clear();
-        if (wave == 0 && il <= last_dispatch_il) {
-            graph_seq++;
-        }
-        // predictions for this layer have served their purpose (its selection pins what it
-        // uses); those of an earlier graph are stale
-        release_predicted([&](int, int, int layer) { return layer <= il; });
-        const int64_t graph = graph_seq;
-        predicted_pins.erase(std::remove_if(predicted_pins.begin(), predicted_pins.end(), [&](const predicted_pin & pp) {
-            if (pp.graph == graph) {
-                return false;
+        pools[pp.pool].pool->slots[pp.slot].pins--;
+        return true;
+    }), predicted_pins.end());
+    // a queued prefetch for this layer whose expert was not selected was a wrong guess
+    if (wave == 0) {
+        for (const load_task & t : io->drop_prefetches([&](const load_task & t) { return t.layer == il && sel.n_pairs[t.expert] == 0; })) {
+            if (pools[t.group].pool->slots[t.slot].prefetched) {
+                stats_.prefetch_wasted++;
             }
-            pools[pp.pool].pool->slots[pp.slot].pins--;
-            return true;
-        }), predicted_pins.end());
-        // a queued prefetch for this layer whose expert was not selected was a wrong guess
-        if (wave == 0) {
-            for (const load_task & t : io->drop_prefetches([&](const load_task & t) { return t.layer == il && n_pairs[t.expert] == 0; })) {
+            pools[t.group].pool->clear(t.slot);
+        }
+    }
+    for (pool_group & pg : pools) {
+        pg.policy->on_layer(il);
+    }
+    if (recorder && wave == 0) {
+        recorder->record(il, dst->src[0], dst->src[1], dst->src[2], dst->src[3]);
+    }
+}
+
+wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel) const {
+    wave_plan plan;
+    plan.has_inplace = (int64_t) sel.n_pair() >= layers[il].inplace_min_pairs;
+    plan.must_fit    = wave == n_waves(il, sel.n_tokens) - 1 && !plan.has_inplace;
+    const int skip = n_level;
+
+    // slots each level's pool can give a new expert: empty, or holding one nobody needs now
+    std::vector<int> room(n_level, 0);
+    for (int l = 0; l < n_level; ++l) {
+        for (const pool_slot & s : pools[pool_of[l][il]].pool->slots) {
+            room[l] += use_of(s) != slot_use::busy;
+        }
+    }
+    // as take_slot_near: the wanted level, else the nearest higher precision, else (without
+    // an in-place pass, where the model's own weights would serve better) a lower one
+    const auto level_with_room = [&](int want) {
+        for (int l = want; l >= 0; --l) {
+            if (room[l] > 0) {
+                return l;
+            }
+        }
+        for (int l = want + 1; !plan.has_inplace && l < n_level; ++l) {
+            if (room[l] > 0) {
+                return l;
+            }
+        }
+        return -1;
+    };
+
+    // experts already in a pool first: they cost nothing this wave, and their slots are
+    // pinned before any miss looks for a victim
+    std::vector<int> order = sel.order;
+    std::stable_partition(order.begin(), order.end(), [&](int e) { int l; return lookup(il, e, sel.want[e], l) >= 0; });
+    for (int e : order) {
+        if (served[e]) {
+            continue;
+        }
+        expert_choice c;
+        c.expert = e;
+        c.slot = lookup(il, e, sel.want[e], c.level);
+        if (c.slot >= 0) {
+            c.how = serve_as::hit;
+            if (use_of(pools[pool_of[c.level][il]].pool->slots[c.slot]) != slot_use::busy) {
+                room[c.level]--; // pinned from now on
+            }
+            // only a token's first expert is worth an upgrade: it carries the largest gate
+            // weight, so serving it low costs the most quality; and each upgrade is a read
+            // and a copy competing with decode for the cores
+            c.upgrade = c.level > sel.want[e] && sel.top1[e] && params.hit_policy == HOBBIT_HIT_UPGRADE;
+        } else if (sel.want[e] == skip) {
+            c.how = serve_as::skip;
+        } else if (plan.has_inplace && runs_in_place(il, e, sel.n_pairs[e])) {
+            c.how = serve_as::in_place; // cooperative: computed on the mapped model instead of loaded
+        } else if ((c.level = level_with_room(sel.want[e])) >= 0) {
+            c.how = serve_as::load;
+            room[c.level]--;
+        } else {
+            c.how = plan.must_fit ? serve_as::wait : plan.has_inplace ? serve_as::in_place : serve_as::later;
+        }
+        plan.choices.push_back(c);
+    }
+    return plan;
+}
+
+int hobbit_runtime::wait_for_slot(int il, int want, const wave_selection & sel, std::unique_lock<std::mutex> & lock, int & level) {
+    int s = -1;
+    while (!failed()) {
+        // prefetches stand in the way: unpin the predicted experts, drop the queued loads,
+        // wait for a running one
+        release_predicted([](int, int, int) { return true; });
+        for (int l = 0; l < n_level; ++l) {
+            const int p = pool_of[l][il];
+            // (not the loads of slots this wave pinned: it waits for them after the plan)
+            const expert_pool & pool = *pools[p].pool;
+            for (const load_task & t : io->drop_prefetches([&](const load_task & t) {
+                     return t.group == p && pool.slots[t.slot].pins == 0; })) {
                 if (pools[t.group].pool->slots[t.slot].prefetched) {
                     stats_.prefetch_wasted++;
                 }
                 pools[t.group].pool->clear(t.slot);
             }
         }
-        for (pool_group & pg : pools) {
-            pg.policy->on_layer(il);
+        s = take_slot_near(il, want, true, level);
+        if (s >= 0) {
+            break;
         }
-        if (recorder && wave == 0) {
-            recorder->record(il, sel, dst->src[1], dst->src[2], dst->src[3]);
+        bool prefetch_running = false;
+        for (int l = 0; l < n_level; ++l) {
+            const expert_pool & lp = *pools[pool_of[l][il]].pool;
+            prefetch_running = prefetch_running || std::any_of(lp.slots.begin(), lp.slots.end(),
+                [](const pool_slot & ps) { return ps.state == slot_state::loading && ps.pins == 0; });
         }
+        if (!prefetch_running) {
+            // every slot is taken by this very ubatch: it is wider than the pools
+            fail("layer " + std::to_string(il) + " selects " + std::to_string(sel.order.size()) +
+                 " experts in one ubatch but its pools hold " + std::to_string(layer_capacity(il)) +
+                 "; use a smaller n_ubatch or a larger expert cache");
+            break;
+        }
+        cv_loaded.wait(lock);
+        s = take_slot_near(il, want, true, level);
+        if (s >= 0) {
+            break;
+        }
+    }
+    return s;
+}
 
-        std::vector<std::pair<int, int>> upgrade; // (expert, wanted level) hit at a lower precision
-        bool any_inplace = false;                 // some expert of this wave runs on the mapped model
-        for (int e : order) {
-            if (served[e]) {
-                continue;
+wave_assignment hobbit_runtime::apply_wave(int il, const wave_plan & plan, const wave_selection & sel,
+                                           std::unique_lock<std::mutex> & lock, std::vector<load_task> & loads) {
+    wave_assignment a(index.info.n_expert);
+    std::vector<std::pair<int, int>> upgrade; // (expert, wanted level) hit at a lower precision
+    const auto serve_in_place = [&](int e) {
+        a.any_inplace = true;
+        a.inplace[e]  = true;
+        served[e]     = true;
+        stats_.expert_inplace++;
+        stats_.served[0] += sel.n_pairs[e];
+    };
+    for (const expert_choice & c : plan.choices) {
+        const int e = c.expert;
+        int level = c.level;
+        int s     = c.slot;
+        if (c.how == serve_as::later) {
+            continue;
+        }
+        if (c.how == serve_as::skip) {
+            served[e]     = true;
+            a.level_of[e] = n_level;
+            stats_.n_skipped += sel.n_pairs[e];
+            continue;
+        }
+        if (c.how == serve_as::in_place) {
+            serve_in_place(e);
+            continue;
+        }
+        if (c.how == serve_as::hit) {
+            pool_group & pg = pools[pool_of[level][il]];
+            stats_.expert_hits++;
+            pg.hits++;
+            if (pg.pool->slots[s].prefetched) {
+                stats_.prefetch_used++;
+                pg.pool->slots[s].prefetched = false;
             }
-            int level = -1;
-            int s = lookup(e, level);
-            if (s >= 0) {
-                pool_group & pg = pools[pool_of[level][il]];
-                stats_.expert_hits++;
-                pg.hits++;
-                if (pg.pool->slots[s].prefetched) {
-                    stats_.prefetch_used++;
-                    pg.pool->slots[s].prefetched = false;
+            pg.policy->on_access(s, /*high*/ level == 0);
+            if (c.upgrade) {
+                upgrade.emplace_back(e, sel.want[e]);
+            }
+        } else {
+            // load or wait: the plan counted a free or evictable slot for each load, and only
+            // waits (which drop prefetches and free slots) change the pools in between
+            s = c.how == serve_as::load ? take_slot(pool_of[level][il]) : -1;
+            if (s < 0 && plan.must_fit) {
+                s = wait_for_slot(il, sel.want[e], sel, lock, level);
+            }
+            if (s < 0) {
+                if (plan.has_inplace) {
+                    serve_in_place(e);
                 }
-                pg.policy->on_access(s, /*high*/ level == 0);
-                // only a token's first expert is worth an upgrade: it carries the largest gate
-                // weight, so serving it low costs the most quality; and each upgrade is a read
-                // and a copy competing with decode for the cores
-                if (level > want[e] && top1[e] && params.hit_policy == HOBBIT_HIT_UPGRADE) {
-                    upgrade.emplace_back(e, want[e]);
-                }
-            } else if (want[e] == SKIP) {
-                served[e]   = true;
-                level_of[e] = SKIP;
-                stats_.n_skipped += n_pairs[e];
-                continue;
-            } else if (has_inplace && runs_in_place(il, e, n_pairs[e])) {
-                // cooperative: computed on the mapped model instead of loaded
-                any_inplace = true;
-                stats_.expert_inplace++;
-                stats_.served[0] += n_pairs[e];
-                served[e]  = true;
-                inplace[e] = true;
-                continue;
-            } else {
-                // a lower precision than wanted only without an in-place pass: in place, the
-                // model's own weights serve the expert better (waves must fill every level,
-                // or the last one could be left with more experts than slots)
-                s = take_slot_near(il, want[e], !has_inplace, level);
-                while (s < 0 && must_fit && !failed()) {
-                    // prefetches stand in the way: unpin the predicted experts, drop the
-                    // queued loads, wait for a running one
-                    release_predicted([](int, int, int) { return true; });
-                    for (int l = 0; l < n_level; ++l) {
-                        const int p = pool_of[l][il];
-                        // (not the loads of slots this wave pinned: it waits for them below)
-                        const expert_pool & pool = *pools[p].pool;
-                        for (const load_task & t : io->drop_prefetches([&](const load_task & t) {
-                                 return t.group == p && pool.slots[t.slot].pins == 0; })) {
-                            if (pools[t.group].pool->slots[t.slot].prefetched) {
-                                stats_.prefetch_wasted++;
-                            }
-                            pools[t.group].pool->clear(t.slot);
-                        }
-                    }
-                    s = take_slot_near(il, want[e], true, level);
-                    if (s >= 0) {
-                        break;
-                    }
-                    bool prefetch_running = false;
-                    for (int l = 0; l < n_level; ++l) {
-                        const expert_pool & lp = *pools[pool_of[l][il]].pool;
-                        prefetch_running = prefetch_running || std::any_of(lp.slots.begin(), lp.slots.end(),
-                            [](const pool_slot & ps) { return ps.state == slot_state::loading && ps.pins == 0; });
-                    }
-                    if (!prefetch_running) {
-                        // every slot is taken by this very ubatch: it is wider than the pools
-                        fail("layer " + std::to_string(il) + " selects " + std::to_string(order.size()) +
-                             " experts in one ubatch but its pools hold " + std::to_string(layer_capacity(il)) +
-                             "; use a smaller n_ubatch or a larger expert cache");
-                        break;
-                    }
-                    cv_loaded.wait(lock);
-                    s = take_slot_near(il, want[e], true, level);
-                }
-                if (s < 0) {
-                    if (has_inplace) {
-                        any_inplace = true;
-                        stats_.expert_inplace++;
-                        stats_.served[0] += n_pairs[e];
-                        served[e]  = true;
-                        inplace[e] = true;
-                    }
-                    continue; // in place, or a later wave
-                }
-                const int p = pool_of[level][il];
-                pool_group & pg = pools[p];
-                stats_.expert_misses++;
-                pg.misses++;
-                pg.pool->assign(s, il, e);
-                pg.policy->on_insert(s, il, e);
-                pg.policy->on_access(s, /*high*/ level == 0);
-                load_task task = { p, level, s, il, e, /*prefetch*/ false, {}, {} };
-                pg.pool->slot_targets(s, task.dst, task.view);
-                loads.push_back(task);
+                continue; // in place, a later wave, or a failure
             }
             const int p = pool_of[level][il];
-            pools[p].pool->slots[s].pins++;
-            pinned.emplace_back(p, s);
-            slot_of[e]  = s;
-            level_of[e] = level;
-            served[e]   = true;
-            stats_.served[level] += n_pairs[e];
+            pool_group & pg = pools[p];
+            stats_.expert_misses++;
+            pg.misses++;
+            pg.pool->assign(s, il, e);
+            pg.policy->on_insert(s, il, e);
+            pg.policy->on_access(s, /*high*/ level == 0);
+            load_task task = { p, level, s, il, e, /*prefetch*/ false, {}, {} };
+            pg.pool->slot_targets(s, task.dst, task.view);
+            loads.push_back(task);
         }
-        // the wanted precision of a lower-precision hit loads in the background, one at a
-        // time, so upgrades use the disk's idle time and never queue up ahead of what the
-        // next layers will need
-        for (const auto & [e, level] : upgrade) {
-            if (io->background_in_flight() + (int) loads.size() > 0) {
-                break;
-            }
-            if (pools[pool_of[level][il]].pool->find(il, e) < 0 &&
-                queue_background_load(pool_of[level][il], il, e, /*prefetch*/ false, loads) >= 0) {
-                stats_.upgrades++;
-            }
+        const int p = pool_of[level][il];
+        pools[p].pool->slots[s].pins++;
+        pinned.emplace_back(p, s);
+        a.slot_of[e]  = s;
+        a.level_of[e] = level;
+        served[e]     = true;
+        stats_.served[level] += sel.n_pairs[e];
+    }
+    // the wanted precision of a lower-precision hit loads in the background, one at a
+    // time, so upgrades use the disk's idle time and never queue up ahead of what the
+    // next layers will need
+    for (const auto & [e, level] : upgrade) {
+        if (io->background_in_flight() + (int) loads.size() > 0) {
+            break;
         }
+        if (pools[pool_of[level][il]].pool->find(il, e) < 0 &&
+            queue_background_load(pool_of[level][il], il, e, /*prefetch*/ false, loads) >= 0) {
+            stats_.upgrades++;
+        }
+    }
+    return a;
+}
+
+void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
+    const int64_t t_enter = now_us();
+    const int n_expert = index.info.n_expert;
+    const wave_selection sel = read_selection(dst->src[0], dst->src[1], n_expert, thresholds);
+    const int n_tokens = sel.n_tokens;
+    const size_t n_pair = sel.n_pair();
+    const int n_plane = (int) dst->ne[2]; // one plane per level + the in-place plane
+    int32_t * out         = (int32_t *) dst->data;
+    int32_t * out_inplace = out + (size_t) (n_plane - 1) * n_pair;
+
+    std::unique_lock<std::mutex> lock(mtx);
+    wave_assignment a(n_expert);
+    if (!failed()) {
+        begin_wave(il, wave, sel, dst);
+        const wave_plan plan = plan_wave(il, wave, sel);
+        std::vector<load_task> loads;
+        a = apply_wave(il, plan, sel, lock, loads);
 
         const ggml_tensor * x = dst->src[3]; // router input [n_embd, n_tokens]
         if (predictor && wave == 0 && n_tokens == 1 && x->type == GGML_TYPE_F32 && x->ne[0] == index.info.n_embd) {
             prefetch_next_layers(il, (const float *) x->data, loads);
         }
         if (wave == 0 && (int64_t) n_pair >= 2 * n_expert) {
-            if (!any_inplace) {
+            if (!a.any_inplace) {
                 prefetch_next_layer_whole(il, loads);
             } else {
                 read_ahead_next_layer(il);
@@ -724,7 +753,7 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
             });
         });
         n_waiting--;
-        waited = now_us() - t0;
+        const int64_t waited = now_us() - t0;
         stats_.stall_us += waited;
         last_dispatch_il = il;
         stats_.dispatch_us += now_us() - t_enter - waited; // the id planes below are a copy: not counted
@@ -737,12 +766,12 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
         return;
     }
     for (size_t i = 0; i < n_pair; ++i) {
-        const int32_t e = ids[i];
+        const int32_t e = sel.ids[i];
         const bool valid = e >= 0 && e < n_expert;
         for (int l = 0; l < n_level; ++l) {
-            out[(size_t) l*n_pair + i] = (valid && level_of[e] == l) ? slot_of[e] : -1;
+            out[(size_t) l*n_pair + i] = (valid && a.level_of[e] == l) ? a.slot_of[e] : -1;
         }
-        out_inplace[i] = (valid && inplace[e]) ? e : -1;
+        out_inplace[i] = (valid && a.inplace[e]) ? e : -1;
     }
 }
 

@@ -14,6 +14,7 @@
 #include "hobbit-precision-scorer.h"
 #include "hobbit-predictor.h"
 #include "hobbit-trace-recorder.h"
+#include "hobbit-wave-plan.h"
 
 #include "hobbit.h"
 #include "llama.h"
@@ -61,8 +62,22 @@ private:
     static void    dispatch_op(ggml_tensor * dst, int ith, int nth, void * ud);
     static int32_t n_waves_op(void * ctx, int32_t n_tokens);
     int  n_waves(int il, int n_tokens) const;
-    // runs on the compute thread, blocking until this wave's experts are in the pools
+    // runs on the compute thread, blocking until this wave's experts are in the pools:
+    // read the selection, begin_wave, plan_wave, apply_wave, prefetch, submit, wait, write ids
     void dispatch(ggml_tensor * dst, int il, int wave);
+    // the previous wave's pins, stale predictions and wrong prefetches go; needs mtx
+    void begin_wave(int il, int wave, const wave_selection & sel, const ggml_tensor * dst);
+    // what the wave does for each selected expert, from the pools as they are; changes nothing; needs mtx
+    wave_plan plan_wave(int il, int wave, const wave_selection & sel) const;
+    // carries the plan out: hits pinned, slots taken and assigned, loads and upgrades
+    // queued in loads, counted in the stats; needs mtx, which a wait for a slot releases
+    wave_assignment apply_wave(int il, const wave_plan & plan, const wave_selection & sel,
+                               std::unique_lock<std::mutex> & lock, std::vector<load_task> & loads);
+    // the last wave's expert finds no slot: drop prefetches and wait for a running load
+    // until one frees, or fail; the slot and its level, or -1; needs mtx
+    int  wait_for_slot(int il, int want, const wave_selection & sel, std::unique_lock<std::mutex> & lock, int & level);
+    // the cached copy a selection may use: any level, or with HOBBIT_HIT_EXACT only the wanted one; needs mtx
+    int  lookup(int il, int e, int want, int & level) const;
     // a slot of pool p for a new expert, or -1 if every slot is pinned or loading; needs mtx
     int  take_slot(int p);
     // a slot for an expert of layer il at level want if one is free, else at the nearest

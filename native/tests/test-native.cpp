@@ -221,6 +221,36 @@ static void test_simulator() {
     printf("ok simulator\n");
 }
 
+static void test_take_slot() {
+    // the rule the runtime's pools and the simulator share: the first empty slot, else the
+    // policy's victim among the evictable ones, else none
+    std::unique_ptr<cache_policy_i> lru = cache_policy_make(cache_policy_kind::lru, 4, 1, 8);
+    std::vector<int> scratch;
+    std::vector<slot_use> use = { slot_use::busy, slot_use::evictable, slot_use::empty, slot_use::empty };
+    const auto take = [&]() { return cache_take_slot(4, [&](int s) { return use[s]; }, *lru, scratch); };
+    CHECK(take() == 2);
+    lru->on_insert(1, 0, 5);
+    lru->on_insert(2, 0, 6);
+    lru->on_insert(3, 0, 7);
+    use = { slot_use::busy, slot_use::evictable, slot_use::evictable, slot_use::evictable };
+    lru->on_access(1, true);
+    CHECK(take() == 2); // the least recently used of the evictable slots
+    use = { slot_use::busy, slot_use::busy, slot_use::busy, slot_use::busy };
+    CHECK(take() == -1);
+
+    // Belady as an ordinary policy (one layer, top-1, a step per token): expert 3 needs a
+    // slot at step 2; expert 1 comes again at step 3, expert 2 never: 2 goes
+    const std::vector<int32_t> steps = { 1, 2, 3, 1 };
+    std::unique_ptr<cache_policy_i> opt = cache_policy_make_belady(steps.data(), 4, 1, 4, 1, 2);
+    opt->on_layer(0);
+    opt->on_insert(0, 0, 1);
+    opt->on_layer(0);
+    opt->on_insert(1, 0, 2);
+    opt->on_layer(0); // step 2 needs a slot for expert 3
+    CHECK(opt->choose_victim({ 0, 1 }) == 1);
+    printf("ok take slot, belady policy\n");
+}
+
 static void test_pool(const std::string & path) {
     expert_index idx = expert_index::from_file(path);
     expert_pool pool(idx.layers[0], N_LAYER, N_EXPERT, N_USED, 3);
@@ -408,6 +438,7 @@ int main(int argc, char ** argv) {
     test_lru();
     test_lfu_lhu_fld();
     test_simulator();
+    test_take_slot();
     test_pool(path);
     test_scheduler(path);
     test_precision_scorer();

@@ -1,0 +1,41 @@
+#include "hobbit-wave-plan.h"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+
+wave_selection read_selection(const ggml_tensor * sel, const ggml_tensor * wts, int n_expert,
+                              const precision_thresholds & thresholds) {
+    wave_selection ws;
+    ws.n_used   = (int) sel->ne[0];
+    ws.n_tokens = (int) sel->ne[1];
+    const int skip = thresholds.n_level;
+    ws.ids.resize((size_t) ws.n_used * ws.n_tokens);
+    ws.n_pairs.assign(n_expert, 0);
+    ws.want.assign(n_expert, INT_MAX);
+    ws.top1.assign(n_expert, false);
+    std::vector<float> w(ws.n_used);
+    std::vector<int> pair_level(ws.n_used);
+    for (int t = 0; t < ws.n_tokens; ++t) {
+        for (int k = 0; k < ws.n_used; ++k) {
+            w[k] = *(const float *) ((const char *) wts->data + k*wts->nb[1] + t*wts->nb[2]);
+        }
+        precision_levels(thresholds, w.data(), ws.n_used, pair_level.data());
+        const int first = (int) (std::max_element(w.begin(), w.end(), [](float a, float b) { return std::fabs(a) < std::fabs(b); }) - w.begin());
+        for (int k = 0; k < ws.n_used; ++k) {
+            const int32_t e = *(const int32_t *) ((const char *) sel->data + t*sel->nb[1] + k*sel->nb[0]);
+            ws.ids[(size_t) t*ws.n_used + k] = e;
+            if (e >= 0 && e < n_expert) {
+                if (ws.n_pairs[e]++ == 0) {
+                    ws.order.push_back(e);
+                }
+                ws.want[e] = std::min(ws.want[e], pair_level[k] == PRECISION_SKIP ? skip : pair_level[k]);
+                ws.top1[e] = ws.top1[e] || k == first;
+            }
+        }
+    }
+    // when the ubatch needs more experts than there are slots, the experts with the most
+    // tokens get the slots; the rest run in place (one wave) or in the next waves
+    std::stable_sort(ws.order.begin(), ws.order.end(), [&](int a, int b) { return ws.n_pairs[a] > ws.n_pairs[b]; });
+    return ws;
+}

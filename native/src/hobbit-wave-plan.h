@@ -1,0 +1,66 @@
+// hobbit-wave-plan.h - what one wave of a MoE layer's dispatch does for each expert the
+// router selected, decided before anything changes.
+//
+// As llama.cpp plans a ubatch's KV cells (find_slot) before writing them (apply_ubatch),
+// the runtime first reads the router's choice (read_selection), then plans the wave from
+// the pools as they are (hobbit_runtime::plan_wave, read-only), then carries the plan out
+// (apply_wave: pins, slots taken, loads queued) and waits for the loads.
+#pragma once
+
+#include "hobbit-precision-scorer.h"
+
+#include "ggml.h"
+
+#include <cstdint>
+#include <vector>
+
+// the router's choice for one ubatch
+struct wave_selection {
+    int n_used   = 0;
+    int n_tokens = 0;
+    std::vector<int32_t> ids;     // [n_tokens][n_used] expert ids (the top-k view is not contiguous)
+    std::vector<int>     n_pairs; // [n_expert] tokens that selected the expert
+    std::vector<int>     want;    // [n_expert] level wanted: the highest any of its tokens asks for;
+                                  // n_level = skipped if missed; INT_MAX = not selected
+    std::vector<bool>    top1;    // [n_expert] some token weighs this expert most
+    std::vector<int>     order;   // the selected experts, those with the most tokens first
+
+    size_t n_pair() const { return ids.size(); }
+};
+
+// sel: the dispatch op's [n_used, n_tokens] ids; wts: its [1, n_used, n_tokens] gate weights
+wave_selection read_selection(const ggml_tensor * sel, const ggml_tensor * wts, int n_expert,
+                              const precision_thresholds & thresholds);
+
+enum class serve_as {
+    hit,      // cached at `level`, in `slot`
+    skip,     // missed and wanted at no level: left out of the sum (HOBBIT's T1)
+    in_place, // computed on the mapped model (cooperative)
+    load,     // a slot of `level`'s pool is empty or evictable: the expert is read into it
+    wait,     // no slot now and no pass after this one: free one (drop prefetches) or wait for one
+    later,    // no slot now: a later wave serves it
+};
+
+struct expert_choice {
+    int      expert  = -1;
+    serve_as how     = serve_as::later;
+    int      level   = -1;
+    int      slot    = -1;    // hit only
+    bool     upgrade = false; // a hit below the wanted level of a token's top-1 expert: load the wanted copy
+};
+
+struct wave_plan {
+    bool has_inplace = false; // the wave has an in-place pass
+    bool must_fit    = false; // no in-place pass and no wave after this one: every expert left needs a slot
+    std::vector<expert_choice> choices; // cached experts first; those an earlier wave served left out
+};
+
+// what the id planes are written from once the plan is carried out
+struct wave_assignment {
+    std::vector<int>  slot_of;  // [n_expert] slot serving the expert, or -1
+    std::vector<int>  level_of; // [n_expert] level serving it, n_level if skipped, or -1
+    std::vector<bool> inplace;  // [n_expert] computed on the mapped model
+    bool any_inplace = false;
+
+    explicit wave_assignment(int n_expert) : slot_of(n_expert, -1), level_of(n_expert, -1), inplace(n_expert, false) {}
+};
