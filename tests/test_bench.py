@@ -144,3 +144,33 @@ def test_bench_frontier_against_uniform_quants(model_dir, tmp_path):
     p = _bench(args + ["--out", str(tmp_path / "again"), "--caps", "none"])
     assert p.returncode == 0, p.stderr
     assert "reusing" in p.stdout and sorted(quant_dir.iterdir()) == made
+
+
+def test_bench_tunes_for_every_cap(model_dir, tmp_path):
+    # --tune runs `tune` at each cap's memory first and benchmarks its pick there as "tuned",
+    # scored like every other configuration
+    path = tiny_model(model_dir, "llama", n_embd=256)
+    tune_text = tmp_path / "tune.txt"
+    tune_text.write_text("The miller's daughter carried flour to the bakery at dawn and sang on the way. " * 30)
+    quality = tmp_path / "held-out.txt"
+    quality.write_text("The keeper climbed the stairs of the tower every evening and lit the lamp. " * 40)
+    args = [str(path), "--caps", "--cap-mb", "400", "--repeats", "1", "-n", "4", "--threads", "2",
+            "--tune", str(tune_text), "--tune-candidates", "Q4_K_M,Q2_K", "--tune-tokens", "96",
+            "--max-ppl-increase", "0.5", "--quality", str(quality), "--quality-tokens", "96", "--no-progress"]
+    out = tmp_path / "tuned"
+    p = _bench(args + ["--out", str(out)])
+    assert p.returncode == 0, p.stderr
+    assert "tune for cap 400MB" in p.stdout and "chosen:" in p.stdout
+    r = json.loads((out / "bench.json").read_text())
+    pick = r["tuned"]["400MB"]
+    assert pick["chosen"] in ("Q4_K_M", "Q2_K") and {c["name"] for c in pick["candidates"]} == {"Q4_K_M", "Q2_K"}
+    row = r["rows"][0]
+    assert [s["config"] for s in row["configs"]] == ["stock", "tuned"]
+    tuned = row["configs"][1]
+    assert tuned["settings"]["high"] == pick["settings"]["high"] and tuned["decode_tok_s"] > 0
+    assert tuned["mean_kl"] > 0 and "ppl_increase" in tuned and tuned["lossy"]
+
+    # tuning needs a memory size: a cap of 'none' is refused before any work
+    p = _bench([str(path), "--caps", "none", "--tune", str(tune_text), "--out", str(tmp_path / "none")])
+    assert p.returncode == 2 and "--tune needs a memory size" in p.stderr
+    assert not (tmp_path / "none").exists()

@@ -108,11 +108,13 @@ class BenchResult:
     rows: list[dict] = field(default_factory=list)
     stock_compute_ms: float | None = None  # per token, warm and uncapped
     quality: dict | None = None  # tokens scored and the stock perplexity (--quality)
+    tuned: dict = field(default_factory=dict)  # per cap: what `tune` chose for its memory (--tune)
 
     def as_dict(self) -> dict:
         return {"model": self.model, "machine": self.machine, "disk_bytes_per_s": self.disk_bytes_per_s,
                 "disk_direct": self.disk_direct, "cap_method": self.cap_method,
-                "stock_compute_ms": self.stock_compute_ms, "quality": self.quality, "rows": self.rows}
+                "stock_compute_ms": self.stock_compute_ms, "quality": self.quality, "tuned": self.tuned,
+                "rows": self.rows}
 
 
 def _machine() -> dict:
@@ -232,17 +234,59 @@ def _lossy(cfg: BenchConfig) -> bool:
     return cfg.model is not None or any(o.get(k) for k in ("high", "mid", "low"))
 
 
+TUNED = "tuned"
+
+
+@dataclass
+class TuneRequest:
+    """Run `tune` at every cap's memory and benchmark its pick there as the configuration "tuned"."""
+    text: str
+    candidates: list[str] | None = None  # names as tune prints them; None: all
+    max_tokens: int = 1024
+    max_ppl_increase: float = 0.01
+
+
+def tuned_configs(model: str, caps: list[Cap], request: TuneRequest, shape: ContextShape, threads: int,
+                  result: BenchResult, log=print) -> dict[str, BenchConfig]:
+    """Per cap label, the configuration `tune` picks for that much memory (a cap where no
+    candidate stays within the perplexity budget gets none)."""
+    import dataclasses
+
+    from .config import OffloadConfig
+    from .tune import tune
+
+    picked = {}
+    for cap in caps:
+        log(f"tune for cap {cap.label} ({cap.limit_bytes / MB:.1f} MB):")
+        try:
+            profile, rows = tune(model, request.text, memory_bytes=cap.limit_bytes,
+                                 max_ppl_increase=request.max_ppl_increase, max_tokens=request.max_tokens,
+                                 run_shape=shape, threads=threads, log=lambda m: log("  " + m), names=request.candidates)
+        except HobbitError as e:
+            log(f"  nothing chosen: {e}")
+            result.tuned[cap.label] = {"chosen": None, "why": str(e)}
+            continue
+        chosen = profile.calibration["chosen"]
+        log(f"  chosen: {chosen}")
+        result.tuned[cap.label] = {"chosen": chosen, "settings": profile.settings, "candidates": rows}
+        picked[cap.label] = BenchConfig(TUNED, dataclasses.asdict(OffloadConfig(**profile.settings)))
+    return picked
+
+
 def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeats: int = 3, n_predict: int = 32,
               threads: int | None = None, prompt_tokens: tuple[int, int] = (16, 128), progress=True,
               quants: list[str] = (), quant_dir: str | None = None, quality_text: str | None = None,
-              quality_tokens: int = 4096, log=print) -> BenchResult:
+              quality_tokens: int = 4096, tune_request: TuneRequest | None = None, log=print) -> BenchResult:
     """quants: uniform quants of the model (made with llama.cpp's quantizer into quant_dir,
     or reused from there) run by stock llama.cpp as further baselines; quality_text: score
-    every configuration's perplexity and KL against the model (stock) on this text."""
+    every configuration's perplexity and KL against the model (stock) on this text;
+    tune_request: first run `tune` at each cap's memory and add its pick there."""
     info = inspect_model(model)
     threads = threads or os.cpu_count() or 1
     log(f"{model}: {info.file_bytes / MB:.0f} MB, {info.arch}, {info.n_layer_moe} MoE layers x {info.n_expert} experts "
         f"(top-{info.n_expert_used}), {info.expert_bytes_total / MB:.0f} MB of experts")
+    if tune_request is not None and any(c.limit_bytes is None for c in caps):
+        raise HobbitError("tuning needs a memory size: every cap must be a limit (not 'none')")
     quant_configs = []
     for q in quants:
         path, made = make_uniform_quant(model, q, quant_dir or default_quant_dir(model), threads)
@@ -258,10 +302,14 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
     else:
         log(f"memory cap: {memcap}, RSS and page cache together")
     all_configs = [BenchConfig(STOCK, None)] + quant_configs + configs
-    every_file = set().union(*(config_files(model, c) for c in all_configs))
     result = BenchResult(model=os.path.abspath(model), machine=_machine(), disk_bytes_per_s=disk_bw,
                          disk_direct=direct, cap_method=str(memcap) if memcap else "none (budgets only)")
-    total = len(caps) * repeats * len(all_configs)
+    tuned = {} if tune_request is None else tuned_configs(
+        model, caps, tune_request, bench_context_shape(n_predict, prompt_tokens), threads, result, log)
+    # each cap's configurations: the same everywhere, but for tune's pick for that cap's memory
+    cap_configs = {cap.label: all_configs + ([tuned[cap.label]] if cap.label in tuned else []) for cap in caps}
+    every_file = set().union(*(config_files(model, c) for cs in cap_configs.values() for c in cs))
+    total = repeats * sum(len(cs) for cs in cap_configs.values())
     bar = None
     if progress:
         from tqdm import tqdm
@@ -281,9 +329,10 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
                 context = context_sizes(info, bench_context_shape(n_predict, prompt_tokens)).total
                 fallback = max(info.min_budget_bytes, cap.limit_bytes - info.resident_bytes - context - SLACK_BYTES
                                - 2 * info.expert_bytes) / MB
-            runs = {c.name: [] for c in all_configs}
+            this_cap = cap_configs[cap.label]
+            runs = {c.name: [] for c in this_cap}
             for _ in range(repeats):
-                for cfg in all_configs:  # interleaved, so drifts of the machine hit every configuration alike
+                for cfg in this_cap:  # interleaved, so drifts of the machine hit every configuration alike
                     if bar is not None:
                         bar.set_postfix_str(f"cap {cap.label} {cfg.name}")
                     runs[cfg.name].append(_run_one(model, cfg, cap, memcap, n_predict, threads, prompt_tokens, fallback,
@@ -291,9 +340,10 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
                     if bar is not None:
                         bar.update(1)
             row = {"cap": cap.label, "cap_mb": cap.limit_bytes / MB if cap.limit_bytes else None,
-                   "configs": [_summarize(c.name, runs[c.name], disk_bw, stock_compute_s) for c in all_configs]}
+                   "configs": [_summarize(c.name, runs[c.name], disk_bw, stock_compute_s) for c in this_cap]}
             stock = row["configs"][0]
-            for cfg, s in zip(all_configs, row["configs"]):
+            for cfg, s in zip(this_cap, row["configs"]):
+                s["settings"] = cfg.offload
                 s["lossy"] = _lossy(cfg)
                 s["file_mb"] = os.path.getsize(cfg.model or model) / MB
                 if s.get("decode_tok_s") and stock.get("decode_tok_s"):
@@ -315,12 +365,14 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
         if memcap is not None:
             memcap.remove()
     if quality_text is not None:
-        score_quality(result, model, all_configs, quality_text, quality_tokens, threads, progress, log)
+        score_quality(result, model, [cap_configs[c.label] for c in caps], quality_text, quality_tokens, threads,
+                      progress, log)
     return result
 
 
-def score_quality(result: BenchResult, model: str, configs: list[BenchConfig], text: str, max_tokens: int,
+def score_quality(result: BenchResult, model: str, row_configs: list[list[BenchConfig]], text: str, max_tokens: int,
                   threads: int, progress: bool, log=print) -> None:
+    """row_configs: the configurations of each of result.rows, in its order."""
     """Perplexity and KL of every configuration against stock on the model, as decoding meets
     them: stock files in wide batches (their logits do not depend on the batch), hobbitpy
     configurations token by token with the expert budget each got under each cap."""
@@ -336,14 +388,14 @@ def score_quality(result: BenchResult, model: str, configs: list[BenchConfig], t
     reference = Reference.measure(model, ids, n_threads=threads)
     log(f"quality: {len(ids)} tokens, stock perplexity {reference.perplexity:.4f}")
     stock_scores = {STOCK: {"perplexity": reference.perplexity, "mean_kl": 0.0, "top1_agreement": 1.0}}
-    for cfg in configs:
+    for cfg in row_configs[0]:
         if cfg.offload is None and cfg.model is not None:
             r = evaluate_against(cfg.model, reference, OffloadConfig(enabled=False), n_threads=threads, progress=bar)
             stock_scores[cfg.name] = {"perplexity": r.perplexity, "mean_kl": r.mean_kl, "top1_agreement": r.top1_agreement}
-    scored = {}  # (configuration, budget): the same cache shape under two caps is scored once
-    for row in result.rows:
+    scored = {}  # (settings, budget): the same cache shape under two caps is scored once
+    for row, configs in zip(result.rows, row_configs):
         for cfg, s in zip(configs, row["configs"]):
-            key = (cfg.name, s.get("budget_mb"), s.get("offloaded"))
+            key = (json.dumps(cfg.offload, sort_keys=True), s.get("budget_mb"), s.get("offloaded"))
             score = stock_scores.get(cfg.name) or scored.get(key)
             if score is None and cfg.offload is not None and s.get("decode_tok_s") is not None:
                 # the budget the run got under this cap; a run that kept every expert resident is stock's path
@@ -410,13 +462,13 @@ def plot(result: BenchResult, path: pathlib.Path) -> bool:
     if not capped:
         return False
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    names = [s["config"] for s in capped[0]["configs"]]
+    names = list(dict.fromkeys(s["config"] for r in capped for s in r["configs"]))
     model_mb = os.path.getsize(result.model) / MB
     for name in names:
         xs, ys = [], []
         for r in capped:
-            s = next(s for s in r["configs"] if s["config"] == name)
-            if s.get("decode_tok_s"):
+            s = next((s for s in r["configs"] if s["config"] == name), None)
+            if s is not None and s.get("decode_tok_s"):
                 xs.append(r["cap_mb"] / model_mb)
                 ys.append(s["decode_tok_s"])
         ax.plot(xs, ys, marker="o", label=name)

@@ -150,6 +150,14 @@ def _add_bench_parser(sub) -> None:
                         "(hobbitpy's token by token, with the budget it got under each cap) and print the "
                         "quality-speed frontier per cap; writes frontier.png")
     p.add_argument("--quality-tokens", type=int, default=4096, help="tokens of --quality scored (default 4096)")
+    p.add_argument("--tune", metavar="TEXT",
+                   help="first run `hobbitpy tune` on this text (keep it apart from --quality's) at every cap's memory "
+                        "and benchmark its pick there as the configuration 'tuned'")
+    p.add_argument("--tune-candidates", type=lambda t: [c.strip() for c in t.split(",") if c.strip()], default=None,
+                   metavar="NAME,...", help="the candidates tune scores (names as `hobbitpy tune` prints them; default all)")
+    p.add_argument("--tune-tokens", type=int, default=1024, help="tokens of --tune scored per candidate (default 1024)")
+    p.add_argument("--max-ppl-increase", type=float, default=0.01,
+                   help="tune's perplexity budget, as a fraction (default 0.01)")
     p.add_argument("--out", help="output folder for bench.json and the PNGs (default bench-MODEL-TIME; never overwritten)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_bench)
@@ -173,9 +181,19 @@ def _bench(args) -> int:
             quality_text, why = _read_text(args.quality)
             if why:
                 return _fail(why)
-        configs = [bench.BenchConfig.parse(c) for c in (args.config or ["lru"])]
+        tune_request = None
+        if args.tune:
+            if args.tune_tokens < 16 or not 0 <= args.max_ppl_increase < 1:
+                return _fail("--tune-tokens must be >= 16 and --max-ppl-increase in [0, 1)")
+            tune_text, why = _read_text(args.tune)
+            if why:
+                return _fail(why)
+            tune_request = bench.TuneRequest(tune_text, args.tune_candidates, args.tune_tokens, args.max_ppl_increase)
+        configs = [bench.BenchConfig.parse(c) for c in (args.config or ([] if args.tune else ["lru"]))]
         if len({c.name for c in configs}) != len(configs):
             return _fail("configuration names must differ")
+        if args.tune and any(c.name == bench.TUNED for c in configs):
+            return _fail(f"'{bench.TUNED}' is the name of tune's pick; give your configuration another")
         # every model is checked before the first run: a typo in the second must not
         # surface after an hour of measuring the first
         plans = []
@@ -183,6 +201,8 @@ def _bench(args) -> int:
             caps = bench.parse_caps(args.caps, args.cap_mb, os.path.getsize(model))
             if not caps:
                 return _fail("no caps given")
+            if args.tune and any(c.limit_bytes is None for c in caps):
+                return _fail("--tune needs a memory size at every cap: drop 'none' from --caps")
             plans.append((model, caps))
         out = pathlib.Path(args.out) if args.out else bench.default_out_dir(args.models[0])
         bench.check_out_dir(out)
@@ -192,7 +212,7 @@ def _bench(args) -> int:
             result = bench.run_bench(model, configs, caps, repeats=args.repeats, n_predict=args.n_predict,
                                      threads=args.threads, progress=not args.no_progress, quants=quants,
                                      quant_dir=args.quant_dir, quality_text=quality_text,
-                                     quality_tokens=args.quality_tokens)
+                                     quality_tokens=args.quality_tokens, tune_request=tune_request)
             # one model: its files in the output folder; several: a folder per model
             target = out if len(plans) == 1 else out / pathlib.Path(model).stem
             for path in bench.write_outputs(result, target):
