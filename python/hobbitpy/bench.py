@@ -253,15 +253,20 @@ def tuned_configs(model: str, caps: list[Cap], request: TuneRequest, shape: Cont
     import dataclasses
 
     from .config import OffloadConfig
+    from .memory import process_resident_bytes
     from .tune import tune
 
+    # a run's process before it loads a model is this one now; once tune has scored a cap,
+    # this one holds far more (mapped model pages, reference logits)
+    process_bytes = process_resident_bytes()
     picked = {}
     for cap in caps:
         log(f"tune for cap {cap.label} ({cap.limit_bytes / MB:.1f} MB):")
         try:
             profile, rows = tune(model, request.text, memory_bytes=cap.limit_bytes,
                                  max_ppl_increase=request.max_ppl_increase, max_tokens=request.max_tokens,
-                                 run_shape=shape, threads=threads, log=lambda m: log("  " + m), names=request.candidates)
+                                 run_shape=shape, threads=threads, log=lambda m: log("  " + m), names=request.candidates,
+                                 process_bytes=process_bytes)
         except HobbitError as e:
             log(f"  nothing chosen: {e}")
             result.tuned[cap.label] = {"chosen": None, "why": str(e)}
