@@ -81,3 +81,81 @@ def test_default_model_runs_without_a_model_argument():
     words = proc.stdout.split()
     assert len(words) >= 8, proc.stdout
     assert sum(w.strip(",.;:").isalpha() for w in words) >= len(words) // 2, proc.stdout
+
+
+def _cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "hobbitpy", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+def test_version_and_one_line_errors(model_dir):
+    p = _cli("--version")
+    assert p.returncode == 0 and p.stdout.startswith("hobbitpy ")
+    path = tiny_model(model_dir, "llama")
+    p = _cli("run", path, "--prompt", "")
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "--prompt is empty" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+    p = _cli("run", path, "--prompt", "Hi", "--top-p", "1.5")
+    assert p.returncode == 2 and "sampling flags" in p.stderr
+
+
+def test_echo_sampling_flags_and_seeds(model_dir):
+    path = tiny_model(model_dir, "llama")
+    common = ["run", path, "--prompt", "The harbour at dawn", "-n", "32", "--threads", "2", "-q"]
+    greedy = _cli(*common, "--temp", "0")
+    assert greedy.returncode == 0 and greedy.stdout.startswith("The harbour at dawn") and greedy.stderr == ""
+    quiet = _cli(*common, "--temp", "0", "--no-echo")
+    assert greedy.stdout == "The harbour at dawn" + quiet.stdout
+    # a seed makes sampling repeatable; without one every run draws its own
+    wide = ["--temp", "1.5", "--top-k", "0", "--top-p", "1", "--min-p", "0", "--no-echo"]
+    a, b = _cli(*common, *wide, "--seed", "7"), _cli(*common, *wide, "--seed", "7")
+    assert a.returncode == 0 and a.stdout == b.stdout
+    draws = {_cli(*common, *wide).stdout for _ in range(3)}
+    assert len(draws) > 1
+    # --stop ends the text at the stop string (greedy text cut before its second word)
+    second_word = quiet.stdout.split()[1]
+    stopped = _cli(*common, "--temp", "0", "--no-echo", "--stop", second_word)
+    assert stopped.returncode == 0 and second_word not in stopped.stdout
+
+
+def test_stats_json_is_never_overwritten_nor_followed(model_dir, tmp_path):
+    path = tiny_model(model_dir, "llama")
+    existing = tmp_path / "stats.json"
+    existing.write_text("keep me\n")
+    p = _cli("run", path, "--prompt", "Hi", "-n", "2", "--stats-json", existing)
+    assert p.returncode == 2 and "already exists" in p.stderr and existing.read_text() == "keep me\n"
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("mine\n")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    p = _cli("run", path, "--prompt", "Hi", "-n", "2", "--stats-json", link)
+    assert p.returncode == 2 and target.read_text() == "mine\n"
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "nowhere" / "x.json")
+    p = _cli("run", path, "--prompt", "Hi", "-n", "2", "--stats-json", dangling)
+    assert p.returncode == 2 and not (tmp_path / "nowhere").exists()
+    fresh = tmp_path / "fresh.json"
+    p = _cli("run", path, "--prompt", "Hi", "-n", "2", "--temp", "0", "--stats-json", fresh)
+    assert p.returncode == 0 and json.loads(fresh.read_text())["n_tokens"] == 2
+    assert [f.name for f in tmp_path.iterdir() if f.name.startswith(".")] == []  # no temporary left behind
+
+
+def test_ctrl_c_keeps_the_text_and_exits_130(model_dir):
+    import signal
+
+    path = tiny_model(model_dir, "llama")
+    proc = subprocess.Popen([sys.executable, "-m", "hobbitpy", "run", str(path), "--prompt", "Once", "-n", "100000",
+                             "--ctx", "8192", "--temp", "0", "--threads", "2", "--no-echo"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.read(1)  # generation has started
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert first and proc.returncode == 130, err
+    assert "Traceback" not in err
+
+
+def test_chat_keeps_history_and_ends_on_eof(model_dir):
+    path = tiny_model(model_dir, "llama")
+    p = _cli("run", path, "--chat", "-n", "8", "--temp", "0", "--threads", "2", "-q", input="Hello there\nAnd again\n")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("> ") == 3  # two turns, then the prompt that met the end of input

@@ -3,13 +3,26 @@
 llama.cpp (patched) underneath, routed experts served from a budgeted expert cache.
 """
 
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError, version as _version
 import os as _os
+import sys as _sys
+
+try:
+    __version__ = _version("hobbitpy")
+except _PackageNotFoundError:  # run from a source tree without an install
+    __version__ = "unknown"
 
 from ._native import LIB_DIR as _LIB_DIR
 
-# llama-cpp-python must load hobbitpy's patched libllama, not its own; it reads this
-# variable once, at import
+# llama-cpp-python must load hobbitpy's patched libllama: it reads this variable once, at
+# import (the .pth hook hobbitpy installs sets it at interpreter start already, unless the
+# user set another path)
 _os.environ["LLAMA_CPP_LIB_PATH"] = str(_LIB_DIR)
+if "llama_cpp.llama_cpp" in _sys.modules:
+    _loaded = _os.path.realpath(_sys.modules["llama_cpp.llama_cpp"]._lib._name)
+    if _os.path.dirname(_loaded) != _os.path.realpath(_LIB_DIR):
+        raise ImportError(f"llama_cpp was imported before hobbitpy and loaded {_loaded}; hobbitpy needs its own "
+                          f"patched library in {_LIB_DIR}. Unset LLAMA_CPP_LIB_PATH, or import hobbitpy first.")
 
 from .config import OffloadConfig  # noqa: E402
 from .errors import BudgetError, ExpertReadError, HobbitError, ModelFileError  # noqa: E402

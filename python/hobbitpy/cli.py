@@ -4,27 +4,117 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
 MB = 1024 * 1024
+log = logging.getLogger("hobbitpy")
 DEFAULT_MODEL = "ref-mixtral-Q8_0.gguf"  # models/README.md
 
 
 def _add_run_parser(sub) -> None:
-    p = sub.add_parser("run", help="generate text from a prompt",
-                       description="Generate text; routed experts run through a budgeted expert cache.")
+    p = sub.add_parser("run", help="generate text from a prompt, or chat",
+                       description="Generate text from a prompt (or chat with --chat); routed experts run through a "
+                                   "budgeted expert cache. Flags as llama.cpp names them.")
     p.add_argument("model", nargs="?", help="GGUF model file (default: the small mixtral-style model shipped with hobbitpy)")
-    p.add_argument("--prompt", required=True, help="prompt text")
-    p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (default 64)")
-    p.add_argument("--temp", type=float, default=0.8, help="sampling temperature; 0 = greedy and deterministic")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads (default: all cores)")
-    p.add_argument("--ctx", type=int, default=512, help="context length in tokens (default 512)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("-p", "--prompt", help="prompt text")
+    what.add_argument("--chat", action="store_true", help="an interactive chat with history (Ctrl-D or Ctrl-C ends it)")
+    p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (per reply with --chat; default 64)")
+    _add_sampling_args(p)
+    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="CPU threads (default: all cores)")
+    p.add_argument("-c", "--ctx", type=int, default=None, help="context length in tokens (default: the model's training context)")
+    p.add_argument("--no-echo", action="store_true", help="print only the generated text, not the prompt before it")
     add_offload_args(p)
-    p.add_argument("--stats-json", metavar="FILE", help="write run statistics as JSON to FILE")
-    p.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
+    p.add_argument("--stats-json", metavar="FILE", help="write run statistics as JSON to FILE (a new file)")
+    _add_verbosity_args(p)
     p.set_defaults(func=_run)
+
+
+def _add_sampling_args(p) -> None:
+    g = p.add_argument_group("sampling (llama.cpp's names and defaults)")
+    g.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy and deterministic (default 0.8)")
+    g.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens; 0 = all (default 40)")
+    g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold (default 0.95)")
+    g.add_argument("--min-p", type=float, default=0.05, help="drop tokens below this share of the best one's probability (default 0.05)")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalty for repeated tokens; 1 = none (default 1.0)")
+    g.add_argument("-r", "--stop", action="append", default=None, metavar="TEXT", help="stop at this text (repeatable)")
+    g.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (default: a random one each run)")
+
+
+def _add_verbosity_args(p) -> None:
+    v = p.add_mutually_exclusive_group()
+    v.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log too")
+    v.add_argument("-q", "--quiet", action="store_true", help="no notes on stderr, only errors")
+
+
+def _sampling(args) -> dict:
+    """create_completion's sampling keywords from the flags."""
+    return {"temperature": args.temp, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
+            "repeat_penalty": args.repeat_penalty, "stop": args.stop, "seed": args.seed}
+
+
+def _sampling_error(args) -> str | None:
+    if args.n_predict < 1:
+        return f"-n must be at least 1, got {args.n_predict}"
+    if args.temp < 0 or args.top_k < 0 or not 0 <= args.top_p <= 1 or not 0 <= args.min_p <= 1 or args.repeat_penalty <= 0:
+        return "sampling flags out of range (--temp >= 0, --top-k >= 0, --top-p and --min-p in [0, 1], --repeat-penalty > 0)"
+    if args.stop is not None and any(not s for s in args.stop):
+        return "--stop needs some text"
+    return None
+
+
+def _add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)",
+                       description="Serve the model over HTTP with llama-cpp-python's server (the OpenAI API: "
+                                   "/v1/completions, /v1/chat/completions with streaming, /v1/models), its experts "
+                                   "through the expert cache; /health, and Prometheus /metrics of the cache.")
+    p.add_argument("model", nargs="?", help="GGUF model file (default: the small mixtral-style model shipped with hobbitpy)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--ctx", type=int, default=None, help="context length in tokens (default: the model's training context)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads (default: all cores)")
+    p.add_argument("--alias", help="the model's name in the API (default: the file path)")
+    p.add_argument("--chat-format", help="llama-cpp-python chat format (default: the model's template)")
+    p.add_argument("--api-key", help="require this bearer token")
+    add_offload_args(p)
+    _add_verbosity_args(p)
+    p.set_defaults(func=_serve)
+
+
+def _serve(args) -> int:
+    from hobbitpy import HobbitError, inspect_model
+    from hobbitpy.serve import serve
+
+    if args.model is None:
+        args.model = _default_model()
+        if args.model is None:
+            return _fail("no model given and no default model installed")
+    if not 0 < args.port < 65536:
+        return _fail(f"--port must be 1..65535, got {args.port}")
+    try:
+        info = inspect_model(args.model)
+        n_ctx = args.ctx or info.n_ctx_train or 2048
+        if n_ctx < 16:
+            return _fail(f"--ctx must be at least 16, got {n_ctx}")
+        offload = offload_config_from_args(args, args.model, auto_profile=True)
+        log.info(f"serving {args.model} on http://{args.host}:{args.port} (OpenAI API under /v1, /health, /metrics)")
+        serve(args.model, offload, host=args.host, port=args.port, n_ctx=n_ctx, n_threads=args.threads,
+              alias=args.alias, chat_format=args.chat_format, api_key=args.api_key, verbose=args.verbose)
+    except (ValueError, HobbitError, OSError) as e:
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _default_model() -> str | None:
+    """The small model shipped with hobbitpy, if installed."""
+    from hobbitpy._native import DATA_DIR
+
+    default = DATA_DIR / DEFAULT_MODEL
+    return str(default) if default.exists() else None
 
 
 def _add_policy_args(p) -> None:
@@ -116,7 +206,7 @@ def offload_config_from_args(args, model_path: str | None = None, *, auto_profil
         profile = str(default) if default.exists() else None
     if profile is not None:
         settings.update(load_profile(profile, model_path).settings)
-        print(f"hobbitpy: settings from {profile}", file=sys.stderr)
+        log.info(f"settings from {profile}")
     for name in PROFILE_SETTINGS:
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
@@ -306,8 +396,8 @@ def _simulate(args) -> int:
           f"{m['n_expert']} experts (top-{m['n_expert_used']}), {m['expert_bytes'] / MB:.2f} MB per expert, "
           f"{m['expert_bytes_total'] / MB:.0f} MB of experts")
     print(format_table(results))
-    if args.json:
-        _write_json(args.json, [r.as_dict() for r in results])
+    if args.json and (why := _write_json(args.json, [r.as_dict() for r in results])):
+        return _fail(why)
     return 0
 
 
@@ -354,8 +444,8 @@ def _eval(args) -> int:
         print(f"reference perplexity  {r.reference_perplexity:.4f}  (stock llama.cpp)")
         print(f"mean KL to reference  {r.mean_kl:.6f} nats")
         print(f"top-1 agreement       {r.top1_agreement * 100:.2f} %")
-    if args.json:
-        _write_json(args.json, r.as_dict())
+    if args.json and (why := _write_json(args.json, r.as_dict())):
+        return _fail(why)
     return 0
 
 
@@ -576,21 +666,21 @@ def _read_text(path: str) -> tuple[str, str | None]:
 
 
 def _json_target_error(path: str | None) -> str | None:
-    """Why the results cannot go to path (an existing file is never overwritten), or None."""
-    if path is None:
-        return None
-    if os.path.exists(path):
-        return f"{path} exists; results never overwrite a file"
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        return f"{path}: cannot write there (no such writable directory)"
+    """Why the results cannot go to path (outputs.py: only new files), or None."""
+    from hobbitpy.outputs import new_output_error
+
+    return None if path is None else new_output_error(path)
+
+
+def _write_json(path: str, obj) -> str | None:
+    """Write obj as JSON to the new file path; why it could not be written, or None."""
+    from hobbitpy.outputs import write_new
+
+    try:
+        write_new(path, json.dumps(obj, indent=2) + "\n")
+    except OSError as e:  # appeared meanwhile, a full disk, ...
+        return str(e) if isinstance(e, FileExistsError) else f"{path}: cannot write it ({e.strerror or e})"
     return None
-
-
-def _write_json(path: str, obj) -> None:
-    with open(path, "x") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
 
 
 def _fail(msg: str) -> int:
@@ -599,95 +689,141 @@ def _fail(msg: str) -> int:
 
 
 def _run(args) -> int:
-    import hobbitpy  # first: it points llama_cpp at the patched library
+    import hobbitpy
     from hobbitpy import HobbitError
 
-    import llama_cpp
-
     if args.model is None:
-        from hobbitpy._native import DATA_DIR
+        args.model = _default_model()
+        if args.model is None:
+            return _fail("no model given and no default model installed")
+    if args.prompt == "":
+        return _fail("--prompt is empty: give the text to continue (or --chat)")
+    if why := _sampling_error(args):
+        return _fail(why)
+    if args.ctx is not None and args.ctx < 16:
+        return _fail(f"--ctx must be at least 16, got {args.ctx}")
+    if args.stats_json and (why := _json_target_error(args.stats_json)):
+        return _fail(why)
 
-        default = DATA_DIR / DEFAULT_MODEL
-        if not default.exists():
-            return _fail(f"no model given and no default model installed ({default})")
-        args.model = str(default)
-    if args.n_predict < 1:
-        return _fail(f"-n must be at least 1, got {args.n_predict}")
-    if args.stats_json:
-        parent = os.path.dirname(os.path.abspath(args.stats_json))
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-            return _fail(f"{args.stats_json}: cannot write the statistics there (no such writable directory)")
+    if args.seed is None:
+        # llama-cpp-python would sample with the same seed every run
+        import secrets
 
+        args.seed = secrets.randbits(31)
+        if args.temp > 0:
+            log.info(f"sampling seed {args.seed} (--seed {args.seed} repeats this run)")
     try:
+        n_ctx = args.ctx or hobbitpy.inspect_model(args.model).n_ctx_train or 512
         offload = offload_config_from_args(args, args.model, auto_profile=True)
+        llm = hobbitpy.Llama(args.model, offload=offload, n_ctx=n_ctx, n_threads=args.threads, verbose=args.verbose,
+                             seed=args.seed)
     except (ValueError, HobbitError) as e:
         return _fail(str(e))
-
-    try:
-        llm = hobbitpy.Llama(args.model, offload=offload, n_ctx=args.ctx, seed=args.seed,
-                             n_threads=args.threads, verbose=args.verbose)
-    except HobbitError as e:
-        return _fail(str(e))
-    print(f"hobbitpy: {llm.offload_plan.reason}", file=sys.stderr)
+    log.info(llm.offload_plan.reason)
 
     with llm:
+        if args.chat:
+            return _chat(llm, args)
+        import llama_cpp
+
         ctx = llm._ctx.ctx
         llama_cpp.llama_perf_context_reset(ctx)
+        if not args.no_echo:
+            sys.stdout.write(args.prompt)
         try:
-            for chunk in llm.create_completion(args.prompt, max_tokens=args.n_predict, temperature=args.temp,
-                                               seed=args.seed, stream=True):
+            for chunk in llm.create_completion(args.prompt, max_tokens=args.n_predict, stream=True, **_sampling(args)):
                 sys.stdout.write(chunk["choices"][0]["text"])
                 sys.stdout.flush()
         except HobbitError as e:
             sys.stdout.write("\n")
             return _fail(str(e))
+        except KeyboardInterrupt:
+            # what was generated stays on screen; no traceback
+            sys.stdout.write("\n")
+            log.info("interrupted")
+            return 130
         sys.stdout.write("\n")
-
-        perf = llama_cpp.llama_perf_context(ctx)
-        stats = {
-            "model": args.model,
-            "offload": llm.offloaded,
-            "n_prompt_tokens": int(perf.n_p_eval),
-            # every sampled token but the last is evaluated, one per decode step
-            "n_tokens": int(perf.n_eval) + 1,
-            "prefill_ms": float(perf.t_p_eval_ms),
-            "decode_tok_s": (perf.n_eval / perf.t_eval_ms * 1000.0) if perf.t_eval_ms > 0 else None,
-            "n_decode_evals": int(perf.n_eval),
-        }
-        s = llm.offload_stats()
-        stats.update({
-            "expert_hits": s["expert_hits"] if s else 0,
-            "expert_misses": s["expert_misses"] if s else 0,
-            "expert_inplace": s["expert_inplace"] if s else 0,
-            "bytes_read": s["bytes_read"] if s else 0,
-            "peak_pool_bytes": s["peak_pool_bytes"] if s else 0,
-            "budget_bytes": s["budget_bytes"] if s else 0,
-            "runtime": s,
-            # per pool (precision level and expert signature): hits, misses, bytes read
-            "pools": llm.pool_stats(),
-        })
-        if s:
-            selections = sum(s["served"]) + s["n_skipped"]
-            stats.update({
-                "n_skipped": s["n_skipped"],
-                "prefetch_issued": s["prefetch_issued"],
-                "prefetch_used": s["prefetch_used"],
-                "prefetch_wasted": s["prefetch_wasted"],
-                # share of the selections served at each precision level (0 = the model's own)
-                "served_share": [n / selections if selections else 0.0 for n in s["served"]],
-                "skipped_share": s["n_skipped"] / selections if selections else 0.0,
-            })
-    if args.stats_json:
-        with open(args.stats_json, "w") as f:
-            json.dump(stats, f, indent=2)
-            f.write("\n")
+        stats = _run_stats(llm, args.model) | {"seed": args.seed}
+    if args.stats_json and (why := _write_json(args.stats_json, stats)):
+        return _fail(why)
     return 0
 
 
+def _chat(llm, args) -> int:
+    """An interactive chat with history: a line from the user, the reply streamed."""
+    messages = []
+    try:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                sys.stdout.write("\n")
+                return 0
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            reply = []
+            for chunk in llm.create_chat_completion(messages, max_tokens=args.n_predict, stream=True, **_sampling(args)):
+                piece = chunk["choices"][0]["delta"].get("content") or ""
+                reply.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            messages.append({"role": "assistant", "content": "".join(reply)})
+    except KeyboardInterrupt:
+        sys.stdout.write("\n")
+        return 130
+
+
+def _run_stats(llm, model: str) -> dict:
+    """--stats-json: tokens, times and the expert cache's counters of the run."""
+    import llama_cpp
+
+    perf = llama_cpp.llama_perf_context(llm._ctx.ctx)
+    stats = {
+        "model": model,
+        "offload": llm.offloaded,
+        "n_prompt_tokens": int(perf.n_p_eval),
+        # every sampled token but the last is evaluated, one per decode step
+        "n_tokens": int(perf.n_eval) + 1,
+        "prefill_ms": float(perf.t_p_eval_ms),
+        "decode_tok_s": (perf.n_eval / perf.t_eval_ms * 1000.0) if perf.t_eval_ms > 0 else None,
+        "n_decode_evals": int(perf.n_eval),
+    }
+    s = llm.offload_stats()
+    stats.update({
+        "expert_hits": s["expert_hits"] if s else 0,
+        "expert_misses": s["expert_misses"] if s else 0,
+        "expert_inplace": s["expert_inplace"] if s else 0,
+        "bytes_read": s["bytes_read"] if s else 0,
+        "peak_pool_bytes": s["peak_pool_bytes"] if s else 0,
+        "budget_bytes": s["budget_bytes"] if s else 0,
+        "runtime": s,
+        # per pool (precision level and expert signature): hits, misses, bytes read
+        "pools": llm.pool_stats(),
+    })
+    if s:
+        selections = sum(s["served"]) + s["n_skipped"]
+        stats.update({
+            "n_skipped": s["n_skipped"],
+            "prefetch_issued": s["prefetch_issued"],
+            "prefetch_used": s["prefetch_used"],
+            "prefetch_wasted": s["prefetch_wasted"],
+            # share of the selections served at each precision level (0 = the model's own)
+            "served_share": [n / selections if selections else 0.0 for n in s["served"]],
+            "skipped_share": s["n_skipped"] / selections if selections else 0.0,
+        })
+    return stats
+
+
 def main(argv: list[str] | None = None) -> int:
+    from hobbitpy import __version__
+
     parser = argparse.ArgumentParser(prog="hobbitpy", description="Run MoE GGUF models larger than memory.")
+    parser.add_argument("--version", action="version", version=f"hobbitpy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run_parser(sub)
+    _add_serve_parser(sub)
     _add_inflate_parser(sub)
     _add_prepare_parser(sub)
     _add_calibrate_parser(sub)
@@ -697,7 +833,17 @@ def main(argv: list[str] | None = None) -> int:
     _add_simulate_parser(sub)
     _add_eval_parser(sub)
     args = parser.parse_args(argv)
-    return args.func(args)
+    # notes go to stderr through logging (this call's stderr); -q keeps only errors
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("hobbitpy: %(message)s"))
+    log.handlers[:] = [handler]
+    log.propagate = False
+    log.setLevel(logging.WARNING if getattr(args, "quiet", False) else logging.INFO)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        sys.stderr.write("\n")
+        return 130
 
 
 if __name__ == "__main__":

@@ -2,13 +2,18 @@
 experts served from a budgeted cache.
 
 Everything llama_cpp.Llama offers (completion, chat completion, streaming, the
-OpenAI-style server) works unchanged; the offload is configured by one extra
-argument and attached while the model loads.
+OpenAI-style server) works unchanged; the offload is configured by keywords (every
+OffloadConfig field: ``cache_mb=``, ``low=``, ``policy=`` ...), by ``offload=`` (an
+OffloadConfig, a dict of its fields, or False for stock) or by ``profile=``, and
+attached while the model loads.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import difflib
+import inspect
 import os
 
 import gguf
@@ -21,17 +26,59 @@ from .config import OffloadConfig
 from .errors import ExpertReadError, HobbitError, ModelFileError
 from .memory import ContextShape, OffloadPlan, context_sizes, plan_offload
 from .model_file import ModelInfo, inspect_model
-from .profile import profile_offload
+from .profile import load_profile, profile_offload
+
+# llama_cpp.Llama's own keywords (it swallows any other one silently)
+LLAMA_KEYWORDS = frozenset(inspect.signature(llama_cpp.Llama.__init__).parameters) - {"self", "model_path", "kwargs"}
+# OffloadConfig fields accepted as keywords of Llama: all but `enabled` (offload=False) and those
+# llama_cpp.Llama already has a keyword of that name for (seed is its sampling seed; the random
+# cache policy's seed goes through offload=)
+OFFLOAD_KEYWORDS = tuple(f.name for f in dataclasses.fields(OffloadConfig)
+                         if f.name != "enabled" and f.name not in LLAMA_KEYWORDS)
+
+
+def offload_config_of(model_path: str, offload, profile, keywords: dict) -> OffloadConfig:
+    """The OffloadConfig Llama(...) runs with: offload (an OffloadConfig, a dict of its
+    fields, False for stock) or the profile (a path; default: the one next to the model,
+    if any) or the defaults, with the offload keywords on top."""
+    if offload is not None and profile is not None:
+        raise TypeError("Llama() takes offload= or profile=, not both")
+    if offload is False:
+        if keywords:
+            raise TypeError(f"Llama() got offload=False and offload settings ({', '.join(keywords)})")
+        return OffloadConfig(enabled=False)
+    if isinstance(offload, dict):
+        offload = OffloadConfig(**offload)  # an unknown key is a TypeError naming it
+    if offload is not None and not isinstance(offload, OffloadConfig):
+        raise TypeError(f"offload must be an OffloadConfig, a dict of its fields or False, not {type(offload).__name__}")
+    if offload is None:
+        if profile is not None:
+            offload = OffloadConfig(**load_profile(profile, model_path).settings)
+        else:
+            offload = profile_offload(model_path)
+    return dataclasses.replace(offload, **keywords) if keywords else offload
 
 
 class Llama(llama_cpp.Llama):
-    """A drop-in for ``llama_cpp.Llama``; ``offload`` says how experts are served (default: the
-    profile next to the model, written by ``hobbitpy tune``, else the built-in defaults)."""
+    """A drop-in for ``llama_cpp.Llama`` whose keywords also say how experts are served:
+    ``cache_mb``, ``low``, ``mid``, ``high``, ``policy``, ``prefetch_layers``, ``t1``, ``t2``,
+    ``mode``, ``hits`` ... (``OFFLOAD_KEYWORDS``, the fields of ``OffloadConfig``), or
+    ``offload=OffloadConfig(...)`` / a dict / False, or ``profile=PATH``. Default: the
+    profile next to the model (written by ``hobbitpy tune``), else the built-in defaults.
+    A misspelt keyword is a TypeError naming it (llama_cpp.Llama would ignore it)."""
 
-    def __init__(self, model_path: str | os.PathLike, *, offload: OffloadConfig | None = None, **kwargs):
+    def __init__(self, model_path: str | os.PathLike, *, offload: OffloadConfig | dict | bool | None = None,
+                 profile: str | os.PathLike | None = None, **kwargs):
         model_path = os.fspath(model_path)
-        # no offload given: the profile `hobbitpy tune` or `calibrate` wrote next to the model, if any
-        offload = offload if offload is not None else profile_offload(model_path)
+        keywords = {k: kwargs.pop(k) for k in OFFLOAD_KEYWORDS if k in kwargs}
+        for k in kwargs:
+            # a misspelling is an error; another unknown keyword goes to llama_cpp.Llama, which
+            # ignores it as it always has (its own server passes some: rpc_servers, mul_mat_q)
+            close = difflib.get_close_matches(k, [*OFFLOAD_KEYWORDS, *LLAMA_KEYWORDS], n=1, cutoff=0.75)
+            if k not in LLAMA_KEYWORDS and close:
+                raise TypeError(f"Llama() got an unexpected keyword argument {k!r}; did you mean {close[0]!r}?")
+        offload = offload_config_of(model_path, offload, profile, keywords)
+        self.offload_config: OffloadConfig = offload  # what the experts are served with
         self._runtime = ffi.NULL
         self._abort_cb = None
         self.model_info: ModelInfo = inspect_model(model_path)

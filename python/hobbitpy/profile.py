@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass, field
 import json
 import os
 import pathlib
-import tempfile
 
 from .errors import HobbitError
 
@@ -30,22 +29,14 @@ class Profile:
     calibration: dict = field(default_factory=dict)  # how they were found: perplexities, sweeps, policy search
 
     def save(self, path: str | os.PathLike) -> pathlib.Path:
-        path = pathlib.Path(path)
-        exists = FileExistsError(f"{path}: already exists; a profile is never overwritten (remove it or choose --out)")
-        if path.exists() or path.is_symlink():
-            raise exists
-        # a fresh temporary name in the target folder, then a link that fails if the target
-        # appeared meanwhile: nothing is overwritten and no planted symlink is followed
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+        """Write the profile to a new file (never overwriting, never through a symlink)."""
+        from .outputs import OutputExistsError, write_new
+
         try:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps({"hobbitpy_profile": PROFILE_VERSION, **asdict(self)}, indent=2) + "\n")
-            os.link(tmp, path)
-        except FileExistsError:
-            raise exists from None
-        finally:
-            os.unlink(tmp)
-        return path
+            return write_new(path, json.dumps({"hobbitpy_profile": PROFILE_VERSION, **asdict(self)}, indent=2) + "\n")
+        except OutputExistsError:
+            raise FileExistsError(f"{path}: already exists; a profile is never overwritten "
+                                  "(remove it or choose --out)") from None
 
 
 def profile_offload(model_path: str | os.PathLike, **overrides):

@@ -1,0 +1,89 @@
+"""hobbitpy.Llama as a drop-in, from any angle a user comes at it: `import llama_cpp` works
+on its own and in either order with hobbitpy (one libllama, hobbitpy's); offload settings
+are keywords like llama_cpp's own, and a misspelt one is an error, not silently ignored."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import hobbitpy
+from hobbitpy._native import LIB_DIR
+from conftest import MB, tiny_model
+
+# the libllama files this interpreter has mapped
+MAPPED = "print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libllama' in l}))"
+
+
+def _python(code: str, **env_extra) -> subprocess.CompletedProcess:
+    # a fresh interpreter, as a user's: nothing of this test process's environment about llama
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}
+    env.update(env_extra)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_llama_cpp_imports_on_its_own():
+    p = _python("import llama_cpp; print(llama_cpp.llama_supports_mmap()); " + MAPPED)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[0] == "True"
+    assert p.stdout.splitlines()[1] == repr([str((LIB_DIR / "libllama.so").resolve())])
+
+
+@pytest.mark.parametrize("order", ["import llama_cpp, hobbitpy", "import hobbitpy, llama_cpp"])
+def test_either_import_order_loads_hobbitpys_library(order):
+    p = _python(order + "; assert hobbitpy.Llama.__mro__[1] is llama_cpp.Llama; " + MAPPED)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == repr([str((LIB_DIR / "libllama.so").resolve())])
+
+
+def test_another_libllama_loaded_first_is_refused_with_both_paths(tmp_path):
+    # llama_cpp pointed elsewhere by the user and imported first: hobbitpy cannot share that
+    # library, and says so instead of failing later in a confusing way
+    for lib in LIB_DIR.glob("lib*.so"):
+        shutil.copy(lib, tmp_path / lib.name)
+    p = _python("import llama_cpp, hobbitpy", LLAMA_CPP_LIB_PATH=str(tmp_path))
+    assert p.returncode != 0
+    assert "ImportError" in p.stderr and str(tmp_path) in p.stderr and "import hobbitpy first" in p.stderr
+
+
+def test_offload_settings_are_keywords(model_dir):
+    path = tiny_model(model_dir, "llama")
+    budget_mb = hobbitpy.inspect_model(path).min_budget_bytes * 2 / MB
+    with hobbitpy.Llama(path, cache_mb=budget_mb, prefetch_layers=1, policy="lfu", n_ctx=64, verbose=False) as llm:
+        assert llm.offloaded
+        assert llm.offload_stats()["budget_bytes"] == int(budget_mb * MB)
+    # a dict of OffloadConfig fields, keywords on top of it
+    with hobbitpy.Llama(path, offload={"cache_mb": budget_mb * 2}, cache_mb=budget_mb, n_ctx=64, verbose=False) as llm:
+        assert llm.offload_stats()["budget_bytes"] == int(budget_mb * MB)
+    with hobbitpy.Llama(path, offload=False, n_ctx=64, verbose=False) as llm:
+        assert not llm.offloaded
+
+
+def test_profile_keyword_and_keywords_on_top(model_dir, tmp_path):
+    from hobbitpy.profile import Profile
+
+    path = tiny_model(model_dir, "llama")
+    budget_mb = hobbitpy.inspect_model(path).min_budget_bytes * 2 / MB
+    saved = Profile(model=os.path.basename(path), model_bytes=os.path.getsize(path),
+                    settings={"t1": 0.5, "policy": "lhu"}, calibration={}).save(tmp_path / "p.json")
+    with hobbitpy.Llama(path, profile=saved, policy="lfu", cache_mb=budget_mb, n_ctx=64, verbose=False) as llm:
+        assert llm.offloaded
+        assert llm.offload_config.t1 == 0.5 and llm.offload_config.policy == "lfu"
+
+
+def test_misspelt_keywords_are_type_errors_naming_them(model_dir):
+    path = tiny_model(model_dir, "llama")
+    with pytest.raises(TypeError, match=r"'cach_mb'.*did you mean 'cache_mb'"):
+        hobbitpy.Llama(path, cach_mb=8)
+    with pytest.raises(TypeError, match="cach_mb"):
+        hobbitpy.Llama(path, offload={"cach_mb": 8})
+    with pytest.raises(TypeError, match="n_ctxx"):
+        hobbitpy.Llama(path, n_ctxx=64)
+    with pytest.raises(ValueError, match="cache policy"):
+        hobbitpy.Llama(path, policy="fifo")
+    with pytest.raises(TypeError, match="not both"):
+        hobbitpy.Llama(path, offload={"cache_mb": 8}, profile="x.json")
