@@ -174,3 +174,29 @@ def test_bench_tunes_for_every_cap(model_dir, tmp_path):
     p = _bench([str(path), "--caps", "none", "--tune", str(tune_text), "--out", str(tmp_path / "none")])
     assert p.returncode == 2 and "--tune needs a memory size" in p.stderr
     assert not (tmp_path / "none").exists()
+
+
+def test_bench_never_reports_a_failure_as_a_result(model_dir, tmp_path):
+    path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    # a cap below what the process itself needs is refused before any run, with the figure
+    out = tmp_path / "low"
+    p = _bench([str(path), "--caps", "0.5", "--repeats", "1", "-n", "2", "--out", str(out), "--no-progress"])
+    assert p.returncode == 2 and "is below the" in p.stderr and "MB a run needs" in p.stderr
+    assert not out.exists()
+
+    # a configuration whose every run fails (a budget below the minimum: each run refuses it) is
+    # marked failed; a configuration whose experts all fit ran stock's path and claims no ratio
+    info = hobbitpy.inspect_model(path)
+    out = tmp_path / "marked"
+    p = _bench([str(path), "--caps", "none", "--cap-mb", "400", "--repeats", "1", "-n", "4", "--threads", "2",
+                "--config", "fits=--policy lfu", "--config", "doomed=--cache-mb 0.01",
+                "--out", str(out), "--no-progress"])
+    assert p.returncode == 0, p.stderr
+    r = json.loads((out / "bench.json").read_text())
+    none_row, capped = r["rows"]
+    fits = {s["config"]: s for s in none_row["configs"]}["fits"]
+    assert fits["stock_path"] and "ratio_to_stock" not in fits and not fits["failed"]
+    assert info.expert_bytes_total < 400 * MB
+    doomed = {s["config"]: s for s in capped["configs"]}["doomed"]
+    assert doomed["failed"] and doomed["errors"] and doomed.get("decode_tok_s") is None
+    assert "doomed" in p.stdout and "failed:" in p.stdout

@@ -135,6 +135,20 @@ def config_files(model: str, cfg: BenchConfig) -> set[str]:
     return {cfg.model or model, *(p for p in levels if p is not None)}
 
 
+def check_caps(info, caps: list[Cap], shape: ContextShape) -> None:
+    """Refuse, before any run, a cap below what a run's process holds before its first expert:
+    this process now (Python, llama.cpp; a worker starts the same) and the context's buffers.
+    Such a cap would only get every run killed."""
+    from .memory import process_resident_bytes
+
+    minimum = process_resident_bytes() + context_sizes(info, shape).total
+    for cap in caps:
+        if cap.limit_bytes is not None and cap.limit_bytes < minimum:
+            raise HobbitError(f"cap {cap.label} ({cap.limit_bytes / MB:.0f} MB) is below the {minimum / MB:.0f} MB a run "
+                              f"needs before any weight (the process and the context's buffers): every run would be "
+                              f"killed; use caps of at least {minimum / MB:.0f} MB")
+
+
 def _run_one(model: str, cfg: BenchConfig, cap: Cap, memcap: MemoryCap | None, n_predict: int, threads: int,
              prompt_tokens: tuple[int, int], fallback_budget_mb: float | None, cold_files: set[str] = frozenset()) -> dict:
     offload = cfg.offload
@@ -292,6 +306,7 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
         f"(top-{info.n_expert_used}), {info.expert_bytes_total / MB:.0f} MB of experts")
     if tune_request is not None and any(c.limit_bytes is None for c in caps):
         raise HobbitError("tuning needs a memory size: every cap must be a limit (not 'none')")
+    check_caps(info, caps, bench_context_shape(n_predict, prompt_tokens))
     quant_configs = []
     for q in quants:
         path, made = make_uniform_quant(model, q, quant_dir or default_quant_dir(model), threads)
@@ -351,13 +366,18 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
                 s["settings"] = cfg.offload
                 s["lossy"] = _lossy(cfg)
                 s["file_mb"] = os.path.getsize(cfg.model or model) / MB
-                if s.get("decode_tok_s") and stock.get("decode_tok_s"):
+                s["failed"] = s.get("decode_tok_s") is None  # every run of it failed
+                # a hobbitpy configuration whose every expert fit ran stock's own path: no ratio to claim
+                s["stock_path"] = cfg.offload is not None and not s["failed"] and not s["offloaded"]
+                if s.get("decode_tok_s") and stock.get("decode_tok_s") and not s["stock_path"]:
                     s["ratio_to_stock"] = s["decode_tok_s"] / stock["decode_tok_s"]
                 if "generated" in s and "generated" in stock:
                     s["same_output_as_stock"] = s["generated"] == stock["generated"]
-            # configurations at the model's precision must reproduce stock exactly; others may differ
-            row["same_output_as_stock"] = all(s.get("same_output_as_stock", True) for s in row["configs"]
-                                              if not s["lossy"])
+            # configurations at the model's precision must reproduce stock exactly (others may
+            # differ); None when stock or one of them failed: nothing was compared
+            exact = [s for s in row["configs"] if not s["lossy"]]
+            row["same_output_as_stock"] = (None if any(s["failed"] for s in exact) else
+                                           all(s.get("same_output_as_stock", True) for s in exact))
             result.rows.append(row)
             if bar is not None:
                 bar.clear()
@@ -417,7 +437,8 @@ def score_quality(result: BenchResult, model: str, row_configs: list[list[BenchC
 
 def format_row(row: dict) -> str:
     head = f"cap {row['cap']}" + (f" ({row['cap_mb']:.0f} MB)" if row["cap_mb"] else " (no limit)")
-    lines = [head + f"   one-precision configurations reproduce stock: {'yes' if row['same_output_as_stock'] else 'NO'}",
+    same = {True: "yes", False: "NO", None: "not compared (a run failed)"}[row["same_output_as_stock"]]
+    lines = [head + f"   one-precision configurations reproduce stock: {same}",
              f"  {'config':<14} {'tok/s':>7} {'x stock':>7} {'load':>6} {'TTFT16':>8} {'TTFT128':>8} {'MB/tok':>7} "
              f"{'bound':>6} {'t/bound':>7} {'t/crit':>6} {'hit':>13} {'low/skip':>9} {'=stock':>6} {'budget':>7} "
              f"{'peak MB':>7}"]
@@ -425,7 +446,7 @@ def format_row(row: dict) -> str:
         if s.get("decode_tok_s") is None:
             lines.append(f"  {s['config']:<14} failed: {'; '.join(s['errors'])[:300]}")
             continue
-        ratio = f"{s['ratio_to_stock']:.2f}" if s.get("ratio_to_stock") else "-"
+        ratio = f"{s['ratio_to_stock']:.2f}" if s.get("ratio_to_stock") else "stock" if s.get("stock_path") else "-"
         bound = f"{s['bound_tok_s']:.1f}" if s.get("bound_tok_s") else "-"
         over = f"{s['time_over_bound']:.2f}" if s.get("time_over_bound") else "-"
         crit = f"{s['time_over_critical_bound']:.2f}" if s.get("time_over_critical_bound") else "-"
@@ -466,23 +487,29 @@ def plot(result: BenchResult, path: pathlib.Path) -> bool:
     capped = [r for r in result.rows if r["cap_mb"]]
     if not capped:
         return False
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    names = list(dict.fromkeys(s["config"] for r in capped for s in r["configs"]))
     model_mb = os.path.getsize(result.model) / MB
-    for name in names:
-        xs, ys = [], []
-        for r in capped:
-            s = next((s for s in r["configs"] if s["config"] == name), None)
-            if s is not None and s.get("decode_tok_s"):
-                xs.append(r["cap_mb"] / model_mb)
-                ys.append(s["decode_tok_s"])
-        ax.plot(xs, ys, marker="o", label=name)
+    lines = {}  # configuration: (caps, median, min, max) of the caps where it decoded
+    for r in capped:
+        for s in r["configs"]:
+            if s.get("decode_tok_s"):
+                lines.setdefault(s["config"], []).append((r["cap_mb"] / model_mb, s["decode_tok_s"],
+                                                          s["min_decode_tok_s"], s["max_decode_tok_s"]))
+    if not lines:
+        return False  # every capped run failed: no picture rather than an empty one
+    fig, ax = plt.subplots(figsize=(7.0, 4.6))
+    for name, points in lines.items():
+        xs, ys, lo, hi = zip(*points)
+        ax.errorbar(xs, ys, yerr=([y - l for y, l in zip(ys, lo)], [h - y for y, h in zip(ys, hi)]), marker="o",
+                    capsize=3, label=name)
+    for name in dict.fromkeys(s["config"] for r in capped for s in r["configs"]):
+        if name not in lines:
+            ax.plot([], [], " ", label=f"{name}: every run failed")
     ax.set_xlabel("memory cap / model size")
     ax.set_ylabel("decode tokens/s (median)")
     ax.set_yscale("log")
-    ax.set_title(f"{pathlib.Path(result.model).name}: decode under a memory cap", fontsize=10)
+    ax.set_title(f"{pathlib.Path(result.model).name}: decode under a memory cap\n(median, bars: min–max)", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -71,6 +71,10 @@ def plot_frontier(rows: list[dict], title: str, path: pathlib.Path) -> bool:
         ax.plot([p[0] for p in ours], [p[1] for p in ours], "D", color="tab:red", label="hobbitpy")
         for x, y, name in ours:
             ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color="tab:red")
+        failed = [s["config"] for s in row["configs"] if s.get("decode_tok_s") is None]
+        if failed:
+            ax.text(0.02, 0.02, "every run failed: " + ", ".join(failed), transform=ax.transAxes, fontsize=7,
+                    color="black")
         ax.set_yscale("log")
         ax.set_xlabel("perplexity increase vs the model (%)")
         ax.set_title(f"cap {row['cap']}" + (f" ({row['cap_mb']:.0f} MB)" if row["cap_mb"] else ""), fontsize=9)
