@@ -159,3 +159,17 @@ def test_chat_keeps_history_and_ends_on_eof(model_dir):
     p = _cli("run", path, "--chat", "-n", "8", "--temp", "0", "--threads", "2", "-q", input="Hello there\nAnd again\n")
     assert p.returncode == 0, p.stderr
     assert p.stdout.count("> ") == 3  # two turns, then the prompt that met the end of input
+
+
+def test_low_precision_applies_when_every_expert_fits(model_dir, tmp_path):
+    # asked for, the low copies serve the selections the rule scores low even when memory
+    # holds every expert at both precisions (they compute faster), and the stats say so
+    from hobbitpy.prepare import prepare_companion
+
+    path = tiny_model(model_dir, "llama", n_embd=256)
+    low = prepare_companion(path, "Q2_K", tmp_path / "low.gguf", progress=False)
+    stats = tmp_path / "s.json"
+    p = _cli("run", path, "--prompt", "Hi", "-n", "8", "--temp", "0", "--low", low, "--stats-json", stats)
+    assert p.returncode == 0, p.stderr
+    s = json.loads(stats.read_text())
+    assert s["offload"] and len(s["served_share"]) == 2 and s["served_share"][1] > 0
