@@ -33,3 +33,16 @@ def test_chat_and_streaming_match_stock(model_dir):
 
 def test_is_a_llama_cpp_llama(model_dir):
     assert issubclass(hobbitpy.Llama, llama_cpp.Llama)
+
+
+def test_native_defaults_are_offload_configs():
+    # a C caller of hobbit_default_params() and a Python one of OffloadConfig() get the same runtime
+    from hobbitpy._native import lib
+    from hobbitpy.config import HIT_POLICIES, MODES, OffloadConfig
+
+    c, py = lib.hobbit_default_params(), OffloadConfig()
+    assert (c.policy_weights.lru, c.policy_weights.lfu, c.policy_weights.lhu, c.policy_weights.fld) == py.policy_weights
+    assert c.policy == 0 and py.policy == "lru"
+    assert (c.prefetch_layers, c.direct_io, c.n_io_threads, c.seed) == (py.prefetch_layers, py.direct_io, py.io_threads, py.seed)
+    assert abs(c.t1 - py.t1) < 1e-6 and abs(c.t2 - py.t2) < 1e-6 and abs(c.t_mid - (py.t1 + py.t2) / 2) < 1e-6
+    assert HIT_POLICIES[c.hit_policy] == py.hits and MODES[c.mode] == py.mode and c.warm_low == py.warm

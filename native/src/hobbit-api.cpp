@@ -40,7 +40,7 @@ struct hobbit_params hobbit_default_params(void) {
     hobbit_params p = {};
     p.budget_bytes    = 0;
     p.policy          = HOBBIT_POLICY_LRU;
-    p.policy_weights  = { 1.0f, 0.0f, 0.0f, 0.0f };
+    p.policy_weights  = { 0.25f, 0.25f, 0.25f, 0.25f }; // as OffloadConfig (a test holds them equal)
     p.seed            = 0;
     p.prefetch_layers = 0;
     p.direct_io       = true;
