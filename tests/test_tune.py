@@ -41,8 +41,10 @@ def test_tune_meets_its_budget_on_held_out_text_and_is_deterministic(model_dir, 
     assert {r["name"] for r in rows} == set(CANDIDATES.split(","))
     chosen = next(r for r in rows if r["name"] == a["calibration"]["chosen"])
     assert chosen["ppl_increase"] <= 0.02
-    # the cheapest of those within the budget
-    assert chosen["cost"] == min(r["cost"] for r in rows if r["ppl_increase"] <= 0.02)
+    # the cheapest of those within the budget with 95 % confidence (else on the measured increase)
+    assert all(r["ppl_increase_upper"] > r["ppl_increase"] or r["ppl_increase"] == 0 for r in rows)
+    confident = [r for r in rows if r["ppl_increase_upper"] <= 0.02]
+    assert chosen["cost"] == min(r["cost"] for r in (confident or [r for r in rows if r["ppl_increase"] <= 0.02]))
 
     # held-out text (another part of the same kind of text): the chosen settings at the tuned
     # budget stay within the budget there too

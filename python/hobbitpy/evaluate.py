@@ -30,6 +30,9 @@ class EvalResult:
     top1_agreement: float | None  # share of positions where both pick the same next token
     offloaded: bool
     stats: dict | None = None     # the candidate's expert cache counters over the evaluation (None: stock)
+    # standard error of log(perplexity / reference perplexity), from the per-token differences
+    # of the two negative log-likelihoods: how far the measured increase may be from the text's
+    log_ppl_ratio_se: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -114,20 +117,25 @@ def evaluate_against(model_path: str | os.PathLike, reference: Reference, offloa
     candidate = _open(model_path, offload, n_ctx, n_ctx if n_ubatch is None else n_ubatch, n_threads)
     nll = kl = 0.0
     agree = n = 0
+    diffs = []  # per token: candidate's negative log-likelihood minus the reference's
     try:
         pairs = list(zip(_windows(reference.ids, n_ctx), reference.log_probs))
         for (window, targets), ref_lp in (progress(pairs) if progress else pairs):
             lp = _log_softmax(_window_logits(candidate, window))
-            nll -= float(lp[np.arange(len(targets)), targets].sum())
+            at = np.arange(len(targets))
+            nll -= float(lp[at, targets].sum())
+            diffs.append(ref_lp[at, targets].astype(np.float64) - lp[at, targets])
             kl += float((np.exp(ref_lp.astype(np.float64)) * (ref_lp - lp)).sum())
             agree += int((ref_lp.argmax(-1) == lp.argmax(-1)).sum())
             n += len(targets)
         offloaded, stats = candidate.offloaded, candidate.offload_stats()
     finally:
         candidate.close()
+    d = np.concatenate(diffs)
+    se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else None
     return EvalResult(model=model_path, n_tokens=n, perplexity=math.exp(nll / n),
                       reference_perplexity=reference.perplexity, mean_kl=kl / n, top1_agreement=agree / n,
-                      offloaded=offloaded, stats=stats)
+                      offloaded=offloaded, stats=stats, log_ppl_ratio_se=se)
 
 
 def evaluate(model_path: str | os.PathLike, text: str, offload: OffloadConfig, *, n_ctx: int = 256,
