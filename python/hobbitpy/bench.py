@@ -27,7 +27,7 @@ from .config import MB
 from .disk import drop_from_page_cache, measure_read_bandwidth
 from .errors import HobbitError
 from .memcap import MemoryCap
-from .memory import SLACK_BYTES, ContextShape, context_sizes
+from .memory import SLACK_BYTES, ContextShape, context_sizes, process_resident_bytes
 from .frontier import format_frontier, mark_dominated, plot_frontier
 from .model_file import inspect_model
 from .quants import default_quant_dir, make_uniform_quant, quant_name
@@ -135,13 +135,11 @@ def config_files(model: str, cfg: BenchConfig) -> set[str]:
     return {cfg.model or model, *(p for p in levels if p is not None)}
 
 
-def check_caps(info, caps: list[Cap], shape: ContextShape) -> None:
+def check_caps(info, caps: list[Cap], shape: ContextShape, process_bytes: int) -> None:
     """Refuse, before any run, a cap below what a run's process holds before its first expert:
-    this process now (Python, llama.cpp; a worker starts the same) and the context's buffers.
-    Such a cap would only get every run killed."""
-    from .memory import process_resident_bytes
-
-    minimum = process_resident_bytes() + context_sizes(info, shape).total
+    process_bytes (Python, llama.cpp) and the context's buffers. Such a cap would only get
+    every run killed."""
+    minimum = process_bytes + context_sizes(info, shape).total
     for cap in caps:
         if cap.limit_bytes is not None and cap.limit_bytes < minimum:
             raise HobbitError(f"cap {cap.label} ({cap.limit_bytes / MB:.0f} MB) is below the {minimum / MB:.0f} MB a run "
@@ -261,18 +259,15 @@ class TuneRequest:
 
 
 def tuned_configs(model: str, caps: list[Cap], request: TuneRequest, shape: ContextShape, threads: int,
-                  result: BenchResult, log=print) -> dict[str, BenchConfig]:
+                  process_bytes: int, result: BenchResult, log=print) -> dict[str, BenchConfig]:
     """Per cap label, the configuration `tune` picks for that much memory (a cap where no
-    candidate stays within the perplexity budget gets none)."""
+    candidate stays within the perplexity budget gets none). process_bytes: what a run's
+    process holds before it loads a model (this one holds far more once tune has run)."""
     import dataclasses
 
     from .config import OffloadConfig
-    from .memory import process_resident_bytes
     from .tune import tune
 
-    # a run's process before it loads a model is this one now; once tune has scored a cap,
-    # this one holds far more (mapped model pages, reference logits)
-    process_bytes = process_resident_bytes()
     picked = {}
     for cap in caps:
         log(f"tune for cap {cap.label} ({cap.limit_bytes / MB:.1f} MB):")
@@ -300,13 +295,16 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
     or reused from there) run by stock llama.cpp as further baselines; quality_text: score
     every configuration's perplexity and KL against the model (stock) on this text;
     tune_request: first run `tune` at each cap's memory and add its pick there."""
+    # what a run's process holds before it loads anything: this one's now, before the disk
+    # measurement's buffers and tune's models (a worker starts the same)
+    process_bytes = process_resident_bytes()
     info = inspect_model(model)
     threads = threads or os.cpu_count() or 1
     log(f"{model}: {info.file_bytes / MB:.0f} MB, {info.arch}, {info.n_layer_moe} MoE layers x {info.n_expert} experts "
         f"(top-{info.n_expert_used}), {info.expert_bytes_total / MB:.0f} MB of experts")
     if tune_request is not None and any(c.limit_bytes is None for c in caps):
         raise HobbitError("tuning needs a memory size: every cap must be a limit (not 'none')")
-    check_caps(info, caps, bench_context_shape(n_predict, prompt_tokens))
+    check_caps(info, caps, bench_context_shape(n_predict, prompt_tokens), process_bytes)
     quant_configs = []
     for q in quants:
         path, made = make_uniform_quant(model, q, quant_dir or default_quant_dir(model), threads)
@@ -325,7 +323,7 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
     result = BenchResult(model=os.path.abspath(model), machine=_machine(), disk_bytes_per_s=disk_bw,
                          disk_direct=direct, cap_method=str(memcap) if memcap else "none (budgets only)")
     tuned = {} if tune_request is None else tuned_configs(
-        model, caps, tune_request, bench_context_shape(n_predict, prompt_tokens), threads, result, log)
+        model, caps, tune_request, bench_context_shape(n_predict, prompt_tokens), threads, process_bytes, result, log)
     # each cap's configurations: the same everywhere, but for tune's pick for that cap's memory
     cap_configs = {cap.label: all_configs + ([tuned[cap.label]] if cap.label in tuned else []) for cap in caps}
     every_file = set().union(*(config_files(model, c) for cs in cap_configs.values() for c in cs))
@@ -397,10 +395,10 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
 
 def score_quality(result: BenchResult, model: str, row_configs: list[list[BenchConfig]], text: str, max_tokens: int,
                   threads: int, progress: bool, log=print) -> None:
-    """row_configs: the configurations of each of result.rows, in its order."""
     """Perplexity and KL of every configuration against stock on the model, as decoding meets
     them: stock files in wide batches (their logits do not depend on the batch), hobbitpy
-    configurations token by token with the expert budget each got under each cap."""
+    configurations token by token with the expert budget each got under each cap.
+    row_configs: the configurations of each of result.rows, in its order."""
     from .config import OffloadConfig
     from .evaluate import Reference, evaluate_against, tokenize_text
 

@@ -64,7 +64,10 @@ class MemoryCap:
             return False
 
     def set_limit(self, limit_bytes: int | None) -> None:
-        """Limit RSS + page cache of the processes inside; None lifts the limit. Resets the peak."""
+        """Limit RSS + page cache of the processes inside; None lifts the limit. Resets the peak.
+        Between runs (no process inside) the page cache the last run left charged here is
+        reclaimed first, so every run starts from nothing charged."""
+        self._reclaim()
         if self.v2:
             (self.path / "memory.max").write_text("max" if limit_bytes is None else str(limit_bytes))
             peak = self.path / "memory.peak"
@@ -78,6 +81,16 @@ class MemoryCap:
             (self.path / "memory.max_usage_in_bytes").write_text("0")
             (self.path / "memory.failcnt").write_text("0")
         self._events_at_limit = self._limit_events()
+
+    def _reclaim(self) -> None:
+        try:
+            if self.v2:
+                if (self.path / "memory.reclaim").exists():
+                    (self.path / "memory.reclaim").write_text(str(1 << 40))
+            elif not _read(self.path / "tasks").strip():
+                (self.path / "memory.force_empty").write_text("0")
+        except OSError:  # v2 reports EAGAIN when less could be reclaimed than asked: nothing to do
+            pass
 
     def _limit_events(self) -> int:
         if not self.v2:
