@@ -266,8 +266,12 @@ def tuned_configs(model: str, caps: list[Cap], request: TuneRequest, shape: Cont
     import dataclasses
 
     from .config import OffloadConfig
+    from .evaluate import Reference, tokenize_text
     from .tune import tune
 
+    # stock on the text once, for every cap
+    reference = Reference.measure(model, tokenize_text(model, request.text, request.max_tokens), n_threads=threads)
+    log(f"tune: stock on {len(reference.ids)} tokens of the tuning text, perplexity {reference.perplexity:.4f}")
     picked = {}
     for cap in caps:
         log(f"tune for cap {cap.label} ({cap.limit_bytes / MB:.1f} MB):")
@@ -275,7 +279,7 @@ def tuned_configs(model: str, caps: list[Cap], request: TuneRequest, shape: Cont
             profile, rows = tune(model, request.text, memory_bytes=cap.limit_bytes,
                                  max_ppl_increase=request.max_ppl_increase, max_tokens=request.max_tokens,
                                  run_shape=shape, threads=threads, log=lambda m: log("  " + m), names=request.candidates,
-                                 process_bytes=process_bytes)
+                                 process_bytes=process_bytes, reference=reference)
         except HobbitError as e:
             log(f"  nothing chosen: {e}")
             result.tuned[cap.label] = {"chosen": None, "why": str(e)}

@@ -99,21 +99,24 @@ def expert_budget(info: ModelInfo, available_bytes: int | None, shape: ContextSh
 def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: float = 0.01,
          max_tokens: int = 2048, run_shape: ContextShape = ContextShape(), n_ctx: int = 256,
          threads: int | None = None, log=print, names: list[str] | None = None,
-         process_bytes: int | None = None) -> tuple[Profile, list[dict]]:
+         process_bytes: int | None = None, reference: Reference | None = None) -> tuple[Profile, list[dict]]:
     """Measure every candidate (or those named) and return the profile of the cheapest within
     the budget, and every measurement. run_shape: the context the runs will have (their buffers
     come out of the memory); n_ctx: the scoring windows; process_bytes: what a run's process
     holds before it loads a model (default: this process now, before the reference; a caller
-    that has loaded models already measures it before). Raises HobbitError if none is within it."""
+    that has loaded models already measures it before); reference: stock on the text, when the
+    caller has measured it already (tuning for several memories). Raises HobbitError if none is
+    within it."""
     base = process_resident_bytes() if process_bytes is None else process_bytes
     available = None if memory_bytes is None else memory_bytes - base
     threads = threads or os.cpu_count() or 1
     info = inspect_model(model)
     if not info.is_moe:
         raise HobbitError(f"{model} is a dense model: there are no experts to tune")
-    ids = tokenize_text(model, text, max_tokens)
-    reference = Reference.measure(model, ids, n_ctx=n_ctx, n_threads=threads)
-    log(f"reference: stock on {model}, {len(ids)} tokens, perplexity {reference.perplexity:.4f}")
+    if reference is None:
+        reference = Reference.measure(model, tokenize_text(model, text, max_tokens), n_ctx=n_ctx, n_threads=threads)
+        log(f"reference: stock on {model}, {len(reference.ids)} tokens, perplexity {reference.perplexity:.4f}")
+    ids = reference.ids
     rows = []
     for cand in candidates():
         if names is not None and cand.name not in names:
