@@ -323,22 +323,26 @@ int hobbit_runtime::take_slot(int p) {
     return s;
 }
 
-int hobbit_runtime::take_slot_near(int il, int want, bool allow_lower, int & level) {
+// the levels a selection wanted at `want` may take a slot at, in order: the wanted one,
+// then the nearer higher precisions, then (allow_lower) the lower ones
+static int first_level(int want, int n_level, bool allow_lower, const std::function<bool(int)> & has_room) {
     for (int l = want; l >= 0; --l) {
-        const int s = take_slot(pool_of[l][il]);
-        if (s >= 0) {
-            level = l;
-            return s;
+        if (has_room(l)) {
+            return l;
         }
     }
     for (int l = want + 1; allow_lower && l < n_level; ++l) {
-        const int s = take_slot(pool_of[l][il]);
-        if (s >= 0) {
-            level = l;
-            return s;
+        if (has_room(l)) {
+            return l;
         }
     }
     return -1;
+}
+
+int hobbit_runtime::take_slot_near(int il, int want, bool allow_lower, int & level) {
+    int s = -1;
+    level = first_level(want, n_level, allow_lower, [&](int l) { return (s = take_slot(pool_of[l][il])) >= 0; });
+    return level >= 0 ? s : -1;
 }
 
 int hobbit_runtime::find_cached(int il, int e, int & level) const {
@@ -530,20 +534,10 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
             room[l] += use_of(s) != slot_use::busy;
         }
     }
-    // as take_slot_near: the wanted level, else the nearest higher precision, else (without
-    // an in-place pass, where the model's own weights would serve better) a lower one
+    // the order take_slot_near takes slots in; a lower level only without an in-place pass
+    // (in place, the model's own weights serve the expert better)
     const auto level_with_room = [&](int want) {
-        for (int l = want; l >= 0; --l) {
-            if (room[l] > 0) {
-                return l;
-            }
-        }
-        for (int l = want + 1; !plan.has_inplace && l < n_level; ++l) {
-            if (room[l] > 0) {
-                return l;
-            }
-        }
-        return -1;
+        return first_level(want, n_level, !plan.has_inplace, [&](int l) { return room[l] > 0; });
     };
 
     // experts already in a pool first: they cost nothing this wave, and their slots are
