@@ -110,6 +110,14 @@ struct hobbit_params {
     bool    warm_low;      // at start, fill the lowest level's pool with its experts in the background: every
                            // selection then has a copy in memory (a hit at the precision found) once it is done;
                            // then the free slots of the higher levels (with several levels or a high companion)
+    // a static placement: the level each expert is served at, [n_layer_moe][n_expert] in the order of the
+    // layers that have experts (e.g. the experts that carry the most gate weight high, the rest low, as many
+    // high as the budget holds: `hobbitpy tune`'s "placed" ladders). The thresholds t1/t_mid/t2 are then not
+    // used and nothing is skipped; the budget is split among the levels by the bytes placed at each (exactly
+    // those bytes when it holds them all), and warm-up loads each expert at its level. NULL: none (copied at
+    // request)
+    const int8_t * expert_levels;
+    int32_t n_expert_levels; // entries in expert_levels (n_layer_moe * n_expert), 0 with NULL
 };
 
 struct hobbit_model_info {

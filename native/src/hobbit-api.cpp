@@ -9,6 +9,7 @@
 
 #include <cstdio>
 #include <string>
+#include <vector>
 
 static void write_error(char * err, size_t err_size, const std::string & msg) {
     if (err != nullptr && err_size > 0) {
@@ -19,6 +20,7 @@ static void write_error(char * err, size_t err_size, const std::string & msg) {
 // params for the load armed on this thread, and why the last attach failed
 static thread_local hobbit_params g_pending_params;
 static thread_local std::string   g_pending_level_paths[HOBBIT_MAX_LEVELS]; // owned copies of params.level_paths
+static thread_local std::vector<int8_t> g_pending_expert_levels;           // owned copy of params.expert_levels
 static thread_local std::string   g_attach_error;
 
 static const llama_moe_offload * hobbit_attach(const llama_model * model, const char * path, void * user_data) {
@@ -53,6 +55,8 @@ struct hobbit_params hobbit_default_params(void) {
     p.warm_low        = true;
     p.mode            = HOBBIT_MODE_GPU_CENTRIC; // auto measured slower under tight caps (docs/BENCHMARKS.md)
     p.page_cache_room_bytes = -1;
+    p.expert_levels   = nullptr;
+    p.n_expert_levels = 0;
     return p;
 }
 
@@ -91,6 +95,12 @@ enum hobbit_status hobbit_request_offload(const struct hobbit_params * params, c
         g_pending_level_paths[l] = has_file ? params->level_paths[l] : "";
         g_pending_params.level_paths[l] = has_file ? g_pending_level_paths[l].c_str() : nullptr;
     }
+    if (params->n_expert_levels < 0 || (params->n_expert_levels > 0) != (params->expert_levels != nullptr)) {
+        write_error(err, err_size, "hobbit_request_offload: expert_levels and n_expert_levels must be given together");
+        return HOBBIT_STATUS_ERROR_INVALID;
+    }
+    g_pending_expert_levels.assign(params->expert_levels, params->expert_levels + params->n_expert_levels);
+    g_pending_params.expert_levels = g_pending_expert_levels.empty() ? nullptr : g_pending_expert_levels.data();
     g_attach_error.clear();
     llama_moe_offload_request_next_load(&hobbit_attach, nullptr);
     return HOBBIT_STATUS_OK;

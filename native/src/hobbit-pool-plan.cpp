@@ -114,3 +114,22 @@ std::vector<int64_t> pool_plan_level_budgets(const std::vector<const expert_inde
     }
     return budget;
 }
+
+std::vector<int64_t> pool_plan_placed_budgets(const std::vector<const expert_index *> & levels, int64_t budget_bytes,
+                                              const std::vector<int64_t> & placed_bytes) {
+    const int n = (int) levels.size();
+    std::vector<int64_t> budget(n);
+    int64_t total = 0;
+    for (int l = 0; l < n; ++l) {
+        budget[l] = std::max(placed_bytes[l], levels[l]->info.min_budget_bytes);
+        total += budget[l];
+    }
+    if (total <= budget_bytes) {
+        return budget; // what is left would hold no placed expert: it stays unallocated
+    }
+    std::vector<float> shares(n);
+    for (int l = 0; l < n; ++l) {
+        shares[l] = (float) placed_bytes[l];
+    }
+    return pool_plan_level_budgets(levels, budget_bytes, shares.data());
+}

@@ -27,3 +27,9 @@ std::vector<pool_plan_group> pool_plan_make(const expert_index & index, int64_t 
 // first. Throws hobbit_error if the budget is below the levels' minima.
 std::vector<int64_t> pool_plan_level_budgets(const std::vector<const expert_index *> & levels, int64_t budget_bytes,
                                              const float * level_shares);
+
+// with a static placement: placed_bytes[l] are the bytes of the experts placed at level l.
+// Each level gets exactly those (at least its minimum) when the budget holds them all, else
+// the budget is split in their proportion (pool_plan_level_budgets with them as shares).
+std::vector<int64_t> pool_plan_placed_budgets(const std::vector<const expert_index *> & levels, int64_t budget_bytes,
+                                              const std::vector<int64_t> & placed_bytes);

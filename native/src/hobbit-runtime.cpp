@@ -121,11 +121,45 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
 
     last_moe_layer = moe_layers.back();
 
+    if (params.expert_levels != nullptr) {
+        const int64_t n_want = (int64_t) moe_layers.size() * info.n_expert;
+        if (params.n_expert_levels != n_want) {
+            throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, path + ": a placement of " + std::to_string(params.n_expert_levels) +
+                " experts was given; the model has " + std::to_string(n_want) + " (" + std::to_string(moe_layers.size()) +
+                " MoE layers x " + std::to_string(info.n_expert) + " experts)");
+        }
+        placement.assign(info.n_layer, {});
+        for (size_t i = 0; i < moe_layers.size(); ++i) {
+            const int8_t * row = params.expert_levels + i * info.n_expert;
+            for (int e = 0; e < info.n_expert; ++e) {
+                if (row[e] < 0 || row[e] >= n_level) {
+                    throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "the placement puts expert " + std::to_string(e) +
+                        " of layer " + std::to_string(moe_layers[i]) + " at level " + std::to_string(row[e]) +
+                        "; the levels are 0.." + std::to_string(n_level - 1));
+                }
+            }
+            placement[moe_layers[i]].assign(row, row + info.n_expert);
+        }
+    }
+    this->params.expert_levels   = nullptr; // the caller's copy is reused by the next request: placement holds it
+    this->params.n_expert_levels = 0;
+
     std::vector<const expert_index *> level_indexes;
     for (int l = 0; l < n_level; ++l) {
         level_indexes.push_back(&level_index(l));
     }
-    const std::vector<int64_t> budgets = pool_plan_level_budgets(level_indexes, params.budget_bytes, params.level_shares);
+    std::vector<int64_t> budgets;
+    if (!placement.empty()) {
+        std::vector<int64_t> placed_bytes(n_level, 0);
+        for (int il : moe_layers) {
+            for (int e = 0; e < info.n_expert; ++e) {
+                placed_bytes[placement[il][e]] += (int64_t) level_index(placement[il][e]).layers[il].n_bytes();
+            }
+        }
+        budgets = pool_plan_placed_budgets(level_indexes, params.budget_bytes, placed_bytes);
+    } else {
+        budgets = pool_plan_level_budgets(level_indexes, params.budget_bytes, params.level_shares);
+    }
     pool_of.assign(n_level, std::vector<int>(info.n_layer, -1));
     int64_t n_slot_total = 0;
     for (int l = 0; l < n_level; ++l) {
@@ -253,7 +287,7 @@ double hobbit_runtime::resident(int il, int e) const {
 }
 
 void hobbit_runtime::warm_pools() {
-    // the lowest level first (a copy of every expert in memory is what spares a decode the
+    // (with a static placement, each expert at its level) the lowest level first (a copy of every expert in memory is what spares a decode the
     // disk), then the free slots of the higher levels; expert by expert across the layers,
     // so a pool too small for all of them still holds some of every layer. On-demand loads
     // overtake these (they are background loads).
@@ -262,6 +296,9 @@ void hobbit_runtime::warm_pools() {
     for (int l = n_level - 1; l >= 0; --l) {
         for (int e = 0; e < index.info.n_expert; ++e) {
             for (int il : moe_layers) {
+                if (placed(il) && placed(il)[e] != l) {
+                    continue; // a static placement: each expert at its own level only
+                }
                 const int p = pool_of[l][il];
                 const expert_pool & pool = *pools[p].pool;
                 const bool has_free = std::any_of(pool.slots.begin(), pool.slots.end(),
@@ -444,6 +481,9 @@ void hobbit_runtime::prefetch_next_layers(int il, const float * x, std::vector<l
         want.resize(k);
         // the precision a predicted expert is fetched at comes from the same score rule
         precision_levels(thresholds, lp.weights.data(), k, want.data());
+        for (int i = 0; placed(lp.il) && i < k; ++i) {
+            want[i] = placed(lp.il)[lp.experts[i]];
+        }
         bool all_cached = true;
         for (int i = 0; i < k; ++i) {
             const int e = lp.experts[i];
@@ -527,11 +567,17 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
     plan.must_fit    = wave == n_waves(il, sel.n_tokens) - 1 && !plan.has_inplace;
     const int skip = n_level;
 
-    // slots each level's pool can give a new expert: empty, or holding one nobody needs now
-    std::vector<int> room(n_level, 0);
+    // slots each level's pool can give a new expert now (empty, or holding one nobody needs),
+    // and those it can give after a wait: before this wave pins anything, a busy slot is a
+    // background load or a prediction's pin, which wait_for_slot drops or waits out. A wave
+    // waits for them rather than leave its experts to a later wave: n_waves counted on every
+    // slot of the layer, and the last wave cannot hold more (a prompt at start, while the
+    // warm-up loads ran, failed so at a 44 MB budget on two levels)
+    std::vector<int> room(n_level, 0), after_wait(n_level, 0);
     for (int l = 0; l < n_level; ++l) {
         for (const pool_slot & s : pools[pool_of[l][il]].pool->slots) {
-            room[l] += use_of(s) != slot_use::busy;
+            room[l]       += use_of(s) != slot_use::busy;
+            after_wait[l] += use_of(s) == slot_use::busy;
         }
     }
     // the order take_slot_near takes slots in; a lower level only without an in-place pass
@@ -555,6 +601,8 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
             c.how = serve_as::hit;
             if (use_of(pools[pool_of[c.level][il]].pool->slots[c.slot]) != slot_use::busy) {
                 room[c.level]--; // pinned from now on
+            } else {
+                after_wait[c.level]--; // loading this expert already
             }
             // only a token's first expert is worth an upgrade: it carries the largest gate
             // weight, so serving it low costs the most quality; and each upgrade is a read
@@ -567,6 +615,10 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
         } else if ((c.level = level_with_room(sel.want[e])) >= 0) {
             c.how = serve_as::load;
             room[c.level]--;
+        } else if (!plan.has_inplace &&
+                   (c.level = first_level(sel.want[e], n_level, true, [&](int l) { return after_wait[l] > 0; })) >= 0) {
+            c.how = serve_as::wait;
+            after_wait[c.level]--;
         } else {
             c.how = plan.must_fit ? serve_as::wait : plan.has_inplace ? serve_as::in_place : serve_as::later;
         }
@@ -663,7 +715,7 @@ wave_assignment hobbit_runtime::apply_wave(int il, const wave_plan & plan, const
             // load or wait: the plan counted a free or evictable slot for each load, and only
             // waits (which drop prefetches and free slots) change the pools in between
             s = c.how == serve_as::load ? take_slot(pool_of[level][il]) : -1;
-            if (s < 0 && plan.must_fit) {
+            if (s < 0 && (plan.must_fit || c.how == serve_as::wait)) {
                 s = wait_for_slot(il, sel.want[e], sel, lock, level);
             }
             if (s < 0) {
@@ -709,7 +761,7 @@ wave_assignment hobbit_runtime::apply_wave(int il, const wave_plan & plan, const
 void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
     const int64_t t_enter = now_us();
     const int n_expert = index.info.n_expert;
-    const wave_selection sel = read_selection(dst->src[0], dst->src[1], n_expert, thresholds);
+    const wave_selection sel = read_selection(dst->src[0], dst->src[1], n_expert, thresholds, placed(il));
     const int n_tokens = sel.n_tokens;
     const size_t n_pair = sel.n_pair();
     const int n_plane = (int) dst->ne[2]; // one plane per level + the in-place plane

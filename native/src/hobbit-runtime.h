@@ -108,6 +108,8 @@ private:
     double resident(int il, int e) const;
     // fill the free slots of every level's pools in the background, the lowest level first (params.warm_low)
     void warm_pools();
+    // the static placement's levels of layer il's experts, or nullptr (the thresholds decide)
+    const int8_t * placed(int il) const { return placement.empty() ? nullptr : placement[il].data(); }
     const expert_index & level_index(int level) const { return level > 0 ? companions[level - 1] : high ? *high : index; }
     int64_t used_pool_bytes() const; // needs mtx
     void fail(const std::string & msg); // the first failure sticks; needs mtx
@@ -118,6 +120,7 @@ private:
     std::vector<expert_index> companions;   // levels 1..n_level-1: the same experts at lower precisions
     hobbit_params params;
     precision_thresholds thresholds;        // which level a selection wants (HOBBIT eq. 2)
+    std::vector<std::vector<int8_t>> placement; // [n_layer][n_expert]: a static placement's level of each expert (empty: none)
     int n_level = 1;
 
     // per level, one pool per expert signature (shapes and types of the projections): the

@@ -5,7 +5,7 @@
 #include <cmath>
 
 wave_selection read_selection(const ggml_tensor * sel, const ggml_tensor * wts, int n_expert,
-                              const precision_thresholds & thresholds) {
+                              const precision_thresholds & thresholds, const int8_t * placed) {
     wave_selection ws;
     ws.n_used   = (int) sel->ne[0];
     ws.n_tokens = (int) sel->ne[1];
@@ -29,7 +29,8 @@ wave_selection read_selection(const ggml_tensor * sel, const ggml_tensor * wts, 
                 if (ws.n_pairs[e]++ == 0) {
                     ws.order.push_back(e);
                 }
-                ws.want[e] = std::min(ws.want[e], pair_level[k] == PRECISION_SKIP ? skip : pair_level[k]);
+                const int level = placed ? placed[e] : pair_level[k] == PRECISION_SKIP ? skip : pair_level[k];
+                ws.want[e] = std::min(ws.want[e], level);
                 ws.top1[e] = ws.top1[e] || k == first;
             }
         }

@@ -28,16 +28,19 @@ struct wave_selection {
     size_t n_pair() const { return ids.size(); }
 };
 
-// sel: the dispatch op's [n_used, n_tokens] ids; wts: its [1, n_used, n_tokens] gate weights
+// sel: the dispatch op's [n_used, n_tokens] ids; wts: its [1, n_used, n_tokens] gate weights;
+// placed: [n_expert] the level each expert is served at (a static placement), or nullptr:
+// the thresholds decide from the weights
 wave_selection read_selection(const ggml_tensor * sel, const ggml_tensor * wts, int n_expert,
-                              const precision_thresholds & thresholds);
+                              const precision_thresholds & thresholds, const int8_t * placed);
 
 enum class serve_as {
     hit,      // cached at `level`, in `slot`
     skip,     // missed and wanted at no level: left out of the sum (HOBBIT's T1)
     in_place, // computed on the mapped model (cooperative)
     load,     // a slot of `level`'s pool is empty or evictable: the expert is read into it
-    wait,     // no slot now and no pass after this one: free one (drop prefetches) or wait for one
+    wait,     // no slot now, but a background load or a prediction holds one, or no pass comes after this one:
+              // free one (drop prefetches) or wait for one
     later,    // no slot now: a later wave serves it
 };
 

@@ -78,6 +78,8 @@ struct hobbit_params {
     int     mode;
     int64_t page_cache_room_bytes;
     bool    warm_low;
+    const int8_t * expert_levels;
+    int32_t n_expert_levels;
 };
 
 struct hobbit_model_info {

@@ -168,6 +168,22 @@ def _add_precision_args(p) -> None:
                         "at start-up (auto)")
     p.add_argument("--no-warm", action="store_true",
                    help="do not fill the lowest precision's pool in the background at start")
+    p.add_argument("--placed", metavar="TRACE", dest="importance", type=_importance_of_trace, default=None,
+                   help="place the experts statically by how much the routers weigh them in this trace (`hobbitpy "
+                        "trace`): the most weighed at the highest level the budget holds, the rest at --low; each is "
+                        "always served at its level (T1/T2 unused)")
+
+
+def _importance_of_trace(path: str):
+    """--placed: the importance of every expert in a trace, or a one-line argparse error."""
+    from hobbitpy import HobbitError
+    from hobbitpy.placement import expert_importance
+    from hobbitpy.trace import load_trace
+
+    try:
+        return tuple(tuple(row) for row in expert_importance(load_trace(path)).tolist())
+    except HobbitError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_offload_args(p) -> None:

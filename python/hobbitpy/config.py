@@ -94,7 +94,18 @@ class OffloadConfig:
     warm: bool = True
     """With mixed precision, fill the lowest level's pool with its experts in the background at start."""
 
+    importance: tuple[tuple[float, ...], ...] | None = None
+    """How much the routers weigh each expert, per MoE layer in order (the sum of its squared gate weights over
+    a trace; ``hobbitpy tune`` writes it into the profiles of its "placed" ladders). With two or more levels it
+    places the experts statically for the budget the run gets: the most weighed at the highest level the budget
+    still holds, the rest at the lowest (placement.py); every expert is then always served at its level, t1,
+    t_mid and t2 are not used and nothing is skipped. With a budget that holds a copy of every expert, this is
+    a mixed-precision model resident in memory, its bits where the routers put their weight. None: the
+    thresholds decide per selection."""
+
     def __post_init__(self) -> None:
+        if self.importance is not None:  # lists (a profile's JSON) are kept as tuples, so the config stays hashable
+            object.__setattr__(self, "importance", tuple(tuple(float(x) for x in row) for row in self.importance))
         if self.cache_mb is not None and not self.cache_mb > 0:
             raise ValueError(f"cache_mb must be positive, got {self.cache_mb}")
         if self.io_threads < 1:
@@ -116,6 +127,14 @@ class OffloadConfig:
             raise ValueError(f"thresholds must satisfy 0 <= t1 <= t2 <= 1, got t1 {self.t1}, t2 {self.t2}")
         if self.t_mid is not None and not self.t1 <= self.t_mid <= self.t2:
             raise ValueError(f"t_mid must lie between t1 and t2, got {self.t_mid}")
+        if self.importance is not None:
+            rows = self.importance
+            if self.n_level < 2:
+                raise ValueError("placing experts by importance needs at least two precision levels (a low one)")
+            if not rows or any(len(row) != len(rows[0]) or not row for row in rows):
+                raise ValueError("importance gives every MoE layer the same number of experts (one weight each)")
+            if not all(0.0 <= x < float("inf") for row in rows for x in row):
+                raise ValueError("importance weights must be finite and non-negative")
         if self.level_shares is not None:
             if len(self.level_shares) != self.n_level or any(x < 0 for x in self.level_shares) or sum(self.level_shares) <= 0:
                 raise ValueError(f"level_shares must be {self.n_level} non-negative numbers (one per precision level, "
@@ -130,10 +149,12 @@ class OffloadConfig:
     def budget_bytes(self) -> int | None:
         return None if self.cache_mb is None else int(self.cache_mb * MB)
 
-    def to_native(self, budget_bytes: int, level_paths: tuple[str | None, ...] = (None,), page_cache_room_bytes: int = -1):
-        """The hobbit_params struct for a budget in bytes, and the C strings it points to
-        (keep them alive until the model has loaded). level_paths: the file of each level,
-        high to low, None for the model's own experts (see companions.resolve_levels)."""
+    def to_native(self, budget_bytes: int, level_paths: tuple[str | None, ...] = (None,), page_cache_room_bytes: int = -1,
+                  placement: tuple[tuple[int, ...], ...] | None = None):
+        """The hobbit_params struct for a budget in bytes, and the C strings and arrays it points
+        to (keep them alive until the model has loaded). level_paths: the file of each level,
+        high to low, None for the model's own experts (see companions.resolve_levels);
+        placement: the level of every expert (placement.place_by_importance), or None."""
         from ._native import ffi, lib
 
         if len(level_paths) != self.n_level or None in level_paths[1:]:
@@ -162,4 +183,8 @@ class OffloadConfig:
         params.warm_low = self.warm
         params.mode = MODES.index(self.mode)
         params.page_cache_room_bytes = page_cache_room_bytes
+        if placement is not None:
+            keep.append(ffi.new("int8_t[]", [x for row in placement for x in row]))
+            params.expert_levels = keep[-1]
+            params.n_expert_levels = len(keep[-1])
         return params, keep

@@ -26,6 +26,7 @@ from .config import OffloadConfig
 from .errors import ExpertReadError, HobbitError, ModelFileError
 from .memory import ContextShape, OffloadPlan, context_sizes, plan_offload
 from .model_file import ModelInfo, inspect_model
+from .placement import placement_for
 from .profile import load_profile, profile_offload
 
 # llama_cpp.Llama's own keywords (it swallows any other one silently)
@@ -90,14 +91,16 @@ class Llama(llama_cpp.Llama):
         context_bytes = context_sizes(self.model_info, ContextShape.of(kwargs)).total if offload.enabled else 0
         self.offload_plan: OffloadPlan = plan_offload(self.model_info, offload, context_bytes, levels)
 
+        self.placement: tuple[tuple[int, ...], ...] | None = None  # the level of every expert, when placed by importance
         if self.offload_plan.budget_bytes is not None and kwargs.get("lora_path"):
             # an adapter on expert weights would be applied once per pass of a layer
             raise HobbitError(f"{kwargs['lora_path']}: LoRA adapters are not supported with expert offload yet; "
                               "load the model with OffloadConfig(enabled=False)")
         if self.offload_plan.budget_bytes is not None:
             err = error_buffer()
+            self.placement = placement_for(self.model_info, offload, self.level_paths, self.offload_plan.budget_bytes)
             params, _c_strings = offload.to_native(self.offload_plan.budget_bytes, self.level_paths,
-                                                   self.offload_plan.page_cache_room_bytes)
+                                                   self.offload_plan.page_cache_room_bytes, self.placement)
             if lib.hobbit_request_offload(params, err, len(err)) != 0:
                 raise HobbitError(to_str(err))
         try:

@@ -18,7 +18,7 @@ from .errors import HobbitError
 PROFILE_VERSION = 1
 
 # the OffloadConfig fields a profile may set
-PROFILE_SETTINGS = ("high", "mid", "low", "t1", "t_mid", "t2", "hits", "policy", "policy_weights")
+PROFILE_SETTINGS = ("high", "mid", "low", "t1", "t_mid", "t2", "hits", "policy", "policy_weights", "importance")
 
 
 @dataclass

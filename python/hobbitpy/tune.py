@@ -51,12 +51,15 @@ CONFIDENCE_Z = 1.645
 # llama.cpp's uniform quants (their down projections a step higher)
 SINGLE_LEVELS = ("Q6_K", "Q4_K_M", "Q4_K", "Q3_K_M", "Q3_K", "Q2_K")
 TWO_LEVELS = (("Q4_K_M", "Q2_K"), ("Q4_K", "Q2_K"), ("Q3_K_M", "Q2_K"), ("Q4_K_M", "Q3_K"), (None, "Q2_K"))
+# ladders placed statically by importance (placement.py): a copy of every expert, each at one level
+PLACED_LEVELS = (("Q3_K", "Q2_K"), ("Q3_K_M", "Q2_K"), ("Q4_K", "Q2_K"), ("Q4_K_M", "Q3_K"))
 
 
 @dataclass
 class Candidate:
     name: str
     settings: dict  # OffloadConfig fields (high, low, hits)
+    placed: bool = False  # the experts placed by their importance on the text (a trace of it)
 
 
 def candidates() -> list[Candidate]:
@@ -66,7 +69,20 @@ def candidates() -> list[Candidate]:
         name = f"{high or 'model'}/{low}"
         for hits in ("upgrade", "found"):
             out.append(Candidate(f"{name} {hits}", {"high": high, "low": low, "hits": hits}))
+    out += [Candidate(f"{high}/{low} placed", {"high": high, "low": low, "hits": "found"}, placed=True)
+            for high, low in PLACED_LEVELS]
     return out
+
+
+def importance_on_text(model: str, text: str, n_ctx: int, threads: int) -> tuple[tuple[float, ...], ...]:
+    """How much the routers weigh each expert on the text (a trace of prompts cut from it),
+    rounded to 6 significant digits: what a placed candidate's profile keeps."""
+    from .calibrate import prompts_from_text
+    from .placement import expert_importance
+    from .trace import record_trace
+
+    trace = record_trace(model, prompts_from_text(text), n_predict=32, n_ctx=n_ctx, n_threads=threads)
+    return tuple(tuple(float(f"{x:.6g}") for x in row) for row in expert_importance(trace).tolist())
 
 
 def _level_file(model: str, spec: str, threads: int, log) -> str:
@@ -118,10 +134,16 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: f
         log(f"reference: stock on {model}, {len(reference.ids)} tokens, perplexity {reference.perplexity:.4f}")
     ids = reference.ids
     rows = []
+    importance = None
     for cand in candidates():
         if names is not None and cand.name not in names:
             continue
         settings = {k: v for k, v in cand.settings.items() if v is not None}
+        if cand.placed:
+            if importance is None:
+                importance = importance_on_text(model, text, n_ctx, threads)
+                log(f"  expert importance traced on the text ({len(importance)} MoE layers)")
+            settings["importance"] = importance
         try:
             files = {k: _level_file(model, settings[k], threads, log) for k in ("high", "low") if k in settings}
         except (HobbitError, ValueError, OSError) as e:
