@@ -6,7 +6,8 @@ size and a quality budget, measured rather than guessed.
 2. Candidate ladders, high to low: one level (the model's own experts, or the experts of
    a smaller quant: a ggml type written by `prepare`, or a llama.cpp mix such as Q3_K_M
    made by its quantizer), or two levels (a low copy under a higher one), each level
-   holding only copies cheaper than the model's own. Files missing are made first (never
+   holding only copies cheaper than the model's own, or two levels placed statically: one
+   copy of every expert, the most weighed by the routers on the text high (placement.py). Files missing are made first (never
    overwriting).
 3. Each candidate is scored on the text token by token at that budget, with the hit
    behaviour it will really have (`hits` upgrade or found, warm-up, the cache churning):
