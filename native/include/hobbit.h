@@ -142,6 +142,7 @@ struct hobbit_model_info {
     int32_t n_ff_expert;           // width of a routed expert's gate/up rows (the largest)
     int32_t n_ff_dense;            // width of a dense FFN or shared expert (the largest; 0 = none)
     int32_t n_ctx_train;           // context length the model was trained with
+    int64_t max_slice_bytes;       // the largest slice of one expert's projection: what a reader's buffer holds
 };
 
 struct hobbit_stats {

@@ -201,6 +201,9 @@ expert_index expert_index::from_file(const std::string & path) {
         }
         info.n_layer_moe++;
         info.expert_bytes_total += (int64_t) layer.n_bytes() * info.n_expert;
+        for (const auto & p : layer.proj) {
+            info.max_slice_bytes = std::max<int64_t>(info.max_slice_bytes, p.present ? (int64_t) p.n_bytes : 0);
+        }
         if (first == nullptr) {
             first = &layer;
         }

@@ -103,6 +103,7 @@ struct hobbit_model_info {
     int32_t n_ff_expert;
     int32_t n_ff_dense;
     int32_t n_ctx_train;
+    int64_t max_slice_bytes;
 };
 
 struct hobbit_stats {

@@ -16,6 +16,8 @@ from .model_file import ModelInfo
 # what the estimate of a context's buffers cannot see: thread stacks and pools, the I/O
 # threads' bounce buffers, allocator slack (measured: tests/test_memory.py)
 SLACK_BYTES = 24 * MB
+# the O_DIRECT alignment a reader's bounce buffer adds to a slice (hobbit-expert-store.cpp)
+READER_ALIGN_BYTES = 3 * 4096
 
 
 @dataclass(frozen=True)
@@ -158,9 +160,10 @@ def plan_offload(info: ModelInfo, config: OffloadConfig, context_bytes: int,
     ladder = levels[0] is not info  # the high level is a companion: the model's experts are never read
     min_bytes = sum(level.min_budget_bytes for level in levels)
     min_mb = min_bytes / MB
-    # each I/O thread keeps, per level, an O_DIRECT bounce buffer and (repacked types) a
-    # staging buffer of one projection's slice: below one expert
-    io_bytes = config.io_threads * sum(level.expert_bytes for level in levels)
+    # each I/O thread keeps, per level, one buffer of a projection's slice (O_DIRECT's bounce
+    # buffer, with an aligned page either side, or the staging buffer of a buffered read
+    # that repacks): a third of an expert where the projections are alike, not a whole one
+    io_bytes = config.io_threads * sum(level.max_slice_bytes + READER_ALIGN_BYTES for level in levels)
     needs = info.resident_bytes + context_bytes + io_bytes + SLACK_BYTES
     if config.budget_bytes is not None:
         if config.budget_bytes < min_bytes:

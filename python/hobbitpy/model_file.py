@@ -40,6 +40,8 @@ class ModelInfo:
     n_ff_dense: int = 0
     """Width of a dense FFN or shared expert; 0 = none."""
     n_ctx_train: int = 0
+    max_slice_bytes: int = 0
+    """The largest slice of one expert's projection: what one reader's buffer for this file holds."""
 
     @property
     def is_moe(self) -> bool:
@@ -81,4 +83,5 @@ def inspect_model(path: str | os.PathLike) -> ModelInfo:
         n_ff_expert=info.n_ff_expert,
         n_ff_dense=info.n_ff_dense,
         n_ctx_train=info.n_ctx_train,
+        max_slice_bytes=info.max_slice_bytes,
     )
