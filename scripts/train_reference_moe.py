@@ -236,6 +236,10 @@ class MoELM(nn.Module):
 
 # ---------------------------------------------------------------- GGUF
 
+# the models saw one verse per line and nothing else: a chat is shown to them the same way,
+# each message's text on its own line, and the reply is the line that follows
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] | trim }}\n{% endfor %}"
+
 def write_gguf(model: MoELM, tok: Tokenizer, path: pathlib.Path, weight_type: str) -> None:
     """weight_type: "F16" or "Q8_0" for the matrices; norms, routers and gates stay F32."""
     c = model.c
@@ -272,6 +276,7 @@ def write_gguf(model: MoELM, tok: Tokenizer, path: pathlib.Path, weight_type: st
     w.add_bos_token_id(eot)
     w.add_eos_token_id(eot)
     w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
 
     def add(name, arr, kind="matrix"):
         if kind == "f32":

@@ -87,3 +87,27 @@ def test_misspelt_keywords_are_type_errors_naming_them(model_dir):
         hobbitpy.Llama(path, policy="fifo")
     with pytest.raises(TypeError, match="not both"):
         hobbitpy.Llama(path, offload={"cache_mb": 8}, profile="x.json")
+
+
+def test_shipped_models_chat_in_the_format_they_were_trained_on():
+    """Their chat template puts each message on its own line (they saw one verse per line):
+    create_chat_completion uses it instead of falling back to llama-2's with a warning."""
+    import pathlib
+
+    models = pathlib.Path(__file__).resolve().parents[1] / "models"
+    for name in ("ref-mixtral-Q8_0.gguf", "ref-deepseek-Q8_0.gguf", "ref-deepseek-F16.gguf"):
+        llm = hobbitpy.Llama(models / name, cache_mb=8, n_ctx=256, verbose=False, n_threads=2)
+        try:
+            assert llm.chat_format == "chat_template.default", name
+            assert "tokenizer.chat_template" in llm.metadata
+            messages = [{"role": "user", "content": "In the beginning God created the heaven and the earth."},
+                        {"role": "assistant", "content": "And the earth was without form, and void."},
+                        {"role": "user", "content": "And God said, Let there be light: and there was light."}]
+            reply = llm.create_chat_completion(messages, max_tokens=8, temperature=0.0)
+            text = reply["choices"][0]["message"]["content"]
+            # the same as completing the lines themselves
+            lines = "".join(m["content"] + "\n" for m in messages)
+            plain = llm.create_completion(lines, max_tokens=8, temperature=0.0)["choices"][0]["text"]
+            assert text == plain and text.strip(), name
+        finally:
+            llm.close()

@@ -61,6 +61,9 @@ enum hobbit_policy {
 #define HOBBIT_MAX_LEVELS 3
 #define HOBBIT_AUTO_LOW_SHARE 0.85f
 
+// I/O threads reading experts: more cannot keep a disk busier, and each holds its own buffers
+#define HOBBIT_MAX_IO_THREADS 64
+
 // what a hit at another precision than the wanted one does (mixed precision)
 enum hobbit_hit_policy {
     HOBBIT_HIT_FOUND   = 0, // use the copy found, at whatever precision
@@ -210,6 +213,10 @@ HOBBIT_API struct hobbit_params hobbit_default_params(void);
 
 // validate a GGUF file and describe its experts; works for dense models too (n_layer_moe = 0)
 HOBBIT_API enum hobbit_status hobbit_inspect_model(const char * path, struct hobbit_model_info * info, char * err, size_t err_size);
+
+// the fingerprint of a model's experts (16 hex digits and a NUL into out, out_size >= 17): what a
+// companion records of the model it was made of, checked when the companion is used
+HOBBIT_API enum hobbit_status hobbit_model_fingerprint(const char * path, char * out, size_t out_size, char * err, size_t err_size);
 
 // arm the next llama_model_load_from_file() on this thread to attach an expert runtime
 HOBBIT_API enum hobbit_status hobbit_request_offload(const struct hobbit_params * params, char * err, size_t err_size);

@@ -77,6 +77,23 @@ enum hobbit_status hobbit_inspect_model(const char * path, struct hobbit_model_i
     }
 }
 
+enum hobbit_status hobbit_model_fingerprint(const char * path, char * out, size_t out_size, char * err, size_t err_size) {
+    if (path == nullptr || out == nullptr || out_size < 17) {
+        write_error(err, err_size, "hobbit_model_fingerprint: path and an out buffer of 17 bytes are required");
+        return HOBBIT_STATUS_ERROR_INVALID;
+    }
+    try {
+        snprintf(out, out_size, "%s", expert_index::from_file(path).fingerprint().c_str());
+        return HOBBIT_STATUS_OK;
+    } catch (const hobbit_error & e) {
+        write_error(err, err_size, e.what());
+        return e.status;
+    } catch (const std::exception & e) {
+        write_error(err, err_size, std::string(path) + ": " + e.what());
+        return HOBBIT_STATUS_ERROR_INTERNAL;
+    }
+}
+
 enum hobbit_status hobbit_request_offload(const struct hobbit_params * params, char * err, size_t err_size) {
     if (params == nullptr || params->budget_bytes <= 0) {
         write_error(err, err_size, "hobbit_request_offload: a positive budget_bytes is required");
@@ -85,6 +102,11 @@ enum hobbit_status hobbit_request_offload(const struct hobbit_params * params, c
     if (params->n_level < 1 || params->n_level > HOBBIT_MAX_LEVELS) {
         write_error(err, err_size, "hobbit_request_offload: n_level must be 1.." + std::to_string(HOBBIT_MAX_LEVELS) +
                     ", got " + std::to_string(params->n_level));
+        return HOBBIT_STATUS_ERROR_INVALID;
+    }
+    if (params->n_io_threads < 1 || params->n_io_threads > HOBBIT_MAX_IO_THREADS) {
+        write_error(err, err_size, "hobbit_request_offload: n_io_threads must be 1.." + std::to_string(HOBBIT_MAX_IO_THREADS) +
+                    ", got " + std::to_string(params->n_io_threads));
         return HOBBIT_STATUS_ERROR_INVALID;
     }
     g_pending_params = *params;

@@ -87,6 +87,63 @@ static int64_t gguf_get_int_max(const gguf_context * ctx, const std::string & ke
     return best;
 }
 
+// limits of the llama.cpp underneath (llama-hparams.h)
+static constexpr int64_t LLAMA_MAX_LAYERS_LIMIT  = 512;
+static constexpr int64_t LLAMA_MAX_EXPERTS_LIMIT = 1024;
+
+// llama.cpp's load_hparams checks these with GGML_ASSERT: a value out of range aborts the
+// process, the application that loaded the model with it, and with llama-cpp-python's
+// stderr muted nothing is printed. They are checked here first, each error naming the key
+// and the range llama.cpp allows.
+static void check_llama_hparams(const gguf_context * ctx, const std::string & arch, const std::string & path) {
+    const auto has = [&](const std::string & key) { return gguf_find_key(ctx, key.c_str()) >= 0; };
+    const auto fail = [&](const std::string & key, int64_t value, const std::string & allowed) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, path + ": " + key + " is " +
+            (has(key) ? std::to_string(value) : std::string("missing")) + "; llama.cpp needs " + allowed);
+    };
+    const std::string k_layer = arch + ".block_count";
+    const int64_t n_layer = gguf_get_int(ctx, k_layer);
+    if (!has(k_layer) || n_layer < 1 || n_layer > LLAMA_MAX_LAYERS_LIMIT) {
+        fail(k_layer, n_layer, "1.." + std::to_string(LLAMA_MAX_LAYERS_LIMIT));
+    }
+    const std::string k_nextn = arch + ".nextn_predict_layers";
+    const int64_t n_nextn = gguf_get_int(ctx, k_nextn);
+    if (has(k_nextn) && (n_nextn < 0 || n_nextn > n_layer)) {
+        fail(k_nextn, n_nextn, "0.." + std::to_string(n_layer) + " (the block count)");
+    }
+    const std::string k_expert = arch + ".expert_count";
+    const int64_t n_expert = has(k_expert) ? gguf_get_int(ctx, k_expert) : 0;
+    if (n_expert < 0 || n_expert > LLAMA_MAX_EXPERTS_LIMIT) {
+        fail(k_expert, n_expert, "0.." + std::to_string(LLAMA_MAX_EXPERTS_LIMIT));
+    }
+    const std::string k_used = arch + ".expert_used_count";
+    const int64_t n_used = has(k_used) ? gguf_get_int_max(ctx, k_used) : 0; // a value, or the largest per layer
+    if (n_expert > 0 && (n_used < 1 || n_used > n_expert)) {
+        fail(k_used, n_used, "1.." + std::to_string(n_expert) + " (the expert count)");
+    }
+    if (n_expert == 0 && n_used != 0) {
+        fail(k_used, n_used, "0 for a model without experts (" + k_expert + " is 0 or missing)");
+    }
+    const std::string k_groups = arch + ".expert_group_count";
+    const int64_t n_groups = has(k_groups) ? gguf_get_int(ctx, k_groups) : 0;
+    if (n_expert > 0 && (n_groups < 0 || n_groups >= n_expert)) {
+        fail(k_groups, n_groups, "0.." + std::to_string(n_expert - 1) + " (below the expert count)");
+    }
+    if (n_expert == 0 && n_groups != 0) {
+        fail(k_groups, n_groups, "0 for a model without experts");
+    }
+    if (n_groups > 1) {
+        const std::string k_group_used = arch + ".expert_group_used_count";
+        const int64_t n_group_used = has(k_group_used) ? gguf_get_int(ctx, k_group_used) : 0;
+        if (n_expert % n_groups != 0) {
+            fail(k_groups, n_groups, "a divisor of the expert count (" + std::to_string(n_expert) + ")");
+        }
+        if (n_group_used < 1 || n_group_used >= n_groups) {
+            fail(k_group_used, n_group_used, "1.." + std::to_string(n_groups - 1) + " (below the group count)");
+        }
+    }
+}
+
 expert_index expert_index::from_file(const std::string & path) {
     expert_index idx;
     idx.path = path;
@@ -137,6 +194,14 @@ expert_index expert_index::from_file(const std::string & path) {
     const std::string arch = gguf_get_val_str(ctx.get(), arch_id);
     snprintf(info.arch, sizeof(info.arch), "%s", arch.c_str());
 
+    check_llama_hparams(ctx.get(), arch, path); // before anything is sized from them
+    for (auto [key, field] : { std::pair<const char *, std::string *>{ "hobbitpy.companion.of", &idx.made_of },
+                               std::pair<const char *, std::string *>{ "hobbitpy.companion.of_fingerprint", &idx.made_of_fingerprint } }) {
+        const int64_t id = gguf_find_key(ctx.get(), key);
+        if (id >= 0 && gguf_get_kv_type(ctx.get(), id) == GGUF_TYPE_STRING) {
+            *field = gguf_get_val_str(ctx.get(), id);
+        }
+    }
     info.n_layer       = (int32_t) std::max<int64_t>(0, gguf_get_int(ctx.get(), arch + ".block_count"));
     info.n_expert      = (int32_t) std::max<int64_t>(0, gguf_get_int(ctx.get(), arch + ".expert_count"));
     info.n_expert_used = (int32_t) std::max<int64_t>(0, gguf_get_int(ctx.get(), arch + ".expert_used_count"));
@@ -223,6 +288,41 @@ expert_index expert_index::from_file(const std::string & path) {
     return idx;
 }
 
+std::string expert_index::fingerprint() const {
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_IO, path + ": cannot open model file: " + errno_text());
+    }
+    uint64_t h = 0xcbf29ce484222325ull; // FNV-1a 64
+    std::vector<uint8_t> buf;
+    std::string error;
+    for (const expert_layer_layout & layer : layers) {
+        for (const expert_proj_layout & p : layer.proj) {
+            if (!p.present) {
+                continue;
+            }
+            const uint64_t size = p.n_bytes * (uint64_t) p.ne[2];
+            const uint64_t n = std::min<uint64_t>(4096, size);
+            for (const uint64_t at : { p.offset, p.offset + size - n }) {
+                buf.resize(n);
+                if (error.empty() && pread(fd, buf.data(), n, (off_t) at) != (ssize_t) n) {
+                    error = path + ": cannot read the experts to fingerprint them: " + errno_text();
+                }
+                for (uint8_t b : buf) {
+                    h = (h ^ b) * 0x100000001b3ull;
+                }
+            }
+        }
+    }
+    close(fd);
+    if (!error.empty()) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_IO, error);
+    }
+    char hex[17];
+    snprintf(hex, sizeof(hex), "%016llx", (unsigned long long) h);
+    return hex;
+}
+
 void expert_index::check_companion(const expert_index & companion) const {
     const auto mismatch = [&](const std::string & what) {
         return hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, companion.path + " does not hold the experts of " + path + ": " + what);
@@ -257,6 +357,11 @@ void expert_index::check_companion(const expert_index & companion) const {
                                std::to_string(pa.ne[1]) + ", " + std::to_string(pa.ne[2]) + "]");
             }
         }
+    }
+    // the same shapes are not the same model: another model's experts would serve silently
+    if (!companion.made_of_fingerprint.empty() && companion.made_of_fingerprint != fingerprint()) {
+        throw mismatch("it was made of the experts of another model (" + companion.made_of + ", fingerprint " +
+                       companion.made_of_fingerprint + "; this one's is " + fingerprint() + ")");
     }
 }
 

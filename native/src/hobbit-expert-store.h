@@ -34,12 +34,23 @@ struct expert_index {
     hobbit_model_info info = {};
     std::vector<expert_layer_layout> layers; // [n_layer]
 
+    // a companion written by `hobbitpy prepare` records the model it was made of: its file
+    // name and its fingerprint (empty for other files)
+    std::string made_of;
+    std::string made_of_fingerprint;
+
     // throws hobbit_error naming the file and what is wrong
     static expert_index from_file(const std::string & path);
 
+    // identifies the experts' weights, not only their shapes: FNV-1a 64 of the first and last
+    // 4 KB of every expert tensor, as 16 hex digits (a few reads; two models of the same
+    // shapes differ in it). Throws hobbit_error on a failed read.
+    std::string fingerprint() const;
+
     // a companion file (the same experts at another precision) must describe the same
     // model: architecture, sizes, and every expert tensor with the same name and shape
-    // (types may differ); throws hobbit_error naming both files and the difference
+    // (types may differ), and, when the companion records the model it was made of, this
+    // model's fingerprint; throws hobbit_error naming both files and the difference
     void check_companion(const expert_index & companion) const;
 };
 

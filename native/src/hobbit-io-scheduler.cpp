@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <system_error>
 
 io_scheduler::io_scheduler(std::vector<const expert_index *> indexes, bool direct_io, int n_threads, done_fn on_done)
         : indexes(std::move(indexes)), on_done(std::move(on_done)) {
@@ -15,12 +16,20 @@ io_scheduler::io_scheduler(std::vector<const expert_index *> indexes, bool direc
             ls.push_back(std::make_unique<expert_store>(*index, direct_io));
         }
     }
-    for (level_stores & ls : stores) {
-        workers.emplace_back([this, s = &ls] { loop(*s); });
+    try {
+        for (level_stores & ls : stores) {
+            workers.emplace_back([this, s = &ls] { loop(*s); });
+        }
+    } catch (const std::system_error & e) {
+        // a thread could not start (address space, thread limits): the ones started must be
+        // joined before this throws, or their std::thread destructors terminate the process
+        stop_workers();
+        throw hobbit_error(HOBBIT_STATUS_ERROR_INTERNAL, "cannot start I/O thread " + std::to_string(workers.size() + 1) +
+            " of " + std::to_string(stores.size()) + " (" + e.what() + "); use fewer io_threads");
     }
 }
 
-io_scheduler::~io_scheduler() {
+void io_scheduler::stop_workers() {
     {
         std::lock_guard<std::mutex> lock(mtx);
         closing = true;
@@ -31,6 +40,11 @@ io_scheduler::~io_scheduler() {
     for (auto & w : workers) {
         w.join();
     }
+    workers.clear();
+}
+
+io_scheduler::~io_scheduler() {
+    stop_workers();
 }
 
 static int64_t now_us() {

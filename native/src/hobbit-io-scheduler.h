@@ -76,6 +76,7 @@ private:
 
     using level_stores = std::vector<std::unique_ptr<expert_store>>; // [level]
     void loop(level_stores & stores);
+    void stop_workers(); // closing: drops queued tasks, finishes running reads, joins every started thread
 
     std::vector<level_stores>          stores;  // one set per thread
     std::vector<const expert_index *>  indexes; // [level]

@@ -2,7 +2,10 @@
 
 #include "hobbit-error.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <climits>
 #include <cmath>
@@ -676,6 +679,9 @@ wave_assignment hobbit_runtime::apply_wave(int il, const wave_plan & plan, const
     wave_assignment a(index.info.n_expert);
     std::vector<std::pair<int, int>> upgrade; // (expert, wanted level) hit at a lower precision
     const auto serve_in_place = [&](int e) {
+        if (!mapped_expert_present(il, e)) {
+            return; // the run has failed: the abort callback stops the graph before it computes
+        }
         a.any_inplace = true;
         a.inplace[e]  = true;
         served[e]     = true;
@@ -849,6 +855,23 @@ void hobbit_runtime::fail(const std::string & msg) {
         error_msg = msg;
         has_error.store(true, std::memory_order_release);
     }
+}
+
+bool hobbit_runtime::mapped_expert_present(int il, int e) {
+    struct stat st;
+    if (stat(index.path.c_str(), &st) != 0) {
+        fail(index.path + ": cannot stat the model file while running: " + strerror(errno));
+        return false;
+    }
+    for (const expert_proj_layout & p : index.layers[il].proj) {
+        const uint64_t end = p.offset + (uint64_t) (e + 1) * p.n_bytes;
+        if (p.present && end > (uint64_t) st.st_size) {
+            fail(index.path + ": truncated while running: expert " + std::to_string(e) + " of layer " + std::to_string(il) +
+                 " ends at byte " + std::to_string(end) + ", the file now has " + std::to_string((int64_t) st.st_size));
+            return false;
+        }
+    }
+    return true;
 }
 
 int64_t hobbit_runtime::used_pool_bytes() const {

@@ -112,6 +112,9 @@ private:
     const int8_t * placed(int il) const { return placement.empty() ? nullptr : placement[il].data(); }
     const expert_index & level_index(int level) const { return level > 0 ? companions[level - 1] : high ? *high : index; }
     int64_t used_pool_bytes() const; // needs mtx
+    // whether the model file still holds expert e of layer il; if not the run fails: computing
+    // it in place would fault on pages past the end of the file (SIGBUS); needs mtx
+    bool mapped_expert_present(int il, int e);
     void fail(const std::string & msg); // the first failure sticks; needs mtx
     void on_load_done(const load_task & task, const std::string & error, uint64_t n_bytes, int64_t us);
 

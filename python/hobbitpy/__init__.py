@@ -18,6 +18,9 @@ from ._native import LIB_DIR as _LIB_DIR
 # import (the .pth hook hobbitpy installs sets it at interpreter start already, unless the
 # user set another path)
 _os.environ["LLAMA_CPP_LIB_PATH"] = str(_LIB_DIR)
+# an abort inside ggml would otherwise run gdb (whatever `gdb` is on PATH) on this process
+# to print a backtrace; the assertion's own line is still printed
+_os.environ.setdefault("GGML_NO_BACKTRACE", "1")
 if "llama_cpp.llama_cpp" in _sys.modules:
     _loaded = _os.path.realpath(_sys.modules["llama_cpp.llama_cpp"]._lib._name)
     if _os.path.dirname(_loaded) != _os.path.realpath(_LIB_DIR):

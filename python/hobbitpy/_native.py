@@ -59,6 +59,7 @@ struct hobbit_policy_weights {
 };
 
 #define HOBBIT_MAX_LEVELS 3
+#define HOBBIT_MAX_IO_THREADS 64
 
 struct hobbit_params {
     int64_t budget_bytes;
@@ -167,6 +168,7 @@ struct hobbit_sim_result {
 
 struct hobbit_params hobbit_default_params(void);
 enum hobbit_status hobbit_inspect_model(const char * path, struct hobbit_model_info * info, char * err, size_t err_size);
+enum hobbit_status hobbit_model_fingerprint(const char * path, char * out, size_t out_size, char * err, size_t err_size);
 enum hobbit_status hobbit_request_offload(const struct hobbit_params * params, char * err, size_t err_size);
 void hobbit_cancel_offload_request(void);
 bool hobbit_last_attach_error(char * buf, size_t size);

@@ -117,15 +117,6 @@ def _default_model() -> str | None:
     return str(default) if default.exists() else None
 
 
-def _add_policy_args(p) -> None:
-    from hobbitpy.config import POLICIES
-
-    p.add_argument("--policy", choices=POLICIES, default=None,
-                   help="expert cache replacement policy (default lru; hobbit = HOBBIT's eq. 3 mix of the four)")
-    p.add_argument("--policy-weights", metavar="LRU,LFU,LHU,FLD", type=_numbers(4, "LRU,LFU,LHU,FLD"),
-                   default=None, help="weights of HOBBIT's eq. 3 for --policy hobbit (default 0.25 each)")
-
-
 def _numbers(n: int | None, what: str):
     """An argparse type: comma-separated numbers, n of them (None: any count)."""
     def parse(text: str) -> tuple[float, ...]:
@@ -137,41 +128,6 @@ def _numbers(n: int | None, what: str):
             raise argparse.ArgumentTypeError(f"expected {n} numbers ({what}), got {len(values)}")
         return values
     return parse
-
-
-def _add_precision_args(p) -> None:
-    from hobbitpy.config import DEFAULT_T1, DEFAULT_T2, HIT_POLICIES, MODES
-
-    p.add_argument("--low", metavar="TYPE|PATH",
-                   help="mixed precision: low-precision copies of the experts, a type (Q2_K: the file "
-                        "`hobbitpy prepare` writes next to the model), a llama.cpp mix (Q2_K_S, Q3_K_M: the "
-                        "uniform quant in MODEL.quants/) or a GGUF file of the model's experts (any quant of it)")
-    p.add_argument("--mid", metavar="TYPE|PATH", help="a middle precision level between the model's and --low")
-    p.add_argument("--high", metavar="TYPE|PATH",
-                   help="serve the high precision from a companion too (e.g. Q4_K or Q4_K_M over a Q8_0 model): the "
-                        "model file's experts are then never read; its other weights keep their precision")
-    p.add_argument("--t1", type=float, default=None,
-                   help=f"a missed expert whose score (HOBBIT eq. 2) is at most T1 loads at high precision (default {DEFAULT_T1})")
-    p.add_argument("--t-mid", type=float, default=None,
-                   help="with --mid: a score at most T_MID loads at the middle precision (default halfway from T1 to T2)")
-    p.add_argument("--t2", type=float, default=None,
-                   help=f"a missed expert whose score is above T2 is skipped (default {DEFAULT_T2})")
-    p.add_argument("--level-shares", metavar="HIGH,[MID,]LOW", type=_numbers(None, "0.5,0.5"), default=None,
-                   help="how the expert budget is split among the precision levels (default: room for every expert "
-                        "at the lowest precision, up to 85%% of the budget; the rest to the others)")
-    p.add_argument("--hits", choices=HIT_POLICIES, default=None,
-                   help="a hit at another precision than wanted: use it (found), use it and load the wanted one in the "
-                        "background when the disk is idle (upgrade, default), or serve exactly the wanted precision (exact)")
-    p.add_argument("--mode", choices=MODES, default="gpu-centric",
-                   help="where a missed expert runs: loaded into the cache (gpu-centric, default), computed in place "
-                        "on the mapped model (cooperative), or chosen per expert and ubatch by a latency model measured "
-                        "at start-up (auto)")
-    p.add_argument("--no-warm", action="store_true",
-                   help="do not fill the lowest precision's pool in the background at start")
-    p.add_argument("--placed", metavar="TRACE", dest="importance", type=_importance_of_trace, default=None,
-                   help="place the experts statically by how much the routers weigh them in this trace (`hobbitpy "
-                        "trace`): the most weighed at the highest level the budget holds, the rest at --low; each is "
-                        "always served at its level (T1/T2 unused)")
 
 
 def _importance_of_trace(path: str):
@@ -186,50 +142,84 @@ def _importance_of_trace(path: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+# how an Option's flag text becomes its value, by Option.parse
+PARSERS = {
+    "numbers4": _numbers(4, "LRU,LFU,LHU,FLD"),
+    "numbers": _numbers(None, "0.5,0.5"),
+    "trace_importance": _importance_of_trace,
+}
+
+
+def _help(f) -> str:
+    from hobbitpy.config import default_text, option_of
+
+    opt = option_of(f)
+    if opt.negate:
+        return opt.help
+    return f"{opt.help} (default: {default_text(f)})".replace("%", "%%")
+
+
+def _dest(f) -> str:
+    """Where an offload flag's value goes in the parsed args (apart from run's own --seed, --ctx ...)."""
+    return f"offload_{f.name}"
+
+
 def add_offload_args(p) -> None:
-    """The flags that choose how experts are served (run, eval, and bench's --config)."""
-    mem = p.add_mutually_exclusive_group()
-    mem.add_argument("--cache-mb", type=float, default=None,
-                     help="expert cache budget in MB (default: from the memory available)")
-    mem.add_argument("--no-offload", action="store_true",
-                     help="run stock llama.cpp (every expert mapped from the file): the reference")
-    depth = p.add_mutually_exclusive_group()
-    depth.add_argument("--prefetch-layers", type=int, default=0, metavar="P",
-                       help="during decode, prefetch the experts of up to P next layers, predicted by their routers on "
-                            "the current layer's input (HOBBIT's adaptive prefetch; default 0 = on demand only)")
-    depth.add_argument("--prefetch", action="store_const", const=1, dest="prefetch_layers",
-                       help="the same as --prefetch-layers 1")
-    p.add_argument("--no-direct-io", action="store_true", help="read experts through the page cache")
-    _add_policy_args(p)
-    _add_precision_args(p)
+    """The flags that choose how experts are served (run, eval, serve, and bench's --config),
+    made from OffloadConfig's Options; each is None unless given, so that a profile and the
+    built-in defaults can lie under it."""
+    import dataclasses
+
+    from hobbitpy.config import OffloadConfig, option_of
+
+    groups = {}
+    for f in dataclasses.fields(OffloadConfig):
+        opt = option_of(f)
+        if opt.flag is None:
+            continue
+        target = p
+        if opt.group is not None:
+            target = groups.setdefault(opt.group, p.add_mutually_exclusive_group())
+        if opt.negate:
+            target.add_argument(opt.flag, action="store_false", dest=_dest(f), default=None, help=_help(f))
+            continue
+        kind = PARSERS[opt.parse] if opt.parse else type(f.default) if f.default is not None else str
+        if f.name in ("cache_mb", "t_mid"):
+            kind = float  # None by default, a number when given
+        target.add_argument(opt.flag, dest=_dest(f), type=kind, default=None, metavar=opt.metavar, choices=opt.choices,
+                            help=_help(f))
+        if opt.alias is not None:
+            alias, value = opt.alias
+            target.add_argument(alias, action="store_const", const=value, dest=_dest(f),
+                                help=f"the same as {opt.flag} {value}")
     prof = p.add_mutually_exclusive_group()
     prof.add_argument("--profile", metavar="FILE",
-                      help="settings from a `hobbitpy calibrate` profile (run applies MODEL.hobbit-profile.json "
-                           "by itself); flags given here win over it")
+                      help="settings from a profile written by `hobbitpy tune` or `calibrate` (run applies "
+                           "MODEL.hobbit-profile.json by itself); flags given here win over it")
     prof.add_argument("--no-profile", action="store_true", help="ignore the profile next to the model")
 
 
 def offload_config_from_args(args, model_path: str | None = None, *, auto_profile: bool = False):
     """The OffloadConfig of the flags: built-in defaults, then the profile (--profile, or
     with auto_profile the one next to model_path), then the flags given."""
+    import dataclasses
+
     from hobbitpy import OffloadConfig
-    from hobbitpy.profile import PROFILE_SETTINGS, load_profile, profile_path
+    from hobbitpy.config import option_of
+    from hobbitpy.profile import load_profile, profile_path
 
     settings = {}
     profile = args.profile
-    if profile is None and auto_profile and model_path and not args.no_profile and not args.no_offload:
+    if profile is None and auto_profile and model_path and not args.no_profile and args.offload_enabled is not False:
         default = profile_path(model_path)
         profile = str(default) if default.exists() else None
     if profile is not None:
         settings.update(load_profile(profile, model_path).settings)
         log.info(f"settings from {profile}")
-    for name in PROFILE_SETTINGS:
-        if getattr(args, name) is not None:
-            settings[name] = getattr(args, name)
-    return OffloadConfig(enabled=not args.no_offload, cache_mb=args.cache_mb,
-                         prefetch_layers=args.prefetch_layers, direct_io=not args.no_direct_io,
-                         level_shares=args.level_shares, warm=not args.no_warm,
-                         mode=args.mode, **settings)
+    for f in dataclasses.fields(OffloadConfig):
+        if option_of(f).flag is not None and getattr(args, _dest(f)) is not None:
+            settings[f.name] = getattr(args, _dest(f))
+    return OffloadConfig(**settings)
 
 
 def _add_bench_parser(sub) -> None:
@@ -353,9 +343,11 @@ def _trace(args) -> int:
 
     from tqdm import tqdm
 
+    from hobbitpy.outputs import new_output_error
+
     out = pathlib.Path(args.out)
-    if out.exists():
-        return _fail(f"{out} exists; a trace never overwrites a file")
+    if why := new_output_error(out):  # before the work: a dangling symlink too
+        return _fail(why)
     if out.suffix != ".npz":
         return _fail(f"{out}: a trace is written as .npz; name the file accordingly")
     try:
@@ -366,6 +358,51 @@ def _trace(args) -> int:
     except (HobbitError, ValueError) as e:
         return _fail(str(e))
     print(f"{out}: {t.n_tokens} tokens x {t.meta['n_moe_layer']} MoE layers, {len(prompts)} prompts")
+    return 0
+
+
+def _add_options_parser(sub) -> None:
+    p = sub.add_parser("options", help="every option of how experts are served, as a Markdown table",
+                       description="Print every offload option: its keyword in hobbitpy.Llama and OffloadConfig, its "
+                                   "flag, its default, whether a profile sets it, and what it does (docs/OPTIONS.md).")
+    p.set_defaults(func=lambda args: print(__import__("hobbitpy.config", fromlist=["options_table"]).options_table(),
+                                           end="") or 0)
+
+
+def _add_plot_parser(sub) -> None:
+    from hobbitpy.simulate import POLICIES
+    from hobbitpy.trace_plot import DEFAULT_PLOT_POLICIES
+
+    p = sub.add_parser("plot", help="draw where the experts go in a trace (PNG)",
+                       description="Draw a routing trace: each layer's selections per expert (heat map), the reuse "
+                                   "distance of every selection, and the cumulative hit ratio of cache policies at one "
+                                   "budget (the runtime's own policies and Belady's optimum).")
+    p.add_argument("trace", help="a trace written by `hobbitpy trace`")
+    p.add_argument("--out", help="PNG to write (default: TRACE.png beside the trace; never overwritten)")
+    p.add_argument("--budget-mb", type=float, default=None,
+                   help="cache budget of the hit-ratio panel (default: a quarter of every expert)")
+    p.add_argument("--policy", nargs="+", choices=POLICIES, default=list(DEFAULT_PLOT_POLICIES),
+                   help=f"policies drawn (default: {' '.join(DEFAULT_PLOT_POLICIES)})")
+    p.set_defaults(func=_plot)
+
+
+def _plot(args) -> int:
+    import pathlib
+
+    from hobbitpy import HobbitError
+    from hobbitpy.outputs import new_output_error, write_new
+    from hobbitpy.trace import load_trace
+    from hobbitpy.trace_plot import plot_trace
+
+    out = pathlib.Path(args.out) if args.out else pathlib.Path(args.trace).with_suffix(".png")
+    if why := new_output_error(out):
+        return _fail(why)
+    try:
+        png = plot_trace(load_trace(args.trace), budget_mb=args.budget_mb, policies=args.policy)
+        write_new(out, png)
+    except (HobbitError, ValueError, OSError) as e:
+        return _fail(str(e))
+    print(f"wrote {out}")
     return 0
 
 
@@ -847,6 +884,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_bench_parser(sub)
     _add_trace_parser(sub)
     _add_simulate_parser(sub)
+    _add_plot_parser(sub)
+    _add_options_parser(sub)
     _add_eval_parser(sub)
     args = parser.parse_args(argv)
     # notes go to stderr through logging (this call's stderr); -q keeps only errors

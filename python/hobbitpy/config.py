@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 import os
 
 MB = 1024 * 1024
@@ -21,95 +21,132 @@ HIT_POLICIES = ("found", "upgrade", "exact")
 # HOBBIT's thresholds for Mixtral-8x7B (§3.2): 67 % of selections high, 30 % low, 3 % skipped
 DEFAULT_T1 = 0.6
 MAX_PREFETCH_LAYERS = 8
+MAX_IO_THREADS = 64  # hobbit.h HOBBIT_MAX_IO_THREADS (a test holds them equal)
 DEFAULT_T2 = 0.9
 
 
 @dataclass(frozen=True)
+class Option:
+    """How one OffloadConfig field meets users: the one place its help, its flag and whether a
+    profile may set it are written (the CLI flags, the keywords of hobbitpy.Llama, the profile
+    fields and docs/OPTIONS.md are all made from these)."""
+
+    help: str
+    flag: str | None = None        # command-line flag; None: Python and profiles only
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    parse: str | None = None       # how the flag's text becomes the value (cli.PARSERS), else the field's type
+    negate: bool = False           # a boolean the flag turns off (--no-warm)
+    profile: bool = False          # a profile may set it (what tune and calibrate decide)
+    group: str | None = None       # flags of one group exclude each other
+    alias: tuple[str, object] | None = None  # another flag that sets a fixed value (--prefetch = --prefetch-layers 1)
+    default_text: str | None = None  # how the default reads in help, where the value alone says little
+
+
+def option(default, help: str, **kw):
+    """A field of OffloadConfig with its Option."""
+    return field(default=default, metadata={"option": Option(help=help, **kw)})
+
+
+def option_of(f) -> Option:
+    return f.metadata["option"]
+
+
+def default_text(f) -> str:
+    """A field's default as help and docs say it."""
+    opt = option_of(f)
+    if opt.default_text:
+        return opt.default_text
+    return ",".join(map(str, f.default)) if isinstance(f.default, tuple) else str(f.default)
+
+
+def options_table() -> str:
+    """Every option as a Markdown table (docs/OPTIONS.md is this; a test keeps them equal)."""
+    rows = ["| keyword (`hobbitpy.Llama`, `OffloadConfig`) | flag (`run`, `serve`, `eval`, `bench --config`) | "
+            "default | in a profile | what it does |", "|---|---|---|---|---|"]
+    for f in fields(OffloadConfig):
+        opt = option_of(f)
+        flag = f"`{opt.flag}`" + (f" `{opt.metavar}`" if opt.metavar else "") if opt.flag else "–"
+        if opt.alias:
+            flag += f", `{opt.alias[0]}` (= {opt.alias[1]})"
+        if opt.choices:
+            flag += " " + "|".join(opt.choices)
+        default = "on" if f.default is True else default_text(f)
+        what = f"the flag: {opt.help}" if opt.negate else opt.help
+        cells = (f"`{f.name}`", flag, default, "yes" if opt.profile else "", what)
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+@dataclass(frozen=True)
 class OffloadConfig:
-    """How the routed experts of a MoE model are served."""
+    """How the routed experts of a MoE model are served. Every field is documented by its Option
+    (`hobbitpy options` prints them all; docs/OPTIONS.md is that table)."""
 
-    enabled: bool = True
-    """False runs stock llama.cpp (every expert mapped from the file, the reference)."""
-
-    cache_mb: float | None = None
-    """Expert cache budget in MiB; None sizes it from the memory actually available."""
-
-    prefetch_layers: int = 0
-    """0 loads on demand only; P > 0 also prefetches, during decode, the experts the next P layers' routers
-    pick on the current layer's input, going one layer deeper only while the predicted experts are all cached
-    (HOBBIT §3.3)."""
-
-    direct_io: bool = True
-    """Read experts with O_DIRECT (no double caching in the page cache) where the file system allows it."""
-
-    io_threads: int = 2
-    """Threads reading experts: 2 keeps the disk busy while one copies out of its O_DIRECT buffer."""
-
-    policy: str = "lru"
-    """Which cached expert to evict: lru, lfu, lhu, fld, random, or weighted (HOBBIT eq. 3 with policy_weights)."""
-
-    policy_weights: tuple[float, float, float, float] = (0.25, 0.25, 0.25, 0.25)
-    """Weights of LRU, LFU, LHU and FLD for the weighted policy; they sum to 1."""
-
-    seed: int = 0
-    """Seed of the random policy."""
-
-    low: str | None = None
-    """Lower-precision copies of the experts (mixed precision, HOBBIT §3.2): a GGUF type name
-    (Q2_K: the companion file `hobbitpy prepare` writes next to the model) or a file path."""
-
-    mid: str | None = None
-    """An optional middle level between the model's precision and ``low`` (e.g. Q4_K)."""
-
-    high: str | None = None
-    """The high level as a companion too (a precision ladder, e.g. Q4_K over a Q8_0 model): a type name or
-    a file path. The model file's experts are then never read; its other weights still serve at its own
-    precision. None: the model's own experts are the high level."""
-
-    t1: float = DEFAULT_T1
-    """A selection whose score (eq. 2) is at most t1 is served at high precision when missed."""
-
-    t_mid: float | None = None
-    """With ``mid``: a score at most t_mid goes to the middle level; None = halfway between t1 and t2."""
-
-    t2: float = DEFAULT_T2
-    """A missed selection whose score is above t2 is skipped (it contributes nothing to that token)."""
-
-    level_shares: tuple[float, ...] | None = None
-    """How the budget above the minimum is split among the levels, high first; None = automatic: the
-    lowest level gets room for a copy of every expert (up to 85 % of the budget), the others the rest."""
-
-    hits: str = "upgrade"
-    """What a hit at another precision than wanted does: "found" uses it; "upgrade" uses it and, when it
-    was lower, loads the wanted copy in the background; "exact" serves only the wanted precision
-    (and skips what the rule skips), to measure the rule's own effect on quality."""
-
-    mode: str = "gpu-centric"
-    """Where a missed expert runs: "gpu-centric" loads it into the cache; "cooperative" computes it in place
-    on the mapped model file; "auto" decides per expert and ubatch with a latency model measured at start-up
-    (in place for wide ubatches when faulting the file in is about as fast as loading, and for experts the
-    page cache already holds, while the page cache has room for two layers). gpu-centric is the default:
-    under tight memory caps auto measured up to 1.5x slower decode (docs/BENCHMARKS.md)."""
-
-    warm: bool = True
-    """With mixed precision, fill the lowest level's pool with its experts in the background at start."""
-
-    importance: tuple[tuple[float, ...], ...] | None = None
-    """How much the routers weigh each expert, per MoE layer in order (the sum of its squared gate weights over
-    a trace; ``hobbitpy tune`` writes it into the profiles of its "placed" ladders). With two or more levels it
-    places the experts statically for the budget the run gets: the most weighed at the highest level the budget
-    still holds, the rest at the lowest (placement.py); every expert is then always served at its level, t1,
-    t_mid and t2 are not used and nothing is skipped. With a budget that holds a copy of every expert, this is
-    a mixed-precision model resident in memory, its bits where the routers put their weight. None: the
-    thresholds decide per selection."""
+    enabled: bool = option(True, "run stock llama.cpp instead (every expert mapped from the file): the reference",
+                           flag="--no-offload", negate=True, group="memory")
+    cache_mb: float | None = option(None, "expert cache budget in MiB", flag="--cache-mb", group="memory",
+                                    default_text="sized from the memory available (cgroup limit or MemAvailable)")
+    prefetch_layers: int = option(0, "during decode, also prefetch the experts the next P layers' routers pick on the "
+                                     "current layer's input, one layer deeper only while those predicted are all "
+                                     "cached (HOBBIT's adaptive prefetch, §3.3); 0 loads on demand only",
+                                  flag="--prefetch-layers", metavar="P", group="depth", alias=("--prefetch", 1))
+    direct_io: bool = option(True, "read experts through the page cache instead of with O_DIRECT (O_DIRECT avoids "
+                                   "caching them twice)", flag="--no-direct-io", negate=True)
+    io_threads: int = option(2, "threads reading experts: 2 keeps the disk busy while one copies out of its buffer",
+                             flag="--io-threads", metavar="N")
+    policy: str = option("lru", "which cached expert to evict (hobbit: HOBBIT's eq. 3 mix of lru, lfu, lhu and fld; "
+                                "weighted is its old name)", flag="--policy", choices=POLICIES, profile=True)
+    policy_weights: tuple[float, float, float, float] = option(
+        (0.25, 0.25, 0.25, 0.25), "weights of LRU, LFU, LHU and FLD in HOBBIT's eq. 3 (--policy hobbit); they sum to 1",
+        flag="--policy-weights", metavar="LRU,LFU,LHU,FLD", parse="numbers4", profile=True)
+    seed: int = option(0, "seed of the random policy", flag="--policy-seed", metavar="N")
+    low: str | None = option(None, "mixed precision (HOBBIT §3.2): low-precision copies of the experts, a ggml type "
+                                   "(Q2_K: the companion `hobbitpy prepare` writes next to the model), a llama.cpp "
+                                   "mix (Q2_K_S, Q3_K_M: the uniform quant in MODEL.quants/) or a GGUF file of the "
+                                   "model's experts", flag="--low", metavar="TYPE|PATH", profile=True,
+                             default_text="none: one precision")
+    mid: str | None = option(None, "a middle precision level between the high one and --low (e.g. Q4_K)",
+                             flag="--mid", metavar="TYPE|PATH", profile=True, default_text="none")
+    high: str | None = option(None, "serve the high precision from a companion too (a precision ladder, e.g. Q4_K or "
+                                    "Q4_K_M over a Q8_0 model): the model file's experts are then never read; its other "
+                                    "weights keep their precision", flag="--high", metavar="TYPE|PATH", profile=True,
+                              default_text="the model's own experts")
+    t1: float = option(DEFAULT_T1, "a missed expert whose score (HOBBIT eq. 2) is at most T1 loads at high precision",
+                       flag="--t1", profile=True)
+    t_mid: float | None = option(None, "with --mid: a score at most T_MID loads at the middle precision",
+                                 flag="--t-mid", profile=True, default_text="halfway from T1 to T2")
+    t2: float = option(DEFAULT_T2, "a missed expert whose score is above T2 is skipped (it adds nothing to that token)",
+                       flag="--t2", profile=True)
+    level_shares: tuple[float, ...] | None = option(
+        None, "how the expert budget is split among the precision levels, high first", flag="--level-shares",
+        metavar="HIGH,[MID,]LOW", parse="numbers",
+        default_text="room for every expert at the lowest precision, up to 85 % of the budget; the rest to the others")
+    hits: str = option("upgrade", "a hit at another precision than wanted: use it (found), use it and load the wanted "
+                                  "one in the background when it was lower and the disk is idle (upgrade), or serve "
+                                  "exactly the wanted precision (exact: the rule's own effect on quality)",
+                       flag="--hits", choices=HIT_POLICIES, profile=True)
+    mode: str = option("gpu-centric", "where a missed expert runs: loaded into the cache (gpu-centric), computed in "
+                                      "place on the mapped model file (cooperative), or chosen per expert and ubatch by "
+                                      "a latency model measured at start-up (auto; measured up to 1.5x slower under "
+                                      "tight caps)", flag="--mode", choices=MODES)
+    warm: bool = option(True, "do not fill the lowest precision's pool in the background at start",
+                        flag="--no-warm", negate=True)
+    importance: tuple[tuple[float, ...], ...] | None = option(
+        None, "place the experts statically by how much the routers weigh them (per MoE layer, the sum of each "
+              "expert's squared gate weight; on the command line: from a `hobbitpy trace`): the most weighed at the "
+              "highest level the budget holds, the rest at the lowest, each always served at its level (T1/T2 "
+              "unused, nothing skipped). With a budget for a copy of every expert, a mixed-precision model resident "
+              "in memory (placement.py)", flag="--placed", metavar="TRACE", parse="trace_importance", profile=True,
+        default_text="none: the thresholds decide per selection")
 
     def __post_init__(self) -> None:
         if self.importance is not None:  # lists (a profile's JSON) are kept as tuples, so the config stays hashable
             object.__setattr__(self, "importance", tuple(tuple(float(x) for x in row) for row in self.importance))
         if self.cache_mb is not None and not self.cache_mb > 0:
             raise ValueError(f"cache_mb must be positive, got {self.cache_mb}")
-        if self.io_threads < 1:
-            raise ValueError(f"io_threads must be at least 1, got {self.io_threads}")
+        if not 1 <= self.io_threads <= MAX_IO_THREADS:
+            raise ValueError(f"io_threads must be 1..{MAX_IO_THREADS}, got {self.io_threads}")
         if not 0 <= self.prefetch_layers <= MAX_PREFETCH_LAYERS:
             raise ValueError(f"prefetch_layers must be 0..{MAX_PREFETCH_LAYERS}, got {self.prefetch_layers}")
         if self.policy not in POLICIES:

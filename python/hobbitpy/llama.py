@@ -142,7 +142,7 @@ class Llama(llama_cpp.Llama):
         msg = error_buffer()
         if lib.hobbit_runtime_get_error(self._runtime, msg, len(msg)):
             lib.hobbit_runtime_clear_error(self._runtime)
-            raise ExpertReadError(f"expert load failed during decode: {to_str(msg)}") from cause
+            raise ExpertReadError(f"an expert could not be read during decode: {to_str(msg)}") from cause
 
     def offload_stats(self) -> dict | None:
         """Counters of the expert cache since load (or the last reset); None without offload."""

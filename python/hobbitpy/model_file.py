@@ -85,3 +85,14 @@ def inspect_model(path: str | os.PathLike) -> ModelInfo:
         n_ctx_train=info.n_ctx_train,
         max_slice_bytes=info.max_slice_bytes,
     )
+
+
+def model_fingerprint(path: str | os.PathLike) -> str:
+    """The fingerprint of a model's experts (hobbit_model_fingerprint): what a companion
+    records of the model it was made of, so that another model of the same shapes is refused."""
+    path = os.fspath(path)
+    out = ffi.new("char[]", 32)
+    err = error_buffer()
+    if lib.hobbit_model_fingerprint(path.encode(), out, len(out), err, len(err)) != lib.HOBBIT_STATUS_OK:
+        raise ModelFileError(to_str(err))
+    return ffi.string(out).decode()

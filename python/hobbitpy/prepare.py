@@ -15,6 +15,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 import os
 import pathlib
+import tempfile
 
 import gguf
 import numpy as np
@@ -24,7 +25,7 @@ from tqdm import tqdm
 from ._ggml import ffi, lib, type_name
 from .errors import ModelFileError
 from .gguf_fields import field_value
-from .model_file import inspect_model
+from .model_file import inspect_model, model_fingerprint
 
 EXPERT_SUFFIXES = (".ffn_gate_exps.weight", ".ffn_up_exps.weight", ".ffn_down_exps.weight",
                    ".ffn_gate_up_exps.weight")
@@ -33,6 +34,7 @@ KEY_OF = "hobbitpy.companion.of"
 KEY_SOURCE = "hobbitpy.companion.source"
 KEY_TYPE = "hobbitpy.companion.type"
 KEY_FALLBACKS = "hobbitpy.companion.fallbacks"
+KEY_OF_FINGERPRINT = "hobbitpy.companion.of_fingerprint"  # the runtime checks it (hobbit-expert-store.cpp)
 """One "tensor=TYPE" string per tensor written in another type than KEY_TYPE; absent if none."""
 
 # the quantized types ggml_quantize_chunk handles (ggml.c), where this gguf package knows them
@@ -110,7 +112,7 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
     model_path = pathlib.Path(model_path)
     source_path = model_path if source_path is None else pathlib.Path(source_path)
     out = default_companion_path(model_path, type_name) if out_path is None else pathlib.Path(out_path)
-    if out.exists():
+    if os.path.lexists(out):  # a dangling symlink too
         raise FileExistsError(f"{out}: already exists; prepare never overwrites a file")
     if not out.parent.is_dir():
         raise ValueError(f"{out}: cannot write it, {out.parent} is not a folder")
@@ -128,11 +130,16 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
     for source_tensor, _, _ in plan:
         _check_readable(source_tensor, source_path)
 
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")  # an interrupted run leaves no file under the real name
+    # an interrupted run leaves no file under the real name; a fresh name, so that nothing
+    # planted beside the output (a symlink) is written through
+    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = pathlib.Path(tmp_name)
     try:
         writer = gguf.GGUFWriter(tmp, _field(model, "general.architecture"))
         _copy_metadata(model, writer)
         writer.add_string(KEY_OF, model_path.name)
+        writer.add_string(KEY_OF_FINGERPRINT, model_fingerprint(model_path))
         writer.add_string(KEY_SOURCE, source_path.name)
         writer.add_string(KEY_TYPE, qtype.name)
         writer.add_array(KEY_FALLBACKS, [f"{t.name}={row_type.name}" for t, _, row_type in plan if row_type != qtype])
@@ -153,13 +160,12 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
             for t, shape, row_type in plan:
                 writer.write_tensor_data(_quantize(t, shape[0], row_type, pool, bar.update, source_path))
         writer.close()
-        # checked again: another process may have created it while this one quantized
-        if out.exists():
-            raise FileExistsError(f"{out}: already exists; prepare never overwrites a file")
-        os.replace(tmp, out)
-    except BaseException:
+        try:  # a link fails if the name appeared meanwhile (a symlink too): never overwrites
+            os.link(tmp, out)
+        except FileExistsError:
+            raise FileExistsError(f"{out}: already exists; prepare never overwrites a file") from None
+    finally:
         tmp.unlink(missing_ok=True)
-        raise
     return out
 
 

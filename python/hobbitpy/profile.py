@@ -8,17 +8,18 @@ the profile; the profile wins over the built-in defaults.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 import json
 import os
 import pathlib
 
+from .config import OffloadConfig, option_of
 from .errors import HobbitError
 
 PROFILE_VERSION = 1
 
-# the OffloadConfig fields a profile may set
-PROFILE_SETTINGS = ("high", "mid", "low", "t1", "t_mid", "t2", "hits", "policy", "policy_weights", "importance")
+# the OffloadConfig fields a profile may set (their Option says so)
+PROFILE_SETTINGS = tuple(f.name for f in fields(OffloadConfig) if option_of(f).profile)
 
 
 @dataclass
@@ -42,8 +43,6 @@ class Profile:
 def profile_offload(model_path: str | os.PathLike, **overrides):
     """The OffloadConfig the profile next to the model sets (the defaults without one), with
     overrides on top: what `run` and `hobbitpy.Llama` use when not told otherwise."""
-    from .config import OffloadConfig
-
     path = profile_path(model_path)
     settings = load_profile(path, model_path).settings if path.exists() else {}
     return OffloadConfig(**{**settings, **overrides})

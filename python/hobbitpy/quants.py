@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import tempfile
 
 from .errors import HobbitError
 
@@ -56,7 +57,10 @@ def make_uniform_quant(model_path: str | os.PathLike, name: str, folder: str | o
     if out.is_file():
         return out, False
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    # a fresh name nobody can have planted a symlink at (llama.cpp opens it for writing)
+    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial")
+    os.close(fd)
+    tmp = pathlib.Path(tmp_name)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FTYPES[quant_name(name)]
     params.nthread = threads or os.cpu_count() or 1

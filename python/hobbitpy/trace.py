@@ -19,6 +19,7 @@ evaluated in batches, its rows in token order).
 from __future__ import annotations
 
 from dataclasses import dataclass
+import io
 import json
 import os
 import pathlib
@@ -53,14 +54,16 @@ class Trace:
         path = pathlib.Path(path)
         if path.suffix != ".npz":
             raise ValueError(f"{path}: a trace is written as .npz; name the file accordingly")
-        if path.exists():
-            raise FileExistsError(f"{path} exists; a trace never overwrites a file")
-        tmp = path.with_name(path.name + ".partial.npz")
-        np.savez_compressed(tmp, experts=self.experts, weights=self.weights, probs=self.probs,
+        from .outputs import OutputExistsError, write_new
+
+        buf = io.BytesIO()
+        np.savez_compressed(buf, experts=self.experts, weights=self.weights, probs=self.probs,
                             predicted=self.predicted, seq_start=self.seq_start, tokens=self.tokens,
                             meta=np.array(json.dumps(self.meta)))
-        os.replace(tmp, path)
-        return path
+        try:
+            return write_new(path, buf.getvalue())  # never overwriting, never through a symlink
+        except OutputExistsError:
+            raise FileExistsError(f"{path} exists; a trace never overwrites a file") from None
 
 
 def load_trace(path: str | os.PathLike) -> Trace:
