@@ -25,6 +25,12 @@ def cli(*args, timeout=300):
     return subprocess.run(CLI + [str(a) for a in args], capture_output=True, text=True, timeout=timeout)
 
 
+def subprocess_cli(*args, timeout=300):
+    """Another hobbitpy command than run."""
+    return subprocess.run([sys.executable, "-m", "hobbitpy", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def test_missing_file(tmp_path):
     path = tmp_path / "nope.gguf"
     with pytest.raises(hobbitpy.ModelFileError, match=r"nope\.gguf: cannot open model file: No such file"):
@@ -196,7 +202,7 @@ BAD_HPARAMS = [  # key, value, what the error says (llama.cpp would abort in loa
 def _with_hparam(src: pathlib.Path, dst: pathlib.Path, key: str, value) -> pathlib.Path:
     """A copy of a GGUF with one integer key set to value (or removed: None), through gguf-py."""
     if value is None:
-        subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", "--remove-metadata", key, str(src),
+        subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", "--force", "--remove-metadata", key, str(src),
                         str(dst)], check=True, capture_output=True, timeout=120)
         return dst
     shutil.copy(src, dst)
@@ -213,7 +219,7 @@ def _with_hparam(src: pathlib.Path, dst: pathlib.Path, key: str, value) -> pathl
 def test_metadata_llama_cpp_asserts_on_is_one_clear_error(model_dir, tmp_path, key, value, message):
     src = tiny_model(model_dir, "llama")  # 8 experts, top-2
     bad = _with_hparam(src, tmp_path / "bad.gguf", key, value)
-    p = cli("run", str(bad), "-p", "hello", "-n", "1", "--cache-mb", "64", timeout=120)
+    p = cli(str(bad), "-p", "hello", "-n", "1", "--cache-mb", "64", timeout=120)
     assert p.returncode == 2, (p.returncode, p.stderr[-500:])
     assert message in p.stderr and str(bad) in p.stderr and "Traceback" not in p.stderr
     # the host process of the Python API survives it
@@ -230,19 +236,19 @@ def test_trace_never_writes_through_a_symlink(model_dir, tmp_path):
     victim = tmp_path / "victim.npz"
     out = tmp_path / "t.npz"
     out.symlink_to(victim)  # dangling: the trace must not create the file it points to
-    p = cli("trace", str(model), "--prompts", str(prompts), "--out", str(out), "-n", "2", timeout=120)
+    p = subprocess_cli("trace", str(model), "--prompts", str(prompts), "--out", str(out), "-n", "2", timeout=120)
     assert p.returncode == 2 and "already exists" in p.stderr and not victim.exists()
     # the trace's file is written under a fresh temporary name, then linked: nothing planted beside it is followed
     planted = tmp_path / "t2.npz.partial.npz"
     planted.symlink_to(victim)
-    p = cli("trace", str(model), "--prompts", str(prompts), "--out", str(tmp_path / "t2.npz"), "-n", "2", timeout=120)
+    p = subprocess_cli("trace", str(model), "--prompts", str(prompts), "--out", str(tmp_path / "t2.npz"), "-n", "2", timeout=120)
     assert p.returncode == 0, p.stderr
     assert not victim.exists() and (tmp_path / "t2.npz").is_file() and planted.is_symlink()
 
 
 def test_io_threads_out_of_range_is_one_clear_error(model_dir):
     model = tiny_model(model_dir, "llama")
-    p = cli("run", str(model), "-p", "hello", "-n", "1", "--cache-mb", "64", "--io-threads", "100000", timeout=60)
+    p = cli(str(model), "-p", "hello", "-n", "1", "--cache-mb", "64", "--io-threads", "100000", timeout=60)
     assert p.returncode == 2 and "io_threads must be 1..64" in p.stderr and "Traceback" not in p.stderr
 
 
@@ -253,9 +259,9 @@ def test_a_companion_of_another_model_with_the_same_shapes_is_refused(model_dir,
     other = tiny_model(model_dir, "llama", n_embd=256, seed=1)  # the same shapes, other weights
     theirs = prepare_companion(other, "Q2_K", tmp_path / "other.experts-Q2_K.gguf", progress=False)
     ours = prepare_companion(mine, "Q2_K", tmp_path / "mine.experts-Q2_K.gguf", progress=False)
-    p = cli("run", str(mine), "-p", "hello", "-n", "2", "--cache-mb", "64", "--low", str(theirs), timeout=120)
+    p = cli(str(mine), "-p", "hello", "-n", "2", "--cache-mb", "64", "--low", str(theirs), timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert f"{theirs} does not hold the experts of {mine}: it was made of the experts of another model" in p.stderr
     assert other.name in p.stderr
-    p = cli("run", str(mine), "-p", "hello", "-n", "2", "--cache-mb", "64", "--low", str(ours), timeout=120)
+    p = cli(str(mine), "-p", "hello", "-n", "2", "--cache-mb", "64", "--low", str(ours), timeout=120)
     assert p.returncode == 0, p.stderr

@@ -179,14 +179,17 @@ def add_offload_args(p) -> None:
             continue
         target = p
         if opt.group is not None:
-            target = groups.setdefault(opt.group, p.add_mutually_exclusive_group())
+            if opt.group not in groups:
+                groups[opt.group] = p.add_mutually_exclusive_group()
+            target = groups[opt.group]
         if opt.negate:
             target.add_argument(opt.flag, action="store_false", dest=_dest(f), default=None, help=_help(f))
             continue
         kind = PARSERS[opt.parse] if opt.parse else type(f.default) if f.default is not None else str
         if f.name in ("cache_mb", "t_mid"):
             kind = float  # None by default, a number when given
-        target.add_argument(opt.flag, dest=_dest(f), type=kind, default=None, metavar=opt.metavar, choices=opt.choices,
+        target.add_argument(opt.flag, dest=_dest(f), type=kind, default=None, choices=opt.choices,
+                            metavar=opt.metavar or (None if opt.choices else opt.flag.lstrip("-").replace("-", "_").upper()),
                             help=_help(f))
         if opt.alias is not None:
             alias, value = opt.alias
