@@ -71,8 +71,9 @@ def check_companion(companion, model, reference, target: str, fallback: dict[str
         if not key.startswith("GGUF."):
             assert field_value(reader.fields[key]) == field_value(field), key
     own = set(reader.fields) - set(model_reader.fields)
-    assert own <= {prepare.KEY_OF, prepare.KEY_SOURCE, prepare.KEY_TYPE, prepare.KEY_FALLBACKS}
+    assert own <= {prepare.KEY_OF, prepare.KEY_SOURCE, prepare.KEY_TYPE, prepare.KEY_FALLBACKS, prepare.KEY_OF_FINGERPRINT}
     assert field_value(reader.fields[prepare.KEY_OF])[0] == pathlib.Path(model).name.encode()
+    assert field_value(reader.fields[prepare.KEY_OF_FINGERPRINT])[0] == hobbitpy.model_file.model_fingerprint(model).encode()
     assert field_value(reader.fields[prepare.KEY_TYPE])[0] == target.encode()
     assert companion_fallbacks(companion) == {t.name: fallback[t.name.split(".", 2)[2]]
                                               for t in reader.tensors if t.name.split(".", 2)[2] in fallback}

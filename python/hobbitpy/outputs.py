@@ -36,6 +36,7 @@ def write_new(path: str | os.PathLike, data: str | bytes) -> pathlib.Path:
     raw = data.encode() if isinstance(data, str) else data
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # as open() would create it (mkstemp makes it private)
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
         os.link(tmp, path)
@@ -44,3 +45,9 @@ def write_new(path: str | os.PathLike, data: str | bytes) -> pathlib.Path:
     finally:
         os.unlink(tmp)
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
