@@ -200,3 +200,49 @@ def test_bench_never_reports_a_failure_as_a_result(model_dir, tmp_path):
     doomed = {s["config"]: s for s in capped["configs"]}["doomed"]
     assert doomed["failed"] and doomed["errors"] and doomed.get("decode_tok_s") is None
     assert "doomed" in p.stdout and "failed:" in p.stdout
+
+
+def _bench_until_a_worker_runs(model, out, parent):
+    """Start a capped bench and return it once a worker runs inside its cgroup."""
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "hobbitpy", "bench", str(model), "--caps", "none",
+                             "--cap-mb", "400", "--repeats", "20", "-n", "16", "--no-progress", "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cgroup = parent / f"hobbitpy-bench-{proc.pid}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        tasks = cgroup / "tasks" if (cgroup / "tasks").exists() else cgroup / "cgroup.procs"
+        if tasks.exists() and tasks.read_text().split():
+            return proc, cgroup
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("no bench worker started within 120 s")
+
+
+def test_an_interrupted_bench_leaves_no_cgroup_behind(model_dir, tmp_path):
+    import os
+    import signal
+
+    from hobbitpy.memcap import MemoryCap
+
+    probe = MemoryCap.create(f"hobbitpy-probe-{os.getpid()}")
+    assert probe is not None, "no writable memory cgroup: the caps of every bench test would not hold either"
+    parent = probe.path.parent
+    probe.remove()
+    model = tiny_model(model_dir, "llama")
+    for i, sig in enumerate((signal.SIGTERM, signal.SIGINT)):
+        proc, cgroup = _bench_until_a_worker_runs(model, tmp_path / f"out{i}", parent)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == 130
+        assert not cgroup.exists(), f"{sig!r} left {cgroup}"
+    # SIGKILL leaves no time to clean up: the next bench removes what the dead one left
+    proc, cgroup = _bench_until_a_worker_runs(model, tmp_path / "out-kill", parent)
+    proc.kill()
+    proc.wait(timeout=60)
+    assert cgroup.exists()
+    again = MemoryCap.create(f"hobbitpy-bench-{os.getpid()}")
+    try:
+        assert not cgroup.exists()
+    finally:
+        again.remove()

@@ -290,10 +290,11 @@ double hobbit_runtime::resident(int il, int e) const {
 }
 
 void hobbit_runtime::warm_pools() {
-    // (with a static placement, each expert at its level) the lowest level first (a copy of every expert in memory is what spares a decode the
+    // the lowest level first (a copy of every expert in memory is what spares a decode the
     // disk), then the free slots of the higher levels; expert by expert across the layers,
-    // so a pool too small for all of them still holds some of every layer. On-demand loads
-    // overtake these (they are background loads).
+    // so a pool too small for all of them still holds some of every layer. With a static
+    // placement each expert only at its own level. On-demand loads overtake these (they are
+    // background loads).
     std::lock_guard<std::mutex> lock(mtx);
     std::vector<load_task> loads;
     for (int l = n_level - 1; l >= 0; --l) {

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 
 MB = 1024 * 1024
@@ -147,6 +148,7 @@ PARSERS = {
     "numbers4": _numbers(4, "LRU,LFU,LHU,FLD"),
     "numbers": _numbers(None, "0.5,0.5"),
     "trace_importance": _importance_of_trace,
+    "float": float,  # a number whose default is None
 }
 
 
@@ -186,8 +188,6 @@ def add_offload_args(p) -> None:
             target.add_argument(opt.flag, action="store_false", dest=_dest(f), default=None, help=_help(f))
             continue
         kind = PARSERS[opt.parse] if opt.parse else type(f.default) if f.default is not None else str
-        if f.name in ("cache_mb", "t_mid"):
-            kind = float  # None by default, a number when given
         target.add_argument(opt.flag, dest=_dest(f), type=kind, default=None, choices=opt.choices,
                             metavar=opt.metavar or (None if opt.choices else opt.flag.lstrip("-").replace("-", "_").upper()),
                             help=_help(f))
@@ -307,6 +307,9 @@ def _bench(args) -> int:
         bench.check_out_dir(out)
         if len(set(pathlib.Path(m).stem for m in args.models)) != len(args.models):
             return _fail("the models' file names must differ (each gets its own output folder)")
+        # SIGTERM unwinds like Ctrl-C: the running worker is killed and the cgroup removed
+        # (run_bench's finally); only SIGKILL leaves one, removed by the next bench
+        signal.signal(signal.SIGTERM, _interrupt)
         for model, caps in plans:
             result = bench.run_bench(model, configs, caps, repeats=args.repeats, n_predict=args.n_predict,
                                      threads=args.threads, progress=not args.no_progress, quants=quants,
@@ -321,6 +324,10 @@ def _bench(args) -> int:
     except (HobbitError, ValueError) as e:
         return _fail(str(e))
     return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _add_trace_parser(sub) -> None:

@@ -85,7 +85,7 @@ class OffloadConfig:
 
     enabled: bool = option(True, "run stock llama.cpp instead (every expert mapped from the file): the reference",
                            flag="--no-offload", negate=True, group="memory")
-    cache_mb: float | None = option(None, "expert cache budget in MiB", flag="--cache-mb", group="memory",
+    cache_mb: float | None = option(None, "expert cache budget in MiB", flag="--cache-mb", group="memory", parse="float",
                                     default_text="sized from the memory available (cgroup limit or MemAvailable)")
     prefetch_layers: int = option(0, "during decode, also prefetch the experts the next P layers' routers pick on the "
                                      "current layer's input, one layer deeper only while those predicted are all "
@@ -115,7 +115,7 @@ class OffloadConfig:
     t1: float = option(DEFAULT_T1, "a missed expert whose score (HOBBIT eq. 2) is at most T1 loads at high precision",
                        flag="--t1", profile=True)
     t_mid: float | None = option(None, "with --mid: a score at most T_MID loads at the middle precision",
-                                 flag="--t-mid", profile=True, default_text="halfway from T1 to T2")
+                                 flag="--t-mid", parse="float", profile=True, default_text="halfway from T1 to T2")
     t2: float = option(DEFAULT_T2, "a missed expert whose score is above T2 is skipped (it adds nothing to that token)",
                        flag="--t2", profile=True)
     level_shares: tuple[float, ...] | None = option(

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
+import signal
 
 CGROUP_ROOT = pathlib.Path("/sys/fs/cgroup")
 
@@ -45,6 +47,7 @@ class MemoryCap:
                 v2 = False
             else:
                 continue
+            remove_stale(parent)
             path = parent / name
             try:
                 path.mkdir()
@@ -117,6 +120,8 @@ class MemoryCap:
         (self.path / ("cgroup.procs" if self.v2 else "tasks")).write_text(str(os.getpid()))
 
     def remove(self) -> None:
+        """Stop whatever still runs inside (a worker of an interrupted run) and remove the cgroup."""
+        _kill_tasks(self.path, self.v2)
         try:
             self.path.rmdir()
         except OSError:
@@ -131,3 +136,53 @@ def _read(path: pathlib.Path) -> str:
         return path.read_text()
     except OSError:
         return ""
+
+
+# a bench's cgroup is named after the process that made it (bench.py)
+STALE_NAME = re.compile(r"hobbitpy-bench-(\d+)$")
+
+
+def remove_stale(parent: pathlib.Path) -> None:
+    """Remove the cgroups a killed bench left under parent (SIGKILL leaves no time to clean
+    up): those whose owning process is gone, after stopping what still runs inside."""
+    try:
+        children = list(parent.iterdir())
+    except OSError:
+        return
+    for child in children:
+        m = STALE_NAME.match(child.name)
+        if m is None or not child.is_dir() or _alive(int(m.group(1))):
+            continue
+        v2 = (child / "cgroup.procs").exists() and not (child / "tasks").exists()
+        _kill_tasks(child, v2)
+        try:
+            child.rmdir()
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill_tasks(path: pathlib.Path, v2: bool) -> None:
+    """SIGKILL every process inside the cgroup and wait (briefly) until none is left."""
+    procs = path / ("cgroup.procs" if v2 else "tasks")
+    for _ in range(100):
+        pids = [int(p) for p in _read(procs).split() if p.isdigit()]
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        import time
+
+        time.sleep(0.05)
