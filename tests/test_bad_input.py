@@ -265,3 +265,44 @@ def test_a_companion_of_another_model_with_the_same_shapes_is_refused(model_dir,
     assert other.name in p.stderr
     p = cli(str(mine), "-p", "hello", "-n", "2", "--cache-mb", "64", "--low", str(ours), timeout=120)
     assert p.returncode == 0, p.stderr
+
+
+def test_out_of_range_numbers_and_odd_files_are_one_line_errors(model_dir, tmp_path):
+    model = tiny_model(model_dir, "llama")
+    cases = [
+        (["--cache-mb", "inf"], "cache_mb must be a positive number"),
+        (["--cache-mb", "1e30"], "cache_mb must be a positive number"),
+        (["--policy", "hobbit", "--policy-weights", "nan,0,0,1"], "policy_weights must be"),
+        (["--low", "Q2_K", "--level-shares", "inf,1"], "level_shares must be"),
+    ]
+    for flags, message in cases:
+        p = cli(str(model), "-p", "hello", "-n", "1", *flags, timeout=60)
+        assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, (flags, p.stderr[-400:])
+    fifo = tmp_path / "model.fifo"
+    os.mkfifo(fifo)
+    p = cli(str(fifo), "-p", "hello", "-n", "1", timeout=60)  # would block in open() if it were opened
+    assert p.returncode == 2 and "is not a regular file" in p.stderr, p.stderr[-400:]
+    p = cli(str(model), "-p", "hello", "-n", "1", "--cache-mb", "64", "--low", str(tmp_path), timeout=60)
+    assert p.returncode == 2 and f"{tmp_path}: is not a regular file (given as --low" in p.stderr, p.stderr[-400:]
+    # a prompt longer than the context, and one that is not UTF-8
+    p = cli(str(model), "-p", "word " * 400, "-n", "1", "--ctx", "64", "--cache-mb", "64", timeout=60)
+    assert p.returncode == 2 and "exceed context window" in p.stderr and "Traceback" not in p.stderr, p.stderr[-400:]
+    bad = subprocess.run([*CLI, str(model), "-p", b"caf\xe9", "-n", "1"], capture_output=True, timeout=60)
+    assert bad.returncode == 2 and b"not valid UTF-8" in bad.stderr and b"Traceback" not in bad.stderr
+
+
+def test_the_c_api_refuses_nan_and_infinite_weights():
+    from hobbitpy._native import error_buffer, lib, to_str
+
+    for field, value in (("lru", float("nan")), ("fld", float("inf"))):
+        params, _keep = hobbitpy.OffloadConfig().to_native(8 * MB)
+        setattr(params.policy_weights, field, value)
+        err = error_buffer()
+        assert lib.hobbit_request_offload(params, err, len(err)) == lib.HOBBIT_STATUS_ERROR_INVALID
+        assert "policy_weights must be finite" in to_str(err)
+    params, _keep = hobbitpy.OffloadConfig(low="Q2_K").to_native(8 * MB, (None, "unused.gguf"))
+    params.level_shares[1] = float("inf")
+    err = error_buffer()
+    assert lib.hobbit_request_offload(params, err, len(err)) == lib.HOBBIT_STATUS_ERROR_INVALID
+    assert "level_shares must be finite" in to_str(err)
+    lib.hobbit_cancel_offload_request()

@@ -7,6 +7,7 @@
 
 #include "llama.h"
 
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -103,6 +104,20 @@ enum hobbit_status hobbit_request_offload(const struct hobbit_params * params, c
         write_error(err, err_size, "hobbit_request_offload: n_level must be 1.." + std::to_string(HOBBIT_MAX_LEVELS) +
                     ", got " + std::to_string(params->n_level));
         return HOBBIT_STATUS_ERROR_INVALID;
+    }
+    // a NaN or an infinity here would reach float-to-integer conversions in the budget split
+    const hobbit_policy_weights & w = params->policy_weights;
+    for (const float x : { w.lru, w.lfu, w.lhu, w.fld }) {
+        if (!std::isfinite(x) || x < 0.0f) {
+            write_error(err, err_size, "hobbit_request_offload: policy_weights must be finite and non-negative");
+            return HOBBIT_STATUS_ERROR_INVALID;
+        }
+    }
+    for (int l = 0; l < params->n_level; ++l) {
+        if (!std::isfinite(params->level_shares[l]) || params->level_shares[l] < 0.0f) {
+            write_error(err, err_size, "hobbit_request_offload: level_shares must be finite and non-negative");
+            return HOBBIT_STATUS_ERROR_INVALID;
+        }
     }
     if (params->n_io_threads < 1 || params->n_io_threads > HOBBIT_MAX_IO_THREADS) {
         write_error(err, err_size, "hobbit_request_offload: n_io_threads must be 1.." + std::to_string(HOBBIT_MAX_IO_THREADS) +

@@ -156,6 +156,10 @@ expert_index expert_index::from_file(const std::string & path) {
     if (S_ISDIR(st.st_mode)) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_IO, path + ": is a directory, not a GGUF model file");
     }
+    if (!S_ISREG(st.st_mode)) {
+        // a FIFO would block open() until a writer comes; a device is no model file either
+        throw hobbit_error(HOBBIT_STATUS_ERROR_IO, path + ": is not a regular file (a FIFO, socket or device), not a GGUF model file");
+    }
     info.file_bytes = st.st_size;
 
     {

@@ -761,6 +761,11 @@ def _run(args) -> int:
             return _fail("no model given and no default model installed")
     if args.prompt == "":
         return _fail("--prompt is empty: give the text to continue (or --chat)")
+    if args.prompt is not None:
+        try:
+            args.prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # argv bytes that are not UTF-8 arrive as surrogates
+            return _fail(f"--prompt is not valid UTF-8 (at character {e.start}); give it as UTF-8 text")
     if why := _sampling_error(args):
         return _fail(why)
     if args.ctx is not None and args.ctx < 16:
@@ -797,9 +802,9 @@ def _run(args) -> int:
             for chunk in llm.create_completion(args.prompt, max_tokens=args.n_predict, stream=True, **_sampling(args)):
                 sys.stdout.write(chunk["choices"][0]["text"])
                 sys.stdout.flush()
-        except HobbitError as e:
+        except (HobbitError, ValueError) as e:  # ValueError: llama_cpp's "exceed context window"
             sys.stdout.write("\n")
-            return _fail(str(e))
+            return _fail(f"{args.model}: {e}" if isinstance(e, ValueError) else str(e))
         except KeyboardInterrupt:
             # what was generated stays on screen; no traceback
             sys.stdout.write("\n")

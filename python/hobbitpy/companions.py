@@ -23,6 +23,9 @@ def resolve_level(model_path: str | os.PathLike, spec: str, flag: str) -> str:
     name (Q3_K_M: the uniform quant in MODEL.quants/, whose experts serve as the level)."""
     if os.path.isfile(spec):
         return spec
+    if os.path.exists(spec):
+        raise ModelFileError(f"{spec}: is not a regular file (given as {flag}; expected a GGUF file of the model's "
+                             "experts or a type name such as Q2_K)")
     if is_mix_name(spec):
         path = quant_path(model_path, spec, default_quant_dir(model_path))
         if not path.is_file():

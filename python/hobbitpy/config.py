@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+import math
 import os
 
 MB = 1024 * 1024
@@ -22,6 +23,7 @@ HIT_POLICIES = ("found", "upgrade", "exact")
 DEFAULT_T1 = 0.6
 MAX_PREFETCH_LAYERS = 8
 MAX_IO_THREADS = 64  # hobbit.h HOBBIT_MAX_IO_THREADS (a test holds them equal)
+MAX_CACHE_MB = 1 << 30  # a PiB: more is a typo, and its bytes would overflow the C API's int64
 DEFAULT_T2 = 0.9
 
 
@@ -143,8 +145,8 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         if self.importance is not None:  # lists (a profile's JSON) are kept as tuples, so the config stays hashable
             object.__setattr__(self, "importance", tuple(tuple(float(x) for x in row) for row in self.importance))
-        if self.cache_mb is not None and not self.cache_mb > 0:
-            raise ValueError(f"cache_mb must be positive, got {self.cache_mb}")
+        if self.cache_mb is not None and not 0 < self.cache_mb <= MAX_CACHE_MB:
+            raise ValueError(f"cache_mb must be a positive number of MiB up to {MAX_CACHE_MB:g}, got {self.cache_mb}")
         if not 1 <= self.io_threads <= MAX_IO_THREADS:
             raise ValueError(f"io_threads must be 1..{MAX_IO_THREADS}, got {self.io_threads}")
         if not 0 <= self.prefetch_layers <= MAX_PREFETCH_LAYERS:
@@ -152,7 +154,7 @@ class OffloadConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown cache policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         w = self.policy_weights
-        if len(w) != 4 or any(x < 0 for x in w) or abs(sum(w) - 1.0) > 1e-6:
+        if len(w) != 4 or not all(0 <= x <= 1 for x in w) or abs(sum(w) - 1.0) > 1e-6:  # NaN fails 0 <= x
             raise ValueError(f"policy_weights must be four non-negative weights (LRU, LFU, LHU, FLD) summing to 1, got {w}")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
@@ -173,7 +175,8 @@ class OffloadConfig:
             if not all(0.0 <= x < float("inf") for row in rows for x in row):
                 raise ValueError("importance weights must be finite and non-negative")
         if self.level_shares is not None:
-            if len(self.level_shares) != self.n_level or any(x < 0 for x in self.level_shares) or sum(self.level_shares) <= 0:
+            if (len(self.level_shares) != self.n_level or not all(0 <= x < math.inf for x in self.level_shares)
+                    or sum(self.level_shares) <= 0):
                 raise ValueError(f"level_shares must be {self.n_level} non-negative numbers (one per precision level, "
                                  f"high first) with a positive sum, got {self.level_shares}")
 
