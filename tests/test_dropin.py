@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -111,3 +112,28 @@ def test_shipped_models_chat_in_the_format_they_were_trained_on():
             assert text == plain and text.strip(), name
         finally:
             llm.close()
+
+
+def test_one_llama_from_two_threads_is_a_clear_error_not_a_crash(model_dir):
+    script = textwrap.dedent(f"""
+        import threading, hobbitpy
+        llm = hobbitpy.Llama({str(tiny_model(model_dir, "llama"))!r}, cache_mb=8, n_ctx=512, n_batch=8,
+                             verbose=False, n_threads=1)
+        errors, barrier = [], threading.Barrier(2)
+        def decode():
+            barrier.wait()
+            try:
+                for _ in range(5):
+                    llm.reset()
+                    llm.eval(list(range(100, 400)))  # many small batches: long enough to overlap
+            except hobbitpy.HobbitError as e:
+                errors.append(str(e))
+        threads = [threading.Thread(target=decode) for _ in range(2)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        print("errors:", errors[:1])
+        llm.close()
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-800:]
+    assert "is decoding in another thread" in p.stdout

@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import inspect
 import os
+import threading
 
 import gguf
 import llama_cpp
@@ -82,6 +83,7 @@ class Llama(llama_cpp.Llama):
         self.offload_config: OffloadConfig = offload  # what the experts are served with
         self._runtime = ffi.NULL
         self._abort_cb = None
+        self._decoding = threading.Lock()
         self.model_info: ModelInfo = inspect_model(model_path)
         # the file of each precision level, high to low; None: the model's own experts (the
         # runtime checks that companions hold this model's experts)
@@ -130,11 +132,18 @@ class Llama(llama_cpp.Llama):
         return self._runtime != ffi.NULL
 
     def eval(self, tokens):
+        # one decode at a time: a second thread in llama_decode on the same context (and the
+        # same expert cache) would corrupt both, or crash
+        if not self._decoding.acquire(blocking=False):
+            raise HobbitError("this Llama is decoding in another thread; use one Llama per thread, or a lock "
+                              "around its calls")
         try:
             super().eval(tokens)
         except RuntimeError as e:
             self._raise_read_error(e)
             raise
+        finally:
+            self._decoding.release()
 
     def _raise_read_error(self, cause: Exception) -> None:
         if self._runtime == ffi.NULL:
