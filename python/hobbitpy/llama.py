@@ -23,9 +23,9 @@ import numpy as np
 
 from ._native import error_buffer, ffi, lib, to_str
 from .companions import resolve_levels
-from .config import OffloadConfig
-from .errors import ExpertReadError, HobbitError, ModelFileError
-from .memory import ContextShape, OffloadPlan, context_sizes, plan_offload
+from .config import MB, OffloadConfig
+from .errors import BudgetError, ExpertReadError, HobbitError, ModelFileError
+from .memory import ContextShape, OffloadPlan, available_memory_bytes, context_sizes, plan_offload
 from .model_file import ModelInfo, inspect_model
 from .placement import placement_for
 from .profile import load_profile, profile_offload
@@ -90,7 +90,14 @@ class Llama(llama_cpp.Llama):
         self.level_paths: tuple[str | None, ...] = (
             resolve_levels(model_path, offload.high, offload.mid, offload.low) if offload.enabled else (None,))
         levels = tuple(self.model_info if p is None else inspect_model(p) for p in self.level_paths)
-        context_bytes = context_sizes(self.model_info, ContextShape.of(kwargs)).total if offload.enabled else 0
+        shape = ContextShape.of(kwargs)
+        context = context_sizes(self.model_info, shape)
+        available = available_memory_bytes()
+        if context.total > available:  # llama.cpp would only say "Failed to create llama_context"
+            raise BudgetError(f"{model_path}: a context of {shape.n_ctx} tokens needs {context.kv / MB:.0f} MB of KV cache "
+                              f"and {(context.total - context.kv) / MB:.0f} MB of other buffers, more than the "
+                              f"{available / MB:.0f} MB of memory available; use a smaller context (n_ctx, --ctx)")
+        context_bytes = context.total if offload.enabled else 0
         self.offload_plan: OffloadPlan = plan_offload(self.model_info, offload, context_bytes, levels)
 
         self.placement: tuple[tuple[int, ...], ...] | None = None  # the level of every expert, when placed by importance
