@@ -270,8 +270,8 @@ def test_a_companion_of_another_model_with_the_same_shapes_is_refused(model_dir,
 def test_out_of_range_numbers_and_odd_files_are_one_line_errors(model_dir, tmp_path):
     model = tiny_model(model_dir, "llama")
     cases = [
-        (["--cache-mb", "inf"], "cache_mb must be a positive number"),
-        (["--cache-mb", "1e30"], "cache_mb must be a positive number"),
+        (["--cache-mb", "inf"], "cache_mb must be positive and at most"),
+        (["--cache-mb", "1e30"], "cache_mb must be positive and at most"),
         (["--policy", "hobbit", "--policy-weights", "nan,0,0,1"], "policy_weights must be"),
         (["--low", "Q2_K", "--level-shares", "inf,1"], "level_shares must be"),
     ]

@@ -146,7 +146,7 @@ class OffloadConfig:
         if self.importance is not None:  # lists (a profile's JSON) are kept as tuples, so the config stays hashable
             object.__setattr__(self, "importance", tuple(tuple(float(x) for x in row) for row in self.importance))
         if self.cache_mb is not None and not 0 < self.cache_mb <= MAX_CACHE_MB:
-            raise ValueError(f"cache_mb must be a positive number of MiB up to {MAX_CACHE_MB:g}, got {self.cache_mb}")
+            raise ValueError(f"cache_mb must be positive and at most {MAX_CACHE_MB} MiB (a PiB), got {self.cache_mb}")
         if not 1 <= self.io_threads <= MAX_IO_THREADS:
             raise ValueError(f"io_threads must be 1..{MAX_IO_THREADS}, got {self.io_threads}")
         if not 0 <= self.prefetch_layers <= MAX_PREFETCH_LAYERS:
