@@ -95,33 +95,40 @@ enum hobbit_status hobbit_model_fingerprint(const char * path, char * out, size_
     }
 }
 
-enum hobbit_status hobbit_request_offload(const struct hobbit_params * params, char * err, size_t err_size) {
+// what is wrong with params, or "" (checked before anything is copied or armed)
+static std::string invalid_params(const hobbit_params * params) {
     if (params == nullptr || params->budget_bytes <= 0) {
-        write_error(err, err_size, "hobbit_request_offload: a positive budget_bytes is required");
-        return HOBBIT_STATUS_ERROR_INVALID;
+        return "a positive budget_bytes is required";
     }
     if (params->n_level < 1 || params->n_level > HOBBIT_MAX_LEVELS) {
-        write_error(err, err_size, "hobbit_request_offload: n_level must be 1.." + std::to_string(HOBBIT_MAX_LEVELS) +
-                    ", got " + std::to_string(params->n_level));
-        return HOBBIT_STATUS_ERROR_INVALID;
+        return "n_level must be 1.." + std::to_string(HOBBIT_MAX_LEVELS) + ", got " + std::to_string(params->n_level);
     }
     // a NaN or an infinity here would reach float-to-integer conversions in the budget split
     const hobbit_policy_weights & w = params->policy_weights;
     for (const float x : { w.lru, w.lfu, w.lhu, w.fld }) {
         if (!std::isfinite(x) || x < 0.0f) {
-            write_error(err, err_size, "hobbit_request_offload: policy_weights must be finite and non-negative");
-            return HOBBIT_STATUS_ERROR_INVALID;
+            return "policy_weights must be finite and non-negative";
         }
     }
     for (int l = 0; l < params->n_level; ++l) {
         if (!std::isfinite(params->level_shares[l]) || params->level_shares[l] < 0.0f) {
-            write_error(err, err_size, "hobbit_request_offload: level_shares must be finite and non-negative");
-            return HOBBIT_STATUS_ERROR_INVALID;
+            return "level_shares must be finite and non-negative";
         }
     }
     if (params->n_io_threads < 1 || params->n_io_threads > HOBBIT_MAX_IO_THREADS) {
-        write_error(err, err_size, "hobbit_request_offload: n_io_threads must be 1.." + std::to_string(HOBBIT_MAX_IO_THREADS) +
-                    ", got " + std::to_string(params->n_io_threads));
+        return "n_io_threads must be 1.." + std::to_string(HOBBIT_MAX_IO_THREADS) + ", got " +
+               std::to_string(params->n_io_threads);
+    }
+    if (params->n_expert_levels < 0 || (params->n_expert_levels > 0) != (params->expert_levels != nullptr)) {
+        return "expert_levels and n_expert_levels must be given together";
+    }
+    return "";
+}
+
+enum hobbit_status hobbit_request_offload(const struct hobbit_params * params, char * err, size_t err_size) {
+    const std::string why = invalid_params(params);
+    if (!why.empty()) {
+        write_error(err, err_size, "hobbit_request_offload: " + why);
         return HOBBIT_STATUS_ERROR_INVALID;
     }
     g_pending_params = *params;
@@ -131,10 +138,6 @@ enum hobbit_status hobbit_request_offload(const struct hobbit_params * params, c
         const bool has_file = l < params->n_level && params->level_paths[l] && (l > 0 || params->level_paths[l][0] != '\0');
         g_pending_level_paths[l] = has_file ? params->level_paths[l] : "";
         g_pending_params.level_paths[l] = has_file ? g_pending_level_paths[l].c_str() : nullptr;
-    }
-    if (params->n_expert_levels < 0 || (params->n_expert_levels > 0) != (params->expert_levels != nullptr)) {
-        write_error(err, err_size, "hobbit_request_offload: expert_levels and n_expert_levels must be given together");
-        return HOBBIT_STATUS_ERROR_INVALID;
     }
     g_pending_expert_levels.assign(params->expert_levels, params->expert_levels + params->n_expert_levels);
     g_pending_params.expert_levels = g_pending_expert_levels.empty() ? nullptr : g_pending_expert_levels.data();

@@ -375,8 +375,14 @@ def _add_options_parser(sub) -> None:
     p = sub.add_parser("options", help="every option of how experts are served, as a Markdown table",
                        description="Print every offload option: its keyword in hobbitpy.Llama and OffloadConfig, its "
                                    "flag, its default, whether a profile sets it, and what it does (docs/OPTIONS.md).")
-    p.set_defaults(func=lambda args: print(__import__("hobbitpy.config", fromlist=["options_table"]).options_table(),
-                                           end="") or 0)
+    p.set_defaults(func=_options)
+
+
+def _options(args) -> int:
+    from hobbitpy.config import options_table
+
+    print(options_table(), end="")
+    return 0
 
 
 def _add_plot_parser(sub) -> None:
