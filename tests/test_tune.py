@@ -78,3 +78,25 @@ def test_llama_applies_the_profile_next_to_the_model(model_dir, tmp_path):
     # an explicit configuration wins over the profile
     with hobbitpy.Llama(path, offload=OffloadConfig(enabled=False), n_ctx=64, verbose=False) as llm:
         assert not llm.offloaded
+
+
+def test_a_placed_ladder_keeps_the_importance_and_places_for_the_budget_a_run_gets(model_dir, tmp_path):
+    import shutil
+
+    src = tiny_model(model_dir, "llama", n_embd=256)
+    path = tmp_path / "m.gguf"
+    shutil.copyfile(src, path)
+    (tmp_path / "tune.txt").write_text(TEXT)
+    p = _tune(path, tmp_path / "m.hobbit-profile.json", "--max-ppl-increase", "0.5", candidates="Q4_K/Q2_K placed")
+    assert p.returncode == 0, p.stderr
+    settings = json.loads((tmp_path / "m.hobbit-profile.json").read_text())["settings"]
+    assert settings["high"] == "Q4_K" and settings["low"] == "Q2_K" and settings["hits"] == "found"
+    info = hobbitpy.inspect_model(path)
+    assert len(settings["importance"]) == info.n_layer_moe and {len(r) for r in settings["importance"]} == {info.n_expert}
+    # the profile applies by itself; the placement follows the budget the run is given
+    low_total = hobbitpy.inspect_model(tmp_path / "m.experts-Q2_K.gguf").expert_bytes_total
+    highs = []
+    for cache_mb in (low_total / 2**20, 1.3 * low_total / 2**20):
+        with hobbitpy.Llama(path, cache_mb=cache_mb, n_ctx=64, verbose=False) as llm:
+            highs.append(sum(level == 0 for row in llm.placement for level in row))
+    assert highs[0] == 0 < highs[1]

@@ -14,6 +14,7 @@ import os
 import pathlib
 import re
 import signal
+import time
 
 CGROUP_ROOT = pathlib.Path("/sys/fs/cgroup")
 
@@ -183,6 +184,4 @@ def _kill_tasks(path: pathlib.Path, v2: bool) -> None:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        import time
-
         time.sleep(0.05)
