@@ -18,6 +18,22 @@ static void write_error(char * err, size_t err_size, const std::string & msg) {
     }
 }
 
+// runs f, turning an exception into a status and a message in err (prefix names the file
+// for exceptions that do not): no C++ exception crosses the C API
+template <typename F>
+static hobbit_status guarded(F && f, char * err, size_t err_size, const std::string & prefix = "") {
+    try {
+        f();
+        return HOBBIT_STATUS_OK;
+    } catch (const hobbit_error & e) {
+        write_error(err, err_size, e.what());
+        return e.status;
+    } catch (const std::exception & e) {
+        write_error(err, err_size, prefix + e.what());
+        return HOBBIT_STATUS_ERROR_INTERNAL;
+    }
+}
+
 // params for the load armed on this thread, and why the last attach failed
 static thread_local hobbit_params g_pending_params;
 static thread_local std::string   g_pending_level_paths[HOBBIT_MAX_LEVELS]; // owned copies of params.level_paths
@@ -66,16 +82,7 @@ enum hobbit_status hobbit_inspect_model(const char * path, struct hobbit_model_i
         write_error(err, err_size, "hobbit_inspect_model: path and info are required");
         return HOBBIT_STATUS_ERROR_INVALID;
     }
-    try {
-        *info = expert_index::from_file(path).info;
-        return HOBBIT_STATUS_OK;
-    } catch (const hobbit_error & e) {
-        write_error(err, err_size, e.what());
-        return e.status;
-    } catch (const std::exception & e) {
-        write_error(err, err_size, std::string(path) + ": " + e.what());
-        return HOBBIT_STATUS_ERROR_INTERNAL;
-    }
+    return guarded([&] { *info = expert_index::from_file(path).info; }, err, err_size, std::string(path) + ": ");
 }
 
 enum hobbit_status hobbit_model_fingerprint(const char * path, char * out, size_t out_size, char * err, size_t err_size) {
@@ -83,16 +90,8 @@ enum hobbit_status hobbit_model_fingerprint(const char * path, char * out, size_
         write_error(err, err_size, "hobbit_model_fingerprint: path and an out buffer of 17 bytes are required");
         return HOBBIT_STATUS_ERROR_INVALID;
     }
-    try {
-        snprintf(out, out_size, "%s", expert_index::from_file(path).fingerprint().c_str());
-        return HOBBIT_STATUS_OK;
-    } catch (const hobbit_error & e) {
-        write_error(err, err_size, e.what());
-        return e.status;
-    } catch (const std::exception & e) {
-        write_error(err, err_size, std::string(path) + ": " + e.what());
-        return HOBBIT_STATUS_ERROR_INTERNAL;
-    }
+    return guarded([&] { snprintf(out, out_size, "%s", expert_index::from_file(path).fingerprint().c_str()); },
+                   err, err_size, std::string(path) + ": ");
 }
 
 // what is wrong with params, or "" (checked before anything is copied or armed)
@@ -188,16 +187,7 @@ enum hobbit_status hobbit_runtime_trace_begin(hobbit_runtime * rt, int32_t looka
         write_error(err, err_size, "hobbit_runtime_trace_begin: no runtime");
         return HOBBIT_STATUS_ERROR_INVALID;
     }
-    try {
-        rt->trace_begin(lookahead);
-        return HOBBIT_STATUS_OK;
-    } catch (const hobbit_error & e) {
-        write_error(err, err_size, e.what());
-        return e.status;
-    } catch (const std::exception & e) {
-        write_error(err, err_size, e.what());
-        return HOBBIT_STATUS_ERROR_INTERNAL;
-    }
+    return guarded([&] { rt->trace_begin(lookahead); }, err, err_size);
 }
 
 int64_t hobbit_runtime_trace_size(const hobbit_runtime * rt, int32_t * n_moe_layer, int32_t * lookahead) {
@@ -261,14 +251,10 @@ enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, 
     }
     const cache_sim_trace tr = { trace->n_tokens, trace->n_layer, trace->n_expert, trace->n_expert_used,
                                  trace->experts, trace->seq_start, trace->high_precision };
-    try {
+    return guarded([&] {
         const cache_sim_result r = cache_simulate(tr, n_slot, belady, kind, w, seed, low_miss_cost);
         *result = { r.accesses, r.hits, r.misses_high, r.misses_low, r.miss_penalty };
-        return HOBBIT_STATUS_OK;
-    } catch (const std::exception & e) {
-        write_error(err, err_size, e.what());
-        return HOBBIT_STATUS_ERROR_INTERNAL;
-    }
+    }, err, err_size);
 }
 
 bool hobbit_abort_callback(void * rt) {

@@ -293,6 +293,9 @@ expert_index expert_index::from_file(const std::string & path) {
 }
 
 std::string expert_index::fingerprint() const {
+    if (!fingerprint_cache.empty()) {
+        return fingerprint_cache;
+    }
     const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_IO, path + ": cannot open model file: " + errno_text());
@@ -324,7 +327,8 @@ std::string expert_index::fingerprint() const {
     }
     char hex[17];
     snprintf(hex, sizeof(hex), "%016llx", (unsigned long long) h);
-    return hex;
+    fingerprint_cache = hex;
+    return fingerprint_cache;
 }
 
 void expert_index::check_companion(const expert_index & companion) const {

@@ -52,6 +52,8 @@ struct expert_index {
     // (types may differ), and, when the companion records the model it was made of, this
     // model's fingerprint; throws hobbit_error naming both files and the difference
     void check_companion(const expert_index & companion) const;
+
+    mutable std::string fingerprint_cache; // fingerprint(), computed once: every companion of a run checks it
 };
 
 // reads expert slices from the file; one instance per reading thread

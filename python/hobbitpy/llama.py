@@ -98,7 +98,8 @@ class Llama(llama_cpp.Llama):
                               f"and {(context.total - context.kv) / MB:.0f} MB of other buffers, more than the "
                               f"{available / MB:.0f} MB of memory available; use a smaller context (n_ctx, --ctx)")
         context_bytes = context.total if offload.enabled else 0
-        self.offload_plan: OffloadPlan = plan_offload(self.model_info, offload, context_bytes, levels)
+        self.offload_plan: OffloadPlan = plan_offload(self.model_info, offload, context_bytes, levels,
+                                                      available_bytes=available)
 
         self.placement: tuple[tuple[int, ...], ...] | None = None  # the level of every expert, when placed by importance
         if self.offload_plan.budget_bytes is not None and kwargs.get("lora_path"):
