@@ -55,7 +55,7 @@ def test_context_estimate_covers_llama_cpp_buffers(model_dir, arch, n_ctx, n_bat
 
 def test_run_with_a_derived_budget_never_reaches_its_cap(model_dir, tmp_path):
     # experts large enough that the cap, not the process, decides the budget
-    path = tiny_model(model_dir, "llama", n_embd=256, n_ff=1024)
+    path = tiny_model(model_dir, "llama", n_embd=256, n_ff=1024, n_expert=32)
     info = hobbitpy.inspect_model(path)
     out = tmp_path / "b"
     # the stock run with no cap tells what the process needs with every expert in memory;
@@ -78,3 +78,55 @@ def test_run_with_a_derived_budget_never_reaches_its_cap(model_dir, tmp_path):
     assert info.min_budget_bytes / MB <= lru["budget_mb"] < info.expert_bytes_total / MB
     assert lru["times_at_cap"] == 0, lru
     assert lru["peak_mb"] < cap_mb
+    # the prompt went through ubatches narrower than the batch, to give the experts more
+    n_ubatch = re.search(r"ubatches of (\d+) tokens", lru["plan"])
+    assert n_ubatch and int(n_ubatch.group(1)) < 128, lru["plan"]  # the batch holds the long prompt's 128
+
+
+def test_a_ubatch_left_open_narrows_only_when_the_experts_do_not_all_fit(model_dir):
+    from hobbitpy.memory import COMPUTE_SHARE, SLACK_BYTES, fit_ubatch, io_buffer_bytes, plan_offload
+
+    path = tiny_model(model_dir, "llama", n_embd=256, n_ff=1024, n_expert=32)
+    info = hobbitpy.inspect_model(path)
+    shape = ContextShape(n_ctx=512, n_batch=512)
+    auto = hobbitpy.OffloadConfig()
+
+    def sizes(n_ubatch):
+        return context_sizes(info, ContextShape(n_ctx=512, n_batch=512, n_ubatch=n_ubatch))
+
+    # plenty of memory: the whole batch, as llama.cpp would have it
+    assert fit_ubatch(info, shape, auto, available_bytes=64 * 1024 * MB) == 512
+    # asked for, or a budget given, or no offload: what was asked
+    assert fit_ubatch(info, ContextShape(n_ctx=512, n_batch=512, n_ubatch=128), auto, available_bytes=MB) == 128
+    assert fit_ubatch(info, shape, hobbitpy.OffloadConfig(cache_mb=8), available_bytes=MB) == 512
+    assert fit_ubatch(info, shape, hobbitpy.OffloadConfig(enabled=False), available_bytes=MB) == 512
+    # short of memory (room for 12 ubatches of 64 tokens, fewer bytes than the experts'): 64
+    # tokens, whose buffer is within its share of the memory beside the rest, 128 would not be
+    other = info.resident_bytes + sizes(512).kv + sizes(512).logits + io_buffer_bytes(auto, (info,)) + SLACK_BYTES
+    available = other + 12 * sizes(64).compute
+    assert 12 * sizes(64).compute < info.expert_bytes_total + sizes(64).compute
+    assert fit_ubatch(info, shape, auto, available_bytes=available) == 64
+    assert sizes(64).compute <= COMPUTE_SHARE * (available - other) < sizes(128).compute
+    # ... and the experts get what the narrower buffer leaves
+    narrow = plan_offload(info, auto, sizes(64).total, available_bytes=available).budget_bytes
+    assert narrow is not None and narrow > available - other - sizes(128).compute
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_stock_logits_do_not_depend_on_the_ubatch(model_dir, arch):
+    # what lets the planner narrow a ubatch the caller left open without a bit of difference
+    import numpy as np
+
+    from conftest import PROMPT
+
+    path = tiny_model(model_dir, arch)
+    logits = []
+    for n_ubatch in (512, 32, 7):
+        llm = hobbitpy.Llama(path, offload=False, n_ctx=256, n_batch=256, n_ubatch=n_ubatch, logits_all=True,
+                             verbose=False, n_threads=2)
+        tokens = llm.tokenize((PROMPT * 4).encode())
+        llm.eval(tokens)
+        logits.append(np.array(llm.scores[:len(tokens)]))
+        llm.close()
+    assert len(tokens) > 32
+    assert all(np.array_equal(logits[0], other) for other in logits[1:])

@@ -25,7 +25,7 @@ from ._native import error_buffer, ffi, lib, to_str
 from .companions import resolve_levels
 from .config import MB, OffloadConfig
 from .errors import BudgetError, ExpertReadError, HobbitError, ModelFileError
-from .memory import ContextShape, OffloadPlan, available_memory_bytes, context_sizes, plan_offload
+from .memory import ContextShape, OffloadPlan, available_memory_bytes, context_sizes, fit_ubatch, plan_offload
 from .model_file import ModelInfo, inspect_model
 from .placement import placement_for
 from .profile import load_profile, profile_offload
@@ -91,8 +91,11 @@ class Llama(llama_cpp.Llama):
             resolve_levels(model_path, offload.high, offload.mid, offload.low) if offload.enabled else (None,))
         levels = tuple(self.model_info if p is None else inspect_model(p) for p in self.level_paths)
         shape = ContextShape.of(kwargs)
-        context = context_sizes(self.model_info, shape)
         available = available_memory_bytes()
+        if shape.n_ubatch is None:  # left open: narrower when the compute buffer would crowd out the experts
+            shape = dataclasses.replace(shape, n_ubatch=fit_ubatch(self.model_info, shape, offload, levels, available))
+            kwargs["n_ubatch"] = shape.n_ubatch
+        context = context_sizes(self.model_info, shape)
         if context.total > available:  # llama.cpp would only say "Failed to create llama_context"
             raise BudgetError(f"{model_path}: a context of {shape.n_ctx} tokens needs {context.kv / MB:.0f} MB of KV cache "
                               f"and {(context.total - context.kv) / MB:.0f} MB of other buffers, more than the "
@@ -100,6 +103,9 @@ class Llama(llama_cpp.Llama):
         context_bytes = context.total if offload.enabled else 0
         self.offload_plan: OffloadPlan = plan_offload(self.model_info, offload, context_bytes, levels,
                                                       available_bytes=available)
+        if self.offload_plan.budget_bytes is not None:
+            self.offload_plan = dataclasses.replace(
+                self.offload_plan, reason=f"{self.offload_plan.reason}; ubatches of {shape.n_ubatch} tokens")
 
         self.placement: tuple[tuple[int, ...], ...] | None = None  # the level of every expert, when placed by importance
         if self.offload_plan.budget_bytes is not None and kwargs.get("lora_path"):

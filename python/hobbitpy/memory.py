@@ -6,6 +6,7 @@ The budget must hold where the process actually runs: inside a memory cgroup
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 import pathlib
 
@@ -18,6 +19,14 @@ from .model_file import ModelInfo
 SLACK_BYTES = 24 * MB
 # the O_DIRECT alignment a reader's bounce buffer adds to a slice (hobbit-expert-store.cpp)
 READER_ALIGN_BYTES = 3 * 4096
+# When the experts do not all fit, the widest ubatch's compute buffer (for a MoE, n_ubatch rows
+# of every selected expert's gate, up and activation) may take at most this share of the
+# memory left for it and the expert cache together: on the inflated ref-mixtral under a
+# 246 MB cap a 152-token ubatch took 46 MB, a third of what the experts got. Decoding needs
+# one row; a narrower ubatch only splits a long prompt into more passes.
+COMPUTE_SHARE = 1 / 8
+# ... but no narrower than this (each pass of a prompt loads the experts its tokens select)
+MIN_UBATCH = 32
 
 
 @dataclass(frozen=True)
@@ -26,7 +35,7 @@ class ContextShape:
 
     n_ctx: int = 512
     n_batch: int = 512
-    n_ubatch: int = 512
+    n_ubatch: int | None = None  # None: left to the planner (fit_ubatch), at most n_batch
     logits_all: bool = False
 
     @classmethod
@@ -54,7 +63,7 @@ def context_sizes(info: ModelInfo, shape: ContextShape) -> ContextSizes:
     n_ctx = shape.n_ctx or info.n_ctx_train or 512
     n_ctx_kv = -(-n_ctx // 256) * 256  # llama.cpp pads the KV cache
     n_batch = min(shape.n_batch, n_ctx)
-    n_ubatch = min(shape.n_ubatch, n_batch)
+    n_ubatch = min(shape.n_ubatch or n_batch, n_batch)
     f32 = 4
     kv = info.n_layer * n_ctx_kv * info.n_head_kv * (info.n_embd_head_k + info.n_embd_head_v) * 2
     # per token of a ubatch, as llama.cpp reserves it (for every token's logits): the widest
@@ -141,6 +150,37 @@ def process_resident_bytes() -> int:
     return _stat_field(pathlib.Path("/proc/self/status"), "VmRSS:") * 1024
 
 
+def io_buffer_bytes(config: OffloadConfig, levels: tuple[ModelInfo, ...]) -> int:
+    """The readers' buffers: each I/O thread keeps, per level, one buffer of a projection's
+    slice (O_DIRECT's bounce buffer, with an aligned page either side, or the staging buffer of
+    a buffered read that repacks): a third of an expert where the projections are alike."""
+    return config.io_threads * sum(level.max_slice_bytes + READER_ALIGN_BYTES for level in levels)
+
+
+def fit_ubatch(info: ModelInfo, shape: ContextShape, config: OffloadConfig, levels: tuple[ModelInfo, ...] = (),
+               available_bytes: int | None = None) -> int:
+    """The ubatch a run should have: the one asked for (shape.n_ubatch), or, left open, the
+    whole batch unless the experts are offloaded with a budget derived from the memory and do
+    not all fit; then the widest power of two whose compute buffer takes at most COMPUTE_SHARE
+    of the memory left for it and the experts (at least MIN_UBATCH). Stock llama.cpp's logits
+    do not depend on the ubatch (tests/test_memory.py), so neither do hobbitpy's."""
+    n_batch = min(shape.n_batch, shape.n_ctx or info.n_ctx_train or 512)
+    full = min(shape.n_ubatch or n_batch, n_batch)
+    if shape.n_ubatch is not None or not config.enabled or config.budget_bytes is not None or not info.is_moe:
+        return full
+    levels = levels or (info,)
+    sizes = context_sizes(info, dataclasses.replace(shape, n_ubatch=full))
+    available = available_bytes if available_bytes is not None else available_memory_bytes()
+    room = available - (info.resident_bytes + sizes.kv + sizes.logits + io_buffer_bytes(config, levels) + SLACK_BYTES)
+    if room - sizes.compute >= sum(level.expert_bytes_total for level in levels):
+        return full
+    per_token = sizes.compute / full
+    n_ubatch = 1 << (full.bit_length() - 1)
+    while n_ubatch > MIN_UBATCH and n_ubatch * per_token > COMPUTE_SHARE * room:
+        n_ubatch //= 2
+    return min(full, n_ubatch)
+
+
 def plan_offload(info: ModelInfo, config: OffloadConfig, context_bytes: int,
                  levels: tuple[ModelInfo, ...] = (), available_bytes: int | None = None) -> OffloadPlan:
     """Decide whether and with what budget the experts are offloaded. context_bytes: what
@@ -160,10 +200,7 @@ def plan_offload(info: ModelInfo, config: OffloadConfig, context_bytes: int,
     ladder = levels[0] is not info  # the high level is a companion: the model's experts are never read
     min_bytes = sum(level.min_budget_bytes for level in levels)
     min_mb = min_bytes / MB
-    # each I/O thread keeps, per level, one buffer of a projection's slice (O_DIRECT's bounce
-    # buffer, with an aligned page either side, or the staging buffer of a buffered read
-    # that repacks): a third of an expert where the projections are alike, not a whole one
-    io_bytes = config.io_threads * sum(level.max_slice_bytes + READER_ALIGN_BYTES for level in levels)
+    io_bytes = io_buffer_bytes(config, levels)
     needs = info.resident_bytes + context_bytes + io_bytes + SLACK_BYTES
     if config.budget_bytes is not None:
         if config.budget_bytes < min_bytes:

@@ -26,11 +26,13 @@ def _proxy_class():
             super().__init__(models)
 
         def load_llama_from_model_settings(self, settings):
+            # the ubatch only when asked for: left open, the planner narrows it when memory is short
+            asked = {"n_ubatch": settings.n_ubatch} if "n_ubatch" in settings.model_fields_set else {}
             return Llama(settings.model, offload=self.offload, n_ctx=settings.n_ctx, n_batch=settings.n_batch,
-                         n_ubatch=settings.n_ubatch, n_threads=settings.n_threads,
+                         n_threads=settings.n_threads,
                          n_threads_batch=settings.n_threads_batch, seed=settings.seed,
                          chat_format=settings.chat_format, flash_attn=settings.flash_attn,
-                         last_n_tokens_size=settings.last_n_tokens_size, verbose=settings.verbose)
+                         last_n_tokens_size=settings.last_n_tokens_size, verbose=settings.verbose, **asked)
 
         @property
         def current(self) -> Llama | None:
