@@ -308,3 +308,80 @@ def test_the_c_api_refuses_nan_and_infinite_weights():
     assert lib.hobbit_request_offload(params, err, len(err)) == lib.HOBBIT_STATUS_ERROR_INVALID
     assert "level_shares must be finite" in to_str(err)
     lib.hobbit_cancel_offload_request()
+
+
+def _model_without_byte_tokens(tmp_path) -> pathlib.Path:
+    """A MoE whose SPM vocabulary has letters but no <0xXX> byte tokens: llama.cpp's
+    tokenizer throws on any other character (llama_vocab::byte_to_token)."""
+    from hobbitpy.synthetic_moe import make_synthetic_moe
+
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    tokens = ["<unk>", "<s>", "</s>", "\u2581"] + letters + ["\u2581" + c for c in letters]
+    vocab = gguf.GGUFWriter(str(tmp_path / "vocab.gguf"), "llama")
+    vocab.add_tokenizer_model("llama")
+    vocab.add_token_list(tokens)
+    vocab.add_token_scores([0.0] * 3 + [-float(i) for i in range(len(tokens) - 3)])
+    vocab.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))
+    vocab.add_bos_token_id(1)
+    vocab.add_eos_token_id(2)
+    vocab.add_unk_token_id(0)
+    vocab.write_header_to_file()
+    vocab.write_kv_data_to_file()
+    vocab.write_tensors_to_file()
+    vocab.close()
+    return make_synthetic_moe(tmp_path / "no-bytes.gguf", "llama", vocab_gguf=tmp_path / "vocab.gguf")
+
+
+def test_text_the_vocabulary_cannot_encode_is_an_error_not_an_abort(tmp_path):
+    path = _model_without_byte_tokens(tmp_path)
+    # through the API (in a child: before the fix the process died of std::terminate)
+    script = textwrap.dedent(f"""
+        import hobbitpy
+        llm = hobbitpy.Llama({str(path)!r}, offload=hobbitpy.OffloadConfig(cache_mb=1), n_ctx=64, verbose=False)
+        assert llm.tokenize(b"abc the", add_bos=False) == llm.tokenize(b"abc the", add_bos=False)
+        assert len(llm.tokenize(b"abc the")) >= 4
+        try:
+            llm.tokenize("the caf\\u00e9".encode())
+        except hobbitpy.TokenizeError as e:
+            print("error:", e)
+        try:
+            llm.create_completion("caf\\u00e9", max_tokens=2)
+        except ValueError as e:
+            print("completion:", e)
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (f"error: {path}: the model's vocabulary cannot encode 'é' (U+00E9, character 7 of the text)"
+            in p.stdout), p.stdout
+    assert "completion:" in p.stdout and "U+00E9" in p.stdout
+    # through run and eval: one line, status 2
+    proc = cli(path, "--prompt", "caf\u00e9 au lait", "-n", "2", "--cache-mb", "1")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].endswith("and no byte token to fall back to"), proc.stderr
+    assert "Traceback" not in proc.stderr
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on the mat " * 20 + "na\u00efve")
+    proc = subprocess_cli("eval", path, "--text", text, "--cache-mb", "1")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "U+00EF" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_io_threads_that_cannot_start_are_one_clear_error(model_dir):
+    # an address-space limit that leaves room for the model and a few threads' stacks, not
+    # for 64: the threads started are joined and the load fails with a message (before the
+    # fix, std::terminate on the joinable threads)
+    path = tiny_model(model_dir, "llama")
+    script = textwrap.dedent(f"""
+        import resource, hobbitpy
+        vm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize:")) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + 160 * 2**20, resource.RLIM_INFINITY))
+        try:
+            hobbitpy.Llama({str(path)!r}, cache_mb=1, io_threads=64, n_ctx=32, verbose=False)
+            print("loaded")
+        except hobbitpy.HobbitError as e:
+            print("error:", e)
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "error:" in p.stdout and "cannot start I/O thread" in p.stdout and "of 64" in p.stdout, p.stdout
+    assert "cannot start I/O thread 1 of" not in p.stdout  # some started, and were joined

@@ -169,6 +169,9 @@ def test_bench_tunes_for_every_cap(model_dir, tmp_path):
     tuned = row["configs"][1]
     assert tuned["settings"]["high"] == pick["settings"]["high"] and tuned["decode_tok_s"] > 0
     assert tuned["mean_kl"] > 0 and "ppl_increase" in tuned and tuned["lossy"]
+    # tune planned the budget the run got (it counts the memory a worker starts with)
+    chosen = next(c for c in pick["candidates"] if c["name"] == pick["chosen"])
+    assert abs(chosen["budget_mb"] - tuned["budget_mb"]) < 4, (chosen["budget_mb"], tuned["budget_mb"])
 
     # tuning needs a memory size: a cap of 'none' is refused before any work
     p = _bench([str(path), "--caps", "none", "--tune", str(tune_text), "--out", str(tmp_path / "none")])

@@ -34,6 +34,7 @@ extern "C" {
 #endif
 
 struct llama_model;
+struct llama_vocab;
 typedef struct hobbit_runtime hobbit_runtime;
 
 enum hobbit_status {
@@ -217,6 +218,13 @@ HOBBIT_API enum hobbit_status hobbit_inspect_model(const char * path, struct hob
 // the fingerprint of a model's experts (16 hex digits and a NUL into out, out_size >= 17): what a
 // companion records of the model it was made of, checked when the companion is used
 HOBBIT_API enum hobbit_status hobbit_model_fingerprint(const char * path, char * out, size_t out_size, char * err, size_t err_size);
+
+// llama_tokenize, with what llama.cpp's tokenizer throws (a vocabulary without the byte
+// tokens its fallback looks up) turned into a status and a message instead of an abort.
+// *n_tokens: as llama_tokenize returns it (negative: the tokens needed, n_tokens_max too small)
+HOBBIT_API enum hobbit_status hobbit_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len,
+                                              int32_t * tokens, int32_t n_tokens_max, bool add_special,
+                                              bool parse_special, int32_t * n_tokens, char * err, size_t err_size);
 
 // arm the next llama_model_load_from_file() on this thread to attach an expert runtime
 HOBBIT_API enum hobbit_status hobbit_request_offload(const struct hobbit_params * params, char * err, size_t err_size);

@@ -124,6 +124,14 @@ static std::string invalid_params(const hobbit_params * params) {
     return "";
 }
 
+enum hobbit_status hobbit_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len,
+                                   int32_t * tokens, int32_t n_tokens_max, bool add_special,
+                                   bool parse_special, int32_t * n_tokens, char * err, size_t err_size) {
+    return guarded([&] {
+        *n_tokens = llama_tokenize(vocab, text, text_len, tokens, n_tokens_max, add_special, parse_special);
+    }, err, err_size, "the tokenizer failed: ");
+}
+
 enum hobbit_status hobbit_request_offload(const struct hobbit_params * params, char * err, size_t err_size) {
     const std::string why = invalid_params(params);
     if (!why.empty()) {

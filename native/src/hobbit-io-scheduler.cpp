@@ -23,8 +23,9 @@ io_scheduler::io_scheduler(std::vector<const expert_index *> indexes, bool direc
     } catch (const std::system_error & e) {
         // a thread could not start (address space, thread limits): the ones started must be
         // joined before this throws, or their std::thread destructors terminate the process
+        const size_t started = workers.size();
         stop_workers();
-        throw hobbit_error(HOBBIT_STATUS_ERROR_INTERNAL, "cannot start I/O thread " + std::to_string(workers.size() + 1) +
+        throw hobbit_error(HOBBIT_STATUS_ERROR_INTERNAL, "cannot start I/O thread " + std::to_string(started + 1) +
             " of " + std::to_string(stores.size()) + " (" + e.what() + "); use fewer io_threads");
     }
 }

@@ -10,6 +10,7 @@
 #include "hobbit-executor-choice.h"
 #include "hobbit-expert-store.h"
 #include "hobbit-io-scheduler.h"
+#include "hobbit-mapping-guard.h"
 #include "hobbit-pool-plan.h"
 #include "hobbit-precision-scorer.h"
 #include "hobbit-predictor.h"
@@ -50,7 +51,7 @@ struct hobbit_runtime {
 
     bool error(std::string & msg) const;
     void clear_error();
-    bool failed() const { return has_error.load(std::memory_order_acquire); }
+    bool failed() const { return has_error.load(std::memory_order_acquire) || (map_guard && map_guard->faulted()); }
 
 private:
     struct dispatch_ud {
@@ -144,6 +145,7 @@ private:
     std::vector<bool>               inplace_ok; // [n_layer]: the layer's experts may run on the mapped model
     std::unique_ptr<trace_recorder> recorder;     // while a trace is recorded
     const llama_model *             model = nullptr;
+    std::unique_ptr<mapping_guard>  map_guard;  // the mapped experts, while any may run in place
     std::vector<int>                moe_layers;
     std::unique_ptr<io_scheduler>   io;   // last: its threads stop before the rest goes
 

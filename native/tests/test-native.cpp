@@ -6,6 +6,7 @@
 #include "hobbit-expert-pool.h"
 #include "hobbit-expert-store.h"
 #include "hobbit-io-scheduler.h"
+#include "hobbit-mapping-guard.h"
 #include "hobbit-pool-plan.h"
 #include "hobbit-precision-scorer.h"
 #include "hobbit-predictor.h"
@@ -13,6 +14,8 @@
 #include "ggml.h"
 #include "gguf.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -428,6 +431,31 @@ static void test_stacked_predictor() {
     printf("ok stacked predictor\n");
 }
 
+// a file mapped, then cut: a read past its new end inside a guard reads zeros and marks the
+// guard, where it would have been a SIGBUS
+static void test_mapping_guard(const std::string & dir) {
+    const std::string path = dir + "/hobbit-guard-test-" + std::to_string(getpid());
+    const long page = sysconf(_SC_PAGESIZE);
+    const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    CHECK(fd >= 0);
+    std::vector<char> ones(3 * page, 1);
+    CHECK(write(fd, ones.data(), ones.size()) == (ssize_t) ones.size());
+    auto * map = (volatile const char *) mmap(nullptr, 3 * page, PROT_READ, MAP_SHARED, fd, 0);
+    CHECK(map != MAP_FAILED);
+    {
+        mapping_guard guard((const void *) map, 3 * page);
+        CHECK(map[2 * page] == 1 && !guard.faulted());
+        CHECK(ftruncate(fd, page) == 0);
+        CHECK(map[0] == 1 && !guard.faulted());  // still in the file
+        CHECK(map[2 * page + 5] == 0);           // past the end: zeros, no signal
+        CHECK(guard.faulted());
+    }
+    munmap((void *) map, 3 * page);
+    close(fd);
+    unlink(path.c_str());
+    printf("mapping guard: ok\n");
+}
+
 int main(int argc, char ** argv) {
     const std::string dir = argc > 1 ? argv[1] : "/tmp";
     const std::string path = write_model(dir + "/hobbit-native-test-" + std::to_string(getpid()) + ".gguf");
@@ -445,6 +473,7 @@ int main(int argc, char ** argv) {
     test_companion_check(path, dir);
     test_level_budgets(path);
     test_stacked_predictor();
+    test_mapping_guard(dir);
     unlink(path.c_str());
     printf("all native tests passed\n");
     return 0;

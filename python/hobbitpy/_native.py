@@ -8,6 +8,7 @@ its ``Llama`` and ``libhobbit`` share one llama.cpp in the process.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sysconfig
 
@@ -27,13 +28,16 @@ def _package_data_root() -> pathlib.Path:
 
 
 _ROOT = _package_data_root()
-LIB_DIR = _ROOT / "lib"
 DATA_DIR = _ROOT / "data"
+# HOBBITPY_LIB_DIR: the libraries of another build of the same sources (the sanitizer
+# build of scripts/check-sanitizers.sh) instead of the installed ones
+LIB_DIR = pathlib.Path(os.environ["HOBBITPY_LIB_DIR"]) if os.environ.get("HOBBITPY_LIB_DIR") else _ROOT / "lib"
 
 # mirrors native/include/hobbit.h (cffi ABI mode computes the layouts from this)
 _CDEF = """
 typedef struct hobbit_runtime hobbit_runtime;
 struct llama_model;
+struct llama_vocab;
 
 enum hobbit_status {
     HOBBIT_STATUS_OK             =  0,
@@ -169,6 +173,9 @@ struct hobbit_sim_result {
 struct hobbit_params hobbit_default_params(void);
 enum hobbit_status hobbit_inspect_model(const char * path, struct hobbit_model_info * info, char * err, size_t err_size);
 enum hobbit_status hobbit_model_fingerprint(const char * path, char * out, size_t out_size, char * err, size_t err_size);
+enum hobbit_status hobbit_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len,
+                                   int32_t * tokens, int32_t n_tokens_max, bool add_special,
+                                   bool parse_special, int32_t * n_tokens, char * err, size_t err_size);
 enum hobbit_status hobbit_request_offload(const struct hobbit_params * params, char * err, size_t err_size);
 void hobbit_cancel_offload_request(void);
 bool hobbit_last_attach_error(char * buf, size_t size);

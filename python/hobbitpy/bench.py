@@ -27,7 +27,7 @@ from .config import MB
 from .disk import drop_from_page_cache, measure_read_bandwidth
 from .errors import HobbitError
 from .memcap import MemoryCap
-from .memory import SLACK_BYTES, ContextShape, context_sizes, process_resident_bytes
+from .memory import SLACK_BYTES, ContextShape, context_sizes
 from .frontier import format_frontier, mark_dominated, plot_frontier
 from .model_file import inspect_model
 from .quants import default_quant_dir, make_uniform_quant, quant_name
@@ -133,6 +133,22 @@ def config_files(model: str, cfg: BenchConfig) -> set[str]:
     offload = cfg.offload
     levels = resolve_levels(model, offload.get("high"), offload.get("mid"), offload.get("low")) if offload else ()
     return {cfg.model or model, *(p for p in levels if p is not None)}
+
+
+def worker_start_bytes(memcap: MemoryCap | None) -> int:
+    """The memory a fresh bench worker takes once its imports are done: what its cgroup is
+    charged (libraries another process has in the page cache already are not charged to
+    it: 32 MB against a VmRSS of 51 MB here), or its VmRSS without a cgroup."""
+    probe = ("import hobbitpy.bench_worker\nfrom hobbitpy.memory import process_resident_bytes\n"
+             "print(process_resident_bytes())")
+    if memcap is not None:
+        memcap.set_limit(None)
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                       preexec_fn=memcap.enter if memcap is not None else None)
+    if p.returncode != 0:
+        why = p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit status {p.returncode}"
+        raise HobbitError(f"a bench worker cannot start: {why}")
+    return memcap.peak_bytes() if memcap is not None else int(p.stdout.strip())
 
 
 def check_caps(info, caps: list[Cap], shape: ContextShape, process_bytes: int) -> None:
@@ -299,35 +315,42 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
     or reused from there) run by stock llama.cpp as further baselines; quality_text: score
     every configuration's perplexity and KL against the model (stock) on this text;
     tune_request: first run `tune` at each cap's memory and add its pick there."""
-    # what a run's process holds before it loads anything: this one's now, before the disk
-    # measurement's buffers and tune's models (a worker starts the same)
-    process_bytes = process_resident_bytes()
     info = inspect_model(model)
     threads = threads or os.cpu_count() or 1
     log(f"{model}: {info.file_bytes / MB:.0f} MB, {info.arch}, {info.n_layer_moe} MoE layers x {info.n_expert} experts "
         f"(top-{info.n_expert_used}), {info.expert_bytes_total / MB:.0f} MB of experts")
     if tune_request is not None and any(c.limit_bytes is None for c in caps):
         raise HobbitError("tuning needs a memory size: every cap must be a limit (not 'none')")
-    check_caps(info, caps, bench_context_shape(n_predict, prompt_tokens), process_bytes)
-    quant_configs = []
-    for q in quants:
-        path, made = make_uniform_quant(model, q, quant_dir or default_quant_dir(model), threads)
-        log(f"{'made' if made else 'reusing'} {path}: {os.path.getsize(path) / MB:.0f} MB")
-        quant_configs.append(BenchConfig(quant_name(q), None, model=str(path)))
-    disk_bw, direct = measure_read_bandwidth(model, info.expert_bytes or (1 << 20), n_threads=2)
-    log(f"disk: {disk_bw / 1e9:.2f} GB/s with {'O_DIRECT' if direct else 'buffered'} reads of "
-        f"{info.expert_bytes / MB:.1f} MB, 2 readers")
     memcap = MemoryCap.create(f"hobbitpy-bench-{os.getpid()}")
-    if memcap is None:
-        log("no writable memory cgroup here: caps are NOT enforced; hobbitpy runs get an expert budget of "
-            "cap - resident weights - context buffers, stock runs are uncapped")
-    else:
-        log(f"memory cap: {memcap}, RSS and page cache together")
+    try:
+        # what a run's process takes before it loads anything (cap check, tune's budgets): a
+        # worker's as it starts (this process's VmRSS is 20 MB more: tune planned for less
+        # cache than the runs got)
+        process_bytes = worker_start_bytes(memcap)
+        check_caps(info, caps, bench_context_shape(n_predict, prompt_tokens), process_bytes)
+        quant_configs = []
+        for q in quants:
+            path, made = make_uniform_quant(model, q, quant_dir or default_quant_dir(model), threads)
+            log(f"{'made' if made else 'reusing'} {path}: {os.path.getsize(path) / MB:.0f} MB")
+            quant_configs.append(BenchConfig(quant_name(q), None, model=str(path)))
+        disk_bw, direct = measure_read_bandwidth(model, info.expert_bytes or (1 << 20), n_threads=2)
+        log(f"disk: {disk_bw / 1e9:.2f} GB/s with {'O_DIRECT' if direct else 'buffered'} reads of "
+            f"{info.expert_bytes / MB:.1f} MB, 2 readers")
+        if memcap is None:
+            log("no writable memory cgroup here: caps are NOT enforced; hobbitpy runs get an expert budget of "
+                "cap - resident weights - context buffers, stock runs are uncapped")
+        else:
+            log(f"memory cap: {memcap}, RSS and page cache together")
+        result = BenchResult(model=os.path.abspath(model), machine=_machine(), disk_bytes_per_s=disk_bw,
+                             disk_direct=direct, cap_method=str(memcap) if memcap else "none (budgets only)")
+        tuned = {} if tune_request is None else tuned_configs(
+            model, caps, tune_request, bench_context_shape(n_predict, prompt_tokens), threads, process_bytes, result,
+            log)
+    except BaseException:  # an error or an interrupt before the runs: the cgroup goes too
+        if memcap is not None:
+            memcap.remove()
+        raise
     all_configs = [BenchConfig(STOCK, None)] + quant_configs + configs
-    result = BenchResult(model=os.path.abspath(model), machine=_machine(), disk_bytes_per_s=disk_bw,
-                         disk_direct=direct, cap_method=str(memcap) if memcap else "none (budgets only)")
-    tuned = {} if tune_request is None else tuned_configs(
-        model, caps, tune_request, bench_context_shape(n_predict, prompt_tokens), threads, process_bytes, result, log)
     # each cap's configurations: the same everywhere, but for tune's pick for that cap's memory
     cap_configs = {cap.label: all_configs + ([tuned[cap.label]] if cap.label in tuned else []) for cap in caps}
     every_file = set().union(*(config_files(model, c) for cs in cap_configs.values() for c in cs))

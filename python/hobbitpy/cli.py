@@ -810,7 +810,7 @@ def _run(args) -> int:
                 sys.stdout.flush()
         except (HobbitError, ValueError) as e:  # ValueError: llama_cpp's "exceed context window"
             sys.stdout.write("\n")
-            return _fail(f"{args.model}: {e}" if isinstance(e, ValueError) else str(e))
+            return _fail(str(e) if isinstance(e, HobbitError) else f"{args.model}: {e}")
         except KeyboardInterrupt:
             # what was generated stays on screen; no traceback
             sys.stdout.write("\n")

@@ -13,5 +13,10 @@ class BudgetError(HobbitError):
     """The expert budget is below the minimum the model needs."""
 
 
+class TokenizeError(HobbitError, ValueError):
+    """The model's vocabulary cannot encode the text (a ValueError, as llama_cpp's own
+    tokenizer errors are to its server)."""
+
+
 class ExpertReadError(HobbitError):
     """Reading an expert from disk failed during a run."""

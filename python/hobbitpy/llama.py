@@ -21,6 +21,7 @@ import gguf
 import llama_cpp
 import numpy as np
 
+from . import tokens
 from ._native import error_buffer, ffi, lib, to_str
 from .companions import resolve_levels
 from .config import MB, OffloadConfig
@@ -139,6 +140,14 @@ class Llama(llama_cpp.Llama):
             self._abort_cb = llama_cpp.ggml_abort_callback(int(ffi.cast("uintptr_t", lib.hobbit_abort_callback)))
             runtime_ptr = ctypes.c_void_p(int(ffi.cast("uintptr_t", self._runtime)))
             llama_cpp.llama_set_abort_callback(self._ctx.ctx, self._abort_cb, runtime_ptr)
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        # llama.cpp's own tokenizer through hobbit_tokenize: a character the vocabulary cannot
+        # encode is a TokenizeError, not an abort of the process (another tokenizer, such as a
+        # Hugging Face one given as tokenizer=, is left to llama_cpp)
+        if type(self.tokenizer_) is not llama_cpp.LlamaTokenizer:
+            return super().tokenize(text, add_bos, special)
+        return tokens.tokenize(self._model.vocab, self.model_path, text, add_bos, special)
 
     @property
     def offloaded(self) -> bool:

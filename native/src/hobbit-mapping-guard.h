@@ -1,0 +1,26 @@
+// hobbit-mapping-guard.h - a SIGBUS in the mapped model file becomes an error, not a crash.
+//
+// Experts computed in place read llama.cpp's mapping of the model file. If the file is cut
+// while the process runs, a read past its new end raises SIGBUS, which kills the process
+// (the runtime checks the size before computing, but the file can shrink after the check).
+// While a guard lives, a SIGBUS inside its region maps a page of zeros over the faulting
+// page, so the computation finishes (on zeros), and marks the guard faulted; the runtime
+// then fails the run (ExpertReadError) before anything uses the result. A SIGBUS anywhere
+// else goes to the handler that was there before.
+#pragma once
+
+#include <cstddef>
+
+class mapping_guard {
+public:
+    // throws hobbit_error when every slot is taken (HOBBIT_MAX_GUARDS live guards)
+    mapping_guard(const void * begin, size_t size);
+    ~mapping_guard();
+    mapping_guard(const mapping_guard &) = delete;
+    mapping_guard & operator=(const mapping_guard &) = delete;
+
+    bool faulted() const;
+
+private:
+    int slot;
+};

@@ -1,0 +1,50 @@
+"""Tokenizing text with llama.cpp's tokenizer without letting it abort the process.
+
+llama.cpp's tokenizer throws a C++ exception when a character has no token and the
+vocabulary has no byte token to fall back to (`llama_vocab::byte_to_token`); through
+llama-cpp-python's ctypes call that is `std::terminate`: the host process dies. hobbitpy
+calls the tokenizer through `hobbit_tokenize`, which turns the exception into an error,
+and names the first character the vocabulary cannot encode.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from ._native import error_buffer, ffi, lib, to_str
+from .errors import TokenizeError
+
+
+def _tokenize_once(vocab, text: bytes, n_max: int, add_bos: bool, special: bool) -> tuple[int, list[int], str | None]:
+    tokens = ffi.new("int32_t[]", max(1, n_max))
+    n = ffi.new("int32_t *")
+    err = error_buffer()
+    if lib.hobbit_tokenize(vocab, text, len(text), tokens, n_max, add_bos, special, n, err, len(err)) != lib.HOBBIT_STATUS_OK:
+        return 0, [], to_str(err)
+    return n[0], list(tokens[0:max(0, n[0])]), None
+
+
+def _tokenize_or_error(vocab, text: bytes, add_bos: bool, special: bool) -> tuple[list[int], str | None]:
+    # a token covers at least one byte; BOS, EOS and SPM's leading space come on top
+    n, ids, error = _tokenize_once(vocab, text, len(text) + 8, add_bos, special)
+    if error is None and n < 0:  # llama.cpp asks for more room: -n tokens
+        n, ids, error = _tokenize_once(vocab, text, -n, add_bos, special)
+        if error is None and n < 0:
+            error = f"the tokenizer asks for {-n} tokens of room twice"
+    return ids, error
+
+
+def tokenize(llama_vocab, model_path: str, text: bytes, add_bos: bool, special: bool) -> list[int]:
+    """llama_tokenize on llama_vocab (llama-cpp-python's ctypes pointer, LlamaModel.vocab);
+    raises TokenizeError naming the model and the first character its vocabulary cannot
+    encode."""
+    vocab = ffi.cast("const struct llama_vocab *", ctypes.cast(llama_vocab, ctypes.c_void_p).value)
+    ids, error = _tokenize_or_error(vocab, text, add_bos, special)
+    if error is None:
+        return ids
+    chars = text.decode("utf-8", errors="replace")
+    for i, ch in enumerate(chars):
+        if _tokenize_or_error(vocab, ch.encode("utf-8"), False, False)[1] is not None:
+            raise TokenizeError(f"{model_path}: the model's vocabulary cannot encode {ch!r} (U+{ord(ch):04X}, character "
+                                f"{i} of the text): it has no token for it and no byte token to fall back to")
+    raise TokenizeError(f"{model_path}: {error}")
