@@ -10,9 +10,12 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <string_view>
+#include <unordered_map>
 
 static const char * proj_tensor_suffix[LLAMA_MOE_PROJ_COUNT] = {
     "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_up_exps.weight",
@@ -95,6 +98,42 @@ static constexpr int64_t LLAMA_MAX_EXPERTS_LIMIT = 1024;
 // process, the application that loaded the model with it, and with llama-cpp-python's
 // stderr muted nothing is printed. They are checked here first, each error naming the key
 // and the range llama.cpp allows.
+// a token for an error message: printable ASCII as is, other bytes as \xNN, at most 40
+static std::string printable(std::string_view s) {
+    std::string out;
+    for (size_t i = 0; i < s.size() && out.size() < 40; ++i) {
+        const unsigned char c = (unsigned char) s[i];
+        if (c >= 0x20 && c < 0x7f && c != '"' && c != '\\') {
+            out += (char) c;
+        } else {
+            char hex[5];
+            snprintf(hex, sizeof(hex), "\\x%02x", c);
+            out += hex;
+        }
+    }
+    return out;
+}
+
+// llama.cpp's vocabulary loader asserts (aborts the process) on a token list that holds a
+// token twice; a list of another type or length is its own clean error there
+static void check_tokenizer(const gguf_context * ctx, const std::string & path) {
+    const int64_t id = gguf_find_key(ctx, "tokenizer.ggml.tokens");
+    if (id < 0 || gguf_get_kv_type(ctx, id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(ctx, id) != GGUF_TYPE_STRING) {
+        return;
+    }
+    const size_t n = gguf_get_arr_n(ctx, id);
+    std::unordered_map<std::string_view, size_t> seen;
+    seen.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+        const auto [it, fresh] = seen.emplace(gguf_get_arr_str(ctx, id, i), i);
+        if (!fresh) {
+            throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, path + ": tokenizer.ggml.tokens holds \"" + printable(it->first) +
+                "\" twice (tokens " + std::to_string(it->second) + " and " + std::to_string(i) +
+                "); llama.cpp needs every token once");
+        }
+    }
+}
+
 static void check_llama_hparams(const gguf_context * ctx, const std::string & arch, const std::string & path) {
     const auto has = [&](const std::string & key) { return gguf_find_key(ctx, key.c_str()) >= 0; };
     const auto fail = [&](const std::string & key, int64_t value, const std::string & allowed) {
@@ -199,6 +238,7 @@ expert_index expert_index::from_file(const std::string & path) {
     snprintf(info.arch, sizeof(info.arch), "%s", arch.c_str());
 
     check_llama_hparams(ctx.get(), arch, path); // before anything is sized from them
+    check_tokenizer(ctx.get(), path);
     for (auto [key, field] : { std::pair<const char *, std::string *>{ "hobbitpy.companion.of", &idx.made_of },
                                std::pair<const char *, std::string *>{ "hobbitpy.companion.of_fingerprint", &idx.made_of_fingerprint } }) {
         const int64_t id = gguf_find_key(ctx.get(), key);
