@@ -67,15 +67,20 @@ def test_tune_meets_its_budget_on_held_out_text_and_is_deterministic(model_dir, 
     assert first.read_text() == before
 
 
-def test_llama_applies_the_profile_next_to_the_model(model_dir, tmp_path):
+def _tune_a_copy(model_dir, tmp_path, candidates: str):
+    """A copy of a tiny model tuned with these candidates; its profile next to it."""
     import shutil
 
-    src = tiny_model(model_dir, "llama", n_embd=256)
     path = tmp_path / "m.gguf"
-    shutil.copyfile(src, path)
+    shutil.copyfile(tiny_model(model_dir, "llama", n_embd=256), path)
     (tmp_path / "tune.txt").write_text(TEXT)
-    p = _tune(path, tmp_path / "m.hobbit-profile.json", "--max-ppl-increase", "0.5", candidates="Q2_K")
+    p = _tune(path, tmp_path / "m.hobbit-profile.json", "--max-ppl-increase", "0.5", candidates=candidates)
     assert p.returncode == 0, p.stderr
+    return path
+
+
+def test_llama_applies_the_profile_next_to_the_model(model_dir, tmp_path):
+    path = _tune_a_copy(model_dir, tmp_path, "Q2_K")
     assert json.loads((tmp_path / "m.hobbit-profile.json").read_text())["settings"] == {"high": "Q2_K"}
     with hobbitpy.Llama(path, n_ctx=64, verbose=False) as llm:
         assert llm.offloaded and {pool["type"] for pool in llm.pool_stats()} == {"Q2_K"}
@@ -85,14 +90,7 @@ def test_llama_applies_the_profile_next_to_the_model(model_dir, tmp_path):
 
 
 def test_a_placed_ladder_keeps_the_importance_and_places_for_the_budget_a_run_gets(model_dir, tmp_path):
-    import shutil
-
-    src = tiny_model(model_dir, "llama", n_embd=256)
-    path = tmp_path / "m.gguf"
-    shutil.copyfile(src, path)
-    (tmp_path / "tune.txt").write_text(TEXT)
-    p = _tune(path, tmp_path / "m.hobbit-profile.json", "--max-ppl-increase", "0.5", candidates="Q4_K/Q2_K placed")
-    assert p.returncode == 0, p.stderr
+    path = _tune_a_copy(model_dir, tmp_path, "Q4_K/Q2_K placed")
     settings = json.loads((tmp_path / "m.hobbit-profile.json").read_text())["settings"]
     assert settings["high"] == "Q4_K" and settings["low"] == "Q2_K" and settings["hits"] == "found"
     info = hobbitpy.inspect_model(path)
