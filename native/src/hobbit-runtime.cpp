@@ -3,6 +3,7 @@
 #include "hobbit-error.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -197,17 +198,15 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "unknown mode " + std::to_string((int) params.mode));
     }
     executor = executor_choice_make(index, params.mode, any_inplace, params.direct_io);
+    if (model != nullptr) {
+        advise_mapping_random();
+    }
     if (any_inplace) {
-        // the loader maps offloaded experts with MADV_RANDOM (nothing of them may be read at
-        // load); in place (any mode: a prompt wider than the pools runs its overflow in place),
-        // a fault must read ahead like stock's mapping, or every 4 KB page becomes its own
-        // read (measured: a prefill 6-15x slower)
         uintptr_t begin = UINTPTR_MAX, end = 0;
         for (int il : moe_layers) {
             for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
                 const ggml_tensor * t = llama_model_get_expert_tensor(model, il, (llama_moe_proj) p);
                 if (t != nullptr && t->data != nullptr) {
-                    map_advise_normal(t->data, ggml_nbytes(t));
                     begin = std::min(begin, (uintptr_t) t->data);
                     end   = std::max(end, (uintptr_t) t->data + ggml_nbytes(t));
                 }
@@ -444,6 +443,46 @@ void hobbit_runtime::prefetch_next_layer_whole(int il, std::vector<load_task> & 
         stats_.prefetch_issued++;
         pin_predicted(p, s, next);
         room--;
+    }
+}
+
+void hobbit_runtime::advise_mapping_random() {
+    // The loader maps the offloaded experts with MADV_RANDOM, the resident weights with the
+    // kernel's default readahead. A fault in a resident tensor then reads read_ahead_kb
+    // around it (8 MB on this VM's disk), and the file's readahead runs on past the tensor
+    // into the experts beside it: measured, 23 MB of a tiny model's first expert layer in
+    // the page cache after one token, outside every budget (a capped soak reached its cap
+    // thousands of times). The resident weights were read ahead at load (MADV_WILLNEED);
+    // from here a fault reads its page only, and in place reads exactly its slices ahead
+    // (read_ahead_in_place). The mapping covers the whole file from offset 0: its start is
+    // any expert tensor's address less that tensor's file offset.
+    uintptr_t base = 0;
+    for (int il : moe_layers) {
+        for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
+            const ggml_tensor * t = llama_model_get_expert_tensor(model, il, (llama_moe_proj) p);
+            const expert_proj_layout & pl = index.layers[il].proj[p];
+            if (t == nullptr || t->data == nullptr || !pl.present) {
+                continue;
+            }
+            const uintptr_t b = (uintptr_t) t->data - (uintptr_t) pl.offset;
+            if ((base != 0 && b != base) || b % (uintptr_t) sysconf(_SC_PAGESIZE) != 0) {
+                return; // not one mapping of the file (not mapped at all): nothing to advise
+            }
+            base = b;
+        }
+    }
+    struct stat st;
+    if (base != 0 && stat(index.path.c_str(), &st) == 0) {
+        map_advise_random((const void *) base, (size_t) st.st_size);
+    }
+}
+
+void hobbit_runtime::read_ahead_in_place(int il, int e) {
+    for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
+        const ggml_tensor * t = llama_model_get_expert_tensor(model, il, (llama_moe_proj) p);
+        if (t != nullptr && t->data != nullptr) {
+            map_advise_willneed((const char *) t->data + (size_t) e * t->nb[2], t->nb[2]);
+        }
     }
 }
 
@@ -691,6 +730,7 @@ wave_assignment hobbit_runtime::apply_wave(int il, const wave_plan & plan, const
         if (!mapped_expert_present(il, e)) {
             return; // the run has failed: the abort callback stops the graph before it computes
         }
+        read_ahead_in_place(il, e);
         a.any_inplace = true;
         a.inplace[e]  = true;
         served[e]     = true;

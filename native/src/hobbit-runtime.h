@@ -98,6 +98,11 @@ private:
     // a wide ubatch computing in place: the next MoE layer's experts are read into the page
     // cache (readahead, asynchronous) while this layer computes, if there is room; needs mtx
     void read_ahead_next_layer(int il);
+    // expert e of layer il computes in place: its slices are read ahead, exactly (the
+    // mapping itself reads no further than the faulting page, advise_mapping_random)
+    void read_ahead_in_place(int il, int e);
+    // no fault on the model's mapping reads ahead beyond its page (at start-up)
+    void advise_mapping_random();
     // predicted experts stay pinned until their layer runs (or a new graph starts); needs mtx
     void pin_predicted(int p, int s, int il);
     void release_predicted(const std::function<bool(int p, int s, int il)> & pred);
