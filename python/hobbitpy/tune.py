@@ -20,11 +20,12 @@ size and a quality budget, measured rather than guessed.
    model, which `run` and `hobbitpy.Llama` apply by themselves. "Within" means with 95 %
    confidence (one-sided) given the tokens scored: the per-token likelihood differences
    give the measured increase a standard error, and a candidate's upper bound must meet
-   the budget; only when none does, the choice falls to the candidate with the lowest bound
-   among those measured within (with a note to score more tokens). Measured on 1024 tokens
-   of the inflated ref-deepseek: Q3_K +0.48 % with a bound of +1.46 % (and +1.10 % on other
-   text), Q3_K_M +0.53 % and +1.25 %: a confident choice within 1 % there needs several
-   thousand tokens, and the cheapest measured within is not a safe one.
+   the budget; only when none does, the choice falls to the candidate closest to the model
+   (the lowest mean KL) among those measured within (with a note to score more tokens).
+   Measured on 1024 tokens of the inflated ref-deepseek: Q3_K +0.48 % with a bound of
+   +1.46 % (and +1.10 % on other text), Q3_K_M +0.53 % and +1.25 %: a confident choice
+   within 1 % there needs several thousand tokens, and neither the cheapest measured within
+   nor the lowest bound is a safe one (choose()).
 """
 
 from __future__ import annotations
@@ -195,9 +196,12 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: f
 def choose(rows: list[dict], max_ppl_increase: float, n_tokens: int, log=print) -> dict | None:
     """The cheapest candidate within the budget with 95 % confidence. When none is, the text
     scored was too short to tell the candidates apart from the budget: of those whose measured
-    increase is within, the one most likely to stay within on other text (the lowest upper
-    bound), not the cheapest: a measured +0.48 % with a bound of +1.46 % was +1.10 % on other
-    text (ref-deepseek, 1024 tokens). None when no measured increase is within."""
+    increase is within, the one closest to the model (the lowest mean KL), not the cheapest nor
+    the lowest bound. The perplexity difference sums per-token log-ratios of both signs and
+    scatters; KL is never negative and ranks the candidates more steadily: on ref-deepseek
+    (1024 tokens) the cheapest within (+0.48 %) was +1.10 % on other text, the lowest bound
+    (+0.23 %, bound +1.09 %) +1.42 %, the lowest KL (+0.53 %) +0.47 %. None when no measured
+    increase is within."""
     confident = [r for r in rows if r["ppl_increase_upper"] <= max_ppl_increase]
     if confident:
         return min(confident, key=lambda r: (r["cost"], r["ppl_increase"], r["name"]))
@@ -205,8 +209,8 @@ def choose(rows: list[dict], max_ppl_increase: float, n_tokens: int, log=print) 
     if not measured:
         return None
     log(f"  no candidate is within {100 * max_ppl_increase:g} % with 95 % confidence on {n_tokens} tokens: "
-        "choosing the one with the lowest bound (score more tokens for a cheaper choice)")
-    return min(measured, key=lambda r: (r["ppl_increase_upper"], r["cost"], r["name"]))
+        "choosing the one closest to the model (the lowest KL; score more tokens for a cheaper choice)")
+    return min(measured, key=lambda r: (r["mean_kl"], r["cost"], r["name"]))
 
 
 def _cost(stats: dict | None, levels: tuple[ModelInfo, ...], info: ModelInfo, n_tokens: int) -> float:
