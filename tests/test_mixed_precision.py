@@ -200,3 +200,35 @@ def test_default_split_keeps_every_expert_at_low_precision(model_dir):
         s = llm.offload_stats()
     assert s["expert_misses"] == 0 and s["demand_bytes_read"] == 0
     assert s["expert_hits"] > 0 and s["served"][1] > 0
+
+
+def test_exact_hits_serve_the_wanted_level_at_any_budget(model_dir):
+    # hits "exact" serves every selection at the level its score asks for: what is served,
+    # and so the output, depends on the text alone, not on what the cache holds. High pools
+    # of a few slots (every low copy resident, room for about five high ones) give the same
+    # tokens as a cache that holds every copy; a miss with no room at its level was once
+    # served lower, by which slots loads and predictions held (the first token differed)
+    from hobbitpy.prepare import prepare_companion
+
+    path = tiny_model(model_dir, "llama", n_embd=256, n_ff=1024, n_expert=32)
+    low = model_dir / f"{path.stem}.q2_k.gguf"
+    if not low.exists():
+        prepare_companion(path, "Q2_K", out_path=low, progress=False)
+    info, low_info = hobbitpy.inspect_model(path), hobbitpy.inspect_model(low)
+    high_expert = info.expert_bytes_total / (info.n_layer_moe * info.n_expert)
+    runs = []
+    for cache_bytes in (low_info.expert_bytes_total + 5 * high_expert, info.expert_bytes_total + low_info.expert_bytes_total):
+        with hobbitpy.Llama(path, low=str(low), hits="exact", prefetch_layers=1, cache_mb=cache_bytes / MB, n_ctx=400,
+                            n_threads=2, verbose=False) as llm:
+            prompt = llm.tokenize(b"Once upon a time")
+            tokens = []
+            for t in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+                tokens.append(t)
+                if len(tokens) == 200:
+                    break
+            runs.append((tokens, llm.offload_stats()))
+    (small, small_stats), (every, every_stats) = runs
+    assert small_stats["expert_misses"] > every_stats["expert_misses"]
+    assert every_stats["served"][0] > 0 and every_stats["served"][1] > 0, every_stats["served"]
+    assert small == every
+    assert small_stats["served"] == every_stats["served"] and small_stats["n_skipped"] == every_stats["n_skipped"]

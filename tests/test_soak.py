@@ -68,8 +68,7 @@ def test_ten_thousand_tokens_under_a_tight_cap_stay_flat_and_equal(model_dir, tm
     try:
         # what the run needs with every copy in memory, then a cap 60 % of the high copies
         # below it: the cache churns, the low copies (every one resident) serve what it does
-        # not hold. (Much tighter and the high pools hold a slot or two a layer: a miss with no
-        # room at its precision is served lower, and "exact" then depends on load timing.)
+        # not hold
         _, peak, _ = _run(cap, None, model, low)
         limit = int(peak - 0.6 * info.expert_bytes_total)
         result, capped_peak, at_cap = _run(cap, limit, model, low)

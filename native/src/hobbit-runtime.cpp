@@ -372,8 +372,14 @@ int hobbit_runtime::take_slot(int p) {
 }
 
 // the levels a selection wanted at `want` may take a slot at, in order: the wanted one,
-// then the nearer higher precisions, then (allow_lower) the lower ones
-static int first_level(int want, int n_level, bool allow_lower, const std::function<bool(int)> & has_room) {
+// then the nearer higher precisions, then (allow_lower) the lower ones. Hits "exact": the
+// wanted one only, so what is served is a function of the text alone (a lower level taken
+// for want of room depended on which slots loads and predictions held at that moment: the
+// soak's repeats differed at a cap whose high pools held a slot or two a layer)
+static int first_level(int want, int n_level, bool exact, bool allow_lower, const std::function<bool(int)> & has_room) {
+    if (exact) {
+        return has_room(want) ? want : -1;
+    }
     for (int l = want; l >= 0; --l) {
         if (has_room(l)) {
             return l;
@@ -387,9 +393,9 @@ static int first_level(int want, int n_level, bool allow_lower, const std::funct
     return -1;
 }
 
-int hobbit_runtime::take_slot_near(int il, int want, bool allow_lower, int & level) {
+int hobbit_runtime::take_slot_near(int il, int want, bool exact, bool allow_lower, int & level) {
     int s = -1;
-    level = first_level(want, n_level, allow_lower, [&](int l) { return (s = take_slot(pool_of[l][il])) >= 0; });
+    level = first_level(want, n_level, exact, allow_lower, [&](int l) { return (s = take_slot(pool_of[l][il])) >= 0; });
     return level >= 0 ? s : -1;
 }
 
@@ -595,9 +601,13 @@ void hobbit_runtime::begin_wave(int il, int wave, const wave_selection & sel, co
         pools[pp.pool].pool->slots[pp.slot].pins--;
         return true;
     }), predicted_pins.end());
-    // a queued prefetch for this layer whose expert was not selected was a wrong guess
+    // a queued prefetch for this layer whose expert was not selected was a wrong guess; the
+    // warm-up's and upgrades' loads (background, not guesses) stay queued: dropping a warm
+    // load left its expert to a demand miss later (a placement read one expert twice when
+    // its prompt overtook the warm-up)
     if (wave == 0) {
-        for (const load_task & t : io->drop_prefetches([&](const load_task & t) { return t.layer == il && sel.n_pairs[t.expert] == 0; })) {
+        for (const load_task & t : io->drop_prefetches([&](const load_task & t) {
+                 return t.prefetch && t.layer == il && sel.n_pairs[t.expert] == 0; })) {
             if (pools[t.group].pool->slots[t.slot].prefetched) {
                 stats_.prefetch_wasted++;
             }
@@ -615,7 +625,8 @@ void hobbit_runtime::begin_wave(int il, int wave, const wave_selection & sel, co
 wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel) const {
     wave_plan plan;
     plan.has_inplace = (int64_t) sel.n_pair() >= layers[il].inplace_min_pairs;
-    plan.must_fit    = wave == n_waves(il, sel.n_tokens) - 1 && !plan.has_inplace;
+    plan.last        = wave == n_waves(il, sel.n_tokens) - 1;
+    plan.must_fit    = plan.last && !plan.has_inplace;
     const int skip = n_level;
 
     // slots each level's pool can give a new expert now (empty, or holding one nobody needs),
@@ -631,10 +642,14 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
             after_wait[l] += use_of(s) == slot_use::busy;
         }
     }
+    const bool exact = params.hit_policy == HOBBIT_HIT_EXACT;
+    // in place computes the model's own experts: the highest level, which "exact" serves
+    // only to the selections that want it
+    const auto in_place_serves = [&](int want) { return plan.has_inplace && (!exact || want == 0); };
     // the order take_slot_near takes slots in; a lower level only without an in-place pass
     // (in place, the model's own weights serve the expert better)
     const auto level_with_room = [&](int want) {
-        return first_level(want, n_level, !plan.has_inplace, [&](int l) { return room[l] > 0; });
+        return first_level(want, n_level, exact, !plan.has_inplace, [&](int l) { return room[l] > 0; });
     };
 
     // experts already in a pool first: they cost nothing this wave, and their slots are
@@ -661,17 +676,19 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
             c.upgrade = c.level > sel.want[e] && sel.top1[e] && params.hit_policy == HOBBIT_HIT_UPGRADE;
         } else if (sel.want[e] == skip) {
             c.how = serve_as::skip;
-        } else if (plan.has_inplace && runs_in_place(il, e, sel.n_pairs[e])) {
+        } else if (in_place_serves(sel.want[e]) && runs_in_place(il, e, sel.n_pairs[e])) {
             c.how = serve_as::in_place; // cooperative: computed on the mapped model instead of loaded
         } else if ((c.level = level_with_room(sel.want[e])) >= 0) {
             c.how = serve_as::load;
             room[c.level]--;
         } else if (!plan.has_inplace &&
-                   (c.level = first_level(sel.want[e], n_level, true, [&](int l) { return after_wait[l] > 0; })) >= 0) {
+                   (c.level = first_level(sel.want[e], n_level, exact, true, [&](int l) { return after_wait[l] > 0; })) >= 0) {
             c.how = serve_as::wait;
             after_wait[c.level]--;
         } else {
-            c.how = plan.must_fit ? serve_as::wait : plan.has_inplace ? serve_as::in_place : serve_as::later;
+            c.how = plan.must_fit ? serve_as::wait
+                  : in_place_serves(sel.want[e]) ? serve_as::in_place
+                  : plan.last ? serve_as::wait : serve_as::later;
         }
         plan.choices.push_back(c);
     }
@@ -680,6 +697,7 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
 
 int hobbit_runtime::wait_for_slot(int il, int want, const wave_selection & sel, std::unique_lock<std::mutex> & lock, int & level) {
     int s = -1;
+    const bool exact = params.hit_policy == HOBBIT_HIT_EXACT;
     while (!failed()) {
         // prefetches stand in the way: unpin the predicted experts, drop the queued loads,
         // wait for a running one
@@ -696,7 +714,7 @@ int hobbit_runtime::wait_for_slot(int il, int want, const wave_selection & sel, 
                 pools[t.group].pool->clear(t.slot);
             }
         }
-        s = take_slot_near(il, want, true, level);
+        s = take_slot_near(il, want, exact, true, level);
         if (s >= 0) {
             break;
         }
@@ -706,6 +724,14 @@ int hobbit_runtime::wait_for_slot(int il, int want, const wave_selection & sel, 
             prefetch_running = prefetch_running || std::any_of(lp.slots.begin(), lp.slots.end(),
                 [](const pool_slot & ps) { return ps.state == slot_state::loading && ps.pins == 0; });
         }
+        if (!prefetch_running && exact) {
+            // every slot of the wanted level is taken by this very ubatch: exactness as far
+            // as the pools allow, another level rather than a failed run
+            s = take_slot_near(il, want, false, true, level);
+            if (s >= 0) {
+                break;
+            }
+        }
         if (!prefetch_running) {
             // every slot is taken by this very ubatch: it is wider than the pools
             fail("layer " + std::to_string(il) + " selects " + std::to_string(sel.order.size()) +
@@ -714,7 +740,7 @@ int hobbit_runtime::wait_for_slot(int il, int want, const wave_selection & sel, 
             break;
         }
         cv_loaded.wait(lock);
-        s = take_slot_near(il, want, true, level);
+        s = take_slot_near(il, want, exact, true, level);
         if (s >= 0) {
             break;
         }

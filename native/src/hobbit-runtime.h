@@ -83,7 +83,7 @@ private:
     int  take_slot(int p);
     // a slot for an expert of layer il at level want if one is free, else at the nearest
     // higher precision, else (allow_lower) lower; level set to the level found; needs mtx
-    int  take_slot_near(int il, int want, bool allow_lower, int & level);
+    int  take_slot_near(int il, int want, bool exact, bool allow_lower, int & level);
     // the slot of (il, e) at the highest precision cached, or -1; level set; needs mtx
     int  find_cached(int il, int e, int & level) const;
     // the layer's pools (one per level) hold up to this many experts at once

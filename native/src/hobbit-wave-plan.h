@@ -55,6 +55,7 @@ struct expert_choice {
 struct wave_plan {
     bool has_inplace = false; // the wave has an in-place pass
     bool must_fit    = false; // no in-place pass and no wave after this one: every expert left needs a slot
+    bool last        = false; // no wave after this one
     std::vector<expert_choice> choices; // cached experts first; those an earlier wave served left out
 };
 
