@@ -120,3 +120,31 @@ def test_without_a_confident_candidate_the_closest_is_chosen_not_the_cheapest_no
     rows[0]["ppl_increase_upper"] = rows[1]["ppl_increase_upper"] = 0.009
     assert choose(rows, 0.01, 1024, notes.append)["name"] == "Q3_K"
     assert choose(rows, 0.001, 1024, notes.append) is None
+
+
+def test_the_lowest_bit_ladder_needs_the_models_matrix_and_an_unknown_candidate_is_refused(model_dir, tmp_path):
+    import shutil
+
+    path = tmp_path / "m.gguf"
+    shutil.copyfile(tiny_model(model_dir, "llama", n_embd=256), path)
+    (tmp_path / "tune.txt").write_text(TEXT)
+    out = tmp_path / "m.hobbit-profile.json"
+    p = _tune(path, out, "--max-ppl-increase", "0.5", candidates="Q4_K/IQ2_XX placed")
+    assert p.returncode == 2 and "no tune candidate is named 'Q4_K/IQ2_XX placed'" in p.stderr
+    # without the model's importance matrix the IQ2_XXS ladder is skipped, saying how to make it
+    p = _tune(path, out, "--max-ppl-increase", "0.5", candidates="Q2_K,Q4_K/IQ2_XXS placed")
+    assert p.returncode == 0, p.stderr
+    assert "Q4_K/IQ2_XXS placed" in p.stdout and "hobbitpy imatrix" in p.stdout
+    assert not (tmp_path / "m.experts-IQ2_XXS.gguf").exists()
+    # with it (next to the model), the copy is made with it and the ladder scored
+    p = subprocess.run([sys.executable, "-m", "hobbitpy", "imatrix", str(path), "--text", str(tmp_path / "tune.txt"),
+                        "--threads", "2"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    out.unlink()
+    p = _tune(path, out, "--max-ppl-increase", "0.5", candidates="Q4_K/IQ2_XXS placed")
+    assert p.returncode == 0, p.stderr
+    assert "Q4_K/IQ2_XXS placed" in p.stdout and "budget" in p.stdout
+    from hobbitpy.prepare import KEY_IMATRIX
+    import gguf
+    companion = gguf.GGUFReader(tmp_path / "m.experts-IQ2_XXS.gguf")
+    assert companion.get_field(KEY_IMATRIX).contents() == "m.imatrix.gguf"

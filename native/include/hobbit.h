@@ -272,6 +272,23 @@ HOBBIT_API enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trac
                                                     uint64_t seed, double low_miss_cost, struct hobbit_sim_result * result,
                                                     char * err, size_t err_size);
 
+// importance matrix of the routed experts (what llama-imatrix collects, expert tensors only):
+// per "*_exps" tensor and expert, the sum over the tokens routed to it of each input column's
+// square, and the token count. Pass hobbit_imatrix_collect as a stock context's cb_eval with
+// the collector as its user data, decode text, then read the entries (in name order).
+typedef struct hobbit_imatrix hobbit_imatrix;
+struct ggml_tensor;
+HOBBIT_API hobbit_imatrix * hobbit_imatrix_new(void);
+HOBBIT_API void hobbit_imatrix_free(hobbit_imatrix * im);
+HOBBIT_API bool hobbit_imatrix_collect(struct ggml_tensor * t, bool ask, void * im);
+// entries collected; -1 if a node had a layout the collector does not know (no matrix then)
+HOBBIT_API int32_t hobbit_imatrix_count(hobbit_imatrix * im);
+// entry i's weight name, columns and matrices (experts); pointers may be NULL
+HOBBIT_API bool hobbit_imatrix_entry(hobbit_imatrix * im, int32_t i, char * name, size_t name_size,
+                                     int64_t * n_col, int64_t * n_mat);
+// entry i's sums [n_mat][n_col] and token counts [n_mat], as float (llama.cpp's file layout)
+HOBBIT_API void hobbit_imatrix_copy(hobbit_imatrix * im, int32_t i, float * sums, float * counts);
+
 // ggml abort callback (llama_set_abort_callback with data = the runtime): stops a decode
 // whose expert loads failed, so it returns an error instead of garbage
 HOBBIT_API bool hobbit_abort_callback(void * rt);

@@ -196,6 +196,14 @@ enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, 
                                          uint64_t seed, double low_miss_cost, struct hobbit_sim_result * result,
                                          char * err, size_t err_size);
 bool hobbit_abort_callback(void * rt);
+typedef struct hobbit_imatrix hobbit_imatrix;
+struct ggml_tensor;
+hobbit_imatrix * hobbit_imatrix_new(void);
+void hobbit_imatrix_free(hobbit_imatrix * im);
+bool hobbit_imatrix_collect(struct ggml_tensor * t, bool ask, void * im);
+int32_t hobbit_imatrix_count(hobbit_imatrix * im);
+bool hobbit_imatrix_entry(hobbit_imatrix * im, int32_t i, char * name, size_t name_size, int64_t * n_col, int64_t * n_mat);
+void hobbit_imatrix_copy(hobbit_imatrix * im, int32_t i, float * sums, float * counts);
 """
 
 ffi = cffi.FFI()

@@ -267,6 +267,7 @@ def _bench(args) -> int:
 
     from hobbitpy import HobbitError
     from hobbitpy import bench
+    from hobbitpy.tune import check_candidate_names
 
     if args.repeats < 1 or args.n_predict < 2 or args.quality_tokens < 2:
         return _fail("--repeats must be >= 1, -n >= 2 and --quality-tokens >= 2")
@@ -287,6 +288,10 @@ def _bench(args) -> int:
             tune_text, why = _read_text(args.tune)
             if why:
                 return _fail(why)
+            try:
+                check_candidate_names(args.tune_candidates or [])
+            except ValueError as e:
+                return _fail(str(e))
             tune_request = bench.TuneRequest(tune_text, args.tune_candidates, args.tune_tokens, args.max_ppl_increase)
         configs = [bench.BenchConfig.parse(c) for c in (args.config or ([] if args.tune else ["lru"]))]
         if len({c.name for c in configs}) != len(configs):
@@ -556,7 +561,43 @@ def _add_prepare_parser(sub) -> None:
     p.add_argument("--source", metavar="GGUF",
                    help="the same model in higher precision (F16/BF16/F32) to quantize from (default: the model)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="quantizing threads (default: all cores)")
+    p.add_argument("--imatrix", metavar="GGUF",
+                   help="importance matrix of the model's experts (`hobbitpy imatrix`, or llama-imatrix's GGUF file): "
+                        "weighs each column's rounding error as llama-quantize does; needed by IQ2_XXS, IQ2_XS, "
+                        "IQ2_S, IQ1_S, IQ1_M")
     p.set_defaults(func=_prepare)
+
+
+def _add_imatrix_parser(sub) -> None:
+    p = sub.add_parser("imatrix", help="collect the importance matrix of a MoE model's experts on a text",
+                       description="Run MODEL (stock llama.cpp) over a text in windows and write the importance "
+                                   "matrix of its routed experts (per expert and column, the mean squared input), "
+                                   "in llama.cpp's GGUF imatrix layout, for `prepare --imatrix`. Written next to the "
+                                   "model as MODEL.imatrix.gguf unless --out names it; never overwrites a file.")
+    p.add_argument("model", help="GGUF model file (MoE)")
+    p.add_argument("--text", required=True, help="UTF-8 calibration text (not the text you evaluate on)")
+    p.add_argument("--out", help="output file")
+    p.add_argument("--ctx", type=int, default=None,
+                   help="window length in tokens (default: 512, at most the model's training context)")
+    p.add_argument("--max-tokens", type=int, default=None, help="use at most this many tokens of the text")
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=_imatrix)
+
+
+def _imatrix(args) -> int:
+    import time
+
+    from hobbitpy import HobbitError
+    from hobbitpy.imatrix import collect_imatrix
+
+    try:
+        start = time.perf_counter()
+        path = collect_imatrix(args.model, args.text, args.out, n_ctx=args.ctx, max_tokens=args.max_tokens,
+                               n_threads=args.threads)
+    except (HobbitError, ValueError, OSError) as e:
+        return _fail(str(e))
+    print(f"wrote {path} in {time.perf_counter() - start:.1f} s")
+    return 0
 
 
 def _prepare(args) -> int:
@@ -598,7 +639,8 @@ def _prepare(args) -> int:
                 return _fail(f"{out}: already exists; prepare never overwrites a file")
         for type_name, out in zip(types, outs):
             start = time.perf_counter()
-            path = prepare_companion(args.model, type_name, out, source_path=args.source, threads=args.threads)
+            path = prepare_companion(args.model, type_name, out, source_path=args.source, threads=args.threads,
+                                     imatrix_path=args.imatrix)
             seconds = time.perf_counter() - start
             print(f"wrote {path}: {os.path.getsize(path) / MB:.1f} MB in {seconds:.1f} s")
             fallbacks = companion_fallbacks(path)
@@ -683,11 +725,15 @@ def _add_tune_parser(sub) -> None:
 def _tune(args) -> int:
     from hobbitpy import HobbitError
     from hobbitpy.memory import ContextShape
-    from hobbitpy.tune import tune
+    from hobbitpy.tune import check_candidate_names, tune
 
     out, text, why = _profile_inputs(args)
     if why:
         return _fail(why)
+    try:
+        check_candidate_names(args.candidates or [])
+    except ValueError as e:
+        return _fail(str(e))
     try:
         memory = None if args.memory == "auto" else int(float(args.memory) * MB)
     except ValueError:
@@ -900,6 +946,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_serve_parser(sub)
     _add_inflate_parser(sub)
     _add_prepare_parser(sub)
+    _add_imatrix_parser(sub)
     _add_calibrate_parser(sub)
     _add_tune_parser(sub)
     _add_bench_parser(sub)

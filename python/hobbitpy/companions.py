@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from .errors import ModelFileError
-from .prepare import companion_type, default_companion_path
+from .prepare import companion_type, default_companion_path, needs_imatrix
 from .quants import default_quant_dir, is_mix_name, quant_path
 
 
@@ -33,14 +33,16 @@ def resolve_level(model_path: str | os.PathLike, spec: str, flag: str) -> str:
                                  f"make it with: hobbitpy prepare {model_path} {flag} {spec.upper()}")
         return str(path)
     try:
-        type_name = companion_type(spec).name
+        qtype = companion_type(spec, with_imatrix=True)  # reading a copy needs no matrix; making one may
     except ValueError:
         raise ModelFileError(f"{spec}: no such file (given as {flag}; expected a GGUF file of the model's experts "
                              f"or a type name such as Q2_K)") from None
+    type_name = qtype.name
     path = default_companion_path(model_path, type_name)
     if not path.is_file():
+        with_matrix = " --imatrix MATRIX (from: hobbitpy imatrix MODEL --text FILE)" if needs_imatrix(qtype) else ""
         raise ModelFileError(f"{model_path}: no {type_name} copy of its experts ({path} does not exist); "
-                             f"make it with: hobbitpy prepare {model_path} {flag} {type_name}")
+                             f"make it with: hobbitpy prepare {model_path} {flag} {type_name}{with_matrix}")
     return str(path)
 
 

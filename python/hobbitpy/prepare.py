@@ -7,7 +7,10 @@ that both agree), then only the routed expert tensors, same names, shapes and or
 re-quantized by ggml's own quantizer (`ggml_quantize_chunk`, what `llama-quantize`
 runs). The source of the weights is the model itself or, better, the same model in
 F16/BF16/F32. Rows that are not whole blocks of the type fall back as
-`llama-quant.cpp` does; the file records which tensors did.
+`llama-quant.cpp` does; the file records which tensors did. With an importance matrix
+(`hobbitpy imatrix`, or llama-imatrix's file) each expert's rows are quantized weighing
+its columns by it, as llama-quantize does, and the lowest-bit types (IQ2_*, IQ1_*) become
+available.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ EXPERT_SUFFIXES = (".ffn_gate_exps.weight", ".ffn_up_exps.weight", ".ffn_down_ex
 KEY_OF = "hobbitpy.companion.of"
 KEY_SOURCE = "hobbitpy.companion.source"
 KEY_TYPE = "hobbitpy.companion.type"
+KEY_IMATRIX = "hobbitpy.companion.imatrix"  # the importance matrix's file name, if one was used
 KEY_FALLBACKS = "hobbitpy.companion.fallbacks"
 KEY_OF_FINGERPRINT = "hobbitpy.companion.of_fingerprint"  # the runtime checks it (hobbit-expert-store.cpp)
 """One "tensor=TYPE" string per tensor written in another type than KEY_TYPE; absent if none."""
@@ -63,14 +67,18 @@ _SAME_MODEL_KEYS = ("block_count", "expert_count", "expert_used_count", "embeddi
 _CHUNK_ELEMENTS = 1 << 20  # what one thread dequantizes and quantizes at a time: 4 MB of float32
 
 
-def companion_type(name: str) -> QT:
+def needs_imatrix(qtype: QT) -> bool:
+    return qtype.name in _NEEDS_IMATRIX or bool(lib.ggml_quantize_requires_imatrix(qtype))
+
+
+def companion_type(name: str, with_imatrix: bool = False) -> QT:
     """The tensor type `name` stands for (case-insensitive), checked: ggml quantizes to it
-    without an importance matrix. Raises ValueError."""
+    (without an importance matrix unless with_imatrix). Raises ValueError."""
     upper = name.upper()
-    allowed = [t for t in _QUANTIZED_TYPES if t in QT.__members__ and t not in _NEEDS_IMATRIX]
-    if upper in _NEEDS_IMATRIX or (upper in allowed and lib.ggml_quantize_requires_imatrix(QT[upper])):
-        raise ValueError(f"{upper} needs an importance matrix (llama-imatrix), which prepare does not use; "
-                         f"choose one of {', '.join(allowed)}")
+    allowed = [t for t in _QUANTIZED_TYPES if t in QT.__members__]
+    if upper in allowed and not with_imatrix and needs_imatrix(QT[upper]):
+        raise ValueError(f"{upper} needs an importance matrix: make one with `hobbitpy imatrix MODEL --text FILE` "
+                         "and give it to prepare with --imatrix")
     if upper not in allowed:
         raise ValueError(f"unknown expert type {name!r}; choose one of {', '.join(allowed)}")
     return _checked_type(upper)
@@ -80,7 +88,7 @@ def default_companion_path(model_path: str | os.PathLike, type_name: str) -> pat
     """Where the companion of this type goes by default: next to the model,
     `<model stem>.experts-<TYPE>.gguf`."""
     model_path = pathlib.Path(model_path)
-    return model_path.with_name(f"{model_path.stem}.experts-{companion_type(type_name).name}.gguf")
+    return model_path.with_name(f"{model_path.stem}.experts-{companion_type(type_name, with_imatrix=True).name}.gguf")
 
 
 def companion_fallbacks(path: str | os.PathLike) -> dict[str, str]:
@@ -95,18 +103,19 @@ def companion_fallbacks(path: str | os.PathLike) -> dict[str, str]:
 
 def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: str | os.PathLike | None = None,
                       source_path: str | os.PathLike | None = None, threads: int = 2,
-                      progress: bool = True) -> pathlib.Path:
+                      progress: bool = True, imatrix_path: str | os.PathLike | None = None) -> pathlib.Path:
     """Write the companion of `model_path` holding its routed experts in `type_name`; return its path.
 
     out_path: default `default_companion_path(model_path, type_name)`; an existing file
     is never overwritten. source_path: the same model in higher precision to quantize
     from (default: the model itself). threads: Python threads quantizing chunks of rows
     (ggml runs without the GIL). Memory: the largest expert tensor in the new type plus
-    a few MB per thread; the files are memory-mapped.
+    a few MB per thread; the files are memory-mapped. imatrix_path: an importance matrix of
+    the model's experts (needed by IQ2_*/IQ1_* types, used by any type when given).
     Raises ModelFileError (a file is missing, not a GGUF, split, without experts, or the
     source is another model), ValueError (type, threads, output folder), FileExistsError.
     """
-    qtype = companion_type(type_name)
+    qtype = companion_type(type_name, with_imatrix=imatrix_path is not None)
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
     model_path = pathlib.Path(model_path)
@@ -129,6 +138,7 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
             plan.append((source_tensors[t.name], shape, _row_type(qtype, shape[0], t.name, model_path)))
     for source_tensor, _, _ in plan:
         _check_readable(source_tensor, source_path)
+    importance = _importance_of(imatrix_path, plan) if imatrix_path is not None else {}
 
     # an interrupted run leaves no file under the real name; a fresh name, so that nothing
     # planted beside the output (a symlink) is written through
@@ -143,6 +153,8 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
         writer.add_string(KEY_SOURCE, source_path.name)
         writer.add_string(KEY_TYPE, qtype.name)
         writer.add_array(KEY_FALLBACKS, [f"{t.name}={row_type.name}" for t, _, row_type in plan if row_type != qtype])
+        if imatrix_path is not None:
+            writer.add_string(KEY_IMATRIX, pathlib.Path(imatrix_path).name)
         for t, shape, row_type in plan:
             row_bytes = lib.ggml_row_size(row_type, shape[0])
             # numpy order with the row in bytes; GGUFWriter turns it back into elements
@@ -158,7 +170,8 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
               tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
                    desc=f"{qtype.name} experts") as bar):
             for t, shape, row_type in plan:
-                writer.write_tensor_data(_quantize(t, shape[0], row_type, pool, bar.update, source_path))
+                writer.write_tensor_data(_quantize(t, shape[0], row_type, pool, bar.update, source_path,
+                                                   importance.get(t.name)))
         writer.close()
         try:  # a link fails if the name appeared meanwhile (a symlink too): never overwrites
             os.link(tmp, out)
@@ -260,24 +273,52 @@ def _copy_metadata(model: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
             writer.add_key_value(key, value, vtype, sub_type=sub_type)
 
 
-def _quantize(t, n_per_row: int, row_type: QT, pool: ThreadPoolExecutor, on_bytes_read, source_path) -> np.ndarray:
-    """Tensor `t` in row_type, quantized chunk by chunk of rows on the pool's threads."""
+def _importance_of(imatrix_path, plan) -> dict[str, np.ndarray]:
+    """tensor name -> [n_expert, n_per_row] column weights, checked against the plan: a
+    matrix of another model, or one missing a tensor, is refused before any work."""
+    from .imatrix import load_imatrix
+
+    matrix = load_imatrix(imatrix_path)
+    importance = {}
+    for t, shape, row_type in plan:
+        weights = matrix.get(t.name)
+        if weights is None:
+            if needs_imatrix(row_type):
+                raise ModelFileError(f"{imatrix_path}: no importance matrix for '{t.name}' (a matrix of another model?)")
+            continue
+        if weights.shape != (shape[2], shape[0]):
+            raise ModelFileError(f"{imatrix_path}: the matrix of '{t.name}' is {weights.shape[0]} x {weights.shape[1]}; "
+                                 f"the tensor has {shape[2]} experts of rows of {shape[0]} (a matrix of another model?)")
+        importance[t.name] = weights
+    return importance
+
+
+def _quantize(t, n_per_row: int, row_type: QT, pool: ThreadPoolExecutor, on_bytes_read, source_path,
+              importance: np.ndarray | None = None) -> np.ndarray:
+    """Tensor `t` in row_type, quantized chunk by chunk of rows on the pool's threads;
+    importance: [n_expert, n_per_row] column weights (chunks then stay within one expert)."""
     rows = np.asarray(t.data).reshape(-1, t.data.shape[-1])  # one ggml row each, in elements or bytes
     row_bytes = lib.ggml_row_size(row_type, n_per_row)
     quantized = np.empty((rows.shape[0], row_bytes), np.uint8)
     step = max(1, _CHUNK_ELEMENTS // n_per_row)
+    n_matrix = importance.shape[0] if importance is not None else 1
+    rows_per_matrix = rows.shape[0] // n_matrix
+    starts = [(m, first) for m in range(n_matrix)
+              for first in range(m * rows_per_matrix, (m + 1) * rows_per_matrix, step)]
 
-    def quantize_chunk(first: int) -> int:
-        part = rows[first: first + step]
+    def quantize_chunk(start: tuple[int, int]) -> int:
+        matrix, first = start
+        part = rows[first: min(first + step, (matrix + 1) * rows_per_matrix)]
         values = np.ascontiguousarray(gguf.quants.dequantize(part, QT(t.tensor_type)), dtype=np.float32)
-        dst = ffi.from_buffer(quantized[first: first + step])
+        dst = ffi.from_buffer(quantized[first: first + len(part)])
+        weights = ffi.NULL if importance is None else ffi.from_buffer("float[]", importance[matrix])
         n_bytes = lib.ggml_quantize_chunk(row_type, ffi.from_buffer("float[]", values), dst, 0, len(part),
-                                          n_per_row, ffi.NULL)
+                                          n_per_row, weights)
         if not lib.ggml_validate_row_data(row_type, dst, n_bytes):
             raise ModelFileError(f"{source_path}: tensor '{t.name}' rows {first}..{first + len(part) - 1} give "
                                  f"invalid {row_type.name} blocks (values that are not finite?)")
         return part.nbytes
 
-    for n_bytes_read in pool.map(quantize_chunk, range(0, rows.shape[0], step)):
+    for n_bytes_read in pool.map(quantize_chunk, starts):
         on_bytes_read(n_bytes_read)
     return quantized

@@ -56,7 +56,9 @@ CONFIDENCE_Z = 1.645
 SINGLE_LEVELS = ("Q6_K", "Q4_K_M", "Q4_K", "Q3_K_M", "Q3_K", "Q2_K")
 TWO_LEVELS = (("Q4_K_M", "Q2_K"), ("Q4_K", "Q2_K"), ("Q3_K_M", "Q2_K"), ("Q4_K_M", "Q3_K"), (None, "Q2_K"))
 # ladders placed statically by importance (placement.py): a copy of every expert, each at one level
-PLACED_LEVELS = (("Q3_K", "Q2_K"), ("Q3_K_M", "Q2_K"), ("Q4_K", "Q2_K"), ("Q4_K_M", "Q3_K"))
+# (IQ2_XXS: 2.06 bits a weight, a fifth less than Q2_K; made only with the model's importance
+# matrix, `hobbitpy imatrix`, found next to it)
+PLACED_LEVELS = (("Q3_K", "Q2_K"), ("Q3_K_M", "Q2_K"), ("Q4_K", "Q2_K"), ("Q4_K_M", "Q3_K"), ("Q4_K", "IQ2_XXS"))
 
 
 @dataclass
@@ -78,6 +80,15 @@ def candidates() -> list[Candidate]:
     return out
 
 
+def check_candidate_names(names: list[str]) -> None:
+    """Raises ValueError naming the first name no candidate has (a typo must not silently
+    leave a candidate out)."""
+    known = [c.name for c in candidates()]
+    for name in names:
+        if name not in known:
+            raise ValueError(f"no tune candidate is named {name!r}; the candidates are: {', '.join(known)}")
+
+
 def importance_on_text(model: str, text: str, n_ctx: int, threads: int) -> tuple[tuple[float, ...], ...]:
     """How much the routers weigh each expert on the text (a trace of prompts cut from it),
     rounded to 6 significant digits: what a placed candidate's profile keeps."""
@@ -93,7 +104,8 @@ def _level_file(model: str, spec: str, threads: int, log) -> str:
     """The file of a level, made first when missing (a `prepare` companion or a uniform quant)."""
     from .companions import resolve_level
     from .errors import ModelFileError
-    from .prepare import default_companion_path, prepare_companion
+    from .imatrix import default_imatrix_path
+    from .prepare import companion_type, default_companion_path, needs_imatrix, prepare_companion
     from .quants import default_quant_dir, is_mix_name, make_uniform_quant
 
     try:
@@ -103,7 +115,12 @@ def _level_file(model: str, spec: str, threads: int, log) -> str:
     if is_mix_name(spec):
         path, _ = make_uniform_quant(model, spec, default_quant_dir(model), threads)
     else:
-        path = prepare_companion(model, spec, default_companion_path(model, spec), threads=threads, progress=False)
+        matrix = default_imatrix_path(model)
+        if needs_imatrix(companion_type(spec, with_imatrix=True)) and not matrix.is_file():
+            raise ModelFileError(f"{spec} copies need the model's importance matrix; make it with: "
+                                 f"hobbitpy imatrix {model} --text FILE (then {matrix} is used)")
+        path = prepare_companion(model, spec, default_companion_path(model, spec), threads=threads, progress=False,
+                                 imatrix_path=matrix if matrix.is_file() else None)
     log(f"made {path}")
     return str(path)
 
