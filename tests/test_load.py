@@ -82,3 +82,29 @@ def test_offloaded_load_leaves_expert_bytes_on_disk(model_dir, tmp_path):
         assert resident_fraction(path, expert_start, end) > 0.5
     finally:
         stock.close()
+
+
+def test_a_ladder_leaves_the_models_expert_bytes_on_disk_when_checking_its_companion(model_dir, tmp_path):
+    # the companion records the fingerprint of the model it was made of; checking it reads
+    # the first and last 4 KB of every expert tensor of the model, without the readahead that
+    # once pulled megabytes of the model's experts into the page cache (charged to a cap,
+    # counted by no budget: 4.4 MB of the inflated ref-mixtral's, 288 KB since)
+    from hobbitpy.prepare import prepare_companion
+
+    path = tmp_path / "fresh.gguf"
+    shutil.copy(tiny_model(model_dir, "llama", n_layer=8), path)
+    high = prepare_companion(path, "Q4_0", tmp_path / "high.gguf", progress=False)
+    reader = gguf.GGUFReader(path)
+    experts = [t for t in reader.tensors if "_exps." in t.name]
+    expert_start = min(int(t.data_offset) for t in experts)
+    del reader
+    end = os.path.getsize(path)
+    drop_from_page_cache(path)
+    assert resident_fraction(path, expert_start, end) < 0.05
+    info = hobbitpy.inspect_model(path)
+    with hobbitpy.Llama(path, high=str(high), cache_mb=info.expert_bytes_total / 4 / MB, n_ctx=64, verbose=False) as llm:
+        llm.create_completion("Hello", max_tokens=4, temperature=0.0)
+        assert llm.offload_stats()["bytes_read"] > 0  # the experts came from the companion
+        n_pages = (end - expert_start) // PAGE
+        # the two 4 KB reads of each tensor, at most two pages each (they need not be aligned)
+        assert resident_fraction(path, expert_start, end) * n_pages <= 4 * len(experts) + 1

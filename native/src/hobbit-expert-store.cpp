@@ -340,6 +340,10 @@ std::string expert_index::fingerprint() const {
     if (fd < 0) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_IO, path + ": cannot open model file: " + errno_text());
     }
+    // no readahead: the kernel's would read up to read_ahead_kb around each 4 KB read, megabytes
+    // of experts in the page cache (charged to a memory cap, counted by no budget) that a
+    // ladder never reads again
+    posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM);
     uint64_t h = 0xcbf29ce484222325ull; // FNV-1a 64
     std::vector<uint8_t> buf;
     std::string error;
