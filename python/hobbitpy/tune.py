@@ -101,7 +101,8 @@ def importance_on_text(model: str, text: str, n_ctx: int, threads: int) -> tuple
 
 
 def _level_file(model: str, spec: str, threads: int, log) -> str:
-    """The file of a level, made first when missing (a `prepare` companion or a uniform quant)."""
+    """The file of a level, made first when missing (a `prepare` companion, quantized with the
+    model's importance matrix when `hobbitpy imatrix` wrote one next to it, or a uniform quant)."""
     from .companions import resolve_level
     from .errors import ModelFileError
     from .imatrix import default_imatrix_path
