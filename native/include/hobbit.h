@@ -54,6 +54,7 @@ enum hobbit_policy {
     HOBBIT_POLICY_FLD      = 3, // farthest layer distance: the layer that comes again last
     HOBBIT_POLICY_RANDOM   = 4,
     HOBBIT_POLICY_WEIGHTED = 5, // HOBBIT eq. 3: policy_weights mix LRU, LFU, LHU and FLD
+    HOBBIT_POLICY_ARC      = 6, // adaptive replacement cache (Megiddo & Modha; Fate §4.4)
 };
 
 // precision levels: 0 is the model's own experts (high) or a companion at the precision chosen
@@ -265,7 +266,7 @@ HOBBIT_API void hobbit_runtime_trace_end(hobbit_runtime * rt);
 HOBBIT_API void hobbit_runtime_new_sequence(hobbit_runtime * rt);
 
 // replay a trace through a cache of n_slot slots under policy ("lru", "lfu", "lhu", "fld",
-// "random", "weighted" with weights, or "belady": the offline optimum) - the runtime's own
+// "random", "weighted" with weights, "arc", or "belady": the offline optimum) - the runtime's own
 // policy code, offline
 HOBBIT_API enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, const char * policy,
                                                     const struct hobbit_policy_weights * weights, int32_t n_slot,

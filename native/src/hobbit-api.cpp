@@ -250,7 +250,7 @@ enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, 
     const bool belady = name == "belady";
     cache_policy_kind kind = cache_policy_kind::lru;
     if (!belady && !cache_policy_parse(name, kind)) {
-        write_error(err, err_size, "unknown cache policy '" + name + "' (lru, lfu, lhu, fld, random, weighted, belady)");
+        write_error(err, err_size, "unknown cache policy '" + name + "' (lru, lfu, lhu, fld, random, weighted, arc, belady)");
         return HOBBIT_STATUS_ERROR_INVALID;
     }
     cache_policy_weights w;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <list>
 #include <random>
 
 namespace {
@@ -70,6 +71,118 @@ private:
     std::vector<uint64_t> high_uses;  // per expert: high-precision uses this sequence
 };
 
+// ARC (Megiddo & Modha, FAST 2003), the replacement Fate runs per layer (§4.4). T1 holds the
+// experts referenced once since they came in, T2 those referenced again; B1 and B2 remember
+// (without slots) what was evicted from each. A reference to a B1 ghost says T1 was too small
+// and moves the target p for |T1| up, one to a B2 ghost moves it down; the victim is T1's
+// least recent while |T1| exceeds p, else T2's. The pool offers only its evictable slots, so
+// the victim is the least recent candidate of the preferred list (of the other when it has
+// none). A loaded expert's first use is the reference that brought it in (a prefetch brings
+// it in unreferenced): only a later use promotes it to T2. Records span sequences, like
+// recency: ARC has no sequence-level state.
+class arc_policy : public cache_policy_i {
+public:
+    arc_policy(int n_slot, int n_layer, int n_expert)
+            : n_expert(n_expert), capacity(n_slot), owner(n_slot, -1), where((size_t) n_layer * n_expert, list::none),
+              slot_of(where.size(), -1), last_use(where.size(), 0), fresh(where.size(), false), ghost_at(where.size()) {}
+
+    void on_insert(int slot, int layer, int expert) override {
+        const int id = layer * n_expert + expert;
+        // the slot's last occupant is evicted only if it still lives there: a pool clears a
+        // slot whose load was dropped without telling the policy, and that expert may have
+        // come back in another slot (or this one)
+        const int old = owner[slot];
+        if (old >= 0 && old != id && slot_of[old] == slot) {
+            evict(old);
+        }
+        owner[slot] = id;
+        slot_of[id] = slot;
+        if (where[id] == list::b1) {  // evicted from T1 too early: T1 deserves more room
+            p = std::min((double) capacity, p + std::max(1.0, (double) b2.size() / (double) b1.size()));
+            forget(id);
+            enter(id, list::t2);
+        } else if (where[id] == list::b2) {  // evicted from T2 too early: T2 deserves more room
+            p = std::max(0.0, p - std::max(1.0, (double) b1.size() / (double) b2.size()));
+            forget(id);
+            enter(id, list::t2);
+        } else if (where[id] == list::none) {
+            enter(id, list::t1);
+        }
+        fresh[id] = true;
+        // directory bounds: |T1| + |B1| <= c, everything <= 2c
+        while (n_t1 + (int) b1.size() > capacity && !b1.empty()) {
+            forget(b1.front());
+        }
+        while (n_t1 + n_t2 + (int) (b1.size() + b2.size()) > 2 * capacity && !b2.empty()) {
+            forget(b2.front());
+        }
+    }
+
+    void on_access(int slot, bool) override {
+        const int id = owner[slot];
+        if (fresh[id]) {
+            fresh[id] = false;  // the reference that loaded it
+        } else if (where[id] == list::t1) {
+            n_t1--;
+            where[id] = list::t2;
+            n_t2++;
+        }
+        last_use[id] = ++clock;
+    }
+
+    void on_layer(int) override {}
+
+    int choose_victim(const std::vector<int> & candidates) override {
+        const list preferred = n_t1 > 0 && (double) n_t1 > p ? list::t1 : list::t2;
+        int best = -1, fallback = -1;
+        for (int slot : candidates) {
+            int & pick = where[owner[slot]] == preferred ? best : fallback;
+            if (pick < 0 || last_use[owner[slot]] < last_use[owner[pick]]) {
+                pick = slot;
+            }
+        }
+        return best >= 0 ? best : fallback;
+    }
+
+    void reset() override {}
+
+private:
+    enum class list : uint8_t { none, t1, t2, b1, b2 };
+
+    void enter(int id, list l) {
+        where[id] = l;
+        (l == list::t1 ? n_t1 : n_t2)++;
+        last_use[id] = ++clock;
+    }
+
+    void evict(int id) {
+        slot_of[id] = -1;
+        const bool from_t1 = where[id] == list::t1;
+        (from_t1 ? n_t1 : n_t2)--;
+        std::list<int> & ghosts = from_t1 ? b1 : b2;
+        where[id] = from_t1 ? list::b1 : list::b2;
+        ghost_at[id] = ghosts.insert(ghosts.end(), id);
+    }
+
+    void forget(int id) {
+        (where[id] == list::b1 ? b1 : b2).erase(ghost_at[id]);
+        where[id] = list::none;
+    }
+
+    int n_expert;
+    int capacity;                                  // c: the pool's slots
+    double p = 0.0;                                // target size of T1
+    int n_t1 = 0, n_t2 = 0;
+    uint64_t clock = 0;
+    std::vector<int> owner;                        // slot -> layer * n_expert + expert
+    std::vector<list> where;                       // per expert
+    std::vector<int> slot_of;                      // per expert: its slot while in T1 / T2, else -1
+    std::vector<uint64_t> last_use;                // per expert: recency within T1 / T2
+    std::vector<bool> fresh;                       // per expert: loaded, its loading reference not yet seen
+    std::list<int> b1, b2;                         // ghosts, least recently evicted first
+    std::vector<std::list<int>::iterator> ghost_at;
+};
+
 class random_policy : public cache_policy_i {
 public:
     explicit random_policy(uint64_t seed) : rng(seed) {}
@@ -135,7 +248,8 @@ std::unique_ptr<cache_policy_i> cache_policy_make_belady(const int32_t * experts
 
 bool cache_policy_parse(const std::string & name, cache_policy_kind & kind) {
     for (cache_policy_kind k : { cache_policy_kind::lru, cache_policy_kind::lfu, cache_policy_kind::lhu,
-                                 cache_policy_kind::fld, cache_policy_kind::random, cache_policy_kind::weighted }) {
+                                 cache_policy_kind::fld, cache_policy_kind::random, cache_policy_kind::weighted,
+                                 cache_policy_kind::arc }) {
         if (name == cache_policy_name(k)) {
             kind = k;
             return true;
@@ -152,6 +266,7 @@ const char * cache_policy_name(cache_policy_kind kind) {
         case cache_policy_kind::fld:      return "fld";
         case cache_policy_kind::random:   return "random";
         case cache_policy_kind::weighted: return "weighted";
+        case cache_policy_kind::arc:      return "arc";
     }
     return "?";
 }
@@ -166,6 +281,7 @@ std::unique_ptr<cache_policy_i> cache_policy_make(cache_policy_kind kind, int n_
         case cache_policy_kind::fld:      w = { 0, 0, 0, 1 }; break;
         case cache_policy_kind::weighted: w = weights; break;
         case cache_policy_kind::random:   return std::make_unique<random_policy>(seed);
+        case cache_policy_kind::arc:      return std::make_unique<arc_policy>(n_slot, n_layer, n_expert);
     }
     return std::make_unique<weighted_policy>(n_slot, n_layer, n_expert, w);
 }

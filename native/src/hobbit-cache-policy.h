@@ -5,7 +5,8 @@
 // R = clock of the expert's last use, F = its uses, H = its high-precision uses (all
 // counted since the sequence began), T = the clock now, p_fld = how soon its layer comes
 // again. The lowest priority is evicted; ties go to the least recently used. LRU, LFU,
-// LHU and FLD are weights (1,0,0,0) ... (0,0,0,1); random ignores everything.
+// LHU and FLD are weights (1,0,0,0) ... (0,0,0,1); random ignores everything. ARC (Fate
+// §4.4) adapts between recency and frequency by itself.
 //
 // The pool decides which slots may be evicted (not pinned, not loading); the policy only
 // ranks them. The runtime and the offline simulator (hobbit-cache-sim) drive the same
@@ -38,9 +39,9 @@ struct cache_policy_weights {
     float lru = 1.0f, lfu = 0.0f, lhu = 0.0f, fld = 0.0f;
 };
 
-enum class cache_policy_kind { lru, lfu, lhu, fld, random, weighted };
+enum class cache_policy_kind { lru, lfu, lhu, fld, random, weighted, arc };
 
-// "lru" | "lfu" | "lhu" | "fld" | "random" | "weighted"; false for an unknown name
+// "lru" | "lfu" | "lhu" | "fld" | "random" | "weighted" | "arc"; false for an unknown name
 bool cache_policy_parse(const std::string & name, cache_policy_kind & kind);
 const char * cache_policy_name(cache_policy_kind kind);
 

@@ -15,8 +15,8 @@
 
 // the names of hobbit.h's enum hobbit_policy, in its order
 static std::string policy_name(int policy) {
-    static const char * names[] = { "lru", "lfu", "lhu", "fld", "random", "weighted" };
-    return policy >= 0 && policy < 6 ? names[policy] : "?";
+    static const char * names[] = { "lru", "lfu", "lhu", "fld", "random", "weighted", "arc" };
+    return policy >= 0 && policy < 7 ? names[policy] : "?";
 }
 
 static int64_t now_us() {

@@ -176,6 +176,58 @@ static void test_lfu_lhu_fld() {
     printf("ok lfu lhu fld random\n");
 }
 
+static void test_arc() {
+    // two slots; a is referenced twice (T2), b once (T1): ARC evicts b though a is older,
+    // where LRU would evict a
+    auto arc = cache_policy_make(cache_policy_kind::arc, 2, 1, 8);
+    const int a = 0, b = 1, c = 2, d = 3;
+    arc->on_insert(0, 0, a); arc->on_access(0, true); arc->on_access(0, true);
+    arc->on_insert(1, 0, b); arc->on_access(1, true);
+    CHECK(arc->choose_victim({0, 1}) == 1);
+    arc->on_insert(1, 0, c); arc->on_access(1, true);   // b -> ghost B1
+    // b again: its ghost says T1 was too small, so the target of T1 grows (p 0 -> 1) and b
+    // enters T2; c goes to B1
+    CHECK(arc->choose_victim({0, 1}) == 1);
+    arc->on_insert(1, 0, b); arc->on_access(1, true);
+    // T1 empty: the least recent of T2 (a) goes, d enters T1
+    CHECK(arc->choose_victim({0, 1}) == 0);
+    arc->on_insert(0, 0, d); arc->on_access(0, true);   // a -> ghost B2
+    // |T1| = 1 is not above p = 1: T2's b is evicted, the new d kept (with p = 0 it would go)
+    CHECK(arc->choose_victim({0, 1}) == 1);
+    // a's ghost in B2: T2 was too small, p back to 0; now T1's d goes first again
+    arc->on_insert(1, 0, a); arc->on_access(1, true);
+    CHECK(arc->choose_victim({0, 1}) == 0);
+    // a candidate list without the preferred list's slots falls back to the other list
+    CHECK(arc->choose_victim({1}) == 1);
+    // a prefetch (insert without a use) is referenced once at its first use: still T1
+    auto pf = cache_policy_make(cache_policy_kind::arc, 2, 1, 8);
+    pf->on_insert(0, 0, a); pf->on_access(0, true); pf->on_access(0, true);  // T2
+    pf->on_insert(1, 0, b);                                                  // prefetched
+    pf->on_access(1, true);                                                  // first reference
+    CHECK(pf->choose_victim({0, 1}) == 1);
+
+    // scan resistance: a hot pair used again and again survives a scan of once-used experts
+    // through 4 slots, which LRU does not (one layer, top-1)
+    std::vector<int32_t> steps;
+    for (int round = 0; round < 3; ++round) {
+        for (int i = 0; i < 4; ++i) {
+            steps.push_back(i % 2);
+        }
+        for (int e = 2; e < 14; ++e) {
+            steps.push_back(e + 12 * round);  // new experts each scan
+        }
+    }
+    steps.push_back(0);
+    steps.push_back(1);
+    const cache_sim_trace tr = { (int) steps.size(), 1, 40, 1, steps.data(), nullptr, nullptr };
+    const cache_sim_result lru = cache_simulate(tr, 4, false, cache_policy_kind::lru, {}, 0, 1.0);
+    const cache_sim_result adaptive = cache_simulate(tr, 4, false, cache_policy_kind::arc, {}, 0, 1.0);
+    CHECK(adaptive.hits > lru.hits);
+    CHECK(adaptive.hits + adaptive.misses_high == adaptive.accesses);
+    printf("ok arc (lru %lld hits, arc %lld of %lld)\n", (long long) lru.hits, (long long) adaptive.hits,
+           (long long) adaptive.accesses);
+}
+
 static void test_simulator() {
     // one layer, 4 experts, top-1, 2 slots; accesses a b c a b c ...: LRU always misses,
     // Belady keeps one of them and hits every other time after warm-up
@@ -215,7 +267,7 @@ static void test_simulator() {
     const cache_sim_trace tr3 = { 400, 3, 8, 2, rnd.data(), nullptr, nullptr };
     const int64_t best = cache_simulate(tr3, 9, true, cache_policy_kind::lru, {}, 0, 1.0).misses_high;
     for (cache_policy_kind k : { cache_policy_kind::lru, cache_policy_kind::lfu, cache_policy_kind::lhu,
-                                 cache_policy_kind::fld, cache_policy_kind::random }) {
+                                 cache_policy_kind::fld, cache_policy_kind::random, cache_policy_kind::arc }) {
         const cache_sim_result r = cache_simulate(tr3, 9, false, k, {}, 7, 1.0);
         CHECK(r.accesses == 400 * 3 * 2);
         CHECK(r.hits + r.misses_high == r.accesses);
@@ -465,6 +517,7 @@ int main(int argc, char ** argv) {
     test_truncated(path);
     test_lru();
     test_lfu_lhu_fld();
+    test_arc();
     test_simulator();
     test_take_slot();
     test_pool(path);

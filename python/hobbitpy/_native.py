@@ -56,6 +56,7 @@ enum hobbit_policy {
     HOBBIT_POLICY_FLD      = 3,
     HOBBIT_POLICY_RANDOM   = 4,
     HOBBIT_POLICY_WEIGHTED = 5,
+    HOBBIT_POLICY_ARC      = 6,
 };
 
 struct hobbit_policy_weights {

@@ -9,9 +9,10 @@ import os
 MB = 1024 * 1024
 
 # cache policies of the runtime (hobbit.h enum hobbit_policy), by name; "hobbit" is
-# HOBBIT's multidimensional policy, the weighted mix of eq. 3 ("weighted" is its old name)
-POLICIES = ("lru", "lfu", "lhu", "fld", "random", "weighted", "hobbit")
-_NATIVE_POLICY = {"lru": 0, "lfu": 1, "lhu": 2, "fld": 3, "random": 4, "weighted": 5, "hobbit": 5}
+# HOBBIT's multidimensional policy, the weighted mix of eq. 3 ("weighted" is its old name);
+# "arc" the adaptive replacement cache Fate uses (§4.4)
+POLICIES = ("lru", "lfu", "lhu", "fld", "random", "weighted", "hobbit", "arc")
+_NATIVE_POLICY = {"lru": 0, "lfu": 1, "lhu": 2, "fld": 3, "random": 4, "weighted": 5, "hobbit": 5, "arc": 6}
 
 # where a missed expert runs (hobbit.h enum hobbit_mode, in its order)
 MODES = ("gpu-centric", "cooperative", "auto")
@@ -98,7 +99,8 @@ class OffloadConfig:
     io_threads: int = option(2, "threads reading experts: 2 keeps the disk busy while one copies out of its buffer",
                              flag="--io-threads", metavar="N")
     policy: str = option("lru", "which cached expert to evict (hobbit: HOBBIT's eq. 3 mix of lru, lfu, lhu and fld; "
-                                "weighted is its old name)", flag="--policy", choices=POLICIES, profile=True)
+                                "weighted is its old name; arc: adaptive replacement, as Fate evicts)",
+                         flag="--policy", choices=POLICIES, profile=True)
     policy_weights: tuple[float, float, float, float] = option(
         (0.25, 0.25, 0.25, 0.25), "weights of LRU, LFU, LHU and FLD in HOBBIT's eq. 3 (--policy hobbit); they sum to 1",
         flag="--policy-weights", metavar="LRU,LFU,LHU,FLD", parse="numbers4", profile=True)

@@ -14,13 +14,13 @@ from dataclasses import dataclass, asdict
 import numpy as np
 
 from ._native import error_buffer, ffi, lib, to_str
-from .config import MB
+from .config import MB, POLICIES as RUNTIME_POLICIES
 from .errors import HobbitError
 from .scores import selection_scores
 from .trace import Trace
 
-POLICIES = ("lru", "lfu", "lhu", "fld", "random", "weighted", "hobbit", "belady")
-DEFAULT_POLICIES = ("lru", "lfu", "lhu", "fld", "random", "belady")
+POLICIES = RUNTIME_POLICIES + ("belady",)  # Belady needs the future: offline only
+DEFAULT_POLICIES = ("lru", "lfu", "lhu", "fld", "arc", "random", "belady")
 
 
 @dataclass
