@@ -43,6 +43,7 @@ def test_native_defaults_are_offload_configs():
     c, py = lib.hobbit_default_params(), OffloadConfig()
     assert (c.policy_weights.lru, c.policy_weights.lfu, c.policy_weights.lhu, c.policy_weights.fld) == py.policy_weights
     assert c.policy == 0 and py.policy == "lru"
-    assert (c.prefetch_layers, c.direct_io, c.n_io_threads, c.seed) == (py.prefetch_layers, py.direct_io, py.io_threads, py.seed)
+    assert (c.prefetch_layers, c.prefetch_width, c.direct_io, c.n_io_threads, c.seed) == (
+        py.prefetch_layers, py.prefetch_width, py.direct_io, py.io_threads, py.seed)
     assert abs(c.t1 - py.t1) < 1e-6 and abs(c.t2 - py.t2) < 1e-6 and abs(c.t_mid - (py.t1 + py.t2) / 2) < 1e-6
     assert HIT_POLICIES[c.hit_policy] == py.hits and MODES[c.mode] == py.mode and c.warm_low == py.warm

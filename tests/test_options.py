@@ -9,6 +9,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from hobbitpy._native import lib
 from hobbitpy.config import HIT_POLICIES, MAX_IO_THREADS, MODES, OffloadConfig, option_of, options_table
 from hobbitpy.llama import OFFLOAD_KEYWORDS
@@ -19,9 +21,12 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def test_docs_options_page_is_the_table():
     page = (REPO / "docs" / "OPTIONS.md").read_text()
-    assert page.endswith(options_table()), "docs/OPTIONS.md is stale: regenerate it from `hobbitpy options`"
+    from hobbitpy.presets import presets_table
+
+    tables = options_table() + "\n" + presets_table()
+    assert page.endswith(tables), "docs/OPTIONS.md is stale: regenerate it from `hobbitpy options`"
     p = subprocess.run([sys.executable, "-m", "hobbitpy", "options"], capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0 and p.stdout == options_table()
+    assert p.returncode == 0 and p.stdout == tables
 
 
 def test_every_flag_and_keyword_comes_from_the_table():
@@ -57,3 +62,32 @@ def test_the_c_defaults_are_the_tables():
     assert lib.HOBBIT_MAX_IO_THREADS == MAX_IO_THREADS
     w = c.policy_weights
     assert all(abs(a - b) < 1e-6 for a, b in zip((w.lru, w.lfu, w.lhu, w.fld), d.policy_weights))
+
+
+
+def test_a_preset_lies_under_the_flags_and_keywords_and_replaces_the_profile(tmp_path):
+    from hobbitpy.cli import add_offload_args, offload_config_from_args
+    from hobbitpy.llama import offload_config_of
+    from hobbitpy.presets import PRESETS, preset_settings
+
+    fate = OffloadConfig(**preset_settings("fate"))
+    assert fate.policy == "arc" and fate.shallow_layers == 1 and fate.prefetch_layers == 1
+    p = argparse.ArgumentParser()
+    add_offload_args(p)
+    assert offload_config_from_args(p.parse_args(["--preset", "fate", "--policy", "lru"])) == dataclasses.replace(
+        fate, policy="lru")
+    # a profile next to the model would apply by itself; a preset replaces it
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    (tmp_path / "m.hobbit-profile.json").write_text("not read")
+    assert offload_config_from_args(p.parse_args(["--preset", "lru"]), str(model), auto_profile=True) == OffloadConfig(
+        **preset_settings("lru"))
+    assert offload_config_of(str(model), None, None, {"prefetch_layers": 2}, "fate") == dataclasses.replace(
+        fate, prefetch_layers=2)
+    with pytest.raises(ValueError, match="no preset is named 'fat'"):
+        offload_config_of(str(model), None, None, {}, "fat")
+    with pytest.raises(TypeError, match="preset"):
+        offload_config_of(str(model), OffloadConfig(), None, {}, "fate")
+    help_text = subprocess.run([sys.executable, "-m", "hobbitpy", "run", "--help"], capture_output=True, text=True,
+                               timeout=60).stdout
+    assert all(name in help_text for name in PRESETS)

@@ -89,3 +89,23 @@ def test_mixed_precision_prefetch_is_exact_with_identical_levels(model_dir):
     assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
     assert text == ref_text
     assert stats["prefetch_issued"] > 0 and stats["served"][1] > 0
+
+
+def test_widened_prefetch_is_exact_and_fetches_past_the_top_k(model_dir):
+    # Fate §4.3: more candidates than the router's top-k per predicted layer; the extra loads
+    # change no output bit and are counted like every guess
+    path = tiny_model(model_dir, "llama", n_layer=6)
+    info = hobbitpy.inspect_model(path)
+    ref_scores, ref_text, _, _ = run_logits(path, hobbitpy.OffloadConfig(enabled=False))
+    issued = {}
+    for width in (0, info.n_expert_used + 2, -1):  # -1: Fate's rule, here k + 1
+        config = hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total * 0.6 / MB, prefetch_layers=1,
+                                        prefetch_width=width, mode=LOAD)
+        scores, text, stats, _ = run_logits(path, config)
+        assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
+        assert text == ref_text
+        assert stats["prefetch_used"] + stats["prefetch_wasted"] <= stats["prefetch_issued"]
+        issued[width] = stats["prefetch_issued"]
+    assert issued[info.n_expert_used + 2] > issued[-1] > issued[0]
+    with pytest.raises(ValueError, match="prefetch_width"):
+        hobbitpy.OffloadConfig(prefetch_width=-2)

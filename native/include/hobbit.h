@@ -86,12 +86,23 @@ struct hobbit_policy_weights {
     float lru, lfu, lhu, fld;
 };
 
+#define HOBBIT_PREFETCH_WIDTH_FATE (-1)
+
 struct hobbit_params {
     int64_t budget_bytes;    // bytes for expert slots; >= hobbit_model_info.min_budget_bytes
     enum hobbit_policy policy;                  // which cached expert to evict
     struct hobbit_policy_weights policy_weights; // HOBBIT_POLICY_WEIGHTED only
     uint64_t seed;                              // HOBBIT_POLICY_RANDOM only
     int32_t prefetch_layers; // 0 = load on demand only; 1 = during decode, also prefetch the experts the next layer's router picks on this layer's input
+    int32_t prefetch_width;  // experts prefetched per predicted layer, best first: 0 = the model's k (its top-k); more
+                             // widens the set past the top-k (Fate §4.3: the expert a prediction misses is mostly
+                             // ranked just below it), at most n_expert; HOBBIT_PREFETCH_WIDTH_FATE = Fate's rule, the
+                             // experts above the 75th percentile of the predicted scores (a quarter), at least k + 1
+    int32_t shallow_layers;  // -1 = one pool per expert signature, shared by every MoE layer; >= 0 = a pool per MoE layer
+                             // (Fate's shallow-favoring allocation, §4.4: the first shallow_layers MoE layers hold all
+                             // of their experts, the rest of the budget is split evenly over the deeper ones; the
+                             // policy ranks within a layer). One precision level only; the budget must hold every
+                             // layer's top-k
     bool    direct_io;       // read with O_DIRECT (bypassing the page cache) where the file system allows it
     int32_t n_io_threads;    // threads reading experts (2 keeps the disk busy while one copies; 1 = strict queue order)
 

@@ -62,6 +62,8 @@ struct hobbit_params hobbit_default_params(void) {
     p.policy_weights  = { 0.25f, 0.25f, 0.25f, 0.25f }; // as OffloadConfig (a test holds them equal)
     p.seed            = 0;
     p.prefetch_layers = 0;
+    p.prefetch_width  = 0;
+    p.shallow_layers  = -1;
     p.direct_io       = true;
     p.n_io_threads    = 2;
     p.n_level         = 1;
@@ -117,6 +119,12 @@ static std::string invalid_params(const hobbit_params * params) {
     if (params->n_io_threads < 1 || params->n_io_threads > HOBBIT_MAX_IO_THREADS) {
         return "n_io_threads must be 1.." + std::to_string(HOBBIT_MAX_IO_THREADS) + ", got " +
                std::to_string(params->n_io_threads);
+    }
+    if (params->prefetch_width < HOBBIT_PREFETCH_WIDTH_FATE) {
+        return "prefetch_width must be >= 0 or HOBBIT_PREFETCH_WIDTH_FATE, got " + std::to_string(params->prefetch_width);
+    }
+    if (params->shallow_layers >= 0 && (params->n_level > 1 || (params->level_paths[0] && params->level_paths[0][0] != '\0'))) {
+        return "a pool per layer (shallow_layers >= 0) serves one precision level, the model's own";
     }
     if (params->n_expert_levels < 0 || (params->n_expert_levels > 0) != (params->expert_levels != nullptr)) {
         return "expert_levels and n_expert_levels must be given together";

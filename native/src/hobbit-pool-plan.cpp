@@ -58,6 +58,56 @@ std::vector<pool_plan_group> pool_plan_make(const expert_index & index, int64_t 
     return groups;
 }
 
+int64_t pool_plan_per_layer_min_bytes(const expert_index & index) {
+    int64_t min = 0;
+    for (const expert_layer_layout & layer : index.layers) {
+        min += layer.has_experts() ? (int64_t) layer.n_bytes() * index.info.n_expert_used : 0;
+    }
+    return min;
+}
+
+std::vector<pool_plan_group> pool_plan_make_per_layer(const expert_index & index, int64_t budget_bytes, int n_shallow) {
+    const hobbit_model_info & info = index.info;
+    const int64_t min = pool_plan_per_layer_min_bytes(index);
+    if (budget_bytes < min) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_BUDGET, index.path + ": expert budget " + mib(budget_bytes) +
+            " is below the minimum of " + mib(min) + " for a pool per layer (" + std::to_string(info.n_expert_used) +
+            " experts of one token in each of " + std::to_string(info.n_layer_moe) + " MoE layers)");
+    }
+    std::vector<pool_plan_group> groups;
+    for (int il = 0; il < info.n_layer; ++il) {
+        if (index.layers[il].has_experts()) {
+            pool_plan_group g;
+            g.layers       = { il };
+            g.expert_bytes = (int64_t) index.layers[il].n_bytes();
+            g.n_slot       = info.n_expert_used;
+            groups.push_back(g);
+        }
+    }
+    int64_t left = budget_bytes - min;
+    const int n_layer = (int) groups.size();
+    const int n_first = std::min(std::max(n_shallow, 0), n_layer);
+    for (int i = 0; i < n_first; ++i) {  // the shallow layers in order, each whole if it can be
+        pool_plan_group & g = groups[i];
+        const int64_t extra = std::min<int64_t>(left / g.expert_bytes, info.n_expert - g.n_slot);
+        g.n_slot += (int) extra;
+        left -= extra * g.expert_bytes;
+    }
+    // the deep layers evenly: a slot each round while the budget buys one somewhere
+    for (bool more = true; more;) {
+        more = false;
+        for (int i = n_first; i < n_layer; ++i) {
+            pool_plan_group & g = groups[i];
+            if (left >= g.expert_bytes && g.n_slot < info.n_expert) {
+                g.n_slot++;
+                left -= g.expert_bytes;
+                more = true;
+            }
+        }
+    }
+    return groups;
+}
+
 std::vector<int64_t> pool_plan_level_budgets(const std::vector<const expert_index *> & levels, int64_t budget_bytes,
                                              const float * level_shares) {
     const int n = (int) levels.size();

@@ -19,6 +19,17 @@ struct pool_plan_group {
 // throws hobbit_error if the budget is below info.min_budget_bytes
 std::vector<pool_plan_group> pool_plan_make(const expert_index & index, int64_t budget_bytes);
 
+// Fate's shallow-favoring allocation (§4.4): one pool per MoE layer, so a layer's misses evict
+// only its own experts. Every layer gets one token's top-k; then the first n_shallow MoE
+// layers, in order, get room for all of their experts (the router's next-layer prediction is
+// weakest there, so prefetch cannot cover their misses); the rest is split evenly over the
+// deeper layers. 0 splits everything evenly. Throws hobbit_error if the budget is below
+// pool_plan_per_layer_min_bytes.
+std::vector<pool_plan_group> pool_plan_make_per_layer(const expert_index & index, int64_t budget_bytes, int n_shallow);
+
+// one token's top-k in every MoE layer: the least a pool per layer needs
+int64_t pool_plan_per_layer_min_bytes(const expert_index & index);
+
 // how a budget is split among precision levels (levels[0] the model, then its companions):
 // each gets its minimum (one token's top-k), the rest goes by level_shares (or, all 0, the
 // lowest level gets room for all of its experts up to HOBBIT_AUTO_LOW_SHARE of the budget:

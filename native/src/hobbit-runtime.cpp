@@ -169,7 +169,9 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     int64_t n_slot_total = 0;
     for (int l = 0; l < n_level; ++l) {
         const expert_index & li = level_index(l);
-        for (const pool_plan_group & g : pool_plan_make(li, budgets[l])) {
+        const std::vector<pool_plan_group> plan = params.shallow_layers >= 0
+            ? pool_plan_make_per_layer(li, budgets[l], params.shallow_layers) : pool_plan_make(li, budgets[l]);
+        for (const pool_plan_group & g : plan) {
             pool_group pg;
             pg.level        = l;
             pg.type         = li.layers[g.layers.front()].proj[LLAMA_MOE_PROJ_DOWN].type;
@@ -222,7 +224,11 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     stats_.map_bytes_per_s  = executor.map_bytes_per_s;
 
     if (params.prefetch_layers > 0 && model != nullptr) {
-        predictor = predictor_make_stacked_gates(load_routers(model, moe_layers), info.n_embd, info.n_expert_used,
+        // a width past the model's experts names them all
+        const int width = params.prefetch_width == HOBBIT_PREFETCH_WIDTH_FATE
+            ? std::min(std::max(info.n_expert_used + 1, (info.n_expert + 3) / 4), info.n_expert)
+            : params.prefetch_width > 0 ? std::min(params.prefetch_width, info.n_expert) : info.n_expert_used;
+        predictor = predictor_make_stacked_gates(load_routers(model, moe_layers), info.n_embd, width,
                                                  params.prefetch_layers);
     }
     io = std::make_unique<io_scheduler>(level_indexes, params.direct_io, params.n_io_threads,
@@ -536,8 +542,12 @@ void hobbit_runtime::prefetch_next_layers(int il, const float * x, std::vector<l
     for (const layer_prediction & lp : predictions) {
         const int k = (int) lp.experts.size();
         want.resize(k);
-        // the precision a predicted expert is fetched at comes from the same score rule
-        precision_levels(thresholds, lp.weights.data(), k, want.data());
+        // the precision a predicted expert is fetched at comes from the same score rule, on the
+        // predicted top-k; a candidate past it (a widened prediction) would enter the selection
+        // last, at the level of the weakest selected
+        const int k_sel = std::min(k, index.info.n_expert_used);
+        precision_levels(thresholds, lp.weights.data(), k_sel, want.data());
+        std::fill(want.begin() + k_sel, want.end(), want[k_sel - 1]);
         for (int i = 0; placed(lp.il) && i < k; ++i) {
             want[i] = placed(lp.il)[lp.experts[i]];
         }

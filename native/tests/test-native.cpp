@@ -451,6 +451,38 @@ static void test_level_budgets(const std::string & path) {
     printf("ok level budgets\n");
 }
 
+// Fate's shallow-favoring allocation: a pool per MoE layer (layers 0 and 2 here, 4 experts, top-2)
+static void test_per_layer_plan(const std::string & path) {
+    const expert_index idx = expert_index::from_file(path);
+    const int64_t e = (int64_t) idx.info.expert_bytes;
+    CHECK(pool_plan_per_layer_min_bytes(idx) == 2 * N_USED * e);
+    auto slots = [&](int64_t budget, int n_shallow) {
+        std::vector<int> n;
+        for (const pool_plan_group & g : pool_plan_make_per_layer(idx, budget, n_shallow)) {
+            CHECK(g.layers.size() == 1 && g.expert_bytes == e);
+            n.push_back(g.n_slot);
+        }
+        return n;
+    };
+    // the shallow layer whole first, the deep one what is left
+    CHECK(slots(4 * e + 3 * e, 1) == std::vector<int>({ 4, 3 }));
+    CHECK(slots(4 * e + 1 * e, 1) == std::vector<int>({ 3, 2 }));
+    // no shallow layer: evenly, a slot each in turn
+    CHECK(slots(4 * e + 3 * e, 0) == std::vector<int>({ 4, 3 }));
+    CHECK(slots(4 * e + 2 * e + e / 2, 0) == std::vector<int>({ 3, 3 }));
+    // more shallow layers than there are: in order, each whole if it can be
+    CHECK(slots(4 * e + 1 * e, 5) == std::vector<int>({ 3, 2 }));
+    CHECK(slots(100 * e, 1) == std::vector<int>({ 4, 4 }));
+    bool refused = false;
+    try {
+        pool_plan_make_per_layer(idx, 4 * e - 1, 1);
+    } catch (const hobbit_error & err) {
+        refused = err.status == HOBBIT_STATUS_ERROR_BUDGET && std::string(err.what()).find("pool per layer") != std::string::npos;
+    }
+    CHECK(refused);
+    printf("ok per-layer plan\n");
+}
+
 // stacked gates: the next layers' routers on this layer's input, nearest first
 static void test_stacked_predictor() {
     const int n_embd = 2;
@@ -525,6 +557,7 @@ int main(int argc, char ** argv) {
     test_precision_scorer();
     test_companion_check(path, dir);
     test_level_budgets(path);
+    test_per_layer_plan(path);
     test_stacked_predictor();
     test_mapping_guard(dir);
     unlink(path.c_str());

@@ -72,6 +72,8 @@ struct hobbit_params {
     struct hobbit_policy_weights policy_weights;
     uint64_t seed;
     int32_t prefetch_layers;
+    int32_t prefetch_width;
+    int32_t shallow_layers;
     bool    direct_io;
     int32_t n_io_threads;
     int32_t n_level;

@@ -149,6 +149,7 @@ PARSERS = {
     "numbers": _numbers(None, "0.5,0.5"),
     "trace_importance": _importance_of_trace,
     "float": float,  # a number whose default is None
+    "int": int,
 }
 
 
@@ -173,6 +174,7 @@ def add_offload_args(p) -> None:
     import dataclasses
 
     from hobbitpy.config import OffloadConfig, option_of
+    from hobbitpy.presets import PRESETS
 
     groups = {}
     for f in dataclasses.fields(OffloadConfig):
@@ -200,11 +202,15 @@ def add_offload_args(p) -> None:
                       help="settings from a profile written by `hobbitpy tune` or `calibrate` (run applies "
                            "MODEL.hobbit-profile.json by itself); flags given here win over it")
     prof.add_argument("--no-profile", action="store_true", help="ignore the profile next to the model")
+    p.add_argument("--preset", choices=tuple(PRESETS),
+                   help="every setting of one paper's method (docs/OPTIONS.md); flags given here win over it, and "
+                        "the profile next to the model is not applied")
 
 
 def offload_config_from_args(args, model_path: str | None = None, *, auto_profile: bool = False):
     """The OffloadConfig of the flags: built-in defaults, then the profile (--profile, or
-    with auto_profile the one next to model_path), then the flags given."""
+    with auto_profile and no --preset the one next to model_path), the preset, then the flags
+    given."""
     import dataclasses
 
     from hobbitpy import OffloadConfig
@@ -213,12 +219,18 @@ def offload_config_from_args(args, model_path: str | None = None, *, auto_profil
 
     settings = {}
     profile = args.profile
-    if profile is None and auto_profile and model_path and not args.no_profile and args.offload_enabled is not False:
+    preset = getattr(args, "preset", None)
+    if (profile is None and auto_profile and model_path and not args.no_profile and args.offload_enabled is not False
+            and preset is None):
         default = profile_path(model_path)
         profile = str(default) if default.exists() else None
     if profile is not None:
         settings.update(load_profile(profile, model_path).settings)
         log.info(f"settings from {profile}")
+    if preset is not None:
+        from hobbitpy.presets import preset_settings
+
+        settings.update(preset_settings(preset))
     for f in dataclasses.fields(OffloadConfig):
         if option_of(f).flag is not None and getattr(args, _dest(f)) is not None:
             settings[f.name] = getattr(args, _dest(f))
@@ -379,14 +391,15 @@ def _trace(args) -> int:
 def _add_options_parser(sub) -> None:
     p = sub.add_parser("options", help="every option of how experts are served, as a Markdown table",
                        description="Print every offload option: its keyword in hobbitpy.Llama and OffloadConfig, its "
-                                   "flag, its default, whether a profile sets it, and what it does (docs/OPTIONS.md).")
+                                   "flag, its default, whether a profile sets it, and what it does; then the presets (docs/OPTIONS.md).")
     p.set_defaults(func=_options)
 
 
 def _options(args) -> int:
     from hobbitpy.config import options_table
+    from hobbitpy.presets import presets_table
 
-    print(options_table(), end="")
+    print(options_table() + "\n" + presets_table(), end="")
     return 0
 
 
@@ -470,6 +483,12 @@ def _simulate(args) -> int:
           f"{m['n_expert']} experts (top-{m['n_expert_used']}), {m['expert_bytes'] / MB:.2f} MB per expert, "
           f"{m['expert_bytes_total'] / MB:.0f} MB of experts")
     print(format_table(results))
+    if t.predicted.shape[2] > 0:
+        from hobbitpy.allocation import layer_prediction_accuracy, shallow_boundary
+
+        accuracy = layer_prediction_accuracy(t)
+        print(f"next-layer prediction accuracy per MoE layer: {' '.join(f'{a:.2f}' for a in accuracy)}; "
+              f"shallow layers (Fate §4.4): --shallow-layers {shallow_boundary(accuracy)}")
     if args.json and (why := _write_json(args.json, [r.as_dict() for r in results])):
         return _fail(why)
     return 0

@@ -23,6 +23,7 @@ HIT_POLICIES = ("found", "upgrade", "exact")
 # HOBBIT's thresholds for Mixtral-8x7B (§3.2): 67 % of selections high, 30 % low, 3 % skipped
 DEFAULT_T1 = 0.6
 MAX_PREFETCH_LAYERS = 8
+PREFETCH_WIDTH_FATE = -1  # hobbit.h HOBBIT_PREFETCH_WIDTH_FATE
 MAX_IO_THREADS = 64  # hobbit.h HOBBIT_MAX_IO_THREADS (a test holds them equal)
 MAX_CACHE_MB = 1 << 30  # a PiB: more is a typo, and its bytes would overflow the C API's int64
 DEFAULT_T2 = 0.9
@@ -94,6 +95,17 @@ class OffloadConfig:
                                      "current layer's input, one layer deeper only while those predicted are all "
                                      "cached (HOBBIT's adaptive prefetch, §3.3); 0 loads on demand only",
                                   flag="--prefetch-layers", metavar="P", group="depth", alias=("--prefetch", 1))
+    prefetch_width: int = option(0, "experts prefetched per predicted layer, best first: more than the model's k "
+                                    "widens the set past the router's top-k (Fate §4.3: an expert the prediction "
+                                    "misses mostly ranks just below it), at the cost of loads that may go unused; "
+                                    "0 = k; -1 = Fate's rule, the experts above the 75th percentile of the predicted "
+                                    "scores (a quarter of them), at least k + 1", flag="--prefetch-width", metavar="W")
+    shallow_layers: int | None = option(
+        None, "a pool per MoE layer instead of one shared by all (Fate's shallow-favoring allocation, §4.4): the "
+              "first N MoE layers hold all of their experts (the next-layer prediction is weakest there), the rest "
+              "of the budget is split evenly over the deeper layers, and the policy evicts within a layer; 0 splits "
+              "it evenly. One precision level; the budget must hold one token's top-k in every layer",
+        flag="--shallow-layers", metavar="N", parse="int", default_text="none: one pool shared by every layer")
     direct_io: bool = option(True, "read experts through the page cache instead of with O_DIRECT (O_DIRECT avoids "
                                    "caching them twice)", flag="--no-direct-io", negate=True)
     io_threads: int = option(2, "threads reading experts: 2 keeps the disk busy while one copies out of its buffer",
@@ -153,6 +165,14 @@ class OffloadConfig:
             raise ValueError(f"io_threads must be 1..{MAX_IO_THREADS}, got {self.io_threads}")
         if not 0 <= self.prefetch_layers <= MAX_PREFETCH_LAYERS:
             raise ValueError(f"prefetch_layers must be 0..{MAX_PREFETCH_LAYERS}, got {self.prefetch_layers}")
+        if self.prefetch_width < PREFETCH_WIDTH_FATE:
+            raise ValueError(f"prefetch_width must be 0 (the model's k), a number of experts or {PREFETCH_WIDTH_FATE} "
+                             f"(Fate's rule), got {self.prefetch_width}")
+        if self.shallow_layers is not None:
+            if self.shallow_layers < 0:
+                raise ValueError(f"shallow_layers must be 0 or more, got {self.shallow_layers}")
+            if self.n_level > 1 or self.high is not None:
+                raise ValueError("a pool per layer (shallow_layers) serves one precision level, the model's own")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown cache policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         w = self.policy_weights
@@ -204,6 +224,8 @@ class OffloadConfig:
         params = ffi.new("struct hobbit_params *", lib.hobbit_default_params())
         params.budget_bytes = budget_bytes
         params.prefetch_layers = self.prefetch_layers
+        params.prefetch_width = self.prefetch_width
+        params.shallow_layers = -1 if self.shallow_layers is None else self.shallow_layers
         params.direct_io = self.direct_io
         params.n_io_threads = self.io_threads
         params.policy = _NATIVE_POLICY[self.policy]

@@ -40,12 +40,14 @@ OFFLOAD_KEYWORDS = tuple(f.name for f in dataclasses.fields(OffloadConfig)
                          if f.name != "enabled" and f.name not in LLAMA_KEYWORDS)
 
 
-def offload_config_of(model_path: str, offload, profile, keywords: dict) -> OffloadConfig:
+def offload_config_of(model_path: str, offload, profile, keywords: dict, preset: str | None = None) -> OffloadConfig:
     """The OffloadConfig Llama(...) runs with: offload (an OffloadConfig, a dict of its
-    fields, False for stock) or the profile (a path; default: the one next to the model,
-    if any) or the defaults, with the offload keywords on top."""
+    fields, False for stock) or the profile (a path; default without a preset: the one next
+    to the model, if any) or the defaults, then the preset, with the offload keywords on top."""
     if offload is not None and profile is not None:
         raise TypeError("Llama() takes offload= or profile=, not both")
+    if offload is not None and preset is not None:
+        raise TypeError("Llama() takes offload= or preset=, not both")
     if offload is False:
         if keywords:
             raise TypeError(f"Llama() got offload=False and offload settings ({', '.join(keywords)})")
@@ -57,8 +59,14 @@ def offload_config_of(model_path: str, offload, profile, keywords: dict) -> Offl
     if offload is None:
         if profile is not None:
             offload = OffloadConfig(**load_profile(profile, model_path).settings)
+        elif preset is not None:
+            offload = OffloadConfig()
         else:
             offload = profile_offload(model_path)
+    if preset is not None:
+        from .presets import preset_settings
+
+        keywords = {**preset_settings(preset), **keywords}
     return dataclasses.replace(offload, **keywords) if keywords else offload
 
 
@@ -66,12 +74,13 @@ class Llama(llama_cpp.Llama):
     """A drop-in for ``llama_cpp.Llama`` whose keywords also say how experts are served:
     ``cache_mb``, ``low``, ``mid``, ``high``, ``policy``, ``prefetch_layers``, ``t1``, ``t2``,
     ``mode``, ``hits`` ... (``OFFLOAD_KEYWORDS``, the fields of ``OffloadConfig``), or
-    ``offload=OffloadConfig(...)`` / a dict / False, or ``profile=PATH``. Default: the
+    ``offload=OffloadConfig(...)`` / a dict / False, or ``profile=PATH``, or ``preset=NAME``
+    (one paper's method, presets.py; keywords win over it). Default: the
     profile next to the model (written by ``hobbitpy tune``), else the built-in defaults.
     A misspelt keyword is a TypeError naming it (llama_cpp.Llama would ignore it)."""
 
     def __init__(self, model_path: str | os.PathLike, *, offload: OffloadConfig | dict | bool | None = None,
-                 profile: str | os.PathLike | None = None, **kwargs):
+                 profile: str | os.PathLike | None = None, preset: str | None = None, **kwargs):
         model_path = os.fspath(model_path)
         keywords = {k: kwargs.pop(k) for k in OFFLOAD_KEYWORDS if k in kwargs}
         for k in kwargs:
@@ -80,7 +89,7 @@ class Llama(llama_cpp.Llama):
             close = difflib.get_close_matches(k, [*OFFLOAD_KEYWORDS, *LLAMA_KEYWORDS], n=1, cutoff=0.75)
             if k not in LLAMA_KEYWORDS and close:
                 raise TypeError(f"Llama() got an unexpected keyword argument {k!r}; did you mean {close[0]!r}?")
-        offload = offload_config_of(model_path, offload, profile, keywords)
+        offload = offload_config_of(model_path, offload, profile, keywords, preset)
         self.offload_config: OffloadConfig = offload  # what the experts are served with
         self._runtime = ffi.NULL
         self._abort_cb = None

@@ -198,13 +198,17 @@ def plan_offload(info: ModelInfo, config: OffloadConfig, context_bytes: int,
         return OffloadPlan(None, f"{name} is a dense model (no routed experts): running it without offload")
     levels = levels or (info,)
     ladder = levels[0] is not info  # the high level is a companion: the model's experts are never read
-    min_bytes = sum(level.min_budget_bytes for level in levels)
+    if config.shallow_layers is not None:  # a pool per layer: one token's top-k in each
+        min_bytes = info.expert_bytes_total // info.n_expert * info.n_expert_used
+    else:
+        min_bytes = sum(level.min_budget_bytes for level in levels)
     min_mb = min_bytes / MB
     io_bytes = io_buffer_bytes(config, levels)
     needs = info.resident_bytes + context_bytes + io_bytes + SLACK_BYTES
     if config.budget_bytes is not None:
         if config.budget_bytes < min_bytes:
-            what = (f"{info.n_expert_used} experts of {info.expert_bytes / MB:.2f} MB, one token's top-k"
+            what = (f"one token's top-k in each of {info.n_layer_moe} MoE layers" if config.shallow_layers is not None
+                    else f"{info.n_expert_used} experts of {info.expert_bytes / MB:.2f} MB, one token's top-k"
                     if len(levels) == 1 else f"one token's top-k at each of {len(levels)} precisions")
             raise BudgetError(f"{name}: an expert cache of {config.cache_mb:g} MB is below the minimum of {min_mb:.1f} MB "
                               f"({what})")

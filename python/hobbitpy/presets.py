@@ -1,0 +1,46 @@
+"""Presets: every knob of one paper's method under one name (`--preset`, `Llama(preset=...)`),
+so the seed systems run side by side on the same runtime. A preset lies under the flags and
+keywords given with it (they win) and replaces the profile next to the model (a profile
+named explicitly lies under it). What a paper has and the runtime does not yet is said in
+the preset's description, not pretended."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import PREFETCH_WIDTH_FATE
+
+
+@dataclass(frozen=True)
+class Preset:
+    settings: dict
+    what: str
+
+
+PRESETS: dict[str, Preset] = {
+    "lru": Preset({"policy": "lru", "prefetch_layers": 0},
+                  "what every paper compares against: misses loaded on demand, the least recently used evicted"),
+    "hobbit": Preset({"low": "Q2_K", "policy": "hobbit", "prefetch_layers": 2},
+                     "HOBBIT: a Q2_K copy of every expert for the less important misses (T1/T2, eq. 2), the "
+                     "multidimensional policy (eq. 3), adaptive prefetch two layers ahead (§3.3)"),
+    "fate": Preset({"policy": "arc", "prefetch_layers": 1, "prefetch_width": PREFETCH_WIDTH_FATE, "shallow_layers": 1},
+                   "Fate: the next layer's gate on this layer's input with a widened candidate set (§4.3); a pool "
+                   "per layer, the first MoE layer (which nothing predicts) whole, ARC per layer (§4.4). Not yet: "
+                   "popularity-ordered prefill and its INT2 share (§4.5)"),
+}
+
+
+def preset_settings(name: str) -> dict:
+    """The settings of a preset; ValueError naming the presets for another name."""
+    if name not in PRESETS:
+        raise ValueError(f"no preset is named {name!r}; the presets are: {', '.join(PRESETS)}")
+    return dict(PRESETS[name].settings)
+
+
+def presets_table() -> str:
+    """Every preset as a Markdown table (the end of docs/OPTIONS.md; a test keeps them equal)."""
+    rows = ["| preset (`--preset`, `Llama(preset=...)`) | settings | what it is |", "|---|---|---|"]
+    for name, p in PRESETS.items():
+        settings = ", ".join(f"`{k}={v}`" for k, v in p.settings.items())
+        rows.append(f"| `{name}` | {settings} | {p.what} |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,88 @@
+"""Fate's shallow-favoring allocation: a pool per MoE layer, the shallow layers whole, the
+rest split evenly, ARC evicting within a layer; exact to stock on every test architecture,
+and the boundary read from a trace."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hobbitpy
+from hobbitpy.allocation import layer_prediction_accuracy, shallow_boundary
+from hobbitpy.config import OffloadConfig
+from hobbitpy.errors import BudgetError
+from hobbitpy.presets import preset_settings
+from hobbitpy.trace import Trace
+
+from conftest import ARCHES, MB, run_logits, tiny_model
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_the_fate_preset_is_exact_to_stock(model_dir, arch):
+    path = tiny_model(model_dir, arch, n_layer=4)
+    info = hobbitpy.inspect_model(path)
+    ref, ref_text, _, _ = run_logits(path, OffloadConfig(enabled=False))
+    # room for the first layer's experts and a little more than each other layer's top-k
+    per_expert = info.expert_bytes_total / info.n_expert / info.n_layer_moe
+    budget = per_expert * (info.n_expert + (info.n_layer_moe - 1) * (info.n_expert_used + 1))
+    # the fate preset: a pool per layer with the first whole, ARC per layer, widened prefetch
+    config = OffloadConfig(**{**preset_settings("fate"), "cache_mb": budget / MB, "mode": "gpu-centric"})
+    got, text, stats, _ = run_logits(path, config)
+    assert stats["expert_misses"] > 0
+    assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
+    assert text == ref_text
+    assert stats["peak_pool_bytes"] <= stats["budget_bytes"]
+
+
+def test_a_pool_per_layer_needs_every_layers_top_k_and_one_precision(model_dir):
+    path = tiny_model(model_dir, "llama", n_layer=4)
+    info = hobbitpy.inspect_model(path)
+    shared_min = info.min_budget_bytes
+    assert shared_min < info.expert_bytes_total // info.n_expert * info.n_expert_used
+    with pytest.raises(BudgetError, match="top-k in each of"):
+        hobbitpy.Llama(path, cache_mb=2 * shared_min / MB, shallow_layers=0, n_ctx=64, verbose=False)
+    with pytest.raises(ValueError, match="one precision level"):
+        OffloadConfig(shallow_layers=1, low="Q2_K")
+    with pytest.raises(ValueError, match="shallow_layers"):
+        OffloadConfig(shallow_layers=-1)
+
+
+def _trace(experts: np.ndarray, predicted: np.ndarray) -> Trace:
+    n, n_layer, k = experts.shape
+    return Trace(experts=experts, weights=np.ones(experts.shape, np.float32), probs=np.zeros((n, n_layer, 4), np.float16),
+                 predicted=predicted, seq_start=np.zeros(n, np.uint8), tokens=np.zeros(n, np.int32), meta={})
+
+
+def test_the_boundary_is_where_the_prediction_becomes_good():
+    # 4 layers, top-2 of 4 experts, 2 tokens; predicted[t, l, 0] is the guess for layer l + 1
+    experts = np.array([[[0, 1], [0, 1], [2, 3], [0, 2]],
+                        [[1, 2], [2, 3], [0, 1], [1, 3]]], np.int32)
+    predicted = np.full((2, 4, 1, 2), -1, np.int32)
+    predicted[:, 0, 0] = [[0, 3], [3, 1]]  # layer 1: 2 of 4 named
+    predicted[:, 1, 0] = [[2, 3], [0, 1]]  # layer 2: all
+    predicted[:, 2, 0] = [[0, 2], [3, 0]]  # layer 3: 3 of 4
+    accuracy = layer_prediction_accuracy(_trace(experts, predicted))
+    assert accuracy.tolist() == [0.0, 0.5, 1.0, 0.75]
+    assert shallow_boundary(accuracy) == 4          # layer 3 is below 0.9 of the best
+    assert shallow_boundary(accuracy, share=0.7) == 2
+    assert shallow_boundary(np.array([0.0, 0.9, 0.9])) == 1  # the first layer is always shallow
+
+
+def test_simulate_prints_the_boundary(model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import PROMPT
+
+    path = tiny_model(model_dir, "llama", n_layer=4)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(PROMPT + "\n")
+    out = tmp_path / "t.npz"
+    p = subprocess.run([sys.executable, "-m", "hobbitpy", "trace", str(path), "--prompts", str(prompts), "--out", str(out),
+                        "-n", "8"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    p = subprocess.run([sys.executable, "-m", "hobbitpy", "simulate", str(out), "--budget-mb", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    line = [x for x in p.stdout.splitlines() if x.startswith("next-layer prediction accuracy")]
+    assert len(line) == 1 and "--shallow-layers " in line[0], p.stdout
