@@ -148,3 +148,18 @@ def test_the_lowest_bit_ladder_needs_the_models_matrix_and_an_unknown_candidate_
     import gguf
     companion = gguf.GGUFReader(tmp_path / "m.experts-IQ2_XXS.gguf")
     assert companion.get_field(KEY_IMATRIX).contents() == "m.imatrix.gguf"
+
+
+def test_a_placed_ladder_is_not_placed_by_the_tokens_it_is_scored_on(model_dir, tmp_path):
+    import shutil
+
+    path = tmp_path / "m.gguf"
+    shutil.copyfile(tiny_model(model_dir, "llama", n_embd=256), path)
+    (tmp_path / "tune.txt").write_text(TEXT)
+    out = tmp_path / "m.hobbit-profile.json"
+    # every token of the text scored: nothing is left to place by, so the placed ladder is
+    # skipped (saying why) rather than placed in-sample; the other candidate still runs
+    p = _tune(path, out, "--max-ppl-increase", "0.5", "--max-tokens", "100000", candidates="Q2_K,Q4_K/Q2_K placed")
+    assert p.returncode == 0, p.stderr
+    assert "Q4_K/Q2_K placed" in p.stdout and "skipped: placing the experts needs 256 tokens" in p.stdout
+    assert json.loads(out.read_text())["settings"] == {"high": "Q2_K"}

@@ -185,21 +185,19 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: f
         log(f"reference: stock on {model}, {len(reference.ids)} tokens, perplexity {reference.perplexity:.4f}")
     ids = reference.ids
     rows = []
-    importance = None
-    for cand in candidates():
-        if names is not None and cand.name not in names:
-            continue
+    chosen = [cand for cand in candidates() if names is None or cand.name in names]
+    importance, unplaced = None, ""  # traced once for every placed candidate, or why not
+    if any(cand.placed for cand in chosen):
+        try:
+            importance = importance_on_text(model, unscored_text(model, text, len(ids)), n_ctx, threads)
+            log(f"  expert importance traced on the text past the scored tokens ({len(importance)} MoE layers)")
+        except HobbitError as e:
+            unplaced = str(e)
+    for cand in chosen:
         settings = {k: v for k, v in cand.settings.items() if v is not None}
         if cand.placed:
             if importance is None:
-                try:
-                    importance = importance_on_text(model, unscored_text(model, text, len(ids)), n_ctx, threads)
-                except HobbitError as e:
-                    importance = e
-                else:
-                    log(f"  expert importance traced on the text past the scored tokens ({len(importance)} MoE layers)")
-            if isinstance(importance, HobbitError):
-                log(f"  {cand.name:<20} skipped: {importance}")
+                log(f"  {cand.name:<20} skipped: {unplaced}")
                 continue
             settings["importance"] = importance
         try:
