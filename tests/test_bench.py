@@ -130,6 +130,8 @@ def test_bench_frontier_against_uniform_quants(model_dir, tmp_path):
         assert s["decode_tok_s"] > 0 and isinstance(s["dominated_by"], list) and s["lossy"] == (s["config"] != "stock")
     # a lossy copy moves the distribution, and its file is smaller
     assert by["Q2_K"]["mean_kl"] > 0 and by["q2"]["mean_kl"] > 0
+    # each increase comes with the standard error of its tokens' scatter (stock: none)
+    assert by["stock"]["ppl_increase_se"] == 0 and by["Q2_K"]["ppl_increase_se"] > 0 and by["q2"]["ppl_increase_se"] > 0
     assert by["Q2_K"]["file_mb"] < by["Q4_K_M"]["file_mb"] < by["stock"]["file_mb"]
     assert by["q2"]["offloaded"] and not by["Q2_K"]["offloaded"]
     # a configuration that is slower and worse than another is dominated by it

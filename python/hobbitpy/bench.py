@@ -437,11 +437,13 @@ def score_quality(result: BenchResult, model: str, row_configs: list[list[BenchC
     ids = tokenize_text(model, text, max_tokens)
     reference = Reference.measure(model, ids, n_threads=threads)
     log(f"quality: {len(ids)} tokens, stock perplexity {reference.perplexity:.4f}")
-    stock_scores = {STOCK: {"perplexity": reference.perplexity, "mean_kl": 0.0, "top1_agreement": 1.0}}
+    stock_scores = {STOCK: {"perplexity": reference.perplexity, "mean_kl": 0.0, "top1_agreement": 1.0,
+                            "ppl_increase_se": 0.0}}
     for cfg in row_configs[0]:
         if cfg.offload is None and cfg.model is not None:
             r = evaluate_against(cfg.model, reference, OffloadConfig(enabled=False), n_threads=threads, progress=bar)
-            stock_scores[cfg.name] = {"perplexity": r.perplexity, "mean_kl": r.mean_kl, "top1_agreement": r.top1_agreement}
+            stock_scores[cfg.name] = {"perplexity": r.perplexity, "mean_kl": r.mean_kl, "top1_agreement": r.top1_agreement,
+                                      "ppl_increase_se": r.log_ppl_ratio_se}
     scored = {}  # (settings, budget): the same cache shape under two caps is scored once
     for row, configs in zip(result.rows, row_configs):
         for cfg, s in zip(configs, row["configs"]):
@@ -452,7 +454,7 @@ def score_quality(result: BenchResult, model: str, row_configs: list[list[BenchC
                 offload = cfg.offload_config(s["budget_mb"]) if s["offloaded"] else OffloadConfig(enabled=False)
                 r = evaluate_against(model, reference, offload, n_ubatch=1, n_threads=threads, progress=bar)
                 score = scored[key] = {"perplexity": r.perplexity, "mean_kl": r.mean_kl,
-                                       "top1_agreement": r.top1_agreement}
+                                       "top1_agreement": r.top1_agreement, "ppl_increase_se": r.log_ppl_ratio_se}
             if score is not None:
                 s.update(score, ppl_increase=score["perplexity"] / reference.perplexity - 1.0)
         mark_dominated(row)

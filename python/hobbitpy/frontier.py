@@ -30,7 +30,7 @@ def mark_dominated(row: dict) -> None:
 
 def format_frontier(row: dict) -> str:
     head = f"frontier, cap {row['cap']}" + (f" ({row['cap_mb']:.0f} MB)" if row["cap_mb"] else " (no limit)")
-    lines = [head, f"  {'config':<16} {'tok/s':>7} {'min-max':>13} {'ppl +%':>7} {'KL':>7} {'top-1':>6} "
+    lines = [head, f"  {'config':<16} {'tok/s':>7} {'min-max':>13} {'ppl +%':>7} {'± se':>5} {'KL':>7} {'top-1':>6} "
                    f"{'file MB':>7} {'peak MB':>7} {'at cap':>6}  dominated by"]
     for s in row["configs"]:
         if _point(s) is None:
@@ -39,8 +39,9 @@ def format_frontier(row: dict) -> str:
         spread = f"{s['min_decode_tok_s']:.2f}-{s['max_decode_tok_s']:.2f}"
         peak = f"{s['peak_mb']:.0f}" if s.get("peak_mb") is not None else "-"
         at_cap = str(s["times_at_cap"]) if s.get("times_at_cap") is not None else "-"
+        se = f"{100 * s['ppl_increase_se']:.2f}" if s.get("ppl_increase_se") is not None else "-"
         lines.append(f"  {s['config']:<16} {s['decode_tok_s']:>7.2f} {spread:>13} {100 * s['ppl_increase']:>+7.2f} "
-                     f"{s['mean_kl']:>7.4f} {s['top1_agreement']:>6.3f} {s['file_mb']:>7.0f} {peak:>7} {at_cap:>6}  "
+                     f"{se:>5} {s['mean_kl']:>7.4f} {s['top1_agreement']:>6.3f} {s['file_mb']:>7.0f} {peak:>7} {at_cap:>6}  "
                      f"{', '.join(s['dominated_by']) or '-'}")
     return "\n".join(lines)
 
