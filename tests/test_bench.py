@@ -23,6 +23,7 @@ def test_bench_reports_every_figure(model_dir, tmp_path):
     budget = 5 * info.expert_bytes / MB
     out = tmp_path / "result"
     p = _bench([str(path), "--caps", "none", "--cap-mb", "700", "--repeats", "2", "-n", "6", "--threads", "2",
+                "--prompt-tokens", "16,128,512",
                 "--config", f"lru=--cache-mb {budget:.4f} --mode gpu-centric",
                 "--config", f"lfu=--policy lfu --cache-mb {budget:.4f} --mode gpu-centric",
                 "--out", str(out), "--no-progress"])
@@ -37,7 +38,7 @@ def test_bench_reports_every_figure(model_dir, tmp_path):
         assert [s["config"] for s in row["configs"]] == ["stock", "lru", "lfu"]
         for s in row["configs"]:
             assert s["errors"] == [] and s["decode_tok_s"] > 0 and len(s["all_decode_tok_s"]) == 2
-            assert s["ttft_short_ms"] > 0 and s["ttft_long_ms"] > 0 and s["same_output_all_repeats"]
+            assert set(s["ttft_ms"]) == {"16", "128", "512"} and min(s["ttft_ms"].values()) > 0 and s["same_output_all_repeats"]
             assert s["ratio_to_stock"] > 0 and s["same_output_as_stock"]
             # the bound is the disk time of the bytes read plus compute
             assert s["compute_ms_per_token"] > 0 and s["bound_tok_s"] > 0 and s["time_over_bound"] > 0
@@ -66,6 +67,8 @@ def test_bench_bad_input(model_dir, tmp_path):
     assert p.returncode == 2 and "invalid choice" in p.stderr
     p = _bench([str(path), "--caps", "-1", "--no-progress"])
     assert p.returncode == 2 and "cap fraction" in p.stderr
+    p = _bench([str(path), "--prompt-tokens", "16,0", "--no-progress"])
+    assert p.returncode == 2 and "--prompt-tokens" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_bench_several_models_in_one_command(model_dir, tmp_path):

@@ -1,6 +1,6 @@
 """One benchmark run, in its own process (inside the memory cap): load the model with
-one configuration, measure time to first token for a short and a long prompt and the
-decode speed, and print the figures as one JSON line.
+one configuration, measure time to first token for prompts of each length asked and the
+decode speed (after the shortest prompt), and print the figures as one JSON line.
 
     python -m hobbitpy.bench_worker '{"model": ..., "offload": {...} | null, ...}'
 
@@ -53,16 +53,18 @@ def _first_token(llm: Llama, prompt: list[int]) -> tuple[int, float]:
 def run(spec: dict) -> dict:
     offload = OffloadConfig(**spec["offload"]) if spec["offload"] is not None else OffloadConfig(enabled=False)
     n_predict = spec["n_predict"]
-    short, long_ = spec["prompt_tokens"]
+    lengths = sorted(spec["prompt_tokens"])
     t0 = time.perf_counter()
-    shape = bench_context_shape(n_predict, (short, long_))
+    shape = bench_context_shape(n_predict, tuple(lengths))
     llm = Llama(spec["model"], offload=offload, n_ctx=shape.n_ctx, n_batch=shape.n_batch,
                 n_threads=spec["threads"], verbose=False)
     load_s = time.perf_counter() - t0
     with llm:
         r = {"offloaded": llm.offloaded, "plan": llm.offload_plan.reason, "load_s": load_s,
              "budget_bytes": llm.offload_plan.budget_bytes or 0}
-        tok, r["ttft_short_ms"] = _first_token(llm, _prompt(llm, short))
+        # time to first token per prompt length (JSON keys: strings); the shortest first, from a cold cache
+        tok, first_ms = _first_token(llm, _prompt(llm, lengths[0]))
+        r["ttft_ms"] = {str(lengths[0]): first_ms}
 
         # decode: greedy, one token per step, from the short prompt
         llm.reset_offload_stats()
@@ -97,7 +99,8 @@ def run(spec: dict) -> dict:
         r["pools"] = [dict(p, hit_ratio=p["hits"] / max(1, p["hits"] + p["misses"])) for p in llm.pool_stats()]
         r["generated"] = generated
 
-        _, r["ttft_long_ms"] = _first_token(llm, _prompt(llm, long_))
+        for n in lengths[1:]:
+            _, r["ttft_ms"][str(n)] = _first_token(llm, _prompt(llm, n))
     return r
 
 

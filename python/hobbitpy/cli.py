@@ -237,6 +237,14 @@ def offload_config_from_args(args, model_path: str | None = None, *, auto_profil
     return OffloadConfig(**settings)
 
 
+def _token_counts(text: str) -> tuple[int, ...]:
+    """A comma-separated list of prompt lengths, each 1..4096 tokens (argparse reports a ValueError)."""
+    counts = tuple(int(t) for t in text.split(",") if t.strip())
+    if not counts or any(not 1 <= n <= 4096 for n in counts):
+        raise ValueError(text)
+    return tuple(sorted(set(counts)))
+
+
 def _add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="stock llama.cpp and hobbitpy side by side under memory caps",
                        description="Run stock llama.cpp and hobbitpy configurations on the same model and prompts, "
@@ -270,6 +278,9 @@ def _add_bench_parser(sub) -> None:
     p.add_argument("--max-ppl-increase", type=float, default=0.01,
                    help="tune's perplexity budget, as a fraction (default 0.01)")
     p.add_argument("--out", help="output folder for bench.json and the PNGs (default bench-MODEL-TIME; never overwritten)")
+    p.add_argument("--prompt-tokens", type=_token_counts, default=None, metavar="16,128,512",
+                   help="prompt lengths whose time to first token each run measures; decode follows the shortest "
+                        "(default 16,128; the papers add 512)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_bench)
 
@@ -331,7 +342,8 @@ def _bench(args) -> int:
             result = bench.run_bench(model, configs, caps, repeats=args.repeats, n_predict=args.n_predict,
                                      threads=args.threads, progress=not args.no_progress, quants=quants,
                                      quant_dir=args.quant_dir, quality_text=quality_text,
-                                     quality_tokens=args.quality_tokens, tune_request=tune_request)
+                                     quality_tokens=args.quality_tokens, tune_request=tune_request,
+                                     prompt_tokens=args.prompt_tokens or bench.PROMPT_TOKENS)
             # one model: its files in the output folder; several: a folder per model
             target = out if len(plans) == 1 else out / pathlib.Path(model).stem
             for path in bench.write_outputs(result, target):
