@@ -9,7 +9,7 @@ import pytest
 
 import hobbitpy
 from hobbitpy.allocation import layer_prediction_accuracy, shallow_boundary
-from hobbitpy.config import OffloadConfig
+from hobbitpy.config import PREFILL_ORDERS, OffloadConfig
 from hobbitpy.errors import BudgetError
 from hobbitpy.presets import preset_settings
 from hobbitpy.trace import Trace
@@ -32,6 +32,25 @@ def test_the_fate_preset_is_exact_to_stock(model_dir, arch):
     assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
     assert text == ref_text
     assert stats["peak_pool_bytes"] <= stats["budget_bytes"]
+
+
+@pytest.mark.parametrize("order", PREFILL_ORDERS)
+@pytest.mark.parametrize("arch", ARCHES)
+def test_a_prompt_wider_than_the_pools_loads_the_next_layer_in_either_order_exactly(model_dir, arch, order):
+    # Q4_K experts are repacked for the CPU's kernels and never run in place: a prompt wider
+    # than a layer's pool goes through it in waves, and while a layer computes the next one's
+    # experts are loaded, most popular first (the next router on this layer's input) or in
+    # expert order; either way the logits are stock's
+    path = tiny_model(model_dir, arch, n_layer=4, expert_type="Q4_K", n_embd=256, n_ff=512)
+    info = hobbitpy.inspect_model(path)
+    ref, ref_text, _, _ = run_logits(path, OffloadConfig(enabled=False))
+    per_expert = info.expert_bytes_total / info.n_expert / info.n_layer_moe
+    budget = per_expert * (info.n_expert + (info.n_layer_moe - 1) * (info.n_expert_used + 1))
+    config = OffloadConfig(**{**preset_settings("fate"), "cache_mb": budget / MB, "prefill_order": order})
+    got, text, stats, _ = run_logits(path, config)
+    assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
+    assert text == ref_text
+    assert stats["expert_inplace"] == 0 and stats["prefetch_issued"] > 0
 
 
 def test_a_pool_per_layer_needs_every_layers_top_k_and_one_precision(model_dir):

@@ -59,6 +59,7 @@ def test_the_c_defaults_are_the_tables():
     assert c.prefetch_layers == d.prefetch_layers and c.n_io_threads == d.io_threads
     assert bool(c.direct_io) == d.direct_io and bool(c.warm_low) == d.warm and c.seed == d.seed
     assert HIT_POLICIES[c.hit_policy] == d.hits and MODES[c.mode] == d.mode
+    assert bool(c.prefill_popular_first) == (d.prefill_order == "popularity")
     assert lib.HOBBIT_MAX_IO_THREADS == MAX_IO_THREADS
     w = c.policy_weights
     assert all(abs(a - b) < 1e-6 for a, b in zip((w.lru, w.lfu, w.lhu, w.fld), d.policy_weights))

@@ -103,6 +103,11 @@ struct hobbit_params {
                              // of their experts, the rest of the budget is split evenly over the deeper ones; the
                              // policy ranks within a layer). One precision level only; the budget must hold every
                              // layer's top-k
+    bool    prefill_popular_first; // a wide ubatch (a prompt) loads the next MoE layer's experts while this one
+                                   // computes: true = in descending order of the tokens its router is predicted to
+                                   // send to each (Fate §4.5; needs prefetch_layers >= 1 for the router), so the
+                                   // room the pools have goes to the experts most of the prompt will use; false = in
+                                   // expert order
     bool    direct_io;       // read with O_DIRECT (bypassing the page cache) where the file system allows it
     int32_t n_io_threads;    // threads reading experts (2 keeps the disk busy while one copies; 1 = strict queue order)
 

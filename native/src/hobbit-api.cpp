@@ -64,6 +64,7 @@ struct hobbit_params hobbit_default_params(void) {
     p.prefetch_layers = 0;
     p.prefetch_width  = 0;
     p.shallow_layers  = -1;
+    p.prefill_popular_first = true;
     p.direct_io       = true;
     p.n_io_threads    = 2;
     p.n_level         = 1;

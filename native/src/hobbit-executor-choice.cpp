@@ -26,12 +26,9 @@ bool executor_choice::in_place(int n_tokens, double resident, int64_t layer_byte
     if (mode == HOBBIT_MODE_COOPERATIVE) {
         return true;
     }
-    // auto: in place faults the weights into the page cache, which must hold them while
-    // the layer computes and the next one is read ahead; under a tight memory cap the pools
-    // took that room, and faulted-in pages would evict each other mid-matmul (measured: a
-    // prefill 6x slower than loading, a decode 1.2x). So auto goes in place only where the
-    // room holds two layers' experts.
-    if (room >= 0 && 2 * layer_bytes > room) {
+    // auto: under a tight memory cap the pools took the page cache's room (measured: a
+    // prefill 6x slower than loading, a decode 1.2x)
+    if (!page_cache_holds_two_layers(layer_bytes, room)) {
         return false;
     }
     // weights already in the page cache cost no read at all in place
@@ -42,6 +39,10 @@ bool executor_choice::in_place(int n_tokens, double resident, int64_t layer_byte
     // expert for many tokens at once, and in place every expert of the layer runs in one
     // pass instead of waiting for its loads slot by slot, which is worth some bandwidth
     return n_tokens > 1 && map_bytes_per_s >= WIDE_UBATCH_MAP_FACTOR * load_bytes_per_s;
+}
+
+bool page_cache_holds_two_layers(int64_t layer_bytes, int64_t room) {
+    return room < 0 || room >= 2 * layer_bytes;
 }
 
 executor_choice executor_choice_make(const expert_index & index, enum hobbit_mode mode, bool available, bool direct_io) {

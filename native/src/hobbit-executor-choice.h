@@ -27,6 +27,12 @@ struct executor_choice {
     bool in_place(int n_tokens, double resident, int64_t layer_bytes, int64_t room) const;
 };
 
+// computing a layer in place faults its experts into the page cache, which holds them while
+// the layer computes and the next layer is read ahead: room for two layers' experts, or the
+// faulted-in pages evict each other mid-matmul. room: what the page cache may hold beside
+// the pools (-1 = no limit known)
+bool page_cache_holds_two_layers(int64_t layer_bytes, int64_t room);
+
 // measure the latency model on the first expert of the first MoE layer (drops that range
 // of the model file from the page cache first; a failed measurement leaves 0 bandwidths)
 executor_choice executor_choice_make(const expert_index & index, enum hobbit_mode mode, bool available, bool direct_io);

@@ -87,6 +87,28 @@ private:
 
 } // namespace
 
+std::vector<int> predicted_expert_counts(predictor_i & predictor, int il, const float * x, size_t row_stride,
+                                         int n_tokens, int k, int n_expert) {
+    std::vector<int> counts;
+    std::vector<layer_prediction> out;
+    for (int t = 0; t < n_tokens; ++t) {
+        out.clear();
+        predictor.predict(il, x + (size_t) t * row_stride, 1, out);
+        if (out.empty()) {
+            return {};
+        }
+        counts.resize(n_expert, 0);
+        // the prediction may be widened past the router's top-k: a token's own selection is its first k
+        const std::vector<int> & experts = out[0].experts;
+        for (int i = 0; i < std::min<int>(k, (int) experts.size()); ++i) {
+            if (experts[i] >= 0 && experts[i] < n_expert) {
+                counts[experts[i]]++;
+            }
+        }
+    }
+    return counts;
+}
+
 void router_top_k(const router_weights & r, int n_embd, const float * x, int k, std::vector<int> & out) {
     const int n_expert = (int) (r.w.size() / n_embd);
     std::vector<float> logits(n_expert);

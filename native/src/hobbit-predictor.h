@@ -36,6 +36,13 @@ struct predictor_i {
 // gate (softmax or sigmoid) is monotonic in the logits, so the top logits are the top experts
 void router_top_k(const router_weights & r, int n_embd, const float * x, int k, std::vector<int> & out);
 
+// Fate §4.5: how many of a wide ubatch's tokens the MoE layer after il is predicted to route
+// to each of its n_expert experts (the top k of its router on each token's input to il). x:
+// n_tokens rows of n_embd floats, row_stride floats apart. Empty when nothing is predicted
+// from il (the last MoE layer).
+std::vector<int> predicted_expert_counts(predictor_i & predictor, int il, const float * x, size_t row_stride,
+                                         int n_tokens, int k, int n_expert);
+
 // routers: the router of every MoE layer in layer order; predicts the top n_predict
 // experts of up to max_depth next MoE layers
 std::unique_ptr<predictor_i> predictor_make_stacked_gates(const std::vector<router_weights> & routers, int n_embd,

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 
 // the names of hobbit.h's enum hobbit_policy, in its order
 static std::string policy_name(int policy) {
@@ -188,12 +189,20 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         }
     }
     // in place runs the model's own mapped weights with stock's kernels: only where the CPU
-    // does not repack that type on load (a repacked pool computes with other kernels)
+    // does not repack that type on load (a repacked pool computes with other kernels), and,
+    // unless cooperative mode was asked for, only where the page cache has room for what it
+    // faults in once the pools are full. Otherwise a ubatch wider than the pools runs in
+    // waves through them: computing its overflow in place under a tight cap made the process
+    // reach its cap 298 k times with a pool per layer on ref-mixtral at 0.55 (a 128-token
+    // prompt 4x slower), and a shared pool at 0.30 231 k times
     inplace_ok.assign(info.n_layer, false);
     bool any_inplace = false;
     for (int il : moe_layers) {
         // with a companion as the high level the model's experts are another precision than asked for
-        inplace_ok[il] = model != nullptr && !high && !pools[pool_of[0][il]].pool->repacked();
+        const int64_t layer_bytes = (int64_t) index.layers[il].n_bytes() * info.n_expert;
+        inplace_ok[il] = model != nullptr && !high && !pools[pool_of[0][il]].pool->repacked() &&
+                         (params.mode == HOBBIT_MODE_COOPERATIVE ||
+                          page_cache_holds_two_layers(layer_bytes, params.page_cache_room_bytes));
         any_inplace = any_inplace || inplace_ok[il];
     }
     if (params.mode < HOBBIT_MODE_GPU_CENTRIC || params.mode > HOBBIT_MODE_AUTO) {
@@ -431,19 +440,35 @@ int hobbit_runtime::queue_background_load(int p, int il, int e, bool prefetch, s
     return s;
 }
 
-void hobbit_runtime::prefetch_next_layer_whole(int il, std::vector<load_task> & loads) {
+void hobbit_runtime::prefetch_next_layer_whole(int il, const ggml_tensor * x, std::vector<load_task> & loads) {
     const auto it = std::find(moe_layers.begin(), moe_layers.end(), il);
     if (it == moe_layers.end() || it + 1 == moe_layers.end()) {
         return;
     }
     const int next = *(it + 1);
+    const int n_expert = index.info.n_expert;
+    std::vector<int> order(n_expert);
+    std::iota(order.begin(), order.end(), 0);
+    if (predictor && params.prefill_popular_first && x != nullptr) {
+        // Fate §4.5: the pools rarely hold a whole layer; what they hold should be what most
+        // of the prompt's tokens will select, and the first loads done are the longest computations
+        const std::vector<int> count = predicted_expert_counts(*predictor, il, (const float *) x->data,
+                                                               x->nb[1] / sizeof(float), (int) x->ne[1],
+                                                               index.info.n_expert_used, n_expert);
+        if (!count.empty()) {
+            std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return count[a] > count[b]; });
+        }
+    }
     const int p = pool_of[0][next];
     // no more than the pool holds beside what this layer pinned, or the loads would evict each other
     int room = 0;
     for (const pool_slot & slot : pools[p].pool->slots) {
         room += slot.pins == 0 && slot.state != slot_state::loading;
     }
-    for (int e = 0; e < index.info.n_expert && room > 0; ++e) {
+    for (int e : order) {
+        if (room <= 0) {
+            break;
+        }
         int level = -1;
         if (find_cached(next, e, level) >= 0 || runs_in_place(next, e, 2)) {
             continue;
@@ -868,12 +893,14 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
         a = apply_wave(il, plan, sel, lock, loads);
 
         const ggml_tensor * x = dst->src[3]; // router input [n_embd, n_tokens]
-        if (predictor && wave == 0 && n_tokens == 1 && x->type == GGML_TYPE_F32 && x->ne[0] == index.info.n_embd) {
+        const bool x_rows = x->type == GGML_TYPE_F32 && x->ne[0] == index.info.n_embd && x->ne[1] == n_tokens &&
+                            x->nb[0] == sizeof(float);
+        if (predictor && wave == 0 && n_tokens == 1 && x_rows) {
             prefetch_next_layers(il, (const float *) x->data, loads);
         }
         if (wave == 0 && (int64_t) n_pair >= 2 * n_expert) {
             if (!a.any_inplace) {
-                prefetch_next_layer_whole(il, loads);
+                prefetch_next_layer_whole(il, x_rows ? x : nullptr, loads);
             } else {
                 read_ahead_next_layer(il);
             }

@@ -93,8 +93,10 @@ private:
     // HOBBIT's adaptive prefetch (§3.3) from layer il's router input x; needs mtx
     void prefetch_next_layers(int il, const float * x, std::vector<load_task> & loads);
     // a wide ubatch (prefill) needs nearly every expert of the next MoE layer: load them at
-    // high precision while this layer computes; needs mtx
-    void prefetch_next_layer_whole(int il, std::vector<load_task> & loads);
+    // high precision while this layer computes, as many as the next layer's pool has room for,
+    // those most of its tokens are predicted to use first (x: this layer's router input, or
+    // nullptr: in expert order); needs mtx
+    void prefetch_next_layer_whole(int il, const ggml_tensor * x, std::vector<load_task> & loads);
     // a wide ubatch computing in place: the next MoE layer's experts are read into the page
     // cache (readahead, asynchronous) while this layer computes, if there is room; needs mtx
     void read_ahead_next_layer(int il);

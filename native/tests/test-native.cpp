@@ -515,6 +515,27 @@ static void test_stacked_predictor() {
     printf("ok stacked predictor\n");
 }
 
+// Fate's popularity-ordered prefill: per expert of the next MoE layer, the tokens whose top-k
+// the router is predicted to put it in; a widened prediction still counts each token's k only
+static void test_predicted_expert_counts() {
+    const int n_embd = 2;
+    std::vector<router_weights> routers(2);
+    routers[0].il = 0;
+    routers[1].il = 1;
+    routers[0].w = { 1, 0,  0, 1,  1, 1 };
+    // layer 1 scores experts (x0, -x0 + x1, 2 x1): x = (1, 0) ranks 0 > 2 > 1, (0, 1) 2 > 1 > 0
+    routers[1].w = { 1, 0,  -1, 1,  0, 2 };
+    auto predictor = predictor_make_stacked_gates(routers, n_embd, /*n_predict (widened)*/ 3, /*max_depth*/ 1);
+    // three tokens, rows 3 floats apart (a padded layout): (1, 0), (0, 1), (0, 1)
+    const float x[9] = { 1, 0, -7,  0, 1, -7,  0, 1, -7 };
+    const std::vector<int> top1 = predicted_expert_counts(*predictor, 0, x, 3, 3, /*k*/ 1, 3);
+    CHECK(top1 == std::vector<int>({ 1, 0, 2 }));
+    const std::vector<int> top2 = predicted_expert_counts(*predictor, 0, x, 3, 3, /*k*/ 2, 3);
+    CHECK(top2 == std::vector<int>({ 1, 2, 3 }));
+    CHECK(predicted_expert_counts(*predictor, 1, x, 3, 3, 2, 3).empty()); // the last MoE layer: nothing after it
+    printf("ok predicted expert counts\n");
+}
+
 // a file mapped, then cut: a read past its new end inside a guard reads zeros and marks the
 // guard, where it would have been a SIGBUS
 static void test_mapping_guard(const std::string & dir) {
@@ -559,6 +580,7 @@ int main(int argc, char ** argv) {
     test_level_budgets(path);
     test_per_layer_plan(path);
     test_stacked_predictor();
+    test_predicted_expert_counts();
     test_mapping_guard(dir);
     unlink(path.c_str());
     printf("all native tests passed\n");

@@ -74,6 +74,7 @@ struct hobbit_params {
     int32_t prefetch_layers;
     int32_t prefetch_width;
     int32_t shallow_layers;
+    bool    prefill_popular_first;
     bool    direct_io;
     int32_t n_io_threads;
     int32_t n_level;

@@ -17,6 +17,9 @@ _NATIVE_POLICY = {"lru": 0, "lfu": 1, "lhu": 2, "fld": 3, "random": 4, "weighted
 # where a missed expert runs (hobbit.h enum hobbit_mode, in its order)
 MODES = ("gpu-centric", "cooperative", "auto")
 
+# the order a prompt loads the next layer's experts in (hobbit.h prefill_popular_first)
+PREFILL_ORDERS = ("popularity", "expert")
+
 # what a hit at another precision does (hobbit.h enum hobbit_hit_policy, in its order)
 HIT_POLICIES = ("found", "upgrade", "exact")
 
@@ -106,6 +109,12 @@ class OffloadConfig:
               "of the budget is split evenly over the deeper layers, and the policy evicts within a layer; 0 splits "
               "it evenly. One precision level; the budget must hold one token's top-k in every layer",
         flag="--shallow-layers", metavar="N", parse="int", default_text="none: one pool shared by every layer")
+    prefill_order: str = option("popularity", "the order a prompt loads the next MoE layer's experts in while a "
+                                              "layer computes, as many as its pool has room for: by how many of the "
+                                              "prompt's tokens that layer's router is predicted to send to each, most "
+                                              "first (popularity: Fate §4.5; needs --prefetch-layers 1 or more, "
+                                              "else expert order), or expert by expert (expert)",
+                                flag="--prefill-order", choices=PREFILL_ORDERS)
     direct_io: bool = option(True, "read experts through the page cache instead of with O_DIRECT (O_DIRECT avoids "
                                    "caching them twice)", flag="--no-direct-io", negate=True)
     io_threads: int = option(2, "threads reading experts: 2 keeps the disk busy while one copies out of its buffer",
@@ -180,6 +189,8 @@ class OffloadConfig:
             raise ValueError(f"policy_weights must be four non-negative weights (LRU, LFU, LHU, FLD) summing to 1, got {w}")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"unknown prefill order {self.prefill_order!r}; choose one of {', '.join(PREFILL_ORDERS)}")
         if self.hits not in HIT_POLICIES:
             raise ValueError(f"unknown hit policy {self.hits!r}; choose one of {', '.join(HIT_POLICIES)}")
         if self.mid is not None and self.low is None:
@@ -226,6 +237,7 @@ class OffloadConfig:
         params.prefetch_layers = self.prefetch_layers
         params.prefetch_width = self.prefetch_width
         params.shallow_layers = -1 if self.shallow_layers is None else self.shallow_layers
+        params.prefill_popular_first = self.prefill_order == "popularity"
         params.direct_io = self.direct_io
         params.n_io_threads = self.io_threads
         params.policy = _NATIVE_POLICY[self.policy]

@@ -23,10 +23,12 @@ PRESETS: dict[str, Preset] = {
     "hobbit": Preset({"low": "Q2_K", "policy": "hobbit", "prefetch_layers": 2},
                      "HOBBIT: a Q2_K copy of every expert for the less important misses (T1/T2, eq. 2), the "
                      "multidimensional policy (eq. 3), adaptive prefetch two layers ahead (§3.3)"),
-    "fate": Preset({"policy": "arc", "prefetch_layers": 1, "prefetch_width": PREFETCH_WIDTH_FATE, "shallow_layers": 1},
+    "fate": Preset({"policy": "arc", "prefetch_layers": 1, "prefetch_width": PREFETCH_WIDTH_FATE, "shallow_layers": 1,
+                    "prefill_order": "popularity"},
                    "Fate: the next layer's gate on this layer's input with a widened candidate set (§4.3); a pool "
-                   "per layer, the first MoE layer (which nothing predicts) whole, ARC per layer (§4.4). Not yet: "
-                   "popularity-ordered prefill and its INT2 share (§4.5)"),
+                   "per layer, the first MoE layer (which nothing predicts) whole, ARC per layer (§4.4); a prompt "
+                   "loads the next layer's experts most popular first, by the same gate (§4.5). Not yet: the INT2 "
+                   "share of the least popular (§4.5)"),
 }
 
 
