@@ -108,6 +108,10 @@ struct hobbit_params {
                                    // send to each (Fate §4.5; needs prefetch_layers >= 1 for the router), so the
                                    // room the pools have goes to the experts most of the prompt will use; false = in
                                    // expert order
+    float   substitute_alpha;  // importance-driven scheduling's expert-cache router (its Algorithm 1; lossy): in
+                               // decode, a selection scoring below (1 + alpha) times the best unselected score (β)
+                               // that is not cached is replaced by the best cached unselected expert scoring in
+                               // [(1 - alpha) β, β], its gate weight renormalized; 0 = off (exact)
     bool    direct_io;       // read with O_DIRECT (bypassing the page cache) where the file system allows it
     int32_t n_io_threads;    // threads reading experts (2 keeps the disk busy while one copies; 1 = strict queue order)
 
@@ -194,6 +198,7 @@ struct hobbit_stats {
     int64_t demand_bytes_read;     // of bytes_read, what a dispatch waited for (on-demand loads; the rest ran in the background)
     int64_t dispatch_us;           // time the dispatch ops spent deciding and bookkeeping (their waits are stall_us)
     int64_t background_bytes_read; // of bytes_read, what loaded in the background (prefetch, upgrades, warm-up)
+    int64_t n_substituted;         // selections replaced by a cached expert of similar score (substitute_alpha)
 };
 
 // counters of one pool (one per expert signature; index 0 .. n_pool-1)
@@ -217,6 +222,7 @@ struct hobbit_sim_trace {
     const int32_t * experts;        // [n_tokens][n_layer][n_expert_used]; -1 = none
     const uint8_t * seq_start;      // [n_tokens], 1 where a sequence begins (sequence-level records reset); may be NULL
     const uint8_t * high_precision; // [n_tokens][n_layer][n_expert_used], 0 = served at low precision; NULL = all high
+    const float *   scores;         // [n_tokens][n_layer][n_expert] router scores (probabilities), for substitution; may be NULL
 };
 
 struct hobbit_sim_result {
@@ -225,6 +231,7 @@ struct hobbit_sim_result {
     int64_t misses_high;
     int64_t misses_low;
     double  miss_penalty;          // misses_high + misses_low * low_miss_cost (HOBBIT §3.4)
+    int64_t substituted;           // selections served by a cached expert of similar score instead (substitute_alpha)
 };
 
 HOBBIT_API struct hobbit_params hobbit_default_params(void);
@@ -283,11 +290,13 @@ HOBBIT_API void hobbit_runtime_new_sequence(hobbit_runtime * rt);
 
 // replay a trace through a cache of n_slot slots under policy ("lru", "lfu", "lhu", "fld",
 // "random", "weighted" with weights, "arc", or "belady": the offline optimum) - the runtime's own
-// policy code, offline
+// policy code, offline. substitute_alpha > 0 (needs the trace's scores): each selection first
+// goes through the runtime's substitution (hobbit_params.substitute_alpha); not with belady,
+// whose future is the trace as routed
 HOBBIT_API enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, const char * policy,
                                                     const struct hobbit_policy_weights * weights, int32_t n_slot,
-                                                    uint64_t seed, double low_miss_cost, struct hobbit_sim_result * result,
-                                                    char * err, size_t err_size);
+                                                    uint64_t seed, double low_miss_cost, float substitute_alpha,
+                                                    struct hobbit_sim_result * result, char * err, size_t err_size);
 
 // importance matrix of the routed experts (what llama-imatrix collects, expert tensors only):
 // per "*_exps" tensor and expert, the sum over the tokens routed to it of each input column's

@@ -65,6 +65,7 @@ struct hobbit_params hobbit_default_params(void) {
     p.prefetch_width  = 0;
     p.shallow_layers  = -1;
     p.prefill_popular_first = true;
+    p.substitute_alpha = 0.0f;
     p.direct_io       = true;
     p.n_io_threads    = 2;
     p.n_level         = 1;
@@ -120,6 +121,9 @@ static std::string invalid_params(const hobbit_params * params) {
     if (params->n_io_threads < 1 || params->n_io_threads > HOBBIT_MAX_IO_THREADS) {
         return "n_io_threads must be 1.." + std::to_string(HOBBIT_MAX_IO_THREADS) + ", got " +
                std::to_string(params->n_io_threads);
+    }
+    if (!(params->substitute_alpha >= 0.0f && params->substitute_alpha <= 1.0f)) { // NaN fails too
+        return "substitute_alpha must be in [0, 1], got " + std::to_string(params->substitute_alpha);
     }
     if (params->prefetch_width < HOBBIT_PREFETCH_WIDTH_FATE) {
         return "prefetch_width must be >= 0 or HOBBIT_PREFETCH_WIDTH_FATE, got " + std::to_string(params->prefetch_width);
@@ -240,7 +244,8 @@ void hobbit_runtime_new_sequence(hobbit_runtime * rt) {
 
 enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, const char * policy,
                                          const struct hobbit_policy_weights * weights, int32_t n_slot, uint64_t seed,
-                                         double low_miss_cost, struct hobbit_sim_result * result, char * err, size_t err_size) {
+                                         double low_miss_cost, float substitute_alpha, struct hobbit_sim_result * result,
+                                         char * err, size_t err_size) {
     if (trace == nullptr || policy == nullptr || result == nullptr || trace->experts == nullptr) {
         write_error(err, err_size, "hobbit_simulate_cache: trace, its experts, policy and result are required");
         return HOBBIT_STATUS_ERROR_INVALID;
@@ -257,6 +262,11 @@ enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, 
     }
     const std::string name = policy;
     const bool belady = name == "belady";
+    if (!(substitute_alpha >= 0.0f && substitute_alpha <= 1.0f) || (substitute_alpha > 0.0f && (trace->scores == nullptr || belady))) {
+        write_error(err, err_size, "hobbit_simulate_cache: substitute_alpha must be in [0, 1], and above 0 needs the "
+                    "trace's scores and a policy other than belady");
+        return HOBBIT_STATUS_ERROR_INVALID;
+    }
     cache_policy_kind kind = cache_policy_kind::lru;
     if (!belady && !cache_policy_parse(name, kind)) {
         write_error(err, err_size, "unknown cache policy '" + name + "' (lru, lfu, lhu, fld, random, weighted, arc, belady)");
@@ -267,10 +277,10 @@ enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, 
         w = { weights->lru, weights->lfu, weights->lhu, weights->fld };
     }
     const cache_sim_trace tr = { trace->n_tokens, trace->n_layer, trace->n_expert, trace->n_expert_used,
-                                 trace->experts, trace->seq_start, trace->high_precision };
+                                 trace->experts, trace->seq_start, trace->high_precision, trace->scores };
     return guarded([&] {
-        const cache_sim_result r = cache_simulate(tr, n_slot, belady, kind, w, seed, low_miss_cost);
-        *result = { r.accesses, r.hits, r.misses_high, r.misses_low, r.miss_penalty };
+        const cache_sim_result r = cache_simulate(tr, n_slot, belady, kind, w, seed, low_miss_cost, substitute_alpha);
+        *result = { r.accesses, r.hits, r.misses_high, r.misses_low, r.miss_penalty, r.substituted };
     }, err, err_size);
 }
 

@@ -1,9 +1,12 @@
 #include "hobbit-cache-sim.h"
 
+#include "hobbit-substitution.h"
+
 #include <vector>
 
 cache_sim_result cache_simulate(const cache_sim_trace & tr, int n_slot, bool belady, cache_policy_kind kind,
-                                const cache_policy_weights & weights, uint64_t seed, double low_miss_cost) {
+                                const cache_policy_weights & weights, uint64_t seed, double low_miss_cost,
+                                float substitute_alpha) {
     const int K = tr.n_expert_used;
     const int n_id = tr.n_layer * tr.n_expert;
     std::unique_ptr<cache_policy_i> policy = belady ?
@@ -15,6 +18,11 @@ cache_sim_result cache_simulate(const cache_sim_trace & tr, int n_slot, bool bel
     std::vector<int> candidates;
     int pinned_step = -1;                               // the step being served
     cache_sim_result r;
+    const bool substitute = substitute_alpha > 0.0f && tr.scores != nullptr && !belady;
+    std::vector<int32_t> step_experts(K);               // the step's selections, after substitution
+    std::vector<float> scores(tr.n_expert);
+    std::vector<int> ids(K);
+    std::vector<float> unused_weights(K, 0.0f);
     // a slot is taken as the runtime's pools take one: empty first, then the policy's
     // victim among the slots the step has not pinned
     const auto use = [&](int s) {
@@ -29,12 +37,26 @@ cache_sim_result cache_simulate(const cache_sim_trace & tr, int n_slot, bool bel
             const int step = t * tr.n_layer + l;
             pinned_step = step;
             policy->on_layer(l);
+            for (int k = 0; k < K; ++k) {
+                step_experts[k] = tr.experts[(int64_t) step * K + k];
+            }
+            if (substitute) {
+                const float * s = tr.scores + (int64_t) step * tr.n_expert;
+                scores.assign(s, s + tr.n_expert);
+                ids.assign(step_experts.begin(), step_experts.end());
+                const substitution_plan plan = plan_substitution(scores, ids, unused_weights, substitute_alpha,
+                    [&](int e) { return slot_of[l * tr.n_expert + e] >= 0; });
+                for (int k = 0; k < K; ++k) {
+                    step_experts[k] = plan.ids[k];
+                }
+                r.substituted += plan.n_substituted;
+            }
             // as the runtime does: the experts already cached are used and pinned first,
             // then the missing ones are loaded in top-k order
             for (int pass = 0; pass < 2; ++pass) {
                 for (int k = 0; k < K; ++k) {
                     const int64_t i = (int64_t) step * K + k;
-                    const int32_t e = tr.experts[i];
+                    const int32_t e = step_experts[k];
                     if (e < 0 || e >= tr.n_expert) {
                         continue;
                     }

@@ -19,6 +19,7 @@ struct cache_sim_trace {
     const int32_t * experts;        // [n_tokens][n_layer][n_expert_used]; -1 = none
     const uint8_t * seq_start;      // [n_tokens]; 1 where a new sequence begins; may be NULL
     const uint8_t * high_precision; // [n_tokens][n_layer][n_expert_used]; 0 = served low; NULL = all high
+    const float *   scores;         // [n_tokens][n_layer][n_expert] router scores; NULL = none (no substitution)
 };
 
 struct cache_sim_result {
@@ -27,8 +28,12 @@ struct cache_sim_result {
     int64_t misses_high = 0;
     int64_t misses_low  = 0;
     double  miss_penalty = 0.0; // misses_high + misses_low * low_miss_cost
+    int64_t substituted  = 0;   // selections a cached expert of similar score served instead
 };
 
-// belady: ignore kind/weights and use the offline optimum
+// belady: ignore kind/weights and use the offline optimum. substitute_alpha > 0 (with the
+// trace's scores): each step's selections first go through plan_substitution against the
+// cache as it is, as the runtime's decode does (hobbit-substitution.h)
 cache_sim_result cache_simulate(const cache_sim_trace & trace, int n_slot, bool belady, cache_policy_kind kind,
-                                const cache_policy_weights & weights, uint64_t seed, double low_miss_cost);
+                                const cache_policy_weights & weights, uint64_t seed, double low_miss_cost,
+                                float substitute_alpha = 0.0f);

@@ -1,6 +1,7 @@
 #include "hobbit-runtime.h"
 
 #include "hobbit-error.h"
+#include "hobbit-substitution.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -874,9 +875,57 @@ wave_assignment hobbit_runtime::apply_wave(int il, const wave_plan & plan, const
     return a;
 }
 
+void hobbit_runtime::substitute_low_scores(int il, ggml_tensor * dst) {
+    ggml_tensor * sel = dst->src[0];   // [n_used, 1] I32 (a view: not contiguous)
+    ggml_tensor * wts = dst->src[1];   // [1, n_used, 1] F32
+    const ggml_tensor * probs = dst->src[2]; // [1, n_expert, 1] F32
+    const int n_expert = index.info.n_expert;
+    if (sel->type != GGML_TYPE_I32 || wts->type != GGML_TYPE_F32 || probs == nullptr || probs->type != GGML_TYPE_F32 ||
+        probs->ne[1] != n_expert || sel->ne[1] != 1) {
+        return;
+    }
+    const int k = (int) sel->ne[0];
+    std::vector<float> scores(n_expert);
+    for (int e = 0; e < n_expert; ++e) {
+        scores[e] = *(const float *) ((const char *) probs->data + e * probs->nb[1]);
+    }
+    // gpt-oss routes on its logits and softmaxes over the selected ones only (llama.cpp's
+    // SOFTMAX_WEIGHT): the scores the thresholds compare are the softmax over all of them
+    if (strcmp(index.info.arch, "gpt-oss") == 0) {
+        const float m = *std::max_element(scores.begin(), scores.end());
+        float total = 0.0f;
+        for (float & s : scores) {
+            total += (s = std::exp(s - m));
+        }
+        for (float & s : scores) {
+            s /= total;
+        }
+    }
+    std::vector<int> ids(k);
+    std::vector<float> weights(k);
+    for (int j = 0; j < k; ++j) {
+        ids[j]     = *(const int32_t *) ((const char *) sel->data + j * sel->nb[0]);
+        weights[j] = *(const float *) ((const char *) wts->data + j * wts->nb[1]);
+    }
+    std::lock_guard<std::mutex> lock(mtx);
+    const substitution_plan plan = plan_substitution(scores, ids, weights, params.substitute_alpha,
+        [&](int e) { int level = -1; return find_cached(il, e, level) >= 0; });
+    if (plan.n_substituted == 0) {
+        return;
+    }
+    for (int j = 0; j < k; ++j) {
+        *(int32_t *) ((char *) sel->data + j * sel->nb[0]) = plan.ids[j];
+        *(float *) ((char *) wts->data + j * wts->nb[1])   = plan.weights[j];
+    }
+    stats_.n_substituted += plan.n_substituted;
+}
+
 void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
     const int64_t t_enter = now_us();
     const int n_expert = index.info.n_expert;
+    if (params.substitute_alpha > 0.0f && wave == 0 && dst->src[0]->ne[1] == 1) {
+        substitute_low_scores(il, dst);
+    }
     const wave_selection sel = read_selection(dst->src[0], dst->src[1], n_expert, thresholds, placed(il));
     const int n_tokens = sel.n_tokens;
     const size_t n_pair = sel.n_pair();

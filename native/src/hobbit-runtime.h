@@ -92,6 +92,10 @@ private:
     int  queue_background_load(int p, int il, int e, bool prefetch, std::vector<load_task> & loads);
     // HOBBIT's adaptive prefetch (§3.3) from layer il's router input x; needs mtx
     void prefetch_next_layers(int il, const float * x, std::vector<load_task> & loads);
+    // importance-driven substitution (hobbit-substitution.h) for a one-token ubatch: rewrites
+    // the dispatch op's selected ids and gate weights (src[0], src[1]) before the wave reads
+    // them; the graph's later ops (the weighted sum, gpt-oss's per-expert bias) read them too
+    void substitute_low_scores(int il, ggml_tensor * dst);
     // a wide ubatch (prefill) needs nearly every expert of the next MoE layer: load them at
     // high precision while this layer computes, as many as the next layer's pool has room for,
     // those most of its tokens are predicted to use first (x: this layer's router input, or

@@ -75,6 +75,7 @@ struct hobbit_params {
     int32_t prefetch_width;
     int32_t shallow_layers;
     bool    prefill_popular_first;
+    float   substitute_alpha;
     bool    direct_io;
     int32_t n_io_threads;
     int32_t n_level;
@@ -143,6 +144,7 @@ struct hobbit_stats {
     int64_t demand_bytes_read;
     int64_t dispatch_us;
     int64_t background_bytes_read;
+    int64_t n_substituted;
 };
 
 struct hobbit_pool_stats {
@@ -164,6 +166,7 @@ struct hobbit_sim_trace {
     const int32_t * experts;
     const uint8_t * seq_start;
     const uint8_t * high_precision;
+    const float *   scores;
 };
 
 struct hobbit_sim_result {
@@ -172,6 +175,7 @@ struct hobbit_sim_result {
     int64_t misses_high;
     int64_t misses_low;
     double  miss_penalty;
+    int64_t substituted;
 };
 
 struct hobbit_params hobbit_default_params(void);
@@ -197,8 +201,8 @@ void hobbit_runtime_trace_end(hobbit_runtime * rt);
 void hobbit_runtime_new_sequence(hobbit_runtime * rt);
 enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, const char * policy,
                                          const struct hobbit_policy_weights * weights, int32_t n_slot,
-                                         uint64_t seed, double low_miss_cost, struct hobbit_sim_result * result,
-                                         char * err, size_t err_size);
+                                         uint64_t seed, double low_miss_cost, float substitute_alpha,
+                                         struct hobbit_sim_result * result, char * err, size_t err_size);
 bool hobbit_abort_callback(void * rt);
 typedef struct hobbit_imatrix hobbit_imatrix;
 struct ggml_tensor;

@@ -471,6 +471,9 @@ def _add_simulate_parser(sub) -> None:
                    help="mixed precision: a selection whose eq. 2 score is above T1 is wanted at low precision")
     p.add_argument("--low-cost", type=float, default=0.31,
                    help="with --t1: a low-precision miss costs this much of a high one (default 0.31, Q2_K/Q8_0 bytes)")
+    p.add_argument("--substitute", type=float, default=0.0, metavar="ALPHA",
+                   help="replay the runtime's substitution of low-score misses first (--substitute of `run`, "
+                        "importance-driven scheduling; not for belady, whose future is the trace as routed)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.set_defaults(func=_simulate)
 
@@ -486,8 +489,11 @@ def _simulate(args) -> int:
         t = load_trace(args.trace)
         if args.t1 is not None and not 0 <= args.t1 <= 1:
             return _fail(f"--t1 must be in [0, 1], got {args.t1}")
+        if not 0 <= args.substitute <= 1:
+            return _fail(f"--substitute must be in [0, 1], got {args.substitute}")
         results = simulate_all(t, args.budget_mb, args.policy, weights=args.policy_weights or (0.25,) * 4,
-                               seed=args.seed, t1=args.t1, low_miss_cost=args.low_cost)
+                               seed=args.seed, t1=args.t1, low_miss_cost=args.low_cost,
+                               substitute_alpha=args.substitute)
     except (HobbitError, ValueError) as e:
         return _fail(str(e))
     m = t.meta

@@ -115,6 +115,11 @@ class OffloadConfig:
                                               "first (popularity: Fate §4.5; needs --prefetch-layers 1 or more, "
                                               "else expert order), or expert by expert (expert)",
                                 flag="--prefill-order", choices=PREFILL_ORDERS)
+    substitute_alpha: float = option(
+        0.0, "importance-driven scheduling's expert-cache router (its Algorithm 1; lossy): in decode, a selection "
+             "scoring below (1 + ALPHA) times the best unselected expert's score that is not cached is served by the "
+             "best cached unselected expert scoring within (1 - ALPHA) of it instead, the gate weights renormalized; "
+             "the paper runs 0.25-0.35; 0 = off (exact)", flag="--substitute", metavar="ALPHA", parse="float")
     direct_io: bool = option(True, "read experts through the page cache instead of with O_DIRECT (O_DIRECT avoids "
                                    "caching them twice)", flag="--no-direct-io", negate=True)
     io_threads: int = option(2, "threads reading experts: 2 keeps the disk busy while one copies out of its buffer",
@@ -189,6 +194,8 @@ class OffloadConfig:
             raise ValueError(f"policy_weights must be four non-negative weights (LRU, LFU, LHU, FLD) summing to 1, got {w}")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if not 0.0 <= self.substitute_alpha <= 1.0:  # NaN fails too
+            raise ValueError(f"substitute_alpha must be in [0, 1], got {self.substitute_alpha}")
         if self.prefill_order not in PREFILL_ORDERS:
             raise ValueError(f"unknown prefill order {self.prefill_order!r}; choose one of {', '.join(PREFILL_ORDERS)}")
         if self.hits not in HIT_POLICIES:
@@ -238,6 +245,7 @@ class OffloadConfig:
         params.prefetch_width = self.prefetch_width
         params.shallow_layers = -1 if self.shallow_layers is None else self.shallow_layers
         params.prefill_popular_first = self.prefill_order == "popularity"
+        params.substitute_alpha = self.substitute_alpha
         params.direct_io = self.direct_io
         params.n_io_threads = self.io_threads
         params.policy = _NATIVE_POLICY[self.policy]

@@ -29,6 +29,11 @@ PRESETS: dict[str, Preset] = {
                    "per layer, the first MoE layer (which nothing predicts) whole, ARC per layer (§4.4); a prompt "
                    "loads the next layer's experts most popular first, by the same gate (§4.5). Not yet: the INT2 "
                    "share of the least popular (§4.5)"),
+    "importance": Preset({"substitute_alpha": 0.3, "prefetch_layers": 1},
+                         "importance-driven scheduling: a low-score selection that misses is served by a cached "
+                         "expert of similar score (Algorithm 1, alpha 0.3 as its Table 3's middle setting; lossy), "
+                         "the next layer prefetched. Not yet: prefetching the top-score experts only, the "
+                         "score-history eviction with its shield (§4.3), the CPU/load balance (Algorithm 2)"),
 }
 
 

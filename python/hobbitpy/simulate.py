@@ -33,6 +33,7 @@ class SimResult:
     misses: int
     bytes_read: int
     miss_penalty: float
+    substituted: int = 0  # selections a cached expert of similar score served instead (substitute_alpha)
 
     @property
     def hit_ratio(self) -> float:
@@ -54,11 +55,24 @@ def slots_for_budget(trace: Trace, budget_mb: float) -> int:
     return n_slot
 
 
+def router_scores(trace: Trace) -> np.ndarray:
+    """[tokens, layers, n_expert] the router's scores as probabilities: the trace's probs, or
+    for gpt-oss (which routes on logits and softmaxes over its selection) their softmax."""
+    probs = trace.probs.astype(np.float32)
+    if trace.meta.get("arch") == "gpt-oss":
+        probs = np.exp(probs - probs.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+    return np.ascontiguousarray(probs, dtype=np.float32)
+
+
 def simulate(trace: Trace, budget_mb: float, policy: str, *, weights=(0.25, 0.25, 0.25, 0.25), seed: int = 0,
-             high_precision: np.ndarray | None = None, low_miss_cost: float = 1.0, t1: float | None = None) -> SimResult:
+             high_precision: np.ndarray | None = None, low_miss_cost: float = 1.0, t1: float | None = None,
+             substitute_alpha: float = 0.0) -> SimResult:
     """Misses of `policy` on `trace` with a cache of `budget_mb`. A selection is wanted at
     high precision per high_precision, or (t1) when its eq. 2 score is at most t1; a
-    low-precision miss costs low_miss_cost of a high one (HOBBIT's miss penalty)."""
+    low-precision miss costs low_miss_cost of a high one (HOBBIT's miss penalty).
+    substitute_alpha: the runtime's substitution of low-score misses first (the importance
+    preset; not for Belady, whose future is the trace as routed)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
     if high_precision is None and t1 is not None:
@@ -77,14 +91,20 @@ def simulate(trace: Trace, budget_mb: float, policy: str, *, weights=(0.25, 0.25
         if high_precision.shape != experts.shape:
             raise ValueError(f"high_precision has shape {high_precision.shape}, the trace {experts.shape}")
         t.high_precision = ffi.cast("const uint8_t *", high_precision.ctypes.data)
+    alpha = 0.0 if policy == "belady" else substitute_alpha
+    if alpha > 0:
+        scores = router_scores(trace)
+        t.scores = ffi.cast("const float *", scores.ctypes.data)
     w = ffi.new("struct hobbit_policy_weights *", dict(zip(("lru", "lfu", "lhu", "fld"), weights)))
     r = ffi.new("struct hobbit_sim_result *")
     err = error_buffer()
-    if lib.hobbit_simulate_cache(t, native_policy.encode(), w, n_slot, seed, low_miss_cost, r, err, len(err)) != 0:
+    if lib.hobbit_simulate_cache(t, native_policy.encode(), w, n_slot, seed, low_miss_cost, alpha, r, err,
+                                 len(err)) != 0:
         raise HobbitError(to_str(err))
     misses = int(r.misses_high + r.misses_low)
     return SimResult(policy=policy, budget_mb=budget_mb, n_slot=n_slot, accesses=int(r.accesses), hits=int(r.hits),
-                     misses=misses, bytes_read=misses * trace.meta["expert_bytes"], miss_penalty=float(r.miss_penalty))
+                     misses=misses, bytes_read=misses * trace.meta["expert_bytes"], miss_penalty=float(r.miss_penalty),
+                     substituted=int(r.substituted))
 
 
 def simulate_all(trace: Trace, budgets_mb: list[float], policies=DEFAULT_POLICIES, **kwargs) -> list[SimResult]:
@@ -98,11 +118,13 @@ def format_table(results: list[SimResult]) -> str:
         rows = [r for r in results if r.budget_mb == budget]
         best = next((r for r in rows if r.policy == "belady"), None)
         lines.append(f"budget {budget:g} MB ({rows[0].n_slot} slots), {rows[0].accesses} expert selections")
+        substituting = any(r.substituted for r in rows)
         lines.append(f"  {'policy':<9} {'hit ratio':>9} {'misses':>9} {'MB read':>10} {'penalty':>9} "
-                     f"{'misses/Belady':>13} {'penalty/Belady':>14}")
+                     f"{'misses/Belady':>13} {'penalty/Belady':>14}" + (f" {'substituted':>11}" if substituting else ""))
         for r in rows:
             ratio_m = f"{r.misses / best.misses:.3f}" if best and best.misses else "-"
             ratio_p = f"{r.miss_penalty / best.miss_penalty:.3f}" if best and best.miss_penalty else "-"
             lines.append(f"  {r.policy:<9} {r.hit_ratio:>9.3f} {r.misses:>9d} {r.bytes_read / MB:>10.1f} "
-                         f"{r.miss_penalty:>9.1f} {ratio_m:>13} {ratio_p:>14}")
+                         f"{r.miss_penalty:>9.1f} {ratio_m:>13} {ratio_p:>14}"
+                         + (f" {r.substituted:>11d}" if substituting else ""))
     return "\n".join(lines)

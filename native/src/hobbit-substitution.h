@@ -1,0 +1,29 @@
+// hobbit-substitution.h - importance-driven scheduling's expert-cache router (Algorithm 1 of
+// importance-driven-scheduling.txt), for one token: a selected expert whose router score is
+// close to the best unselected one's is "low-score", and if it is not cached it is replaced
+// by an unselected, cached expert of similar score, so the token needs no load for it.
+//
+// Pure: it plans from the scores and what is cached; the runtime writes the plan into the
+// graph's selected ids and gate weights (hobbit_runtime::substitute_low_scores).
+#pragma once
+
+#include <functional>
+#include <vector>
+
+struct substitution_plan {
+    std::vector<int>   ids;     // [k] the experts the token uses
+    std::vector<float> weights; // [k] their gate weights
+    int n_substituted = 0;      // selections replaced
+};
+
+// scores: [n_expert] the token's router scores (probabilities: softmax or sigmoid outputs);
+// ids, weights: its k selections and their gate weights; alpha: β = the (k+1)-th highest
+// score; a selection scoring at least (1 + alpha) β is top-score and kept, one below it is
+// low-score and, when not cached, replaced by the best cached unselected expert scoring in
+// [(1 - alpha) β, β), the lowest-scoring low-score selections first when there are fewer such
+// experts than misses. The gate weights: where the token's weights are its selections' scores
+// normalized to sum to 1 (mixtral, gpt-oss) the new set is normalized again; otherwise (the raw
+// scores, qwen2moe) the substitute gets its score, scaled as the others are.
+substitution_plan plan_substitution(const std::vector<float> & scores, const std::vector<int> & ids,
+                                    const std::vector<float> & weights, float alpha,
+                                    const std::function<bool(int)> & cached);
