@@ -55,6 +55,9 @@ enum hobbit_policy {
     HOBBIT_POLICY_RANDOM   = 4,
     HOBBIT_POLICY_WEIGHTED = 5, // HOBBIT eq. 3: policy_weights mix LRU, LFU, LHU and FLD
     HOBBIT_POLICY_ARC      = 6, // adaptive replacement cache (Megiddo & Modha; Fate §4.4)
+    HOBBIT_POLICY_POPULARITY = 7, // Fiddler's static placement: evicts the expert a profile saw selected least (ties:
+                                  // least recently used), so the popular experts, warmed first, stay for the session;
+                                  // needs expert_popularity
 };
 
 // precision levels: 0 is the model's own experts (high) or a companion at the precision chosen
@@ -143,6 +146,12 @@ struct hobbit_params {
     // request)
     const int8_t * expert_levels;
     int32_t n_expert_levels; // entries in expert_levels (n_layer_moe * n_expert), 0 with NULL
+    // a popularity profile (Fiddler §3: how often a trace of calibration text selected each expert),
+    // [n_layer_moe][n_expert] in the order of the layers that have experts: what HOBBIT_POLICY_POPULARITY ranks
+    // by, and the order warm-up fills the pools in (most popular first, also with one precision level).
+    // NULL: none (copied at request)
+    const float * expert_popularity;
+    int32_t n_expert_popularity; // entries in expert_popularity, 0 with NULL
 };
 
 struct hobbit_model_info {
@@ -223,6 +232,7 @@ struct hobbit_sim_trace {
     const uint8_t * seq_start;      // [n_tokens], 1 where a sequence begins (sequence-level records reset); may be NULL
     const uint8_t * high_precision; // [n_tokens][n_layer][n_expert_used], 0 = served at low precision; NULL = all high
     const float *   scores;         // [n_tokens][n_layer][n_expert] router scores (probabilities), for substitution; may be NULL
+    const float *   popularity;     // [n_layer][n_expert] the profile the "popularity" policy ranks by; NULL for the others
 };
 
 struct hobbit_sim_result {
@@ -289,7 +299,8 @@ HOBBIT_API void hobbit_runtime_trace_end(hobbit_runtime * rt);
 HOBBIT_API void hobbit_runtime_new_sequence(hobbit_runtime * rt);
 
 // replay a trace through a cache of n_slot slots under policy ("lru", "lfu", "lhu", "fld",
-// "random", "weighted" with weights, "arc", or "belady": the offline optimum) - the runtime's own
+// "random", "weighted" with weights, "arc", "popularity" with the trace's popularity, or
+// "belady": the offline optimum) - the runtime's own
 // policy code, offline. substitute_alpha > 0 (needs the trace's scores): each selection first
 // goes through the runtime's substitution (hobbit_params.substitute_alpha); not with belady,
 // whose future is the trace as routed

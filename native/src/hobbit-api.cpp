@@ -78,6 +78,8 @@ struct hobbit_params hobbit_default_params(void) {
     p.page_cache_room_bytes = -1;
     p.expert_levels   = nullptr;
     p.n_expert_levels = 0;
+    p.expert_popularity   = nullptr;
+    p.n_expert_popularity = 0;
     return p;
 }
 
@@ -269,7 +271,11 @@ enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, 
     }
     cache_policy_kind kind = cache_policy_kind::lru;
     if (!belady && !cache_policy_parse(name, kind)) {
-        write_error(err, err_size, "unknown cache policy '" + name + "' (lru, lfu, lhu, fld, random, weighted, arc, belady)");
+        write_error(err, err_size, "unknown cache policy '" + name + "' (lru, lfu, lhu, fld, random, weighted, arc, popularity, belady)");
+        return HOBBIT_STATUS_ERROR_INVALID;
+    }
+    if (!belady && kind == cache_policy_kind::popularity && trace->popularity == nullptr) {
+        write_error(err, err_size, "hobbit_simulate_cache: the popularity policy needs the trace's popularity profile");
         return HOBBIT_STATUS_ERROR_INVALID;
     }
     cache_policy_weights w;
@@ -277,7 +283,8 @@ enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, 
         w = { weights->lru, weights->lfu, weights->lhu, weights->fld };
     }
     const cache_sim_trace tr = { trace->n_tokens, trace->n_layer, trace->n_expert, trace->n_expert_used,
-                                 trace->experts, trace->seq_start, trace->high_precision, trace->scores };
+                                 trace->experts, trace->seq_start, trace->high_precision, trace->scores,
+                                 trace->popularity };
     return guarded([&] {
         const cache_sim_result r = cache_simulate(tr, n_slot, belady, kind, w, seed, low_miss_cost, substitute_alpha);
         *result = { r.accesses, r.hits, r.misses_high, r.misses_low, r.miss_penalty, r.substituted };

@@ -183,6 +183,42 @@ private:
     std::vector<std::list<int>::iterator> ghost_at;
 };
 
+// Fiddler's placement (§3) as a replacement rule: a profile of calibration text says how often
+// each expert is selected, and the least popular cached expert is evicted (ties: the least
+// recently used). Warmed most popular first, the pools keep the popular experts for the whole
+// session; the unpopular ones share what is left. Static: nothing the run sees changes the ranks.
+class popularity_policy : public cache_policy_i {
+public:
+    popularity_policy(int n_slot, int n_layer, int n_expert, const float * popularity)
+            : n_expert(n_expert), owner(n_slot, -1), popularity(popularity, popularity + (size_t) n_layer * n_expert),
+              last_use((size_t) n_layer * n_expert, 0) {}
+
+    void on_insert(int slot, int layer, int expert) override {
+        owner[slot] = layer * n_expert + expert;
+        last_use[owner[slot]] = ++clock;
+    }
+    void on_access(int slot, bool) override { last_use[owner[slot]] = ++clock; }
+    void on_layer(int) override {}
+    int choose_victim(const std::vector<int> & candidates) override {
+        int best = candidates.front();
+        for (int slot : candidates) {
+            const int id = owner[slot], b = owner[best];
+            if (popularity[id] < popularity[b] || (popularity[id] == popularity[b] && last_use[id] < last_use[b])) {
+                best = slot;
+            }
+        }
+        return best;
+    }
+    void reset() override {}
+
+private:
+    int n_expert;
+    uint64_t clock = 0;
+    std::vector<int> owner;          // slot -> layer * n_expert + expert
+    std::vector<float> popularity;   // per expert, from the profile
+    std::vector<uint64_t> last_use;  // per expert: clock of the last insert or use
+};
+
 class random_policy : public cache_policy_i {
 public:
     explicit random_policy(uint64_t seed) : rng(seed) {}
@@ -249,7 +285,7 @@ std::unique_ptr<cache_policy_i> cache_policy_make_belady(const int32_t * experts
 bool cache_policy_parse(const std::string & name, cache_policy_kind & kind) {
     for (cache_policy_kind k : { cache_policy_kind::lru, cache_policy_kind::lfu, cache_policy_kind::lhu,
                                  cache_policy_kind::fld, cache_policy_kind::random, cache_policy_kind::weighted,
-                                 cache_policy_kind::arc }) {
+                                 cache_policy_kind::arc, cache_policy_kind::popularity }) {
         if (name == cache_policy_name(k)) {
             kind = k;
             return true;
@@ -267,12 +303,14 @@ const char * cache_policy_name(cache_policy_kind kind) {
         case cache_policy_kind::random:   return "random";
         case cache_policy_kind::weighted: return "weighted";
         case cache_policy_kind::arc:      return "arc";
+        case cache_policy_kind::popularity: return "popularity";
     }
     return "?";
 }
 
 std::unique_ptr<cache_policy_i> cache_policy_make(cache_policy_kind kind, int n_slot, int n_layer, int n_expert,
-                                                  const cache_policy_weights & weights, uint64_t seed) {
+                                                  const cache_policy_weights & weights, uint64_t seed,
+                                                  const float * popularity) {
     cache_policy_weights w;
     switch (kind) {
         case cache_policy_kind::lru:      w = { 1, 0, 0, 0 }; break;
@@ -282,6 +320,11 @@ std::unique_ptr<cache_policy_i> cache_policy_make(cache_policy_kind kind, int n_
         case cache_policy_kind::weighted: w = weights; break;
         case cache_policy_kind::random:   return std::make_unique<random_policy>(seed);
         case cache_policy_kind::arc:      return std::make_unique<arc_policy>(n_slot, n_layer, n_expert);
+        case cache_policy_kind::popularity:
+            if (popularity == nullptr) {
+                return nullptr; // the caller checks for a profile first
+            }
+            return std::make_unique<popularity_policy>(n_slot, n_layer, n_expert, popularity);
     }
     return std::make_unique<weighted_policy>(n_slot, n_layer, n_expert, w);
 }

@@ -6,7 +6,8 @@
 // counted since the sequence began), T = the clock now, p_fld = how soon its layer comes
 // again. The lowest priority is evicted; ties go to the least recently used. LRU, LFU,
 // LHU and FLD are weights (1,0,0,0) ... (0,0,0,1); random ignores everything. ARC (Fate
-// §4.4) adapts between recency and frequency by itself.
+// §4.4) adapts between recency and frequency by itself. Popularity (Fiddler §3) ranks by a
+// profile made before the run: the least often selected on calibration text goes first.
 //
 // The pool decides which slots may be evicted (not pinned, not loading); the policy only
 // ranks them. The runtime and the offline simulator (hobbit-cache-sim) drive the same
@@ -39,15 +40,17 @@ struct cache_policy_weights {
     float lru = 1.0f, lfu = 0.0f, lhu = 0.0f, fld = 0.0f;
 };
 
-enum class cache_policy_kind { lru, lfu, lhu, fld, random, weighted, arc };
+enum class cache_policy_kind { lru, lfu, lhu, fld, random, weighted, arc, popularity };
 
-// "lru" | "lfu" | "lhu" | "fld" | "random" | "weighted" | "arc"; false for an unknown name
+// "lru" | "lfu" | "lhu" | "fld" | "random" | "weighted" | "arc" | "popularity"; false for an unknown name
 bool cache_policy_parse(const std::string & name, cache_policy_kind & kind);
 const char * cache_policy_name(cache_policy_kind kind);
 
-// weights are used by kind == weighted only; seed by random only
+// weights are used by kind == weighted only; seed by random only; popularity ([n_layer][n_expert],
+// copied) by kind == popularity only, which returns nullptr without it
 std::unique_ptr<cache_policy_i> cache_policy_make(cache_policy_kind kind, int n_slot, int n_layer, int n_expert,
-                                                  const cache_policy_weights & weights = {}, uint64_t seed = 0);
+                                                  const cache_policy_weights & weights = {}, uint64_t seed = 0,
+                                                  const float * popularity = nullptr);
 
 // Belady (1966): evicts the expert whose next use lies farthest ahead, the fewest misses
 // possible. It knows the future from the trace, experts[step][n_expert_used] (-1 = none),

@@ -11,7 +11,7 @@ cache_sim_result cache_simulate(const cache_sim_trace & tr, int n_slot, bool bel
     const int n_id = tr.n_layer * tr.n_expert;
     std::unique_ptr<cache_policy_i> policy = belady ?
         cache_policy_make_belady(tr.experts, (int64_t) tr.n_tokens * tr.n_layer, tr.n_layer, tr.n_expert, K, n_slot) :
-        cache_policy_make(kind, n_slot, tr.n_layer, tr.n_expert, weights, seed);
+        cache_policy_make(kind, n_slot, tr.n_layer, tr.n_expert, weights, seed, tr.popularity);
     std::vector<int> slot_of(n_id, -1);
     std::vector<int> owner(n_slot, -1);
     std::vector<int> pinned_at(n_slot, -1);             // step (token * n_layer + layer) that pinned the slot

@@ -20,6 +20,7 @@ struct cache_sim_trace {
     const uint8_t * seq_start;      // [n_tokens]; 1 where a new sequence begins; may be NULL
     const uint8_t * high_precision; // [n_tokens][n_layer][n_expert_used]; 0 = served low; NULL = all high
     const float *   scores;         // [n_tokens][n_layer][n_expert] router scores; NULL = none (no substitution)
+    const float *   popularity;     // [n_layer][n_expert] the profile the popularity policy ranks by; NULL for the others
 };
 
 struct cache_sim_result {

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cfloat>
 #include <chrono>
 #include <climits>
 #include <cstdint>
@@ -17,8 +18,8 @@
 
 // the names of hobbit.h's enum hobbit_policy, in its order
 static std::string policy_name(int policy) {
-    static const char * names[] = { "lru", "lfu", "lhu", "fld", "random", "weighted", "arc" };
-    return policy >= 0 && policy < 7 ? names[policy] : "?";
+    static const char * names[] = { "lru", "lfu", "lhu", "fld", "random", "weighted", "arc", "popularity" };
+    return policy >= 0 && policy < 8 ? names[policy] : "?";
 }
 
 static int64_t now_us() {
@@ -150,6 +151,30 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     }
     this->params.expert_levels   = nullptr; // the caller's copy is reused by the next request: placement holds it
     this->params.n_expert_levels = 0;
+    if (params.expert_popularity != nullptr) {
+        const int64_t n_want = (int64_t) moe_layers.size() * info.n_expert;
+        if (params.n_expert_popularity != n_want) {
+            throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, path + ": a popularity profile of " +
+                std::to_string(params.n_expert_popularity) + " experts was given; the model has " + std::to_string(n_want) +
+                " (" + std::to_string(moe_layers.size()) + " MoE layers x " + std::to_string(info.n_expert) + " experts)");
+        }
+        popularity.assign((size_t) info.n_layer * info.n_expert, 0.0f);
+        for (size_t i = 0; i < moe_layers.size(); ++i) {
+            for (int e = 0; e < info.n_expert; ++e) {
+                const float x = params.expert_popularity[i * info.n_expert + e];
+                if (!(x >= 0.0f && x <= FLT_MAX)) {
+                    throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "the popularity profile gives expert " + std::to_string(e) +
+                        " of layer " + std::to_string(moe_layers[i]) + " " + std::to_string(x) + "; it must be finite and >= 0");
+                }
+                popularity[(size_t) moe_layers[i] * info.n_expert + e] = x;
+            }
+        }
+    }
+    if (policy_kind == cache_policy_kind::popularity && popularity.empty()) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "the popularity policy needs a popularity profile (expert_popularity)");
+    }
+    this->params.expert_popularity   = nullptr; // copied into popularity
+    this->params.n_expert_popularity = 0;
 
     std::vector<const expert_index *> level_indexes;
     for (int l = 0; l < n_level; ++l) {
@@ -179,7 +204,8 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
             pg.type         = li.layers[g.layers.front()].proj[LLAMA_MOE_PROJ_DOWN].type;
             pg.expert_bytes = g.expert_bytes;
             pg.pool   = std::make_unique<expert_pool>(li.layers[g.layers.front()], info.n_layer, info.n_expert, info.n_expert_used, g.n_slot);
-            pg.policy = cache_policy_make(policy_kind, g.n_slot, info.n_layer, info.n_expert, weights, params.seed);
+            pg.policy = cache_policy_make(policy_kind, g.n_slot, info.n_layer, info.n_expert, weights, params.seed,
+                                          popularity.empty() ? nullptr : popularity.data());
             pg.n_layer = (int) g.layers.size();
             for (int il : g.layers) {
                 pool_of[l][il] = (int) pools.size();
@@ -280,7 +306,9 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     stats_.direct_io    = io->direct_io();
     stats_.n_level      = n_level;
 
-    if (params.warm_low && (n_level > 1 || high)) {
+    // with one level of the model's own experts a miss is served as well from the file, so the
+    // pools fill as the run goes; a popularity profile says what deserves them from the start
+    if (params.warm_low && (n_level > 1 || high || !popularity.empty())) {
         warm_pools();
     }
 }
@@ -315,24 +343,35 @@ double hobbit_runtime::resident(int il, int e) const {
 void hobbit_runtime::warm_pools() {
     // the lowest level first (a copy of every expert in memory is what spares a decode the
     // disk), then the free slots of the higher levels; expert by expert across the layers,
-    // so a pool too small for all of them still holds some of every layer. With a static
-    // placement each expert only at its own level. On-demand loads overtake these (they are
-    // background loads).
+    // so a pool too small for all of them still holds some of every layer; with a popularity
+    // profile the most popular experts of any layer first (Fiddler's placement: they are the
+    // ones its policy keeps). With a static placement each expert only at its own level.
+    // On-demand loads overtake these (they are background loads).
     std::lock_guard<std::mutex> lock(mtx);
+    std::vector<std::pair<int, int>> order; // (layer, expert)
+    for (int e = 0; e < index.info.n_expert; ++e) {
+        for (int il : moe_layers) {
+            order.emplace_back(il, e);
+        }
+    }
+    if (!popularity.empty()) {
+        const int n_expert = index.info.n_expert;
+        std::stable_sort(order.begin(), order.end(), [&](const std::pair<int, int> & a, const std::pair<int, int> & b) {
+            return popularity[a.first * n_expert + a.second] > popularity[b.first * n_expert + b.second];
+        });
+    }
     std::vector<load_task> loads;
     for (int l = n_level - 1; l >= 0; --l) {
-        for (int e = 0; e < index.info.n_expert; ++e) {
-            for (int il : moe_layers) {
-                if (placed(il) && placed(il)[e] != l) {
-                    continue; // a static placement: each expert at its own level only
-                }
-                const int p = pool_of[l][il];
-                const expert_pool & pool = *pools[p].pool;
-                const bool has_free = std::any_of(pool.slots.begin(), pool.slots.end(),
-                                                  [](const pool_slot & s) { return s.state == slot_state::empty; });
-                if (has_free && pool.find(il, e) < 0 && queue_background_load(p, il, e, /*prefetch*/ false, loads) >= 0) {
-                    stats_.warm_loads++;
-                }
+        for (const auto & [il, e] : order) {
+            if (placed(il) && placed(il)[e] != l) {
+                continue; // a static placement: each expert at its own level only
+            }
+            const int p = pool_of[l][il];
+            const expert_pool & pool = *pools[p].pool;
+            const bool has_free = std::any_of(pool.slots.begin(), pool.slots.end(),
+                                              [](const pool_slot & s) { return s.state == slot_state::empty; });
+            if (has_free && pool.find(il, e) < 0 && queue_background_load(p, il, e, /*prefetch*/ false, loads) >= 0) {
+                stats_.warm_loads++;
             }
         }
     }

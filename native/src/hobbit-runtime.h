@@ -118,7 +118,8 @@ private:
     int64_t page_cache_room() const;
     // share of expert e of layer il resident in the page cache (its slices of the mapped model)
     double resident(int il, int e) const;
-    // fill the free slots of every level's pools in the background, the lowest level first (params.warm_low)
+    // fill the free slots of every level's pools in the background, the lowest level first, the most popular
+    // experts first when a profile says which (params.warm_low)
     void warm_pools();
     // the static placement's levels of layer il's experts, or nullptr (the thresholds decide)
     const int8_t * placed(int il) const { return placement.empty() ? nullptr : placement[il].data(); }
@@ -136,6 +137,7 @@ private:
     hobbit_params params;
     precision_thresholds thresholds;        // which level a selection wants (HOBBIT eq. 2)
     std::vector<std::vector<int8_t>> placement; // [n_layer][n_expert]: a static placement's level of each expert (empty: none)
+    std::vector<float> popularity;              // [n_layer * n_expert]: a popularity profile (Fiddler), 0 off the MoE layers (empty: none)
     int n_level = 1;
 
     // per level, one pool per expert signature (shapes and types of the projections): the

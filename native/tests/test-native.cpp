@@ -177,6 +177,25 @@ static void test_lfu_lhu_fld() {
     printf("ok lfu lhu fld random\n");
 }
 
+static void test_popularity() {
+    // a profile: expert 2 most popular, 0 next, 1 and 3 tied last; slot s holds expert s
+    const float profile[4] = { 5.0f, 1.0f, 9.0f, 1.0f };
+    CHECK(cache_policy_make(cache_policy_kind::popularity, 4, 1, 4) == nullptr); // no profile, no policy
+    auto pop = cache_policy_make(cache_policy_kind::popularity, 4, 1, 4, {}, 0, profile);
+    for (int s = 0; s < 4; ++s) {
+        pop->on_insert(s, 0, s);
+    }
+    pop->on_access(1, true);                       // 1 used after 3: 3 is the older of the tied pair
+    CHECK(pop->choose_victim({0, 1, 2, 3}) == 3);
+    CHECK(pop->choose_victim({0, 1, 2}) == 1);
+    CHECK(pop->choose_victim({0, 2}) == 0);        // however recently 0 was used, 2 is more popular
+    pop->on_access(0, true);
+    CHECK(pop->choose_victim({0, 2}) == 0);
+    pop->reset();                                  // the profile is not a sequence's record
+    CHECK(pop->choose_victim({0, 2}) == 0);
+    printf("ok popularity\n");
+}
+
 static void test_arc() {
     // two slots; a is referenced twice (T2), b once (T1): ARC evicts b though a is older,
     // where LRU would evict a
@@ -616,6 +635,7 @@ int main(int argc, char ** argv) {
     test_lru();
     test_lfu_lhu_fld();
     test_arc();
+    test_popularity();
     test_simulator();
     test_take_slot();
     test_pool(path);

@@ -57,6 +57,7 @@ enum hobbit_policy {
     HOBBIT_POLICY_RANDOM   = 4,
     HOBBIT_POLICY_WEIGHTED = 5,
     HOBBIT_POLICY_ARC      = 6,
+    HOBBIT_POLICY_POPULARITY = 7,
 };
 
 struct hobbit_policy_weights {
@@ -90,6 +91,8 @@ struct hobbit_params {
     bool    warm_low;
     const int8_t * expert_levels;
     int32_t n_expert_levels;
+    const float * expert_popularity;
+    int32_t n_expert_popularity;
 };
 
 struct hobbit_model_info {
@@ -167,6 +170,7 @@ struct hobbit_sim_trace {
     const uint8_t * seq_start;
     const uint8_t * high_precision;
     const float *   scores;
+    const float *   popularity;
 };
 
 struct hobbit_sim_result {

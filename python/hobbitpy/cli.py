@@ -131,23 +131,27 @@ def _numbers(n: int | None, what: str):
     return parse
 
 
-def _importance_of_trace(path: str):
-    """--placed: the importance of every expert in a trace, or a one-line argparse error."""
-    from hobbitpy import HobbitError
-    from hobbitpy.placement import expert_importance
-    from hobbitpy.trace import load_trace
+def _of_trace(measure: str):
+    """A parser reading a trace file into per-expert figures (placement.<measure>), or a
+    one-line argparse error."""
+    def parse(path: str):
+        from hobbitpy import HobbitError
+        from hobbitpy import placement
+        from hobbitpy.trace import load_trace
 
-    try:
-        return tuple(tuple(row) for row in expert_importance(load_trace(path)).tolist())
-    except HobbitError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        try:
+            return tuple(tuple(row) for row in getattr(placement, measure)(load_trace(path)).tolist())
+        except HobbitError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
 
 
 # how an Option's flag text becomes its value, by Option.parse
 PARSERS = {
     "numbers4": _numbers(4, "LRU,LFU,LHU,FLD"),
     "numbers": _numbers(None, "0.5,0.5"),
-    "trace_importance": _importance_of_trace,
+    "trace_importance": _of_trace("expert_importance"),  # --placed
+    "trace_popularity": _of_trace("expert_popularity"),  # --popularity
     "float": float,  # a number whose default is None
     "int": int,
 }
@@ -474,6 +478,9 @@ def _add_simulate_parser(sub) -> None:
     p.add_argument("--substitute", type=float, default=0.0, metavar="ALPHA",
                    help="replay the runtime's substitution of low-score misses first (--substitute of `run`, "
                         "importance-driven scheduling; not for belady, whose future is the trace as routed)")
+    p.add_argument("--popularity", metavar="TRACE", type=_of_trace("expert_popularity"), default=None,
+                   help="the popularity policy's profile from another trace of the same model (default: the "
+                        "selection counts of the trace replayed, Fiddler's best case)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.set_defaults(func=_simulate)
 
@@ -493,7 +500,7 @@ def _simulate(args) -> int:
             return _fail(f"--substitute must be in [0, 1], got {args.substitute}")
         results = simulate_all(t, args.budget_mb, args.policy, weights=args.policy_weights or (0.25,) * 4,
                                seed=args.seed, t1=args.t1, low_miss_cost=args.low_cost,
-                               substitute_alpha=args.substitute)
+                               substitute_alpha=args.substitute, popularity=args.popularity)
     except (HobbitError, ValueError) as e:
         return _fail(str(e))
     m = t.meta

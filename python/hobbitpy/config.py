@@ -10,9 +10,11 @@ MB = 1024 * 1024
 
 # cache policies of the runtime (hobbit.h enum hobbit_policy), by name; "hobbit" is
 # HOBBIT's multidimensional policy, the weighted mix of eq. 3 ("weighted" is its old name);
-# "arc" the adaptive replacement cache Fate uses (§4.4)
-POLICIES = ("lru", "lfu", "lhu", "fld", "random", "weighted", "hobbit", "arc")
-_NATIVE_POLICY = {"lru": 0, "lfu": 1, "lhu": 2, "fld": 3, "random": 4, "weighted": 5, "hobbit": 5, "arc": 6}
+# "arc" the adaptive replacement cache Fate uses (§4.4); "popularity" Fiddler's placement
+# (the least often selected in a profile evicted first)
+POLICIES = ("lru", "lfu", "lhu", "fld", "random", "weighted", "hobbit", "arc", "popularity")
+_NATIVE_POLICY = {"lru": 0, "lfu": 1, "lhu": 2, "fld": 3, "random": 4, "weighted": 5, "hobbit": 5, "arc": 6,
+                  "popularity": 7}
 
 # where a missed expert runs (hobbit.h enum hobbit_mode, in its order)
 MODES = ("gpu-centric", "cooperative", "auto")
@@ -125,7 +127,8 @@ class OffloadConfig:
     io_threads: int = option(2, "threads reading experts: 2 keeps the disk busy while one copies out of its buffer",
                              flag="--io-threads", metavar="N")
     policy: str = option("lru", "which cached expert to evict (hobbit: HOBBIT's eq. 3 mix of lru, lfu, lhu and fld; "
-                                "weighted is its old name; arc: adaptive replacement, as Fate evicts)",
+                                "weighted is its old name; arc: adaptive replacement, as Fate evicts; popularity: "
+                                "the least often selected in a profile (--popularity), Fiddler's placement)",
                          flag="--policy", choices=POLICIES, profile=True)
     policy_weights: tuple[float, float, float, float] = option(
         (0.25, 0.25, 0.25, 0.25), "weights of LRU, LFU, LHU and FLD in HOBBIT's eq. 3 (--policy hobbit); they sum to 1",
@@ -169,10 +172,17 @@ class OffloadConfig:
               "unused, nothing skipped). With a budget for a copy of every expert, a mixed-precision model resident "
               "in memory (placement.py)", flag="--placed", metavar="TRACE", parse="trace_importance", profile=True,
         default_text="none: the thresholds decide per selection")
+    popularity: tuple[tuple[float, ...], ...] | None = option(
+        None, "Fiddler's profile for the popularity policy: how often each expert is selected (per MoE layer; on the "
+              "command line: counted in a `hobbitpy trace` of calibration text). The pools are warmed most popular "
+              "first and the least popular cached expert is evicted, so the popular ones stay for the session",
+        flag="--popularity", metavar="TRACE", parse="trace_popularity", profile=True,
+        default_text="none (the popularity policy needs it)")
 
     def __post_init__(self) -> None:
-        if self.importance is not None:  # lists (a profile's JSON) are kept as tuples, so the config stays hashable
-            object.__setattr__(self, "importance", tuple(tuple(float(x) for x in row) for row in self.importance))
+        for name in ("importance", "popularity"):  # lists (a profile's JSON) are kept as tuples: the config stays hashable
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(tuple(float(x) for x in row) for row in getattr(self, name)))
         if self.cache_mb is not None and not 0 < self.cache_mb <= MAX_CACHE_MB:
             raise ValueError(f"cache_mb must be positive and at most {MAX_CACHE_MB} MiB (a PiB), got {self.cache_mb}")
         if not 1 <= self.io_threads <= MAX_IO_THREADS:
@@ -214,6 +224,15 @@ class OffloadConfig:
                 raise ValueError("importance gives every MoE layer the same number of experts (one weight each)")
             if not all(0.0 <= x < float("inf") for row in rows for x in row):
                 raise ValueError("importance weights must be finite and non-negative")
+        if (self.policy == "popularity") != (self.popularity is not None):
+            raise ValueError("the popularity policy needs a popularity profile (--popularity TRACE), and a profile is "
+                             "read by that policy only (--policy popularity)")
+        if self.popularity is not None:
+            rows = self.popularity
+            if not rows or any(len(row) != len(rows[0]) or not row for row in rows):
+                raise ValueError("popularity gives every MoE layer the same number of experts (one count each)")
+            if not all(0.0 <= x < float("inf") for row in rows for x in row):
+                raise ValueError("popularity counts must be finite and non-negative")
         if self.level_shares is not None:
             if (len(self.level_shares) != self.n_level or not all(0 <= x < math.inf for x in self.level_shares)
                     or sum(self.level_shares) <= 0):
@@ -271,4 +290,8 @@ class OffloadConfig:
             keep.append(ffi.new("int8_t[]", [x for row in placement for x in row]))
             params.expert_levels = keep[-1]
             params.n_expert_levels = len(keep[-1])
+        if self.popularity is not None:
+            keep.append(ffi.new("float[]", [x for row in self.popularity for x in row]))
+            params.expert_popularity = keep[-1]
+            params.n_expert_popularity = len(keep[-1])
         return params, keep

@@ -28,7 +28,7 @@ from .config import MB, OffloadConfig
 from .errors import BudgetError, ExpertReadError, HobbitError, ModelFileError
 from .memory import ContextShape, OffloadPlan, available_memory_bytes, context_sizes, fit_ubatch, plan_offload
 from .model_file import ModelInfo, inspect_model
-from .placement import placement_for
+from .placement import check_profiles, placement_for
 from .profile import load_profile, profile_offload
 
 # llama_cpp.Llama's own keywords (it swallows any other one silently)
@@ -117,6 +117,8 @@ class Llama(llama_cpp.Llama):
             self.offload_plan = dataclasses.replace(
                 self.offload_plan, reason=f"{self.offload_plan.reason}; ubatches of {shape.n_ubatch} tokens")
 
+        if offload.enabled:
+            check_profiles(self.model_info, offload)
         self.placement: tuple[tuple[int, ...], ...] | None = None  # the level of every expert, when placed by importance
         if self.offload_plan.budget_bytes is not None and kwargs.get("lora_path"):
             # an adapter on expert weights would be applied once per pass of a layer

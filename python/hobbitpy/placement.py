@@ -41,6 +41,17 @@ def expert_importance(trace: Trace) -> np.ndarray:
     return importance
 
 
+def expert_popularity(trace: Trace) -> np.ndarray:
+    """[moe_layers, n_expert]: how often the trace's tokens selected each expert (Fiddler's
+    profile: the experts selected most are the ones worth keeping resident)."""
+    n_tokens, n_layer, k = trace.experts.shape
+    counts = np.zeros((n_layer, trace.meta["n_expert"]), np.float64)
+    layer = np.broadcast_to(np.arange(n_layer)[None, :, None], trace.experts.shape)
+    chosen = trace.experts >= 0
+    np.add.at(counts, (layer[chosen], trace.experts[chosen]), 1.0)
+    return counts
+
+
 def layer_expert_bytes(path: str | os.PathLike, n_expert: int) -> np.ndarray:
     """[moe_layers]: the bytes of one expert of each MoE layer of a GGUF (model or companion),
     all projections, in layer order (a llama.cpp mix gives some layers a wider down type)."""
@@ -80,16 +91,23 @@ def placement_bytes(placement: tuple[tuple[int, ...], ...], level_bytes: list[np
     return sum(int(level_bytes[level][il]) for il, row in enumerate(placement) for level in row)
 
 
+def check_profiles(info: ModelInfo, config: OffloadConfig) -> None:
+    """A per-expert profile (importance, popularity) made of another model's routing is refused,
+    whether or not this run ends up offloading."""
+    for what, figures in (("importance", config.importance), ("popularity", config.popularity)):
+        shape = np.shape(figures) if figures is not None else None
+        if shape is not None and shape != (info.n_layer_moe, info.n_expert):
+            raise HobbitError(f"{info.path}: the expert {what} given is for {shape[0]} MoE layers of {shape[1]} "
+                              f"experts; this model has {info.n_layer_moe} of {info.n_expert} (a profile of another model?)")
+
+
 def placement_for(info: ModelInfo, config: OffloadConfig, level_paths: tuple[str | None, ...],
                   budget_bytes: int) -> tuple[tuple[int, ...], ...] | None:
     """The placement a run with this config and budget serves (None without importance):
     level_paths as companions.resolve_levels gives them (None: the model's own experts)."""
+    check_profiles(info, config)
     if config.importance is None:
         return None
     importance = np.array(config.importance, np.float64)
-    if importance.shape != (info.n_layer_moe, info.n_expert):
-        raise HobbitError(f"{info.path}: the expert importance given is for {importance.shape[0]} MoE layers of "
-                          f"{importance.shape[1]} experts; this model has {info.n_layer_moe} of {info.n_expert} "
-                          "(a profile of another model?)")
     level_bytes = [layer_expert_bytes(path or info.path, info.n_expert) for path in level_paths]
     return place_by_importance(importance, level_bytes, budget_bytes)

@@ -34,6 +34,11 @@ PRESETS: dict[str, Preset] = {
                          "expert of similar score (Algorithm 1, alpha 0.3 as its Table 3's middle setting; lossy), "
                          "the next layer prefetched. Not yet: prefetching the top-score experts only, the "
                          "score-history eviction with its shield (§4.3), the CPU/load balance (Algorithm 2)"),
+    "fiddler": Preset({"policy": "popularity", "mode": "cooperative", "prefetch_layers": 0},
+                      "Fiddler: the experts a profile of calibration text selects most (--popularity TRACE, which "
+                      "this preset needs) are loaded at start and kept for the session; the others are computed in "
+                      "place on the mapped model file, not loaded (§3: the CPU computes what the GPU does not hold). "
+                      "Not yet: beam search"),
 }
 
 

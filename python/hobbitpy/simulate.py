@@ -16,11 +16,12 @@ import numpy as np
 from ._native import error_buffer, ffi, lib, to_str
 from .config import MB, POLICIES as RUNTIME_POLICIES
 from .errors import HobbitError
+from .placement import expert_popularity
 from .scores import selection_scores
 from .trace import Trace
 
 POLICIES = RUNTIME_POLICIES + ("belady",)  # Belady needs the future: offline only
-DEFAULT_POLICIES = ("lru", "lfu", "lhu", "fld", "arc", "random", "belady")
+DEFAULT_POLICIES = ("lru", "lfu", "lhu", "fld", "arc", "popularity", "random", "belady")
 
 
 @dataclass
@@ -67,12 +68,14 @@ def router_scores(trace: Trace) -> np.ndarray:
 
 def simulate(trace: Trace, budget_mb: float, policy: str, *, weights=(0.25, 0.25, 0.25, 0.25), seed: int = 0,
              high_precision: np.ndarray | None = None, low_miss_cost: float = 1.0, t1: float | None = None,
-             substitute_alpha: float = 0.0) -> SimResult:
+             substitute_alpha: float = 0.0, popularity: np.ndarray | None = None) -> SimResult:
     """Misses of `policy` on `trace` with a cache of `budget_mb`. A selection is wanted at
     high precision per high_precision, or (t1) when its eq. 2 score is at most t1; a
     low-precision miss costs low_miss_cost of a high one (HOBBIT's miss penalty).
     substitute_alpha: the runtime's substitution of low-score misses first (the importance
-    preset; not for Belady, whose future is the trace as routed)."""
+    preset; not for Belady, whose future is the trace as routed). popularity: the profile
+    the popularity policy ranks by ([MoE layers, n_expert]); default the trace's own
+    selection counts (a profile of the very text replayed: Fiddler's best case)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
     if high_precision is None and t1 is not None:
@@ -95,6 +98,13 @@ def simulate(trace: Trace, budget_mb: float, policy: str, *, weights=(0.25, 0.25
     if alpha > 0:
         scores = router_scores(trace)
         t.scores = ffi.cast("const float *", scores.ctypes.data)
+    if policy == "popularity":
+        profile = expert_popularity(trace) if popularity is None else popularity
+        profile = np.ascontiguousarray(profile, dtype=np.float32)
+        if profile.shape != (t.n_layer, t.n_expert):
+            raise HobbitError(f"the popularity profile is for {profile.shape[0]} MoE layers of {profile.shape[1]} "
+                              f"experts; the trace has {t.n_layer} of {t.n_expert} (a profile of another model?)")
+        t.popularity = ffi.cast("const float *", profile.ctypes.data)
     w = ffi.new("struct hobbit_policy_weights *", dict(zip(("lru", "lfu", "lhu", "fld"), weights)))
     r = ffi.new("struct hobbit_sim_result *")
     err = error_buffer()
