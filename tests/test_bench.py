@@ -254,3 +254,20 @@ def test_an_interrupted_bench_leaves_no_cgroup_behind(model_dir, tmp_path):
         assert not cgroup.exists()
     finally:
         again.remove()
+
+
+def test_bench_beam_search_against_stocks(model_dir, tmp_path):
+    # Fiddler's beam case: every run decodes with a beam search of 4 beams; hobbitpy's beams are stock's
+    path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    info = hobbitpy.inspect_model(path)
+    budget = 5 * info.expert_bytes / MB
+    out = tmp_path / "beams"
+    p = _bench([str(path), "--caps", "none", "--repeats", "1", "-n", "6", "--threads", "2", "--beams", "4",
+                "--config", f"lru=--cache-mb {budget:.4f} --mode gpu-centric", "--out", str(out), "--no-progress"])
+    assert p.returncode == 0, p.stderr
+    assert "a beam search of 4 beams" in p.stdout and "reproduce stock: yes" in p.stdout
+    stock, lru = json.loads((out / "bench.json").read_text())["rows"][0]["configs"]
+    assert stock["decode_tok_s"] > 0 and lru["decode_tok_s"] > 0 and lru["same_output_as_stock"]
+    assert len(lru["generated"]) == 6
+    # each step selects the union of four tokens' experts: more than one token's top-k
+    assert lru["decode_stats"]["expert_hits"] + lru["decode_stats"]["expert_misses"] > 5 * info.n_layer_moe * 2

@@ -41,9 +41,10 @@ STOCK = "stock"
 PROMPT_TOKENS = (16, 128)
 
 
-def bench_context_shape(n_predict: int, prompt_tokens: tuple[int, ...]) -> ContextShape:
-    """The context every benchmark run uses: room for the longest prompt, or the shortest and the decode."""
-    return ContextShape(n_ctx=max(min(prompt_tokens) + n_predict, max(prompt_tokens)) + 8, n_batch=512)
+def bench_context_shape(n_predict: int, prompt_tokens: tuple[int, ...], beams: int = 1) -> ContextShape:
+    """The context every benchmark run uses: room for the longest prompt, or the shortest and the
+    decode (of every beam: each beam's tokens take cells of their own)."""
+    return ContextShape(n_ctx=max(min(prompt_tokens) + beams * n_predict, max(prompt_tokens)) + 8, n_batch=512)
 
 
 @dataclass
@@ -169,12 +170,13 @@ def check_caps(info, caps: list[Cap], shape: ContextShape, process_bytes: int) -
 
 
 def _run_one(model: str, cfg: BenchConfig, cap: Cap, memcap: MemoryCap | None, n_predict: int, threads: int,
-             prompt_tokens: tuple[int, ...], fallback_budget_mb: float | None, cold_files: set[str] = frozenset()) -> dict:
+             prompt_tokens: tuple[int, ...], fallback_budget_mb: float | None, cold_files: set[str] = frozenset(),
+             beams: int = 1) -> dict:
     offload = cfg.offload
     if offload is not None and memcap is None and cap.limit_bytes is not None and offload.get("cache_mb") is None:
         offload = dict(offload, cache_mb=fallback_budget_mb)  # no cgroup: the budget stands in for the cap
     spec = {"model": cfg.model or model, "offload": offload, "n_predict": n_predict, "threads": threads,
-            "prompt_tokens": list(prompt_tokens)}
+            "prompt_tokens": list(prompt_tokens), "beams": beams}
     # every file of the benchmark, not only this run's: page cache stays charged to the
     # cgroup after the run that read it has exited
     for path in cold_files:
@@ -314,11 +316,13 @@ def tuned_configs(model: str, caps: list[Cap], request: TuneRequest, shape: Cont
 def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeats: int = 3, n_predict: int = 32,
               threads: int | None = None, prompt_tokens: tuple[int, ...] = PROMPT_TOKENS, progress=True,
               quants: list[str] = (), quant_dir: str | None = None, quality_text: str | None = None,
-              quality_tokens: int = 4096, tune_request: TuneRequest | None = None, log=print) -> BenchResult:
+              quality_tokens: int = 4096, tune_request: TuneRequest | None = None, beams: int = 1,
+              log=print) -> BenchResult:
     """quants: uniform quants of the model (made with llama.cpp's quantizer into quant_dir,
     or reused from there) run by stock llama.cpp as further baselines; quality_text: score
     every configuration's perplexity and KL against the model (stock) on this text;
-    tune_request: first run `tune` at each cap's memory and add its pick there."""
+    tune_request: first run `tune` at each cap's memory and add its pick there; beams > 1:
+    decode is a beam search of that width (beam_search.py), its speed in steps per second."""
     info = inspect_model(model)
     threads = threads or os.cpu_count() or 1
     log(f"{model}: {info.file_bytes / MB:.0f} MB, {info.arch}, {info.n_layer_moe} MoE layers x {info.n_expert} experts "
@@ -331,7 +335,7 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
         # worker's as it starts (this process's VmRSS is 20 MB more: tune planned for less
         # cache than the runs got)
         process_bytes = worker_start_bytes(memcap)
-        check_caps(info, caps, bench_context_shape(n_predict, prompt_tokens), process_bytes)
+        check_caps(info, caps, bench_context_shape(n_predict, prompt_tokens, beams), process_bytes)
         quant_configs = []
         for q in quants:
             path, made = make_uniform_quant(model, q, quant_dir or default_quant_dir(model), threads)
@@ -340,6 +344,8 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
         disk_bw, direct = measure_read_bandwidth(model, info.expert_bytes or (1 << 20), n_threads=2)
         log(f"disk: {disk_bw / 1e9:.2f} GB/s with {'O_DIRECT' if direct else 'buffered'} reads of "
             f"{info.expert_bytes / MB:.1f} MB, 2 readers")
+        if beams > 1:
+            log(f"decode: a beam search of {beams} beams, one batch of every beam a step: tok/s below are steps/s")
         if memcap is None:
             log("no writable memory cgroup here: caps are NOT enforced; hobbitpy runs get an expert budget of "
                 "cap - resident weights - context buffers, stock runs are uncapped")
@@ -348,8 +354,8 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
         result = BenchResult(model=os.path.abspath(model), machine=_machine(), disk_bytes_per_s=disk_bw,
                              disk_direct=direct, cap_method=str(memcap) if memcap else "none (budgets only)")
         tuned = {} if tune_request is None else tuned_configs(
-            model, caps, tune_request, bench_context_shape(n_predict, prompt_tokens), threads, process_bytes, result,
-            log)
+            model, caps, tune_request, bench_context_shape(n_predict, prompt_tokens, beams), threads, process_bytes,
+            result, log)
     except BaseException:  # an error or an interrupt before the runs: the cgroup goes too
         if memcap is not None:
             memcap.remove()
@@ -367,7 +373,7 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
     try:
         # compute of stock decode: a warm run with no cap (the file read once, then from memory)
         warm = [_run_one(model, BenchConfig(STOCK, None), Cap("none", None), memcap, n_predict, threads, prompt_tokens,
-                         None) for _ in range(2)]
+                         None, beams=beams) for _ in range(2)]
         stock_compute_s = 1.0 / warm[-1]["decode_tok_s"] if warm[-1].get("decode_tok_s") else None
         result.stock_compute_ms = stock_compute_s * 1000.0 if stock_compute_s else None
         if stock_compute_s:
@@ -375,7 +381,7 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
         for cap in caps:
             fallback = None
             if cap.limit_bytes is not None:
-                context = context_sizes(info, bench_context_shape(n_predict, prompt_tokens)).total
+                context = context_sizes(info, bench_context_shape(n_predict, prompt_tokens, beams)).total
                 fallback = max(info.min_budget_bytes, cap.limit_bytes - info.resident_bytes - context - SLACK_BYTES
                                - 2 * info.expert_bytes) / MB
             this_cap = cap_configs[cap.label]
@@ -385,7 +391,7 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
                     if bar is not None:
                         bar.set_postfix_str(f"cap {cap.label} {cfg.name}")
                     runs[cfg.name].append(_run_one(model, cfg, cap, memcap, n_predict, threads, prompt_tokens, fallback,
-                                                   every_file))
+                                                   every_file, beams=beams))
                     if bar is not None:
                         bar.update(1)
             row = {"cap": cap.label, "cap_mb": cap.limit_bytes / MB if cap.limit_bytes else None,

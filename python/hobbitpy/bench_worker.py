@@ -1,6 +1,7 @@
 """One benchmark run, in its own process (inside the memory cap): load the model with
 one configuration, measure time to first token for prompts of each length asked and the
-decode speed (after the shortest prompt), and print the figures as one JSON line.
+decode speed (after the shortest prompt; greedy, or a beam search's steps), and print the
+figures as one JSON line.
 
     python -m hobbitpy.bench_worker '{"model": ..., "offload": {...} | null, ...}'
 
@@ -53,10 +54,11 @@ def _first_token(llm: Llama, prompt: list[int]) -> tuple[int, float]:
 def run(spec: dict) -> dict:
     offload = OffloadConfig(**spec["offload"]) if spec["offload"] is not None else OffloadConfig(enabled=False)
     n_predict = spec["n_predict"]
+    beams = spec.get("beams", 1)
     lengths = sorted(spec["prompt_tokens"])
     t0 = time.perf_counter()
-    shape = bench_context_shape(n_predict, tuple(lengths))
-    llm = Llama(spec["model"], offload=offload, n_ctx=shape.n_ctx, n_batch=shape.n_batch,
+    shape = bench_context_shape(n_predict, tuple(lengths), beams)
+    llm = Llama(spec["model"], offload=offload, n_ctx=shape.n_ctx, n_batch=shape.n_batch, n_seq_max=beams,
                 n_threads=spec["threads"], verbose=False)
     load_s = time.perf_counter() - t0
     with llm:
@@ -66,17 +68,22 @@ def run(spec: dict) -> dict:
         tok, first_ms = _first_token(llm, _prompt(llm, lengths[0]))
         r["ttft_ms"] = {str(lengths[0]): first_ms}
 
-        # decode: greedy, one token per step, from the short prompt
+        # decode from the short prompt: greedy, one token per step; or a beam search, one
+        # batch of every beam per step (its prompt decoded again first, not timed)
         llm.reset_offload_stats()
         io0 = read_bytes_of_process()
-        generated = [tok]
-        t0 = time.perf_counter()
-        for _ in range(n_predict - 1):
-            llm.eval([tok])
-            tok = int(np.argmax(llm.last_logits()))
-            generated.append(tok)
-        decode_s = time.perf_counter() - t0
-        n_steps = max(1, n_predict - 1)
+        if beams > 1:
+            result = llm.beam_search(_prompt(llm, lengths[0]), beams, n_predict)
+            generated, decode_s, n_steps = result.tokens, result.step_seconds, max(1, result.steps)
+        else:
+            generated = [tok]
+            t0 = time.perf_counter()
+            for _ in range(n_predict - 1):
+                llm.eval([tok])
+                tok = int(np.argmax(llm.last_logits()))
+                generated.append(tok)
+            decode_s = time.perf_counter() - t0
+            n_steps = max(1, n_predict - 1)
         r["decode_tok_s"] = n_steps / decode_s if decode_s > 0 else None
         r["decode_disk_bytes_per_token"] = (read_bytes_of_process() - io0) / n_steps
         stats = llm.offload_stats()

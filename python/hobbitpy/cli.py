@@ -131,6 +131,19 @@ def _numbers(n: int | None, what: str):
     return parse
 
 
+def _beam_width(text: str) -> int:
+    """--beams: a width 1..beam_search.MAX_WIDTH, or a one-line argparse error."""
+    from hobbitpy.beam_search import MAX_WIDTH
+
+    try:
+        width = int(text)
+    except ValueError:
+        width = 0
+    if not 1 <= width <= MAX_WIDTH:
+        raise argparse.ArgumentTypeError(f"expected a beam width of 1..{MAX_WIDTH}, got {text!r}")
+    return width
+
+
 def _of_trace(measure: str):
     """A parser reading a trace file into per-expert figures (placement.<measure>), or a
     one-line argparse error."""
@@ -285,6 +298,9 @@ def _add_bench_parser(sub) -> None:
     p.add_argument("--prompt-tokens", type=_token_counts, default=None, metavar="16,128,512",
                    help="prompt lengths whose time to first token each run measures; decode follows the shortest "
                         "(default 16,128; the papers add 512)")
+    p.add_argument("--beams", type=_beam_width, default=1, metavar="N",
+                   help="decode with a beam search of N beams (2-8; Fiddler's beam case): each step decodes every "
+                        "beam's next token in one batch; tok/s are then steps/s (default 1: greedy)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_bench)
 
@@ -347,7 +363,7 @@ def _bench(args) -> int:
                                      threads=args.threads, progress=not args.no_progress, quants=quants,
                                      quant_dir=args.quant_dir, quality_text=quality_text,
                                      quality_tokens=args.quality_tokens, tune_request=tune_request,
-                                     prompt_tokens=args.prompt_tokens or bench.PROMPT_TOKENS)
+                                     prompt_tokens=args.prompt_tokens or bench.PROMPT_TOKENS, beams=args.beams)
             # one model: its files in the output folder; several: a folder per model
             target = out if len(plans) == 1 else out / pathlib.Path(model).stem
             for path in bench.write_outputs(result, target):

@@ -10,6 +10,7 @@ attached while the model loads.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import difflib
@@ -22,6 +23,7 @@ import llama_cpp
 import numpy as np
 
 from . import tokens
+from .beam_search import beam_search
 from ._native import error_buffer, ffi, lib, to_str
 from .companions import resolve_levels
 from .config import MB, OffloadConfig
@@ -77,11 +79,16 @@ class Llama(llama_cpp.Llama):
     ``offload=OffloadConfig(...)`` / a dict / False, or ``profile=PATH``, or ``preset=NAME``
     (one paper's method, presets.py; keywords win over it). Default: the
     profile next to the model (written by ``hobbitpy tune``), else the built-in defaults.
-    A misspelt keyword is a TypeError naming it (llama_cpp.Llama would ignore it)."""
+    A misspelt keyword is a TypeError naming it (llama_cpp.Llama would ignore it).
+    ``n_seq_max=W``: a context of W sequences sharing one KV cache, for ``beam_search``."""
 
     def __init__(self, model_path: str | os.PathLike, *, offload: OffloadConfig | dict | bool | None = None,
                  profile: str | os.PathLike | None = None, preset: str | None = None, **kwargs):
         model_path = os.fspath(model_path)
+        # sequences decoded side by side (beam_search's beams); llama_cpp.Llama makes a context of one
+        n_seq_max = int(kwargs.pop("n_seq_max", 1))
+        if not 1 <= n_seq_max <= llama_cpp.llama_max_parallel_sequences():
+            raise ValueError(f"n_seq_max must be 1..{llama_cpp.llama_max_parallel_sequences()}, got {n_seq_max}")
         keywords = {k: kwargs.pop(k) for k in OFFLOAD_KEYWORDS if k in kwargs}
         for k in kwargs:
             # a misspelling is an error; another unknown keyword goes to llama_cpp.Llama, which
@@ -140,6 +147,8 @@ class Llama(llama_cpp.Llama):
             raise ModelFileError(f"{model_path}: llama.cpp could not load the model ({e})") from e
         finally:
             lib.hobbit_cancel_offload_request()  # never leak the request into another load
+        if n_seq_max > 1:
+            self._reopen_context(n_seq_max)
 
         if self.offload_plan.budget_bytes is not None:
             model_ptr = ctypes.cast(self._model.model, ctypes.c_void_p).value
@@ -151,6 +160,26 @@ class Llama(llama_cpp.Llama):
             self._abort_cb = llama_cpp.ggml_abort_callback(int(ffi.cast("uintptr_t", lib.hobbit_abort_callback)))
             runtime_ptr = ctypes.c_void_p(int(ffi.cast("uintptr_t", self._runtime)))
             llama_cpp.llama_set_abort_callback(self._ctx.ctx, self._abort_cb, runtime_ptr)
+
+    def _reopen_context(self, n_seq_max: int) -> None:
+        """Replace llama_cpp's context of one sequence by one of n_seq_max sharing one KV cache
+        (unified: a sequence copied onto another shares its cells, as beams share the prompt)."""
+        self.context_params.n_seq_max = n_seq_max
+        self.context_params.kv_unified = True
+        self._ctx.close()
+        self._ctx = self._stack.enter_context(contextlib.closing(
+            llama_cpp._internals.LlamaContext(model=self._model, params=self.context_params, verbose=self.verbose)))
+
+    def beam_search(self, prompt: list[int], width: int, n_predict: int):
+        """A beam search of `width` beams from the prompt's tokens (beam_search.py); the Llama
+        must be made with n_seq_max >= width. Returns a beam_search.BeamResult."""
+        if not self._decoding.acquire(blocking=False):
+            raise HobbitError("this Llama is decoding in another thread; use one Llama per thread, or a lock "
+                              "around its calls")
+        try:
+            return beam_search(self, prompt, width, n_predict)
+        finally:
+            self._decoding.release()
 
     def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
         # llama.cpp's own tokenizer through hobbit_tokenize: a character the vocabulary cannot

@@ -37,8 +37,8 @@ PRESETS: dict[str, Preset] = {
     "fiddler": Preset({"policy": "popularity", "mode": "cooperative", "prefetch_layers": 0},
                       "Fiddler: the experts a profile of calibration text selects most (--popularity TRACE, which "
                       "this preset needs) are loaded at start and kept for the session; the others are computed in "
-                      "place on the mapped model file, not loaded (§3: the CPU computes what the GPU does not hold). "
-                      "Not yet: beam search"),
+                      "place on the mapped model file, not loaded (§3: the CPU computes what the GPU does not hold); "
+                      "its beam case is Llama(n_seq_max=W).beam_search and `bench --beams W`"),
 }
 
 
