@@ -45,7 +45,7 @@ def test_belady_bounds_every_policy(model_dir):
     t = record_trace(path, PROMPTS, n_predict=16, n_ctx=128, lookahead=1)
     for n_slot in (4, 8, 16):
         results = {r.policy: r for r in simulate_all(t, [_slots_budget_mb(info, n_slot)])}
-        assert set(results) == {"lru", "lfu", "lhu", "fld", "arc", "popularity", "random", "belady"}
+        assert set(results) == {"lru", "lfu", "lhu", "fld", "arc", "popularity", "score", "random", "belady"}
         best = results["belady"].misses
         for r in results.values():
             assert r.misses >= best
@@ -136,7 +136,7 @@ def test_trace_and_simulate_commands(model_dir, tmp_path, capsys):
     assert "one token needs 2" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("policy", ["lfu", "lhu", "fld", "random", "weighted", "arc"])
+@pytest.mark.parametrize("policy", ["lfu", "lhu", "fld", "random", "weighted", "arc", "score"])
 def test_every_policy_is_exact(model_dir, policy):
     path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
     info = hobbitpy.inspect_model(path)

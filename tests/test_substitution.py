@@ -54,4 +54,5 @@ def test_substitution_alpha_is_checked_and_the_importance_preset_sets_it():
         OffloadConfig(substitute_alpha=1.5)
     with pytest.raises(ValueError, match="substitute_alpha"):
         OffloadConfig(substitute_alpha=float("nan"))
-    assert OffloadConfig(**preset_settings("importance")).substitute_alpha == 0.3
+    importance = OffloadConfig(**preset_settings("importance"))
+    assert importance.substitute_alpha == 0.3 and importance.policy == "score"

@@ -58,7 +58,12 @@ enum hobbit_policy {
     HOBBIT_POLICY_POPULARITY = 7, // Fiddler's static placement: evicts the expert a profile saw selected least (ties:
                                   // least recently used), so the popular experts, warmed first, stay for the session;
                                   // needs expert_popularity
+    HOBBIT_POLICY_SCORE      = 8, // importance-driven scheduling §5.3: evicts the expert with the lowest router score
+                                  // averaged over the last HOBBIT_SCORE_HISTORY tokens, selected or not (ties: least
+                                  // recently used); the layer being computed stays pinned (its "protection shield")
 };
+
+#define HOBBIT_SCORE_HISTORY 16
 
 // precision levels: 0 is the model's own experts (high) or a companion at the precision chosen
 // for it, then optional companion files with the same experts at lower precision (`hobbitpy
@@ -231,7 +236,8 @@ struct hobbit_sim_trace {
     const int32_t * experts;        // [n_tokens][n_layer][n_expert_used]; -1 = none
     const uint8_t * seq_start;      // [n_tokens], 1 where a sequence begins (sequence-level records reset); may be NULL
     const uint8_t * high_precision; // [n_tokens][n_layer][n_expert_used], 0 = served at low precision; NULL = all high
-    const float *   scores;         // [n_tokens][n_layer][n_expert] router scores (probabilities), for substitution; may be NULL
+    const float *   scores;         // [n_tokens][n_layer][n_expert] router scores (probabilities), for substitution and
+                                    // the score policy; may be NULL
     const float *   popularity;     // [n_layer][n_expert] the profile the "popularity" policy ranks by; NULL for the others
 };
 
@@ -299,8 +305,8 @@ HOBBIT_API void hobbit_runtime_trace_end(hobbit_runtime * rt);
 HOBBIT_API void hobbit_runtime_new_sequence(hobbit_runtime * rt);
 
 // replay a trace through a cache of n_slot slots under policy ("lru", "lfu", "lhu", "fld",
-// "random", "weighted" with weights, "arc", "popularity" with the trace's popularity, or
-// "belady": the offline optimum) - the runtime's own
+// "random", "weighted" with weights, "arc", "popularity" with the trace's popularity, "score"
+// with its scores, or "belady": the offline optimum) - the runtime's own
 // policy code, offline. substitute_alpha > 0 (needs the trace's scores): each selection first
 // goes through the runtime's substitution (hobbit_params.substitute_alpha); not with belady,
 // whose future is the trace as routed

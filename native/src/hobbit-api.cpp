@@ -271,11 +271,15 @@ enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, 
     }
     cache_policy_kind kind = cache_policy_kind::lru;
     if (!belady && !cache_policy_parse(name, kind)) {
-        write_error(err, err_size, "unknown cache policy '" + name + "' (lru, lfu, lhu, fld, random, weighted, arc, popularity, belady)");
+        write_error(err, err_size, "unknown cache policy '" + name + "' (lru, lfu, lhu, fld, random, weighted, arc, popularity, score, belady)");
         return HOBBIT_STATUS_ERROR_INVALID;
     }
     if (!belady && kind == cache_policy_kind::popularity && trace->popularity == nullptr) {
         write_error(err, err_size, "hobbit_simulate_cache: the popularity policy needs the trace's popularity profile");
+        return HOBBIT_STATUS_ERROR_INVALID;
+    }
+    if (!belady && kind == cache_policy_kind::score && trace->scores == nullptr) {
+        write_error(err, err_size, "hobbit_simulate_cache: the score policy needs the trace's router scores");
         return HOBBIT_STATUS_ERROR_INVALID;
     }
     cache_policy_weights w;

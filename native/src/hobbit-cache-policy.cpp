@@ -219,6 +219,58 @@ private:
     std::vector<uint64_t> last_use;  // per expert: clock of the last insert or use
 };
 
+// importance-driven scheduling's eviction (§5.3): the expert whose router score, averaged over
+// the last `history` tokens that ran its layer, is lowest goes first. Every expert's score
+// counts, selected or not (its Figure 11: a high-scoring expert is likely reused, as a top-k
+// or as a substitute). The paper's shield, no eviction of what the current layer selected,
+// is the pool's pinning of the layer being computed. Ties (and experts not yet scored): the
+// least recently used first.
+class score_policy : public cache_policy_i {
+public:
+    score_policy(int n_slot, int n_layer, int n_expert, int history)
+            : n_expert(n_expert), history(std::max(1, history)), owner(n_slot, -1),
+              ring((size_t) n_layer * n_expert * this->history, 0.0f), sum((size_t) n_layer * n_expert, 0.0),
+              seen(n_layer, 0), last_use(sum.size(), 0) {}
+
+    void on_insert(int slot, int layer, int expert) override {
+        owner[slot] = layer * n_expert + expert;
+        last_use[owner[slot]] = ++clock;
+    }
+    void on_access(int slot, bool) override { last_use[owner[slot]] = ++clock; }
+    void on_layer(int) override {}
+    void on_scores(int layer, const float * scores) override {
+        // a ring of the last `history` scores per expert; the sum is kept alongside
+        const int at = (int) (seen[layer]++ % history);
+        for (int e = 0; e < n_expert; ++e) {
+            const size_t id = (size_t) layer * n_expert + e;
+            float & old = ring[id * history + at];
+            sum[id] += (double) scores[e] - old;
+            old = scores[e];
+        }
+    }
+    int choose_victim(const std::vector<int> & candidates) override {
+        int best = candidates.front();
+        for (int slot : candidates) {
+            const int id = owner[slot], b = owner[best];
+            if (sum[id] < sum[b] || (sum[id] == sum[b] && last_use[id] < last_use[b])) {
+                best = slot;
+            }
+        }
+        return best;
+    }
+    void reset() override {} // the history spans sequences: it is the recent tokens'
+
+private:
+    int n_expert;
+    int history;
+    uint64_t clock = 0;
+    std::vector<int> owner;           // slot -> layer * n_expert + expert
+    std::vector<float> ring;          // [layer * n_expert + expert][history]: the last scores
+    std::vector<double> sum;          // per expert: the sum of its ring (the average times history)
+    std::vector<uint64_t> seen;       // per layer: tokens scored
+    std::vector<uint64_t> last_use;   // per expert: clock of the last insert or use
+};
+
 class random_policy : public cache_policy_i {
 public:
     explicit random_policy(uint64_t seed) : rng(seed) {}
@@ -285,7 +337,7 @@ std::unique_ptr<cache_policy_i> cache_policy_make_belady(const int32_t * experts
 bool cache_policy_parse(const std::string & name, cache_policy_kind & kind) {
     for (cache_policy_kind k : { cache_policy_kind::lru, cache_policy_kind::lfu, cache_policy_kind::lhu,
                                  cache_policy_kind::fld, cache_policy_kind::random, cache_policy_kind::weighted,
-                                 cache_policy_kind::arc, cache_policy_kind::popularity }) {
+                                 cache_policy_kind::arc, cache_policy_kind::popularity, cache_policy_kind::score }) {
         if (name == cache_policy_name(k)) {
             kind = k;
             return true;
@@ -304,13 +356,14 @@ const char * cache_policy_name(cache_policy_kind kind) {
         case cache_policy_kind::weighted: return "weighted";
         case cache_policy_kind::arc:      return "arc";
         case cache_policy_kind::popularity: return "popularity";
+        case cache_policy_kind::score:    return "score";
     }
     return "?";
 }
 
 std::unique_ptr<cache_policy_i> cache_policy_make(cache_policy_kind kind, int n_slot, int n_layer, int n_expert,
                                                   const cache_policy_weights & weights, uint64_t seed,
-                                                  const float * popularity) {
+                                                  const float * popularity, int score_history) {
     cache_policy_weights w;
     switch (kind) {
         case cache_policy_kind::lru:      w = { 1, 0, 0, 0 }; break;
@@ -325,6 +378,7 @@ std::unique_ptr<cache_policy_i> cache_policy_make(cache_policy_kind kind, int n_
                 return nullptr; // the caller checks for a profile first
             }
             return std::make_unique<popularity_policy>(n_slot, n_layer, n_expert, popularity);
+        case cache_policy_kind::score:    return std::make_unique<score_policy>(n_slot, n_layer, n_expert, score_history);
     }
     return std::make_unique<weighted_policy>(n_slot, n_layer, n_expert, w);
 }

@@ -8,12 +8,16 @@
 // LHU and FLD are weights (1,0,0,0) ... (0,0,0,1); random ignores everything. ARC (Fate
 // §4.4) adapts between recency and frequency by itself. Popularity (Fiddler §3) ranks by a
 // profile made before the run: the least often selected on calibration text goes first.
+// Score (importance-driven scheduling §5.3) ranks by the router's scores of the last tokens,
+// those of unselected experts included: a high score, even unselected, predicts reuse.
 //
 // The pool decides which slots may be evicted (not pinned, not loading); the policy only
 // ranks them. The runtime and the offline simulator (hobbit-cache-sim) drive the same
 // objects and take slots by the same rule (cache_take_slot), so a simulated policy is the
 // deployed one. Belady's offline optimum is one more policy, made from the trace it replays.
 #pragma once
+
+#include "hobbit.h"
 
 #include <cstdint>
 #include <memory>
@@ -30,6 +34,9 @@ struct cache_policy_i {
     virtual void on_access(int slot, bool high) = 0;
     // the layer about to run (FLD ranks experts by how soon their layer comes again)
     virtual void on_layer(int layer) = 0;
+    // one token's router scores (probabilities) of every expert of layer, selected or not
+    // (the score-history policy averages them; the others ignore them)
+    virtual void on_scores(int layer, const float * scores) { (void) layer; (void) scores; }
     // the victim among candidates (never empty)
     virtual int choose_victim(const std::vector<int> & candidates) = 0;
     // a new sequence starts: sequence-level records are cleared
@@ -40,17 +47,19 @@ struct cache_policy_weights {
     float lru = 1.0f, lfu = 0.0f, lhu = 0.0f, fld = 0.0f;
 };
 
-enum class cache_policy_kind { lru, lfu, lhu, fld, random, weighted, arc, popularity };
+enum class cache_policy_kind { lru, lfu, lhu, fld, random, weighted, arc, popularity, score };
 
-// "lru" | "lfu" | "lhu" | "fld" | "random" | "weighted" | "arc" | "popularity"; false for an unknown name
+// "lru" | "lfu" | "lhu" | "fld" | "random" | "weighted" | "arc" | "popularity" | "score"; false for an unknown name
 bool cache_policy_parse(const std::string & name, cache_policy_kind & kind);
 const char * cache_policy_name(cache_policy_kind kind);
 
 // weights are used by kind == weighted only; seed by random only; popularity ([n_layer][n_expert],
-// copied) by kind == popularity only, which returns nullptr without it
+// copied) by kind == popularity only, which returns nullptr without it; score averages the
+// last score_history tokens' scores (of a layer)
 std::unique_ptr<cache_policy_i> cache_policy_make(cache_policy_kind kind, int n_slot, int n_layer, int n_expert,
                                                   const cache_policy_weights & weights = {}, uint64_t seed = 0,
-                                                  const float * popularity = nullptr);
+                                                  const float * popularity = nullptr,
+                                                  int score_history = HOBBIT_SCORE_HISTORY);
 
 // Belady (1966): evicts the expert whose next use lies farthest ahead, the fewest misses
 // possible. It knows the future from the trace, experts[step][n_expert_used] (-1 = none),

@@ -37,6 +37,9 @@ cache_sim_result cache_simulate(const cache_sim_trace & tr, int n_slot, bool bel
             const int step = t * tr.n_layer + l;
             pinned_step = step;
             policy->on_layer(l);
+            if (tr.scores != nullptr) {
+                policy->on_scores(l, tr.scores + (int64_t) step * tr.n_expert); // the score-history policy's input
+            }
             for (int k = 0; k < K; ++k) {
                 step_experts[k] = tr.experts[(int64_t) step * K + k];
             }

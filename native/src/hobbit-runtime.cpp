@@ -18,8 +18,8 @@
 
 // the names of hobbit.h's enum hobbit_policy, in its order
 static std::string policy_name(int policy) {
-    static const char * names[] = { "lru", "lfu", "lhu", "fld", "random", "weighted", "arc", "popularity" };
-    return policy >= 0 && policy < 8 ? names[policy] : "?";
+    static const char * names[] = { "lru", "lfu", "lhu", "fld", "random", "weighted", "arc", "popularity", "score" };
+    return policy >= 0 && policy < 9 ? names[policy] : "?";
 }
 
 static int64_t now_us() {
@@ -170,6 +170,7 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
             }
         }
     }
+    policy_reads_scores = policy_kind == cache_policy_kind::score;
     if (policy_kind == cache_policy_kind::popularity && popularity.empty()) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "the popularity policy needs a popularity profile (expert_popularity)");
     }
@@ -261,9 +262,12 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
 
     if (params.prefetch_layers > 0 && model != nullptr) {
         // a width past the model's experts names them all
-        const int width = params.prefetch_width == HOBBIT_PREFETCH_WIDTH_FATE
+        int width = params.prefetch_width == HOBBIT_PREFETCH_WIDTH_FATE
             ? std::min(std::max(info.n_expert_used + 1, (info.n_expert + 3) / 4), info.n_expert)
             : params.prefetch_width > 0 ? std::min(params.prefetch_width, info.n_expert) : info.n_expert_used;
+        if (params.substitute_alpha > 0.0f) {
+            width = std::max(width, std::min(info.n_expert_used + 1, info.n_expert)); // β, to tell the top scores
+        }
         predictor = predictor_make_stacked_gates(load_routers(model, moe_layers), info.n_embd, width,
                                                  params.prefetch_layers);
     }
@@ -616,8 +620,17 @@ void hobbit_runtime::prefetch_next_layers(int il, const float * x, std::vector<l
         for (int i = 0; placed(lp.il) && i < k; ++i) {
             want[i] = placed(lp.il)[lp.experts[i]];
         }
+        // with substitution, only the predicted top-score experts (importance-driven scheduling
+        // §5.2): a low-score one that misses is served by a cached expert of similar score
+        int n_fetch = k;
+        if (params.substitute_alpha > 0.0f && k > k_sel) {
+            n_fetch = 0;
+            while (n_fetch < k_sel && top_score(lp.weights[n_fetch], lp.weights[k_sel], params.substitute_alpha)) {
+                n_fetch++;
+            }
+        }
         bool all_cached = true;
-        for (int i = 0; i < k; ++i) {
+        for (int i = 0; i < n_fetch; ++i) {
             const int e = lp.experts[i];
             int level = -1;
             int s = find_cached(lp.il, e, level);
@@ -691,6 +704,17 @@ void hobbit_runtime::begin_wave(int il, int wave, const wave_selection & sel, co
     }
     for (pool_group & pg : pools) {
         pg.policy->on_layer(il);
+    }
+    // the score-history policy sees every token's scores of this layer, selected or not
+    const ggml_tensor * probs = dst->src[2];
+    if (policy_reads_scores && wave == 0 && probs != nullptr && probs->type == GGML_TYPE_F32 &&
+        probs->ne[1] == index.info.n_expert && probs->ne[2] == sel.n_tokens) {
+        for (int t = 0; t < sel.n_tokens; ++t) {
+            const std::vector<float> scores = router_scores(probs, t);
+            for (int l = 0; l < n_level; ++l) {
+                pools[pool_of[l][il]].policy->on_scores(il, scores.data());
+            }
+        }
     }
     if (recorder && wave == 0) {
         recorder->record(il, dst->src[0], dst->src[1], dst->src[2], dst->src[3]);
@@ -914,19 +938,11 @@ wave_assignment hobbit_runtime::apply_wave(int il, const wave_plan & plan, const
     return a;
 }
 
-void hobbit_runtime::substitute_low_scores(int il, ggml_tensor * dst) {
-    ggml_tensor * sel = dst->src[0];   // [n_used, 1] I32 (a view: not contiguous)
-    ggml_tensor * wts = dst->src[1];   // [1, n_used, 1] F32
-    const ggml_tensor * probs = dst->src[2]; // [1, n_expert, 1] F32
+std::vector<float> hobbit_runtime::router_scores(const ggml_tensor * probs, int token) const {
     const int n_expert = index.info.n_expert;
-    if (sel->type != GGML_TYPE_I32 || wts->type != GGML_TYPE_F32 || probs == nullptr || probs->type != GGML_TYPE_F32 ||
-        probs->ne[1] != n_expert || sel->ne[1] != 1) {
-        return;
-    }
-    const int k = (int) sel->ne[0];
     std::vector<float> scores(n_expert);
     for (int e = 0; e < n_expert; ++e) {
-        scores[e] = *(const float *) ((const char *) probs->data + e * probs->nb[1]);
+        scores[e] = *(const float *) ((const char *) probs->data + e * probs->nb[1] + token * probs->nb[2]);
     }
     // gpt-oss routes on its logits and softmaxes over the selected ones only (llama.cpp's
     // SOFTMAX_WEIGHT): the scores the thresholds compare are the softmax over all of them
@@ -940,6 +956,20 @@ void hobbit_runtime::substitute_low_scores(int il, ggml_tensor * dst) {
             s /= total;
         }
     }
+    return scores;
+}
+
+void hobbit_runtime::substitute_low_scores(int il, ggml_tensor * dst) {
+    ggml_tensor * sel = dst->src[0];   // [n_used, 1] I32 (a view: not contiguous)
+    ggml_tensor * wts = dst->src[1];   // [1, n_used, 1] F32
+    const ggml_tensor * probs = dst->src[2]; // [1, n_expert, 1] F32
+    const int n_expert = index.info.n_expert;
+    if (sel->type != GGML_TYPE_I32 || wts->type != GGML_TYPE_F32 || probs == nullptr || probs->type != GGML_TYPE_F32 ||
+        probs->ne[1] != n_expert || sel->ne[1] != 1) {
+        return;
+    }
+    const int k = (int) sel->ne[0];
+    const std::vector<float> scores = router_scores(probs, 0);
     std::vector<int> ids(k);
     std::vector<float> weights(k);
     for (int j = 0; j < k; ++j) {

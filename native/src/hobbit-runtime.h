@@ -96,6 +96,9 @@ private:
     // the dispatch op's selected ids and gate weights (src[0], src[1]) before the wave reads
     // them; the graph's later ops (the weighted sum, gpt-oss's per-expert bias) read them too
     void substitute_low_scores(int il, ggml_tensor * dst);
+    // token's router scores of every expert from the dispatch op's probs ([1, n_expert, n_tokens]),
+    // as probabilities (gpt-oss's logits softmaxed)
+    std::vector<float> router_scores(const ggml_tensor * probs, int token) const;
     // a wide ubatch (prefill) needs nearly every expert of the next MoE layer: load them at
     // high precision while this layer computes, as many as the next layer's pool has room for,
     // those most of its tokens are predicted to use first (x: this layer's router input, or
@@ -138,6 +141,7 @@ private:
     precision_thresholds thresholds;        // which level a selection wants (HOBBIT eq. 2)
     std::vector<std::vector<int8_t>> placement; // [n_layer][n_expert]: a static placement's level of each expert (empty: none)
     std::vector<float> popularity;              // [n_layer * n_expert]: a popularity profile (Fiddler), 0 off the MoE layers (empty: none)
+    bool policy_reads_scores = false;           // the score-history policy: begin_wave feeds it every token's router scores
     int n_level = 1;
 
     // per level, one pool per expert signature (shapes and types of the projections): the

@@ -33,7 +33,7 @@ substitution_plan plan_substitution(const std::vector<float> & scores, const std
     std::vector<int> missing; // positions in ids
     for (int j = 0; j < k; ++j) {
         const int e = ids[j];
-        if (e >= 0 && e < n_expert && scores[e] < (1.0f + alpha) * beta && !cached(e)) {
+        if (e >= 0 && e < n_expert && !top_score(scores[e], beta, alpha) && !cached(e)) {
             missing.push_back(j);
         }
     }

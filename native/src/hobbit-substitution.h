@@ -10,6 +10,11 @@
 #include <functional>
 #include <vector>
 
+// Algorithm 1's split: a selection scoring at least (1 + alpha) β, β the best unselected
+// score, is top-score (always served as selected); below it, low-score (substitutable). The
+// prefetch of the importance preset fetches the predicted top-score experts only.
+inline bool top_score(float score, float beta, float alpha) { return score >= (1.0f + alpha) * beta; }
+
 struct substitution_plan {
     std::vector<int>   ids;     // [k] the experts the token uses
     std::vector<float> weights; // [k] their gate weights

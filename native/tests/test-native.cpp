@@ -196,6 +196,27 @@ static void test_popularity() {
     printf("ok popularity\n");
 }
 
+static void test_score_policy() {
+    // two slots hold experts 0 and 1 of one layer of 4; the last two tokens' scores average
+    auto sp = cache_policy_make(cache_policy_kind::score, 2, 1, 4, {}, 0, nullptr, 2);
+    sp->on_insert(0, 0, 0);
+    sp->on_insert(1, 0, 1);
+    CHECK(sp->choose_victim({0, 1}) == 0);          // no scores yet: the least recent
+    const float a[4] = { 0.6f, 0.1f, 0.2f, 0.1f };
+    const float b[4] = { 0.1f, 0.3f, 0.5f, 0.1f };
+    sp->on_scores(0, a);
+    CHECK(sp->choose_victim({0, 1}) == 1);          // 0.6 vs 0.1
+    sp->on_scores(0, b);
+    CHECK(sp->choose_victim({0, 1}) == 1);          // averages 0.35 vs 0.2
+    sp->on_scores(0, b);                            // the window of 2 forgets a: 0.1 vs 0.3
+    CHECK(sp->choose_victim({0, 1}) == 0);
+    sp->on_access(0, true);                         // recency does not outweigh the scores
+    CHECK(sp->choose_victim({0, 1}) == 0);
+    // the split of Algorithm 1: top-score at (1 + alpha) beta and above
+    CHECK(top_score(0.65f, 0.5f, 0.3f) && !top_score(0.64f, 0.5f, 0.3f));
+    printf("ok score policy\n");
+}
+
 static void test_arc() {
     // two slots; a is referenced twice (T2), b once (T1): ARC evicts b though a is older,
     // where LRU would evict a
@@ -636,6 +657,7 @@ int main(int argc, char ** argv) {
     test_lfu_lhu_fld();
     test_arc();
     test_popularity();
+    test_score_policy();
     test_simulator();
     test_take_slot();
     test_pool(path);

@@ -58,6 +58,7 @@ enum hobbit_policy {
     HOBBIT_POLICY_WEIGHTED = 5,
     HOBBIT_POLICY_ARC      = 6,
     HOBBIT_POLICY_POPULARITY = 7,
+    HOBBIT_POLICY_SCORE      = 8,
 };
 
 struct hobbit_policy_weights {

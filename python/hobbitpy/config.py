@@ -11,10 +11,11 @@ MB = 1024 * 1024
 # cache policies of the runtime (hobbit.h enum hobbit_policy), by name; "hobbit" is
 # HOBBIT's multidimensional policy, the weighted mix of eq. 3 ("weighted" is its old name);
 # "arc" the adaptive replacement cache Fate uses (§4.4); "popularity" Fiddler's placement
-# (the least often selected in a profile evicted first)
-POLICIES = ("lru", "lfu", "lhu", "fld", "random", "weighted", "hobbit", "arc", "popularity")
+# (the least often selected in a profile evicted first); "score" importance-driven
+# scheduling's (the lowest router score over the last tokens evicted first)
+POLICIES = ("lru", "lfu", "lhu", "fld", "random", "weighted", "hobbit", "arc", "popularity", "score")
 _NATIVE_POLICY = {"lru": 0, "lfu": 1, "lhu": 2, "fld": 3, "random": 4, "weighted": 5, "hobbit": 5, "arc": 6,
-                  "popularity": 7}
+                  "popularity": 7, "score": 8}
 
 # where a missed expert runs (hobbit.h enum hobbit_mode, in its order)
 MODES = ("gpu-centric", "cooperative", "auto")
@@ -128,7 +129,9 @@ class OffloadConfig:
                              flag="--io-threads", metavar="N")
     policy: str = option("lru", "which cached expert to evict (hobbit: HOBBIT's eq. 3 mix of lru, lfu, lhu and fld; "
                                 "weighted is its old name; arc: adaptive replacement, as Fate evicts; popularity: "
-                                "the least often selected in a profile (--popularity), Fiddler's placement)",
+                                "the least often selected in a profile (--popularity), Fiddler's placement; score: "
+                                "the lowest router score over the last tokens, selected or not, importance-driven "
+                                "scheduling's)",
                          flag="--policy", choices=POLICIES, profile=True)
     policy_weights: tuple[float, float, float, float] = option(
         (0.25, 0.25, 0.25, 0.25), "weights of LRU, LFU, LHU and FLD in HOBBIT's eq. 3 (--policy hobbit); they sum to 1",

@@ -29,11 +29,12 @@ PRESETS: dict[str, Preset] = {
                    "per layer, the first MoE layer (which nothing predicts) whole, ARC per layer (§4.4); a prompt "
                    "loads the next layer's experts most popular first, by the same gate (§4.5). Not yet: the INT2 "
                    "share of the least popular (§4.5)"),
-    "importance": Preset({"substitute_alpha": 0.3, "prefetch_layers": 1},
+    "importance": Preset({"substitute_alpha": 0.3, "prefetch_layers": 1, "policy": "score"},
                          "importance-driven scheduling: a low-score selection that misses is served by a cached "
-                         "expert of similar score (Algorithm 1, alpha 0.3 as its Table 3's middle setting; lossy), "
-                         "the next layer prefetched. Not yet: prefetching the top-score experts only, the "
-                         "score-history eviction with its shield (§4.3), the CPU/load balance (Algorithm 2)"),
+                         "expert of similar score (Algorithm 1, alpha 0.3 as its Table 3's middle setting; lossy); "
+                         "the next layer's predicted top-score experts prefetched, the low-score ones not (§5.2); "
+                         "the expert with the lowest recent router scores, selected or not, evicted, the current "
+                         "layer's pinned (§5.3). Not yet: the CPU/load balance (Algorithm 2)"),
     "fiddler": Preset({"policy": "popularity", "mode": "cooperative", "prefetch_layers": 0},
                       "Fiddler: the experts a profile of calibration text selects most (--popularity TRACE, which "
                       "this preset needs) are loaded at start and kept for the session; the others are computed in "

@@ -21,7 +21,7 @@ from .scores import selection_scores
 from .trace import Trace
 
 POLICIES = RUNTIME_POLICIES + ("belady",)  # Belady needs the future: offline only
-DEFAULT_POLICIES = ("lru", "lfu", "lhu", "fld", "arc", "popularity", "random", "belady")
+DEFAULT_POLICIES = ("lru", "lfu", "lhu", "fld", "arc", "popularity", "score", "random", "belady")
 
 
 @dataclass
@@ -95,7 +95,7 @@ def simulate(trace: Trace, budget_mb: float, policy: str, *, weights=(0.25, 0.25
             raise ValueError(f"high_precision has shape {high_precision.shape}, the trace {experts.shape}")
         t.high_precision = ffi.cast("const uint8_t *", high_precision.ctypes.data)
     alpha = 0.0 if policy == "belady" else substitute_alpha
-    if alpha > 0:
+    if alpha > 0 or policy == "score":
         scores = router_scores(trace)
         t.scores = ffi.cast("const float *", scores.ctypes.data)
     if policy == "popularity":
