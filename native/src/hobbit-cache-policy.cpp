@@ -7,6 +7,23 @@
 
 namespace {
 
+// the candidate slot whose expert has the lowest rank(expert id), ties to the least recently used
+template <typename Rank>
+int lowest_rank_victim(const std::vector<int> & candidates, const std::vector<int> & owner,
+                       const std::vector<uint64_t> & last_use, Rank rank) {
+    int best = candidates.front();
+    auto best_rank = rank(owner[best]);
+    for (int slot : candidates) {
+        const int id = owner[slot];
+        const auto r = rank(id);
+        if (r < best_rank || (r == best_rank && last_use[id] < last_use[owner[best]])) {
+            best = slot;
+            best_rank = r;
+        }
+    }
+    return best;
+}
+
 // eq. 3 of HOBBIT; records are kept per (layer, expert), not per slot, so an expert
 // evicted and loaded again keeps its history within the sequence
 class weighted_policy : public cache_policy_i {
@@ -30,16 +47,7 @@ public:
     void on_layer(int layer) override { current_layer = layer; }
 
     int choose_victim(const std::vector<int> & candidates) override {
-        int best = candidates.front();
-        double best_p = priority(owner[best]);
-        for (int slot : candidates) {
-            const double p = priority(owner[slot]);
-            if (p < best_p || (p == best_p && last_use[owner[slot]] < last_use[owner[best]])) {
-                best = slot;
-                best_p = p;
-            }
-        }
-        return best;
+        return lowest_rank_victim(candidates, owner, last_use, [&](int id) { return priority(id); });
     }
 
     void reset() override {
@@ -200,14 +208,7 @@ public:
     void on_access(int slot, bool) override { last_use[owner[slot]] = ++clock; }
     void on_layer(int) override {}
     int choose_victim(const std::vector<int> & candidates) override {
-        int best = candidates.front();
-        for (int slot : candidates) {
-            const int id = owner[slot], b = owner[best];
-            if (popularity[id] < popularity[b] || (popularity[id] == popularity[b] && last_use[id] < last_use[b])) {
-                best = slot;
-            }
-        }
-        return best;
+        return lowest_rank_victim(candidates, owner, last_use, [&](int id) { return popularity[id]; });
     }
     void reset() override {}
 
@@ -249,14 +250,7 @@ public:
         }
     }
     int choose_victim(const std::vector<int> & candidates) override {
-        int best = candidates.front();
-        for (int slot : candidates) {
-            const int id = owner[slot], b = owner[best];
-            if (sum[id] < sum[b] || (sum[id] == sum[b] && last_use[id] < last_use[b])) {
-                best = slot;
-            }
-        }
-        return best;
+        return lowest_rank_victim(candidates, owner, last_use, [&](int id) { return sum[id]; });
     }
     void reset() override {} // the history spans sequences: it is the recent tokens'
 
