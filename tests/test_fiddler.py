@@ -21,38 +21,28 @@ from conftest import ARCHES, MB, PROMPT, run_logits, tiny_model
 PROFILE_PROMPTS = ["The river ran quickly past the mill", "In the beginning of the year the farmers"]
 
 
+@pytest.mark.parametrize("mode", ["gpu-centric", "cooperative"])
 @pytest.mark.parametrize("arch", ARCHES)
-def test_the_fiddler_preset_is_exact_to_stock(model_dir, arch):
+def test_the_fiddler_preset_is_exact_to_stock(model_dir, arch, mode):
     path = tiny_model(model_dir, arch, n_layer=4)
     info = hobbitpy.inspect_model(path)
     ref, ref_text, _, _ = run_logits(path, OffloadConfig(enabled=False))
     # the profile: another text than the one run, as a user would make it (`hobbitpy trace`)
     popularity = expert_popularity(record_trace(path, PROFILE_PROMPTS, n_predict=8, n_ctx=128, lookahead=0))
     assert popularity.sum() > 0
-    # a third of the experts fit: the popular third is held, the rest runs in place
+    # a third of the experts fit: the popular third is held, the rest loaded (the preset) or
+    # computed in place on the mapped file (Fiddler's CPU path)
     config = OffloadConfig(**{**preset_settings("fiddler"), "cache_mb": info.expert_bytes_total / 3 / MB,
-                              "popularity": popularity.tolist()})
+                              "popularity": popularity.tolist(), "mode": mode})
     got, text, stats, _ = run_logits(path, config)
     assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
     assert text == ref_text
     assert stats["warm_loads"] > 0 and stats["expert_hits"] > 0
-    # cooperative: what the pools do not hold is computed on the mapped file, never loaded on demand
-    assert stats["expert_inplace"] > 0 and stats["expert_misses"] == 0
+    if mode == "cooperative":  # never loaded on demand
+        assert stats["expert_inplace"] > 0 and stats["expert_misses"] == 0
+    else:
+        assert stats["expert_misses"] > 0
     assert stats["peak_pool_bytes"] <= stats["budget_bytes"]
-
-
-def test_the_popularity_policy_loading_misses_is_exact_to_stock(model_dir):
-    # the policy alone, misses loaded (gpu-centric): evictions among the unpopular experts
-    path = tiny_model(model_dir, "llama", n_layer=4)
-    info = hobbitpy.inspect_model(path)
-    ref, ref_text, _, _ = run_logits(path, OffloadConfig(enabled=False))
-    popularity = expert_popularity(record_trace(path, PROFILE_PROMPTS, n_predict=8, n_ctx=128, lookahead=0))
-    config = OffloadConfig(cache_mb=info.expert_bytes_total / 3 / MB, policy="popularity",
-                           popularity=popularity.tolist(), mode="gpu-centric")
-    got, text, stats, _ = run_logits(path, config)
-    assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
-    assert text == ref_text
-    assert stats["expert_misses"] > 0 and stats["warm_loads"] > 0
 
 
 def _trace(experts: np.ndarray, n_expert: int) -> Trace:

@@ -35,11 +35,14 @@ PRESETS: dict[str, Preset] = {
                          "the next layer's predicted top-score experts prefetched, the low-score ones not (§5.2); "
                          "the expert with the lowest recent router scores, selected or not, evicted, the current "
                          "layer's pinned (§5.3). Not yet: the CPU/load balance (Algorithm 2)"),
-    "fiddler": Preset({"policy": "popularity", "mode": "cooperative", "prefetch_layers": 0},
+    "fiddler": Preset({"policy": "popularity", "prefetch_layers": 0},
                       "Fiddler: the experts a profile of calibration text selects most (--popularity TRACE, which "
-                      "this preset needs) are loaded at start and kept for the session; the others are computed in "
-                      "place on the mapped model file, not loaded (§3: the CPU computes what the GPU does not hold); "
-                      "its beam case is Llama(n_seq_max=W).beam_search and `bench --beams W`"),
+                      "this preset needs) are loaded at start and kept for the session, the least popular evicted "
+                      "(§3). Its CPU computes the misses from CPU memory; where the slow tier is a disk, computing "
+                      "in place means faulting the expert in (measured slower than loading it, docs/BENCHMARKS.md), "
+                      "so misses are loaded: --mode cooperative computes them in place, --mode auto decides by the "
+                      "latency model (its Algorithm 1). Its beam case: Llama(n_seq_max=W).beam_search, `bench "
+                      "--beams W`"),
 }
 
 
