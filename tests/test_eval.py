@@ -67,7 +67,12 @@ def test_offload_at_one_precision_costs_nothing(model_dir, tmp_path, capsys):
     assert r["offloaded"] and r["n_tokens"] > 24
     assert r["perplexity"] == r["reference_perplexity"]
     assert r["mean_kl"] == 0.0 and r["top1_agreement"] == 1.0
-    assert "top-1 agreement       100.00 %" in capsys.readouterr().out
+    assert r["log_ppl_ratio_se"] == 0.0  # the same bits, token for token
+    # the cache's counters come with the result: what the quality was measured with
+    assert r["stats"]["expert_misses"] > 0 and r["stats"]["n_substituted"] == 0
+    out_text = capsys.readouterr().out
+    assert "top-1 agreement       100.00 %" in out_text and "perplexity increase   +0.00 %" in out_text
+    assert "expert cache" in out_text and "hit ratio" in out_text
 
 
 def test_eval_bad_input(model_dir, tmp_path, capsys):

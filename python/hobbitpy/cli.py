@@ -578,6 +578,13 @@ def _eval(args) -> int:
         print(f"reference perplexity  {r.reference_perplexity:.4f}  (stock llama.cpp)")
         print(f"mean KL to reference  {r.mean_kl:.6f} nats")
         print(f"top-1 agreement       {r.top1_agreement * 100:.2f} %")
+        if r.log_ppl_ratio_se is not None:
+            print(f"perplexity increase   {(r.perplexity / r.reference_perplexity - 1) * 100:+.2f} % "
+                  f"(se {r.log_ppl_ratio_se * 100:.2f} points)")
+    if r.stats:
+        hits, misses = r.stats["expert_hits"], r.stats["expert_misses"]
+        print(f"expert cache          {hits} hits, {misses} misses (hit ratio {hits / max(1, hits + misses):.3f}), "
+              f"{r.stats['n_substituted']} substituted, {r.stats['expert_inplace']} computed in place")
     if args.json and (why := _write_json(args.json, r.as_dict())):
         return _fail(why)
     return 0

@@ -160,6 +160,7 @@ def evaluate(model_path: str | os.PathLike, text: str, offload: OffloadConfig, *
 
         nll = ref_nll = kl = 0.0
         agree = n = 0
+        diffs = []  # per token: candidate's negative log-likelihood minus the reference's
         windows = list(_windows(ids, n_ctx))
         for window, targets in (progress(windows) if progress else windows):
             lp = _log_softmax(_window_logits(candidate, window))
@@ -168,16 +169,19 @@ def evaluate(model_path: str | os.PathLike, text: str, offload: OffloadConfig, *
             if reference is not None:
                 ref_lp = _log_softmax(_window_logits(reference, window))
                 ref_nll -= float(ref_lp[rows, targets].sum())
+                diffs.append(ref_lp[rows, targets] - lp[rows, targets])
                 kl += float((np.exp(ref_lp) * (ref_lp - lp)).sum())
                 agree += int((ref_lp.argmax(-1) == lp.argmax(-1)).sum())
             n += len(targets)
-        offloaded = candidate.offloaded
+        offloaded, stats = candidate.offloaded, candidate.offload_stats()
     finally:
         candidate.close()
         if reference is not None:
             reference.close()
 
+    d = np.concatenate(diffs) if diffs else np.zeros(0)
     return EvalResult(model=model_path, n_tokens=n, perplexity=math.exp(nll / n),
                       reference_perplexity=math.exp(ref_nll / n) if reference is not None else None,
                       mean_kl=kl / n if reference is not None else None,
-                      top1_agreement=agree / n if reference is not None else None, offloaded=offloaded)
+                      top1_agreement=agree / n if reference is not None else None, offloaded=offloaded,
+                      stats=stats, log_ppl_ratio_se=float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else None)
