@@ -12,7 +12,8 @@ shift || true
 tests=("$@")
 [ ${#tests[@]} -gt 0 ] || tests=(tests/test_exactness.py tests/test_bad_input.py tests/test_mixed_precision.py
                                  tests/test_cooperative.py tests/test_placement.py tests/test_api.py tests/test_native.py
-                                 tests/test_allocation.py tests/test_overlap.py)
+                                 tests/test_allocation.py tests/test_overlap.py tests/test_substitution.py
+                                 tests/test_fiddler.py tests/test_beam_search.py)
 flags="-fsanitize=address,undefined,float-cast-overflow -fno-sanitize-recover=all -fno-omit-frame-pointer -g -O1"
 
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGGML_NATIVE=ON \

@@ -18,6 +18,7 @@ import numpy as np
 import llama_cpp
 
 from .errors import HobbitError
+from .evaluate import log_softmax
 
 MAX_WIDTH = 8  # the range, 2-8; more would only widen the batch
 
@@ -36,12 +37,6 @@ class BeamResult:
     steps: int                 # decode calls after the prompt, one batch of every live beam each
     step_seconds: float        # the time those took (the prompt's decode not included)
     beams: list[Beam]          # every beam at the end, best first
-
-
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    x -= x.max()
-    return x - np.log(np.exp(x).sum())
 
 
 def _best(logprobs: np.ndarray, n: int) -> np.ndarray:
@@ -91,7 +86,7 @@ def beam_search(llm, prompt: list[int], width: int, n_predict: int) -> BeamResul
             return [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).copy()
                     for i in rows]
 
-        first = _log_softmax(decode([(t, i, 0) for i, t in enumerate(prompt)], every_row=False)[0])
+        first = log_softmax(decode([(t, i, 0) for i, t in enumerate(prompt)], every_row=False)[0])
         live = [Beam([int(t)], float(first[t]), seq=0) for t in _best(first, width)]
         for b, beam in enumerate(live[1:], start=1):  # every beam shares the prompt's cells
             beam.seq = b
@@ -108,7 +103,7 @@ def beam_search(llm, prompt: list[int], width: int, n_predict: int) -> BeamResul
             steps += 1
             candidates = []  # (logprob, beam index, token): each beam's best `width` continuations
             for i, (beam, row) in enumerate(zip(live, logits)):
-                lp = _log_softmax(row)
+                lp = log_softmax(row)
                 candidates += [(beam.logprob + float(lp[t]), i, int(t)) for t in _best(lp, len(live))]
             candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
             chosen = candidates[:len(live)]

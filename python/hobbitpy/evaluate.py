@@ -38,7 +38,7 @@ class EvalResult:
         return asdict(self)
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
+def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     x -= x.max(axis=-1, keepdims=True)
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
@@ -100,7 +100,7 @@ class Reference:
         log_probs, nll = [], 0.0
         try:
             for window, targets in _windows(ids, n_ctx):
-                lp = _log_softmax(_window_logits(llm, window))
+                lp = log_softmax(_window_logits(llm, window))
                 nll -= float(lp[np.arange(len(targets)), targets].sum())
                 log_probs.append(lp.astype(np.float32))
         finally:
@@ -121,7 +121,7 @@ def evaluate_against(model_path: str | os.PathLike, reference: Reference, offloa
     try:
         pairs = list(zip(_windows(reference.ids, n_ctx), reference.log_probs))
         for (window, targets), ref_lp in (progress(pairs) if progress else pairs):
-            lp = _log_softmax(_window_logits(candidate, window))
+            lp = log_softmax(_window_logits(candidate, window))
             at = np.arange(len(targets))
             nll -= float(lp[at, targets].sum())
             diffs.append(ref_lp[at, targets].astype(np.float64) - lp[at, targets])
@@ -163,11 +163,11 @@ def evaluate(model_path: str | os.PathLike, text: str, offload: OffloadConfig, *
         diffs = []  # per token: candidate's negative log-likelihood minus the reference's
         windows = list(_windows(ids, n_ctx))
         for window, targets in (progress(windows) if progress else windows):
-            lp = _log_softmax(_window_logits(candidate, window))
+            lp = log_softmax(_window_logits(candidate, window))
             rows = np.arange(len(targets))
             nll -= float(lp[rows, targets].sum())
             if reference is not None:
-                ref_lp = _log_softmax(_window_logits(reference, window))
+                ref_lp = log_softmax(_window_logits(reference, window))
                 ref_nll -= float(ref_lp[rows, targets].sum())
                 diffs.append(ref_lp[rows, targets] - lp[rows, targets])
                 kl += float((np.exp(ref_lp) * (ref_lp - lp)).sum())
