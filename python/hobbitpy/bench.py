@@ -335,7 +335,8 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
         # worker's as it starts (this process's VmRSS is 20 MB more: tune planned for less
         # cache than the runs got)
         process_bytes = worker_start_bytes(memcap)
-        check_caps(info, caps, bench_context_shape(n_predict, prompt_tokens, beams), process_bytes)
+        shape = bench_context_shape(n_predict, prompt_tokens, beams)
+        check_caps(info, caps, shape, process_bytes)
         quant_configs = []
         for q in quants:
             path, made = make_uniform_quant(model, q, quant_dir or default_quant_dir(model), threads)
@@ -354,8 +355,7 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
         result = BenchResult(model=os.path.abspath(model), machine=_machine(), disk_bytes_per_s=disk_bw,
                              disk_direct=direct, cap_method=str(memcap) if memcap else "none (budgets only)")
         tuned = {} if tune_request is None else tuned_configs(
-            model, caps, tune_request, bench_context_shape(n_predict, prompt_tokens, beams), threads, process_bytes,
-            result, log)
+            model, caps, tune_request, shape, threads, process_bytes, result, log)
     except BaseException:  # an error or an interrupt before the runs: the cgroup goes too
         if memcap is not None:
             memcap.remove()
@@ -381,7 +381,7 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
         for cap in caps:
             fallback = None
             if cap.limit_bytes is not None:
-                context = context_sizes(info, bench_context_shape(n_predict, prompt_tokens, beams)).total
+                context = context_sizes(info, shape).total
                 fallback = max(info.min_budget_bytes, cap.limit_bytes - info.resident_bytes - context - SLACK_BYTES
                                - 2 * info.expert_bytes) / MB
             this_cap = cap_configs[cap.label]

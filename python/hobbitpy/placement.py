@@ -31,25 +31,25 @@ if TYPE_CHECKING:
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
-def expert_importance(trace: Trace) -> np.ndarray:
-    """[moe_layers, n_expert]: the sum over the trace's tokens of each expert's squared gate weight."""
+def _per_expert_sum(trace: Trace, values: np.ndarray) -> np.ndarray:
+    """[moe_layers, n_expert]: values ([tokens, layers, k], one per selection) summed per expert."""
     n_tokens, n_layer, k = trace.experts.shape
-    importance = np.zeros((n_layer, trace.meta["n_expert"]), np.float64)
+    total = np.zeros((n_layer, trace.meta["n_expert"]), np.float64)
     layer = np.broadcast_to(np.arange(n_layer)[None, :, None], trace.experts.shape)
     chosen = trace.experts >= 0
-    np.add.at(importance, (layer[chosen], trace.experts[chosen]), np.square(trace.weights[chosen].astype(np.float64)))
-    return importance
+    np.add.at(total, (layer[chosen], trace.experts[chosen]), values[chosen])
+    return total
+
+
+def expert_importance(trace: Trace) -> np.ndarray:
+    """[moe_layers, n_expert]: the sum over the trace's tokens of each expert's squared gate weight."""
+    return _per_expert_sum(trace, np.square(trace.weights.astype(np.float64)))
 
 
 def expert_popularity(trace: Trace) -> np.ndarray:
     """[moe_layers, n_expert]: how often the trace's tokens selected each expert (Fiddler's
     profile: the experts selected most are the ones worth keeping resident)."""
-    n_tokens, n_layer, k = trace.experts.shape
-    counts = np.zeros((n_layer, trace.meta["n_expert"]), np.float64)
-    layer = np.broadcast_to(np.arange(n_layer)[None, :, None], trace.experts.shape)
-    chosen = trace.experts >= 0
-    np.add.at(counts, (layer[chosen], trace.experts[chosen]), 1.0)
-    return counts
+    return _per_expert_sum(trace, np.ones(trace.experts.shape, np.float64))
 
 
 def layer_expert_bytes(path: str | os.PathLike, n_expert: int) -> np.ndarray:
