@@ -53,13 +53,30 @@ def test_a_prompt_wider_than_the_pools_loads_the_next_layer_in_either_order_exac
     assert stats["expert_inplace"] == 0 and stats["prefetch_issued"] > 0
 
 
-def test_a_pool_per_layer_needs_every_layers_top_k_and_one_precision(model_dir):
+def test_a_budget_below_a_pool_per_layer_runs_one_shared_pool_exactly(model_dir):
+    # the fate preset under a tight cap: every layer's top-k does not fit, one token's does;
+    # the run falls back to one pool shared by every layer (and says so) instead of refusing
     path = tiny_model(model_dir, "llama", n_layer=4)
     info = hobbitpy.inspect_model(path)
     shared_min = info.min_budget_bytes
-    assert shared_min < info.expert_bytes_total // info.n_expert * info.n_expert_used
-    with pytest.raises(BudgetError, match="top-k in each of"):
-        hobbitpy.Llama(path, cache_mb=2 * shared_min / MB, shallow_layers=0, n_ctx=64, verbose=False)
+    per_layer_min = info.expert_bytes_total // info.n_expert * info.n_expert_used
+    assert 2 * shared_min < per_layer_min
+    config = OffloadConfig(**{**preset_settings("fate"), "cache_mb": 2 * shared_min / MB})
+    llm = hobbitpy.Llama(path, offload=config, n_ctx=64, verbose=False)
+    try:
+        assert llm.offload_plan.shared_pool and "one pool shared by every layer" in llm.offload_plan.reason
+        assert llm.offload_config.shallow_layers is None and llm.offload_config.policy == "arc"
+    finally:
+        llm.close()
+    ref, ref_text, _, _ = run_logits(path, OffloadConfig(enabled=False))
+    got, text, stats, _ = run_logits(path, config)
+    assert stats["expert_misses"] > 0 and stats["peak_pool_bytes"] <= stats["budget_bytes"]
+    assert np.array_equal(ref.view(np.uint32), got.view(np.uint32)) and text == ref_text
+    with pytest.raises(BudgetError, match="below the minimum"):
+        hobbitpy.Llama(path, cache_mb=0.5 * shared_min / MB, shallow_layers=0, n_ctx=64, verbose=False)
+
+
+def test_a_pool_per_layer_serves_one_precision(model_dir):
     with pytest.raises(ValueError, match="one precision level"):
         OffloadConfig(shallow_layers=1, low="Q2_K")
     with pytest.raises(ValueError, match="shallow_layers"):

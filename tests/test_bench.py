@@ -43,6 +43,9 @@ def test_bench_reports_every_figure(model_dir, tmp_path):
             # the bound is the disk time of the bytes read plus compute
             assert s["compute_ms_per_token"] > 0 and s["bound_tok_s"] > 0 and s["time_over_bound"] > 0
         assert not stock["offloaded"] and lru["offloaded"] and lfu["offloaded"]
+        # every expert of the tiny model fits: stock keeps its whole-batch ubatch (the planner's
+        # choice for this file, bench_worker), as do runs with an explicit budget
+        assert stock["n_ubatch"] == lru["n_ubatch"] == 512
         assert stock["ratio_to_stock"] == 1.0
         # 5 slots for 4 layers x top-2: the pools miss and read from disk
         assert 0 <= lru["pool_hit_ratio"][0] < 1

@@ -36,8 +36,7 @@ STOCK = "stock"
 
 
 # prompt lengths whose time to first token every run measures (--prompt-tokens; the papers
-# add 512, whose ubatch's compute buffer stock llama.cpp also allocates: 200 MB on the
-# inflated ref-mixtral, more than a 0.30 cap leaves)
+# add 512: stock runs then get the ubatch the planner sizes to the cap, bench_worker)
 PROMPT_TOKENS = (16, 128)
 
 
@@ -225,6 +224,7 @@ def _summarize(name: str, runs: list[dict], disk_bw: float, stock_compute_s: flo
         "min_decode_tok_s": min((r["decode_tok_s"] for r in ok if r.get("decode_tok_s")), default=None),
         "max_decode_tok_s": max((r["decode_tok_s"] for r in ok if r.get("decode_tok_s")), default=None),
         "budget_mb": ok[0]["budget_bytes"] / MB,
+        "n_ubatch": ok[0].get("n_ubatch"),
         "offloaded": ok[0]["offloaded"],
         "plan": ok[0]["plan"],
         "pool_hit_ratio": [round(statistics.median(r["pools"][i]["hit_ratio"] for r in ok), 4)

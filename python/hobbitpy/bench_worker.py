@@ -21,6 +21,8 @@ from hobbitpy.config import OffloadConfig
 from hobbitpy.disk import read_bytes_of_process
 from hobbitpy.bench import bench_context_shape
 from hobbitpy.llama import Llama
+from hobbitpy.memory import fit_ubatch
+from hobbitpy.model_file import inspect_model
 
 # English prose for the prompts, cut to exact token counts with the model's tokenizer
 PROMPT_TEXT = (
@@ -58,12 +60,19 @@ def run(spec: dict) -> dict:
     lengths = sorted(spec["prompt_tokens"])
     t0 = time.perf_counter()
     shape = bench_context_shape(n_predict, tuple(lengths), beams)
-    llm = Llama(spec["model"], offload=offload, n_ctx=shape.n_ctx, n_batch=shape.n_batch, n_seq_max=beams,
-                n_threads=spec["threads"], verbose=False)
+    n_ubatch = None  # offloaded: the planner's, sized to the memory
+    if not offload.enabled:
+        # stock llama.cpp at the ubatch hobbitpy's planner gives the same file under this cap, as a
+        # user would pass -ub: its default (the whole batch) allocates a compute buffer a tight cap
+        # cannot hold (200 MB for a 512-token prompt of the inflated ref-mixtral). Stock's logits do
+        # not depend on the ubatch (tests/test_memory.py).
+        n_ubatch = fit_ubatch(inspect_model(spec["model"]), shape, OffloadConfig())
+    llm = Llama(spec["model"], offload=offload, n_ctx=shape.n_ctx, n_batch=shape.n_batch, n_ubatch=n_ubatch,
+                n_seq_max=beams, n_threads=spec["threads"], verbose=False)
     load_s = time.perf_counter() - t0
     with llm:
         r = {"offloaded": llm.offloaded, "plan": llm.offload_plan.reason, "load_s": load_s,
-             "budget_bytes": llm.offload_plan.budget_bytes or 0}
+             "budget_bytes": llm.offload_plan.budget_bytes or 0, "n_ubatch": int(llm.context_params.n_ubatch)}
         # time to first token per prompt length (JSON keys: strings); the shortest first, from a cold cache
         tok, first_ms = _first_token(llm, _prompt(llm, lengths[0]))
         r["ttft_ms"] = {str(lengths[0]): first_ms}

@@ -120,6 +120,8 @@ class Llama(llama_cpp.Llama):
         context_bytes = context.total if offload.enabled else 0
         self.offload_plan: OffloadPlan = plan_offload(self.model_info, offload, context_bytes, levels,
                                                       available_bytes=available)
+        if self.offload_plan.shared_pool:  # a pool per layer does not fit: the plan falls back to one
+            offload = self.offload_config = dataclasses.replace(offload, shallow_layers=None)
         if self.offload_plan.budget_bytes is not None:
             self.offload_plan = dataclasses.replace(
                 self.offload_plan, reason=f"{self.offload_plan.reason}; ubatches of {shape.n_ubatch} tokens")

@@ -143,6 +143,9 @@ class OffloadPlan:
     """One line for the user: why this plan."""
     page_cache_room_bytes: int = -1
     """Memory left beside the pools for the page cache (experts computed in place); -1 = not known."""
+    shared_pool: bool = False
+    """A pool per layer was asked for (shallow_layers) but its minimum does not fit the budget:
+    run with one pool shared by every layer instead (shallow_layers dropped)."""
 
 
 def process_resident_bytes() -> int:
@@ -181,6 +184,11 @@ def fit_ubatch(info: ModelInfo, shape: ContextShape, config: OffloadConfig, leve
     return min(full, n_ubatch)
 
 
+def per_layer_min_bytes(info: ModelInfo) -> int:
+    """The smallest budget of a pool per MoE layer: one token's top-k in each."""
+    return info.expert_bytes_total // info.n_expert * info.n_expert_used
+
+
 def plan_offload(info: ModelInfo, config: OffloadConfig, context_bytes: int,
                  levels: tuple[ModelInfo, ...] = (), available_bytes: int | None = None) -> OffloadPlan:
     """Decide whether and with what budget the experts are offloaded. context_bytes: what
@@ -197,18 +205,24 @@ def plan_offload(info: ModelInfo, config: OffloadConfig, context_bytes: int,
     if not info.is_moe:
         return OffloadPlan(None, f"{name} is a dense model (no routed experts): running it without offload")
     levels = levels or (info,)
+    if config.shallow_layers is not None:
+        # a pool per layer (Fate's shallow-favoring allocation) needs one token's top-k in every
+        # layer; where the memory holds less, one pool shared by every layer still runs
+        per_layer_min = per_layer_min_bytes(info)
+        plan = plan_offload(info, dataclasses.replace(config, shallow_layers=None), context_bytes, levels, available_bytes)
+        if plan.budget_bytes is None or plan.budget_bytes >= per_layer_min:
+            return plan
+        return dataclasses.replace(plan, shared_pool=True, reason=(
+            f"{plan.reason}; a pool per layer (--shallow-layers) needs at least {per_layer_min / MB:.1f} MB: "
+            "one pool shared by every layer instead"))
     ladder = levels[0] is not info  # the high level is a companion: the model's experts are never read
-    if config.shallow_layers is not None:  # a pool per layer: one token's top-k in each
-        min_bytes = info.expert_bytes_total // info.n_expert * info.n_expert_used
-    else:
-        min_bytes = sum(level.min_budget_bytes for level in levels)
+    min_bytes = sum(level.min_budget_bytes for level in levels)
     min_mb = min_bytes / MB
     io_bytes = io_buffer_bytes(config, levels)
     needs = info.resident_bytes + context_bytes + io_bytes + SLACK_BYTES
     if config.budget_bytes is not None:
         if config.budget_bytes < min_bytes:
-            what = (f"one token's top-k in each of {info.n_layer_moe} MoE layers" if config.shallow_layers is not None
-                    else f"{info.n_expert_used} experts of {info.expert_bytes / MB:.2f} MB, one token's top-k"
+            what = (f"{info.n_expert_used} experts of {info.expert_bytes / MB:.2f} MB, one token's top-k"
                     if len(levels) == 1 else f"one token's top-k at each of {len(levels)} precisions")
             raise BudgetError(f"{name}: an expert cache of {config.cache_mb:g} MB is below the minimum of {min_mb:.1f} MB "
                               f"({what})")

@@ -26,7 +26,8 @@ PRESETS: dict[str, Preset] = {
     "fate": Preset({"policy": "arc", "prefetch_layers": 1, "prefetch_width": PREFETCH_WIDTH_FATE, "shallow_layers": 1,
                     "prefill_order": "popularity"},
                    "Fate: the next layer's gate on this layer's input with a widened candidate set (§4.3); a pool "
-                   "per layer, the first MoE layer (which nothing predicts) whole, ARC per layer (§4.4); a prompt "
+                   "per layer, the first MoE layer (which nothing predicts) whole, ARC per layer (§4.4; one shared pool "
+                   "where the budget holds less than every layer's top-k); a prompt "
                    "loads the next layer's experts most popular first, by the same gate (§4.5). Not yet: the INT2 "
                    "share of the least popular (§4.5)"),
     "importance": Preset({"substitute_alpha": 0.3, "prefetch_layers": 1, "policy": "score"},
