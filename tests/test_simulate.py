@@ -145,3 +145,72 @@ def test_every_policy_is_exact(model_dir, policy):
     assert stats["expert_misses"] > 0
     assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
     assert text == ref_text
+
+
+def _hand_trace(experts: np.ndarray, predicted: np.ndarray, expert_bytes: int = MB) -> "Trace":
+    from hobbitpy.trace import Trace
+
+    n, n_layer, k = experts.shape
+    return Trace(experts=experts, weights=np.full(experts.shape, 1.0 / k, np.float32),
+                 probs=np.zeros((n, n_layer, 8), np.float16), predicted=predicted, seq_start=np.zeros(n, np.uint8),
+                 tokens=np.zeros(n, np.int32),
+                 meta={"model": "hand.gguf", "n_expert": 8, "n_expert_used": k, "expert_bytes": expert_bytes,
+                       "uniform": True})
+
+
+def test_simulated_prefetch_of_perfect_guesses_leaves_the_first_layers_misses():
+    # every layer's guess is the next layer's real selection: with room for a layer and the
+    # next one's guess, nothing past the first MoE layer ever misses; wrong guesses cost reads
+    rng = np.random.default_rng(0)
+    n, n_layer, k = 60, 4, 2
+    experts = np.array([[rng.choice(8, k, replace=False) for _ in range(n_layer)] for _ in range(n)], np.int32)
+    perfect = np.full((n, n_layer, 1, k), -1, np.int32)
+    perfect[:, :-1, 0] = experts[:, 1:]
+    t = _hand_trace(experts, perfect)
+    budget = 2 * k  # MB: slots of 1 MB
+    plain = simulate(t, budget, "lru")
+    ahead = simulate(t, budget, "lru", prefetch_layers=1)
+    assert ahead.accesses == plain.accesses == n * n_layer * k
+    assert ahead.misses <= n * k < plain.misses  # only the first layer's
+    assert ahead.prefetch_used == ahead.prefetched > 0
+    assert ahead.bytes_read == (ahead.misses + ahead.prefetched) * MB
+    assert simulate(t, budget, "belady", prefetch_layers=1).prefetched == 0  # the bound stays demand-only
+
+    wrong = perfect.copy()
+    wrong[:, :-1, 0] = (experts[:, 1:] + 3) % 8
+    guessed_wrong = simulate(_hand_trace(experts, wrong), budget, "lru", prefetch_layers=1)
+    assert guessed_wrong.prefetched > 0 and guessed_wrong.prefetch_used < guessed_wrong.prefetched
+    with pytest.raises(HobbitError, match="guesses 1 layers ahead"):
+        simulate(t, budget, "lru", prefetch_layers=2)
+
+
+def test_every_preset_is_replayed_with_its_rules(model_dir, tmp_path, capsys):
+    from hobbitpy.presets import PRESETS, preset_settings
+    from hobbitpy.simulate import simulate_preset
+
+    path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    info = hobbitpy.inspect_model(path)
+    t = record_trace(path, PROMPTS, n_predict=16, n_ctx=128, lookahead=2)
+    budget = _slots_budget_mb(info, 6)
+    plain = simulate(t, budget, "lru")
+    for name in PRESETS:
+        settings = preset_settings(name)
+        r = simulate_preset(t, budget, name, low_miss_cost=0.31)
+        assert r.policy == f"{name} preset" and r.accesses == plain.accesses
+        assert (r.prefetched > 0) == (settings.get("prefetch_layers", 0) > 0)
+        assert (r.substituted > 0) == (settings.get("substitute_alpha", 0) > 0)
+        # a low precision makes some misses cheaper than a high one
+        assert (r.miss_penalty < r.misses) == ("low" in settings)
+    out = tmp_path / "t.npz"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    assert cli_main(["trace", str(path), "--prompts", str(prompts), "--out", str(out), "-n", "4", "--ctx", "128",
+                     "--lookahead", "1"]) == 0
+    capsys.readouterr()
+    assert cli_main(["simulate", str(out), "--budget-mb", f"{budget:.4f}", "--policy", "lru", "belady",
+                     "--preset", "importance", "hobbit", "--prefetch-layers", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "importance preset" in text and "hobbit preset" in text and "prefetched" in text
+    # the hobbit preset prefetches two layers; a trace of one layer's guesses replays one
+    assert cli_main(["simulate", str(out), "--budget-mb", f"{budget:.4f}", "--prefetch-layers", "2"]) == 2
+    assert "guesses 1 layers ahead" in capsys.readouterr().err

@@ -239,6 +239,10 @@ struct hobbit_sim_trace {
     const float *   scores;         // [n_tokens][n_layer][n_expert] router scores (probabilities), for substitution and
                                     // the score policy; may be NULL
     const float *   popularity;     // [n_layer][n_expert] the profile the "popularity" policy ranks by; NULL for the others
+    const int32_t * predicted;      // [n_tokens][n_layer][n_lookahead][n_expert_used] the predictor's guesses for the
+                                    // next layers, as the trace recorded them; NULL = no prefetch
+    int32_t n_lookahead;
+    int32_t prefetch_layers;        // after each layer, load the next P layers' guesses (P <= n_lookahead; not belady)
 };
 
 struct hobbit_sim_result {
@@ -248,6 +252,8 @@ struct hobbit_sim_result {
     int64_t misses_low;
     double  miss_penalty;          // misses_high + misses_low * low_miss_cost (HOBBIT §3.4)
     int64_t substituted;           // selections served by a cached expert of similar score instead (substitute_alpha)
+    int64_t prefetched;            // experts loaded ahead of their layer (prefetch_layers): read too
+    int64_t prefetch_used;         // of those, selected before they were evicted
 };
 
 HOBBIT_API struct hobbit_params hobbit_default_params(void);

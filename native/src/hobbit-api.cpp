@@ -286,12 +286,22 @@ enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, 
     if (weights != nullptr) {
         w = { weights->lru, weights->lfu, weights->lhu, weights->fld };
     }
-    const cache_sim_trace tr = { trace->n_tokens, trace->n_layer, trace->n_expert, trace->n_expert_used,
-                                 trace->experts, trace->seq_start, trace->high_precision, trace->scores,
-                                 trace->popularity };
+    if (trace->prefetch_layers < 0 || (trace->prefetch_layers > 0 &&
+        (trace->predicted == nullptr || trace->prefetch_layers > trace->n_lookahead))) {
+        write_error(err, err_size, "hobbit_simulate_cache: prefetch_layers must be 0, or at most the trace's lookahead "
+                    "with its guesses given");
+        return HOBBIT_STATUS_ERROR_INVALID;
+    }
+    cache_sim_trace tr = { trace->n_tokens, trace->n_layer, trace->n_expert, trace->n_expert_used,
+                           trace->experts, trace->seq_start, trace->high_precision, trace->scores,
+                           trace->popularity };
+    tr.predicted       = trace->predicted;
+    tr.n_lookahead     = trace->n_lookahead;
+    tr.prefetch_layers = trace->prefetch_layers;
     return guarded([&] {
         const cache_sim_result r = cache_simulate(tr, n_slot, belady, kind, w, seed, low_miss_cost, substitute_alpha);
-        *result = { r.accesses, r.hits, r.misses_high, r.misses_low, r.miss_penalty, r.substituted };
+        *result = { r.accesses, r.hits, r.misses_high, r.misses_low, r.miss_penalty, r.substituted, r.prefetched,
+                    r.prefetch_used };
     }, err, err_size);
 }
 

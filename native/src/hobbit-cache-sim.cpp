@@ -2,6 +2,7 @@
 
 #include "hobbit-substitution.h"
 
+#include <algorithm>
 #include <vector>
 
 cache_sim_result cache_simulate(const cache_sim_trace & tr, int n_slot, bool belady, cache_policy_kind kind,
@@ -15,6 +16,8 @@ cache_sim_result cache_simulate(const cache_sim_trace & tr, int n_slot, bool bel
     std::vector<int> slot_of(n_id, -1);
     std::vector<int> owner(n_slot, -1);
     std::vector<int> pinned_at(n_slot, -1);             // step (token * n_layer + layer) that pinned the slot
+    std::vector<uint8_t> prefetched(n_slot, 0);         // 1 while a prefetched expert waits for its first selection
+    const int n_prefetch = belady || tr.predicted == nullptr ? 0 : std::min(tr.prefetch_layers, tr.n_lookahead);
     std::vector<int> candidates;
     int pinned_step = -1;                               // the step being served
     cache_sim_result r;
@@ -75,6 +78,8 @@ cache_sim_result cache_simulate(const cache_sim_trace & tr, int n_slot, bool bel
                     r.accesses++;
                     if (s >= 0) {
                         r.hits++;
+                        r.prefetch_used += prefetched[s];
+                        prefetched[s] = 0;
                     } else {
                         if (high) {
                             r.misses_high++;
@@ -90,10 +95,36 @@ cache_sim_result cache_simulate(const cache_sim_trace & tr, int n_slot, bool bel
                         }
                         owner[s] = id;
                         slot_of[id] = s;
+                        prefetched[s] = 0;
                         policy->on_insert(s, l, e);
                     }
                     policy->on_access(s, high);
                     pinned_at[s] = step;
+                }
+            }
+            // the next layers' guesses, nearest layer first, each guess in the predictor's
+            // order; a prefetched slot is pinned with the step so the next guess cannot take it
+            for (int p = 1; p <= n_prefetch && l + p < tr.n_layer; ++p) {
+                const int32_t * guess = tr.predicted + ((int64_t) step * tr.n_lookahead + (p - 1)) * K;
+                for (int k = 0; k < K; ++k) {
+                    const int32_t e = guess[k];
+                    const int id = (l + p) * tr.n_expert + e;
+                    if (e < 0 || e >= tr.n_expert || slot_of[id] >= 0) {
+                        continue;
+                    }
+                    const int s = cache_take_slot(n_slot, use, *policy, candidates);
+                    if (s < 0) {
+                        break;
+                    }
+                    if (owner[s] >= 0) {
+                        slot_of[owner[s]] = -1;
+                    }
+                    owner[s] = id;
+                    slot_of[id] = s;
+                    prefetched[s] = 1;
+                    pinned_at[s] = step;
+                    policy->on_insert(s, l + p, e);
+                    r.prefetched++;
                 }
             }
         }

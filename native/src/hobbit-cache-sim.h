@@ -21,6 +21,9 @@ struct cache_sim_trace {
     const uint8_t * high_precision; // [n_tokens][n_layer][n_expert_used]; 0 = served low; NULL = all high
     const float *   scores;         // [n_tokens][n_layer][n_expert] router scores; NULL = none (no substitution)
     const float *   popularity;     // [n_layer][n_expert] the profile the popularity policy ranks by; NULL for the others
+    const int32_t * predicted = nullptr; // [n_tokens][n_layer][n_lookahead][n_expert_used] guesses for the next layers
+    int32_t n_lookahead       = 0;
+    int32_t prefetch_layers   = 0;  // after each layer, the next P layers' guesses are loaded (not with belady)
 };
 
 struct cache_sim_result {
@@ -30,11 +33,16 @@ struct cache_sim_result {
     int64_t misses_low  = 0;
     double  miss_penalty = 0.0; // misses_high + misses_low * low_miss_cost
     int64_t substituted  = 0;   // selections a cached expert of similar score served instead
+    int64_t prefetched    = 0;  // experts loaded ahead of their layer
+    int64_t prefetch_used = 0;  // of those, selected before they were evicted
 };
 
 // belady: ignore kind/weights and use the offline optimum. substitute_alpha > 0 (with the
 // trace's scores): each step's selections first go through plan_substitution against the
-// cache as it is, as the runtime's decode does (hobbit-substitution.h)
+// cache as it is, as the runtime's decode does (hobbit-substitution.h). prefetch_layers > 0
+// (with the trace's guesses): once a layer is served, the experts guessed for the next P
+// layers are loaded into slots the layer has not pinned, as the runtime's decode prefetch
+// does while the layer computes
 cache_sim_result cache_simulate(const cache_sim_trace & trace, int n_slot, bool belady, cache_policy_kind kind,
                                 const cache_policy_weights & weights, uint64_t seed, double low_miss_cost,
                                 float substitute_alpha = 0.0f);

@@ -172,6 +172,9 @@ struct hobbit_sim_trace {
     const uint8_t * high_precision;
     const float *   scores;
     const float *   popularity;
+    const int32_t * predicted;
+    int32_t n_lookahead;
+    int32_t prefetch_layers;
 };
 
 struct hobbit_sim_result {
@@ -181,6 +184,8 @@ struct hobbit_sim_result {
     int64_t misses_low;
     double  miss_penalty;
     int64_t substituted;
+    int64_t prefetched;
+    int64_t prefetch_used;
 };
 
 struct hobbit_params hobbit_default_params(void);

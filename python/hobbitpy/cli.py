@@ -473,6 +473,7 @@ def _plot(args) -> int:
 
 
 def _add_simulate_parser(sub) -> None:
+    from hobbitpy.presets import PRESETS
     from hobbitpy.simulate import DEFAULT_POLICIES, POLICIES
 
     p = sub.add_parser("simulate", help="replay a trace through the cache policies and Belady's optimum",
@@ -497,13 +498,19 @@ def _add_simulate_parser(sub) -> None:
     p.add_argument("--popularity", metavar="TRACE", type=_of_trace("expert_popularity"), default=None,
                    help="the popularity policy's profile from another trace of the same model (default: the "
                         "selection counts of the trace replayed, Fiddler's best case)")
+    p.add_argument("--prefetch-layers", type=int, default=0, metavar="P",
+                   help="replay the decode prefetch too: after each layer, the experts the trace's predictor "
+                        "guessed for the next P layers are loaded (their bytes count as read; not for belady)")
+    p.add_argument("--preset", nargs="+", choices=list(PRESETS), default=[], metavar="NAME",
+                   help=f"also replay these presets' rules ({', '.join(PRESETS)}): policy, substitution, decode "
+                        "prefetch and T1's low-precision misses; one shared pool, top-k guesses, no skips")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.set_defaults(func=_simulate)
 
 
 def _simulate(args) -> int:
     from hobbitpy import HobbitError
-    from hobbitpy.simulate import format_table, simulate_all
+    from hobbitpy.simulate import format_table, simulate_all, simulate_preset
     from hobbitpy.trace import load_trace
 
     if why := _json_target_error(args.json):
@@ -514,9 +521,16 @@ def _simulate(args) -> int:
             return _fail(f"--t1 must be in [0, 1], got {args.t1}")
         if not 0 <= args.substitute <= 1:
             return _fail(f"--substitute must be in [0, 1], got {args.substitute}")
+        if args.prefetch_layers < 0:
+            return _fail(f"--prefetch-layers must be 0 or more, got {args.prefetch_layers}")
         results = simulate_all(t, args.budget_mb, args.policy, weights=args.policy_weights or (0.25,) * 4,
                                seed=args.seed, t1=args.t1, low_miss_cost=args.low_cost,
-                               substitute_alpha=args.substitute, popularity=args.popularity)
+                               substitute_alpha=args.substitute, popularity=args.popularity,
+                               prefetch_layers=args.prefetch_layers)
+        presets = [simulate_preset(t, budget, name, popularity=args.popularity, low_miss_cost=args.low_cost)
+                   for budget in args.budget_mb for name in args.preset]
+        # each budget's rows together: the policies, then the presets
+        results = sorted(results + presets, key=lambda r: args.budget_mb.index(r.budget_mb))
     except (HobbitError, ValueError) as e:
         return _fail(str(e))
     m = t.meta

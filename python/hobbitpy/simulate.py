@@ -35,6 +35,8 @@ class SimResult:
     bytes_read: int
     miss_penalty: float
     substituted: int = 0  # selections a cached expert of similar score served instead (substitute_alpha)
+    prefetched: int = 0  # experts loaded ahead of their layer (prefetch_layers; their bytes are in bytes_read)
+    prefetch_used: int = 0  # of those, selected before they were evicted
 
     @property
     def hit_ratio(self) -> float:
@@ -68,14 +70,18 @@ def router_scores(trace: Trace) -> np.ndarray:
 
 def simulate(trace: Trace, budget_mb: float, policy: str, *, weights=(0.25, 0.25, 0.25, 0.25), seed: int = 0,
              high_precision: np.ndarray | None = None, low_miss_cost: float = 1.0, t1: float | None = None,
-             substitute_alpha: float = 0.0, popularity: np.ndarray | None = None) -> SimResult:
+             substitute_alpha: float = 0.0, popularity: np.ndarray | None = None, prefetch_layers: int = 0,
+             label: str | None = None) -> SimResult:
     """Misses of `policy` on `trace` with a cache of `budget_mb`. A selection is wanted at
     high precision per high_precision, or (t1) when its eq. 2 score is at most t1; a
     low-precision miss costs low_miss_cost of a high one (HOBBIT's miss penalty).
     substitute_alpha: the runtime's substitution of low-score misses first (the importance
     preset; not for Belady, whose future is the trace as routed). popularity: the profile
     the popularity policy ranks by ([MoE layers, n_expert]); default the trace's own
-    selection counts (a profile of the very text replayed: Fiddler's best case)."""
+    selection counts (a profile of the very text replayed: Fiddler's best case).
+    prefetch_layers: after each layer the next P layers' experts the trace's predictor guessed
+    are loaded, as the runtime's decode prefetch does (not for Belady). label: the name the
+    result goes by (default the policy)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
     if high_precision is None and t1 is not None:
@@ -105,6 +111,14 @@ def simulate(trace: Trace, budget_mb: float, policy: str, *, weights=(0.25, 0.25
             raise HobbitError(f"the popularity profile is for {profile.shape[0]} MoE layers of {profile.shape[1]} "
                               f"experts; the trace has {t.n_layer} of {t.n_expert} (a profile of another model?)")
         t.popularity = ffi.cast("const float *", profile.ctypes.data)
+    if prefetch_layers and policy != "belady":
+        lookahead = trace.predicted.shape[2]
+        if not 0 < prefetch_layers <= lookahead:
+            raise HobbitError(f"{trace.meta['model']}: its trace guesses {lookahead} layers ahead; prefetch of "
+                              f"{prefetch_layers} cannot be replayed (record it with `hobbitpy trace --lookahead`)")
+        predicted = np.ascontiguousarray(trace.predicted, dtype=np.int32)
+        t.predicted = ffi.cast("const int32_t *", predicted.ctypes.data)
+        t.n_lookahead, t.prefetch_layers = lookahead, prefetch_layers
     w = ffi.new("struct hobbit_policy_weights *", dict(zip(("lru", "lfu", "lhu", "fld"), weights)))
     r = ffi.new("struct hobbit_sim_result *")
     err = error_buffer()
@@ -112,9 +126,29 @@ def simulate(trace: Trace, budget_mb: float, policy: str, *, weights=(0.25, 0.25
                                  len(err)) != 0:
         raise HobbitError(to_str(err))
     misses = int(r.misses_high + r.misses_low)
-    return SimResult(policy=policy, budget_mb=budget_mb, n_slot=n_slot, accesses=int(r.accesses), hits=int(r.hits),
-                     misses=misses, bytes_read=misses * trace.meta["expert_bytes"], miss_penalty=float(r.miss_penalty),
-                     substituted=int(r.substituted))
+    return SimResult(policy=label or policy, budget_mb=budget_mb, n_slot=n_slot, accesses=int(r.accesses),
+                     hits=int(r.hits), misses=misses, bytes_read=(misses + int(r.prefetched)) * trace.meta["expert_bytes"],
+                     miss_penalty=float(r.miss_penalty), substituted=int(r.substituted), prefetched=int(r.prefetched),
+                     prefetch_used=int(r.prefetch_used))
+
+
+def simulate_preset(trace: Trace, budget_mb: float, preset: str, *, popularity: np.ndarray | None = None,
+                    low_miss_cost: float = 1.0) -> SimResult:
+    """A preset's cache rules replayed (presets.py): its policy, its substitution, its decode
+    prefetch (at most as many layers ahead as the trace guessed) and, with a low precision,
+    its T1 split of the misses. What the replay leaves out: a pool per layer (Fate's
+    allocation; one shared pool here), guesses wider than top-k (the trace records k) and
+    T2's skips."""
+    from .config import DEFAULT_T1
+    from .presets import preset_settings
+
+    settings = preset_settings(preset)
+    lookahead = trace.predicted.shape[2]
+    return simulate(trace, budget_mb, settings.get("policy", "lru"), popularity=popularity,
+                    substitute_alpha=settings.get("substitute_alpha", 0.0),
+                    prefetch_layers=min(settings.get("prefetch_layers", 0), lookahead),
+                    t1=settings.get("t1", DEFAULT_T1) if settings.get("low") else None,
+                    low_miss_cost=low_miss_cost, label=f"{preset} preset")
 
 
 def simulate_all(trace: Trace, budgets_mb: list[float], policies=DEFAULT_POLICIES, **kwargs) -> list[SimResult]:
@@ -129,12 +163,17 @@ def format_table(results: list[SimResult]) -> str:
         best = next((r for r in rows if r.policy == "belady"), None)
         lines.append(f"budget {budget:g} MB ({rows[0].n_slot} slots), {rows[0].accesses} expert selections")
         substituting = any(r.substituted for r in rows)
-        lines.append(f"  {'policy':<9} {'hit ratio':>9} {'misses':>9} {'MB read':>10} {'penalty':>9} "
-                     f"{'misses/Belady':>13} {'penalty/Belady':>14}" + (f" {'substituted':>11}" if substituting else ""))
+        prefetching = any(r.prefetched for r in rows)
+        width = max(9, *(len(r.policy) for r in rows))
+        lines.append(f"  {'policy':<{width}} {'hit ratio':>9} {'misses':>9} {'MB read':>10} {'penalty':>9} "
+                     f"{'misses/Belady':>13} {'penalty/Belady':>14}" + (f" {'substituted':>11}" if substituting else "")
+                     + (f" {'prefetched':>10} {'used':>6}" if prefetching else ""))
         for r in rows:
             ratio_m = f"{r.misses / best.misses:.3f}" if best and best.misses else "-"
             ratio_p = f"{r.miss_penalty / best.miss_penalty:.3f}" if best and best.miss_penalty else "-"
-            lines.append(f"  {r.policy:<9} {r.hit_ratio:>9.3f} {r.misses:>9d} {r.bytes_read / MB:>10.1f} "
+            lines.append(f"  {r.policy:<{width}} {r.hit_ratio:>9.3f} {r.misses:>9d} {r.bytes_read / MB:>10.1f} "
                          f"{r.miss_penalty:>9.1f} {ratio_m:>13} {ratio_p:>14}"
-                         + (f" {r.substituted:>11d}" if substituting else ""))
+                         + (f" {r.substituted:>11d}" if substituting else "")
+                         + (f" {r.prefetched:>10d} {r.prefetch_used / r.prefetched if r.prefetched else 0:>6.2f}"
+                            if prefetching else ""))
     return "\n".join(lines)
