@@ -109,3 +109,35 @@ def test_widened_prefetch_is_exact_and_fetches_past_the_top_k(model_dir):
     assert issued[info.n_expert_used + 2] > issued[-1] > issued[0]
     with pytest.raises(ValueError, match="prefetch_width"):
         hobbitpy.OffloadConfig(prefetch_width=-2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2moe", "gpt-oss"])
+def test_a_long_prompt_keeps_experts_from_one_ubatch_to_the_next(model_dir, arch):
+    # a prompt of 4 ubatches, each selecting (nearly) every expert of every layer, through a
+    # pool of 3 of the 4 layers' experts (the layer computing, the next one loading, one
+    # more): a recency rule loads every expert again in every ubatch (the sweep evicts
+    # exactly what comes next); taking slots from the layer the sweep reaches last keeps the
+    # first layer's from one ubatch to the next. Q4_K experts are repacked, never in place.
+    path = tiny_model(model_dir, arch, n_layer=4, expert_type="Q4_K", n_embd=256, n_ff=512)
+    info = hobbitpy.inspect_model(path)
+    config = hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total * 3 / 4 / MB, mode=LOAD)
+    n_ubatch, n_pass = 32, 4
+
+    def prompt_logits(offload):
+        with hobbitpy.Llama(path, offload=offload, n_ctx=256, n_batch=256, n_ubatch=n_ubatch, logits_all=True,
+                            verbose=False, n_threads=2) as llm:
+            ids = llm.tokenize((PROMPT_TEXT * 8).encode())[: n_ubatch * n_pass]
+            assert len(ids) == n_ubatch * n_pass
+            llm.eval(ids)
+            return np.array(llm.scores[: llm.n_tokens], np.float32), (llm.offload_stats() if offload.enabled else None)
+
+    ref, _ = prompt_logits(hobbitpy.OffloadConfig(enabled=False))
+    got, s = prompt_logits(config)
+    assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
+    loads = s["bytes_read"] // info.expert_bytes
+    every_time = n_pass * info.n_expert * info.n_layer_moe
+    assert loads <= 0.8 * every_time, (loads, every_time)
+    assert s["peak_pool_bytes"] <= s["budget_bytes"]
+
+
+PROMPT_TEXT = "The keeper climbed the stairs of the lighthouse at dusk and lit the great lamp above the sea. "

@@ -376,3 +376,17 @@ std::unique_ptr<cache_policy_i> cache_policy_make(cache_policy_kind kind, int n_
     }
     return std::make_unique<weighted_policy>(n_slot, n_layer, n_expert, w);
 }
+
+int sweep_victim(const std::vector<int> & candidates, const std::function<int(int)> & ahead, cache_policy_i & policy) {
+    int farthest = -1;
+    for (int s : candidates) {
+        farthest = std::max(farthest, ahead(s));
+    }
+    std::vector<int> last;
+    for (int s : candidates) {
+        if (ahead(s) == farthest) {
+            last.push_back(s);
+        }
+    }
+    return policy.choose_victim(last);
+}

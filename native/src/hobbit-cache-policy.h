@@ -20,6 +20,7 @@
 #include "hobbit.h"
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -70,11 +71,11 @@ std::unique_ptr<cache_policy_i> cache_policy_make_belady(const int32_t * experts
 // how a slot may be used by a new expert
 enum class slot_use { empty, evictable, busy };
 
-// the slot a new expert takes among n_slot: the first empty one, else the policy's victim
-// among the evictable ones; -1 if every slot is busy (pinned or loading). use(s) says
-// which; candidates is scratch space.
-template <typename SlotUse>
-int cache_take_slot(int n_slot, SlotUse use, cache_policy_i & policy, std::vector<int> & candidates) {
+// the slot a new expert takes among n_slot: the first empty one, else the victim choose()
+// picks among the evictable ones (default: the policy's); -1 if every slot is busy (pinned
+// or loading). use(s) says which; candidates is scratch space.
+template <typename SlotUse, typename Choose>
+int cache_take_slot(int n_slot, SlotUse use, Choose choose, std::vector<int> & candidates) {
     candidates.clear();
     for (int s = 0; s < n_slot; ++s) {
         const slot_use u = use(s);
@@ -85,5 +86,18 @@ int cache_take_slot(int n_slot, SlotUse use, cache_policy_i & policy, std::vecto
             candidates.push_back(s);
         }
     }
-    return candidates.empty() ? -1 : policy.choose_victim(candidates);
+    return candidates.empty() ? -1 : choose(candidates);
 }
+
+template <typename SlotUse>
+int cache_take_slot(int n_slot, SlotUse use, cache_policy_i & policy, std::vector<int> & candidates) {
+    return cache_take_slot(n_slot, use, [&](const std::vector<int> & c) { return policy.choose_victim(c); }, candidates);
+}
+
+// A prompt's ubatch sweeps every MoE layer in order and the next ubatch sweeps them again: a
+// cyclic scan, which a recency rule serves with no hit at all once the pool is smaller than
+// a sweep (it evicts exactly what the sweep reaches next). Belady's answer for a scan is to
+// evict what it reaches last. The victim among candidates: one of those whose layer the
+// sweep reaches last, ahead(slot) = how many MoE layers the sweep passes before that slot's
+// layer comes again; the policy chooses among them (its records stay as they were).
+int sweep_victim(const std::vector<int> & candidates, const std::function<int(int)> & ahead, cache_policy_i & policy);

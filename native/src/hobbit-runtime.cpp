@@ -107,8 +107,10 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     }
     const cache_policy_weights weights = { params.policy_weights.lru, params.policy_weights.lfu,
                                            params.policy_weights.lhu, params.policy_weights.fld };
+    moe_rank.assign(info.n_layer, -1);
     for (int il = 0; il < info.n_layer; ++il) {
         if (index.layers[il].has_experts()) {
+            moe_rank[il] = (int) moe_layers.size();
             moe_layers.push_back(il);
         }
     }
@@ -422,8 +424,15 @@ int hobbit_runtime::n_waves(int il, int n_tokens) const {
 
 int hobbit_runtime::take_slot(int p) {
     const expert_pool & pool = *pools[p].pool;
+    cache_policy_i & policy = *pools[p].policy;
     std::vector<int> candidates;
-    const int s = cache_take_slot(pool.n_slot(), [&](int s) { return use_of(pool.slots[s]); }, *pools[p].policy, candidates);
+    const auto use = [&](int s) { return use_of(pool.slots[s]); };
+    const int n_moe = (int) moe_layers.size();
+    // a prompt's ubatch: what the sweep reaches last goes first (the layer just computed)
+    const auto ahead = [&](int s) { return (moe_rank[pool.slots[s].layer] - sweep_rank - 1 + n_moe) % n_moe; };
+    const int s = sweep_rank < 0 ? cache_take_slot(pool.n_slot(), use, policy, candidates) :
+        cache_take_slot(pool.n_slot(), use, [&](const std::vector<int> & c) { return sweep_victim(c, ahead, policy); },
+                        candidates);
     if (s >= 0 && pool.slots[s].prefetched) {
         stats_.prefetch_wasted++; // evicted before any layer asked for it
     }
@@ -1006,6 +1015,9 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
     wave_assignment a(n_expert);
     if (!failed()) {
         begin_wave(il, wave, sel, dst);
+        // a ubatch whose selections could cover the layer twice over is a prompt's: it and the
+        // next sweep every layer in order (take_slot)
+        sweep_rank = (int64_t) n_pair >= 2 * n_expert ? moe_rank[il] : -1;
         const wave_plan plan = plan_wave(il, wave, sel);
         std::vector<load_task> loads;
         a = apply_wave(il, plan, sel, lock, loads);

@@ -164,6 +164,7 @@ private:
     const llama_model *             model = nullptr;
     std::unique_ptr<mapping_guard>  map_guard;  // the mapped experts, while any may run in place
     std::vector<int>                moe_layers;
+    std::vector<int>                moe_rank;   // [n_layer]: a layer's index among moe_layers (-1: dense)
     std::unique_ptr<io_scheduler>   io;   // last: its threads stop before the rest goes
 
     std::vector<dispatch_ud>             dispatch_uds;
@@ -183,6 +184,8 @@ private:
     int                     n_waiting = 0;
     int                     last_dispatch_il = -1; // layer of the latest dispatch
     int                     last_moe_layer   = -1; // after its dispatch the graph is about to end
+    int                     sweep_rank       = -1; // a prompt's wide ubatch: the MoE rank of the layer it is at
+                                                   // (slots taken in sweep order, sweep_victim); -1 decoding
     hobbit_stats            stats_ = {};
 
     std::atomic<bool> has_error{false};

@@ -344,7 +344,20 @@ static void test_take_slot() {
     opt->on_insert(1, 0, 2);
     opt->on_layer(0); // step 2 needs a slot for expert 3
     CHECK(opt->choose_victim({ 0, 1 }) == 1);
-    printf("ok take slot, belady policy\n");
+
+    // a prompt's sweep over 4 MoE layers, now at layer 1: slots hold experts of layers 0, 1,
+    // 2 and 1 again; layer 1 (just computed) comes again last, so one of its two slots goes,
+    // the least recently used of them (slot 3), though slot 0 is older
+    std::unique_ptr<cache_policy_i> order = cache_policy_make(cache_policy_kind::lru, 4, 4, 8);
+    const int slot_layer[4] = { 0, 1, 2, 1 };
+    order->on_insert(0, 0, 0);
+    order->on_insert(3, 1, 5);
+    order->on_insert(1, 1, 4);
+    order->on_insert(2, 2, 0);
+    const auto ahead = [&](int s) { return (slot_layer[s] - 1 - 1 + 4) % 4; };
+    CHECK(sweep_victim({ 0, 1, 2, 3 }, ahead, *order) == 3);
+    CHECK(sweep_victim({ 0, 2 }, ahead, *order) == 0); // layer 0 comes after layer 2
+    printf("ok take slot, belady policy, sweep order\n");
 }
 
 static void test_pool(const std::string & path) {
