@@ -14,7 +14,7 @@ from hobbitpy.errors import BudgetError
 from hobbitpy.presets import preset_settings
 from hobbitpy.trace import Trace
 
-from conftest import ARCHES, MB, run_logits, tiny_model
+from conftest import ARCHES, CONTINUATION, MB, PROMPT, run_logits, tiny_model
 
 
 @pytest.mark.parametrize("arch", ARCHES)
@@ -76,11 +76,69 @@ def test_a_budget_below_a_pool_per_layer_runs_one_shared_pool_exactly(model_dir)
         hobbitpy.Llama(path, cache_mb=0.5 * shared_min / MB, shallow_layers=0, n_ctx=64, verbose=False)
 
 
-def test_a_pool_per_layer_serves_one_precision(model_dir):
-    with pytest.raises(ValueError, match="one precision level"):
-        OffloadConfig(shallow_layers=1, low="Q2_K")
+def _fate_with_low_copies(path, low, share: float, **kw) -> OffloadConfig:
+    """Fate with its INT2 share (§4.5): a pool per layer at the high level, one shared low pool;
+    decode wants the high level only (t1 = t2 = 1) and gets exactly it (hits exact)."""
+    info = hobbitpy.inspect_model(path)
+    per_expert = info.expert_bytes_total / info.n_expert / info.n_layer_moe
+    budget = per_expert * (info.n_expert + (info.n_layer_moe - 1) * (info.n_expert_used + 1) + 2 * info.n_expert)
+    return OffloadConfig(**{**preset_settings("fate"), "cache_mb": budget / MB, "mode": "gpu-centric", "low": str(low),
+                            "t1": 1.0, "t2": 1.0, "hits": "exact", "warm": False, "level_shares": (0.75, 0.25),
+                            "prefill_low_share": share, **kw})
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_a_prompt_serves_its_least_popular_experts_from_the_low_level_and_decode_never(model_dir, arch):
+    from test_mixed_precision import identical_companion
+
+    # the low level holds byte copies of the experts: which level serves what is seen in the
+    # counters while the logits stay stock's (the plumbing checked exactly)
+    path = tiny_model(model_dir, arch, n_layer=4)
+    low = identical_companion(path, model_dir / f"{path.stem}.copy.gguf")
+    ref, ref_text, _, _ = run_logits(path, OffloadConfig(enabled=False))
+    got, text, stats, _ = run_logits(path, _fate_with_low_copies(path, low, 0.3))
+    assert np.array_equal(ref.view(np.uint32), got.view(np.uint32)) and text == ref_text
+    assert stats["served"][1] > 0 and stats["n_skipped"] == 0, stats["served"]
+    assert stats["peak_pool_bytes"] <= stats["budget_bytes"]
+
+    with hobbitpy.Llama(path, offload=_fate_with_low_copies(path, low, 0.3), n_ctx=128, verbose=False) as llm:
+        assert [p["level"] for p in llm.pool_stats()].count(1) == 1  # one low pool; a pool per layer high
+        llm.eval(llm.tokenize(PROMPT.encode()))
+        assert llm.offload_stats()["served"][1] > 0
+        llm.reset_offload_stats()
+        for t in llm.tokenize(CONTINUATION.encode(), add_bos=False)[:6]:
+            llm.eval([t])
+        assert llm.offload_stats()["served"][1] == 0  # decode: the high level only, as Fate transfers
+
+    # no share: nothing is served low at all
+    _, _, stats, _ = run_logits(path, _fate_with_low_copies(path, low, 0.0))
+    assert stats["served"][1] == 0
+
+
+def test_the_low_share_is_lossy_with_real_low_copies(model_dir):
+    from hobbitpy.prepare import prepare_companion
+
+    path = tiny_model(model_dir, "llama", n_layer=4)
+    low = model_dir / f"{path.stem}.share-Q2_K.gguf"
+    if not low.exists():
+        prepare_companion(path, "Q2_K", out_path=low, progress=False)
+    ref, _, _, _ = run_logits(path, OffloadConfig(enabled=False))
+    exact, _, _, _ = run_logits(path, _fate_with_low_copies(path, low, 0.0))
+    assert np.array_equal(ref.view(np.uint32), exact.view(np.uint32))
+    lossy, _, stats, _ = run_logits(path, _fate_with_low_copies(path, low, 0.5))
+    assert stats["served"][1] > 0 and not np.array_equal(ref, lossy)
+
+
+def test_a_low_share_needs_a_low_level_and_a_share():
+    with pytest.raises(ValueError, match="needs a low precision"):
+        OffloadConfig(prefill_low_share=0.2)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="prefill_low_share"):
+            OffloadConfig(low="Q2_K", prefill_low_share=bad)
     with pytest.raises(ValueError, match="shallow_layers"):
         OffloadConfig(shallow_layers=-1)
+    with pytest.raises(ValueError, match="placed by importance"):
+        OffloadConfig(shallow_layers=1, low="Q2_K", importance=((1.0, 1.0),))
 
 
 def _trace(experts: np.ndarray, predicted: np.ndarray) -> Trace:

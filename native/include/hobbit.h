@@ -109,13 +109,17 @@ struct hobbit_params {
     int32_t shallow_layers;  // -1 = one pool per expert signature, shared by every MoE layer; >= 0 = a pool per MoE layer
                              // (Fate's shallow-favoring allocation, §4.4: the first shallow_layers MoE layers hold all
                              // of their experts, the rest of the budget is split evenly over the deeper ones; the
-                             // policy ranks within a layer). One precision level only; the budget must hold every
-                             // layer's top-k
+                             // policy ranks within a layer), at the highest precision level; a lower level is one pool
+                             // shared by every layer. The budget must hold every layer's top-k; no expert_levels
     bool    prefill_popular_first; // a wide ubatch (a prompt) loads the next MoE layer's experts while this one
                                    // computes: true = in descending order of the tokens its router is predicted to
                                    // send to each (Fate §4.5; needs prefetch_layers >= 1 for the router), so the
                                    // room the pools have goes to the experts most of the prompt will use; false = in
                                    // expert order
+    float   prefill_low_share; // Fate §4.5 (popularity-aware hybrid quantization; lossy; n_level > 1): in a prompt's
+                               // ubatch, the least popular experts whose tokens together make up at most this share
+                               // of its selections are served at the lowest level (loaded there when missing, and
+                               // the next layer's predicted least popular prefetched there); 0 = off
     float   substitute_alpha;  // importance-driven scheduling's expert-cache router (its Algorithm 1; lossy): in
                                // decode, a selection scoring below (1 + alpha) times the best unselected score (β)
                                // that is not cached is replaced by the best cached unselected expert scoring in

@@ -65,6 +65,7 @@ struct hobbit_params hobbit_default_params(void) {
     p.prefetch_width  = 0;
     p.shallow_layers  = -1;
     p.prefill_popular_first = true;
+    p.prefill_low_share = 0.0f;
     p.substitute_alpha = 0.0f;
     p.direct_io       = true;
     p.n_io_threads    = 2;
@@ -130,8 +131,11 @@ static std::string invalid_params(const hobbit_params * params) {
     if (params->prefetch_width < HOBBIT_PREFETCH_WIDTH_FATE) {
         return "prefetch_width must be >= 0 or HOBBIT_PREFETCH_WIDTH_FATE, got " + std::to_string(params->prefetch_width);
     }
-    if (params->shallow_layers >= 0 && (params->n_level > 1 || (params->level_paths[0] && params->level_paths[0][0] != '\0'))) {
-        return "a pool per layer (shallow_layers >= 0) serves one precision level, the model's own";
+    if (params->shallow_layers >= 0 && params->expert_levels != nullptr) {
+        return "a pool per layer (shallow_layers >= 0) and a static placement (expert_levels) do not go together";
+    }
+    if (!(params->prefill_low_share >= 0.0f && params->prefill_low_share <= 1.0f)) { // NaN fails too
+        return "prefill_low_share must be in [0, 1], got " + std::to_string(params->prefill_low_share);
     }
     if (params->n_expert_levels < 0 || (params->n_expert_levels > 0) != (params->expert_levels != nullptr)) {
         return "expert_levels and n_expert_levels must be given together";

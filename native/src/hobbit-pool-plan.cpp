@@ -109,13 +109,14 @@ std::vector<pool_plan_group> pool_plan_make_per_layer(const expert_index & index
 }
 
 std::vector<int64_t> pool_plan_level_budgets(const std::vector<const expert_index *> & levels, int64_t budget_bytes,
-                                             const float * level_shares) {
+                                             const float * level_shares, int64_t high_min_bytes) {
     const int n = (int) levels.size();
+    const auto min_of = [&](int l) { return l == 0 && high_min_bytes >= 0 ? high_min_bytes : levels[l]->info.min_budget_bytes; };
     int64_t min_total = 0;
     std::string parts;
     for (int l = 0; l < n; ++l) {
-        min_total += levels[l]->info.min_budget_bytes;
-        parts += (l ? " + " : "") + mib(levels[l]->info.min_budget_bytes);
+        min_total += min_of(l);
+        parts += (l ? " + " : "") + mib(min_of(l));
     }
     if (budget_bytes < min_total) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_BUDGET, levels[0]->path + ": expert budget " + mib(budget_bytes) +
@@ -149,7 +150,7 @@ std::vector<int64_t> pool_plan_level_budgets(const std::vector<const expert_inde
     std::vector<int64_t> budget(n);
     int64_t excess = 0;
     for (int l = 0; l < n; ++l) {
-        budget[l] = levels[l]->info.min_budget_bytes + (int64_t) (spare * share[l]);
+        budget[l] = min_of(l) + (int64_t) (spare * share[l]);
         const int64_t all = levels[l]->info.expert_bytes_total;
         if (budget[l] > all) {
             excess += budget[l] - all;

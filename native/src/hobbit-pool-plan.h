@@ -35,9 +35,11 @@ int64_t pool_plan_per_layer_min_bytes(const expert_index & index);
 // lowest level gets room for all of its experts up to HOBBIT_AUTO_LOW_SHARE of the budget:
 // a copy of every expert in memory means a decode never waits for the disk); a level
 // that could hold all of its experts with less passes the excess on, highest precision
-// first. Throws hobbit_error if the budget is below the levels' minima.
+// first. high_min_bytes: level 0's minimum where it is not one token's top-k (a pool per
+// layer: pool_plan_per_layer_min_bytes), or -1. Throws hobbit_error if the budget is below the
+// levels' minima.
 std::vector<int64_t> pool_plan_level_budgets(const std::vector<const expert_index *> & levels, int64_t budget_bytes,
-                                             const float * level_shares);
+                                             const float * level_shares, int64_t high_min_bytes = -1);
 
 // with a static placement: placed_bytes[l] are the bytes of the experts placed at level l.
 // Each level gets exactly those (at least its minimum) when the budget holds them all, else

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <numeric>
 
 void precision_scores(const float * weights, int k, float * scores) {
@@ -42,4 +43,27 @@ void precision_levels(const precision_thresholds & th, const float * weights, in
         }
         levels[i] = level;
     }
+}
+
+std::vector<bool> least_popular_experts(const std::vector<int> & count, float share) {
+    std::vector<bool> low(count.size(), false);
+    std::vector<int> order;
+    int64_t total = 0;
+    for (size_t e = 0; e < count.size(); ++e) {
+        if (count[e] > 0) {
+            order.push_back((int) e);
+            total += count[e];
+        }
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return count[a] < count[b]; });
+    const double limit = (double) share * (double) total;
+    int64_t covered = 0;
+    for (int e : order) {
+        if ((double) (covered + count[e]) > limit) {
+            break;
+        }
+        covered += count[e];
+        low[e] = true;
+    }
+    return low;
 }

@@ -90,7 +90,7 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         }
         index.check_companion(companions.back());
     }
-    thresholds = { n_level, params.t1, params.t_mid, params.t2 };
+    thresholds = { n_level, params.t1, params.t_mid, params.t2, n_level > 1 ? params.prefill_low_share : 0.0f };
     if (params.hit_policy < HOBBIT_HIT_FOUND || params.hit_policy > HOBBIT_HIT_EXACT) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "unknown hit policy " + std::to_string((int) params.hit_policy));
     }
@@ -193,13 +193,16 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         }
         budgets = pool_plan_placed_budgets(level_indexes, params.budget_bytes, placed_bytes);
     } else {
-        budgets = pool_plan_level_budgets(level_indexes, params.budget_bytes, params.level_shares);
+        budgets = pool_plan_level_budgets(level_indexes, params.budget_bytes, params.level_shares,
+                                          params.shallow_layers >= 0 ? pool_plan_per_layer_min_bytes(level_index(0)) : -1);
     }
     pool_of.assign(n_level, std::vector<int>(info.n_layer, -1));
     int64_t n_slot_total = 0;
     for (int l = 0; l < n_level; ++l) {
         const expert_index & li = level_index(l);
-        const std::vector<pool_plan_group> plan = params.shallow_layers >= 0
+        // Fate's pool per layer holds the precision decode serves (the highest); a lower one
+        // (the low copies of a prompt's least popular experts) is one pool shared by every layer
+        const std::vector<pool_plan_group> plan = params.shallow_layers >= 0 && l == 0
             ? pool_plan_make_per_layer(li, budgets[l], params.shallow_layers) : pool_plan_make(li, budgets[l]);
         for (const pool_plan_group & g : plan) {
             pool_group pg;
@@ -502,37 +505,43 @@ void hobbit_runtime::prefetch_next_layer_whole(int il, const ggml_tensor * x, st
     const int n_expert = index.info.n_expert;
     std::vector<int> order(n_expert);
     std::iota(order.begin(), order.end(), 0);
-    if (predictor && params.prefill_popular_first && x != nullptr) {
+    const bool share_low = thresholds.prefill_low_share > 0.0f;
+    std::vector<bool> low(n_expert, false);
+    if (predictor && (params.prefill_popular_first || share_low) && x != nullptr) {
         // Fate §4.5: the pools rarely hold a whole layer; what they hold should be what most
         // of the prompt's tokens will select, and the first loads done are the longest computations
         const std::vector<int> count = predicted_expert_counts(*predictor, il, (const float *) x->data,
                                                                x->nb[1] / sizeof(float), (int) x->ne[1],
                                                                index.info.n_expert_used, n_expert);
-        if (!count.empty()) {
+        if (!count.empty() && params.prefill_popular_first) {
             std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return count[a] > count[b]; });
         }
+        if (!count.empty() && share_low) {
+            low = least_popular_experts(count, thresholds.prefill_low_share); // loaded low, as the dispatch will want them
+        }
     }
-    const int p = pool_of[0][next];
-    // no more than the pool holds beside what this layer pinned, or the loads would evict each other
-    int room = 0;
-    for (const pool_slot & slot : pools[p].pool->slots) {
-        room += slot.pins == 0 && slot.state != slot_state::loading;
+    // no more than each pool holds beside what this layer pinned, or the loads would evict each other
+    std::vector<int> room(n_level, 0);
+    for (int l = 0; l < n_level; ++l) {
+        for (const pool_slot & slot : pools[pool_of[l][next]].pool->slots) {
+            room[l] += slot.pins == 0 && slot.state != slot_state::loading;
+        }
     }
     for (int e : order) {
-        if (room <= 0) {
-            break;
-        }
+        const int l = low[e] ? n_level - 1 : 0;
         int level = -1;
-        if (find_cached(next, e, level) >= 0 || runs_in_place(next, e, 2)) {
+        if (room[l] <= 0 || find_cached(next, e, level) >= 0 || runs_in_place(next, e, 2)) {
             continue;
         }
+        const int p = pool_of[l][next];
         const int s = queue_background_load(p, next, e, /*prefetch*/ true, loads);
         if (s < 0) {
-            break;
+            room[l] = 0;
+            continue;
         }
         stats_.prefetch_issued++;
         pin_predicted(p, s, next);
-        room--;
+        room[l]--;
     }
 }
 
@@ -1015,9 +1024,8 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
     wave_assignment a(n_expert);
     if (!failed()) {
         begin_wave(il, wave, sel, dst);
-        // a ubatch whose selections could cover the layer twice over is a prompt's: it and the
-        // next sweep every layer in order (take_slot)
-        sweep_rank = (int64_t) n_pair >= 2 * n_expert ? moe_rank[il] : -1;
+        const bool prompt = is_prompt_ubatch(n_pair, n_expert);
+        sweep_rank = prompt ? moe_rank[il] : -1; // a prompt sweeps every layer in order (take_slot)
         const wave_plan plan = plan_wave(il, wave, sel);
         std::vector<load_task> loads;
         a = apply_wave(il, plan, sel, lock, loads);
@@ -1028,7 +1036,7 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
         if (predictor && wave == 0 && n_tokens == 1 && x_rows) {
             prefetch_next_layers(il, (const float *) x->data, loads);
         }
-        if (wave == 0 && (int64_t) n_pair >= 2 * n_expert) {
+        if (wave == 0 && prompt) {
             if (!a.any_inplace) {
                 prefetch_next_layer_whole(il, x_rows ? x : nullptr, loads);
             } else {

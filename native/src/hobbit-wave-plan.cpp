@@ -35,6 +35,17 @@ wave_selection read_selection(const ggml_tensor * sel, const ggml_tensor * wts, 
             }
         }
     }
+    // Fate §4.5: in a prompt, an expert few tokens select costs as much to read as a popular
+    // one but carries little of the output: the least popular want the lowest level
+    if (placed == nullptr && thresholds.n_level > 1 && thresholds.prefill_low_share > 0.0f &&
+        is_prompt_ubatch(ws.n_pair(), n_expert)) {
+        const std::vector<bool> low = least_popular_experts(ws.n_pairs, thresholds.prefill_low_share);
+        for (int e : ws.order) {
+            if (low[e] && ws.want[e] < skip) {
+                ws.want[e] = skip - 1;
+            }
+        }
+    }
     // when the ubatch needs more experts than there are slots, the experts with the most
     // tokens get the slots; the rest run in place (one wave) or in the next waves
     std::stable_sort(ws.order.begin(), ws.order.end(), [&](int a, int b) { return ws.n_pairs[a] > ws.n_pairs[b]; });

@@ -28,9 +28,17 @@ struct wave_selection {
     size_t n_pair() const { return ids.size(); }
 };
 
+// a ubatch whose selections could cover its layer twice over is a prompt's: it and the next
+// one sweep every MoE layer in order (the prompt rules: sweep order, the next layer loaded
+// whole, Fate's low-precision share)
+inline bool is_prompt_ubatch(size_t n_pair, int n_expert) {
+    return n_pair >= 2 * (size_t) n_expert;
+}
+
 // sel: the dispatch op's [n_used, n_tokens] ids; wts: its [1, n_used, n_tokens] gate weights;
 // placed: [n_expert] the level each expert is served at (a static placement), or nullptr:
-// the thresholds decide from the weights
+// the thresholds decide from the weights (and, in a prompt, from how many tokens select each
+// expert: thresholds.prefill_low_share)
 wave_selection read_selection(const ggml_tensor * sel, const ggml_tensor * wts, int n_expert,
                               const precision_thresholds & thresholds, const int8_t * placed);
 

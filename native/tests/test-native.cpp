@@ -454,6 +454,15 @@ static void test_precision_scorer() {
     const float zero[2] = { 0.0f, 0.0f };
     precision_levels(two, zero, 2, levels);
     CHECK(levels[0] == 0 && levels[1] == 0);
+
+    // Fate §4.5: a prompt's least popular experts, fewest tokens first, while their tokens
+    // make up at most the share: 10 selections, a fifth is 2: experts 2 and 4 (one token
+    // each; ties by id), not expert 3 (3 tokens), never the unselected 0
+    const std::vector<int> count = { 0, 5, 1, 3, 1 };
+    CHECK((least_popular_experts(count, 0.2f) == std::vector<bool>{ false, false, true, false, true }));
+    CHECK((least_popular_experts(count, 0.1f) == std::vector<bool>{ false, false, true, false, false }));
+    CHECK((least_popular_experts(count, 0.0f) == std::vector<bool>(5, false)));
+    CHECK((least_popular_experts(count, 1.0f) == std::vector<bool>{ false, true, true, true, true }));
     printf("ok precision scorer\n");
 }
 
@@ -500,6 +509,17 @@ static void test_level_budgets(const std::string & path) {
         pool_plan_level_budgets(levels, 2 * min - 1, automatic);
     } catch (const hobbit_error & e) {
         refused = e.status == HOBBIT_STATUS_ERROR_BUDGET && std::string(e.what()).find("each precision") != std::string::npos;
+    }
+    CHECK(refused);
+    // a pool per layer at the high level: its minimum is every layer's top-k, not one token's
+    const int64_t per_layer = pool_plan_per_layer_min_bytes(idx);
+    b = pool_plan_level_budgets(levels, per_layer + min + 2 * expert, even, per_layer);
+    CHECK(b[0] == per_layer + expert && b[1] == min + expert);
+    refused = false;
+    try {
+        pool_plan_level_budgets(levels, per_layer + min - 1, even, per_layer);
+    } catch (const hobbit_error & e) {
+        refused = e.status == HOBBIT_STATUS_ERROR_BUDGET;
     }
     CHECK(refused);
     printf("ok level budgets\n");

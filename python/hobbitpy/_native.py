@@ -77,6 +77,7 @@ struct hobbit_params {
     int32_t prefetch_width;
     int32_t shallow_layers;
     bool    prefill_popular_first;
+    float   prefill_low_share;
     float   substitute_alpha;
     bool    direct_io;
     int32_t n_io_threads;

@@ -110,7 +110,8 @@ class OffloadConfig:
         None, "a pool per MoE layer instead of one shared by all (Fate's shallow-favoring allocation, §4.4): the "
               "first N MoE layers hold all of their experts (the next-layer prediction is weakest there), the rest "
               "of the budget is split evenly over the deeper layers, and the policy evicts within a layer; 0 splits "
-              "it evenly. One precision level; the budget must hold one token's top-k in every layer",
+              "it evenly. The pools hold the highest precision; a lower one (--low) is one pool shared by every "
+              "layer. The budget must hold one token's top-k in every layer",
         flag="--shallow-layers", metavar="N", parse="int", default_text="none: one pool shared by every layer")
     prefill_order: str = option("popularity", "the order a prompt loads the next MoE layer's experts in while a "
                                               "layer computes, as many as its pool has room for: by how many of the "
@@ -118,6 +119,11 @@ class OffloadConfig:
                                               "first (popularity: Fate §4.5; needs --prefetch-layers 1 or more, "
                                               "else expert order), or expert by expert (expert)",
                                 flag="--prefill-order", choices=PREFILL_ORDERS)
+    prefill_low_share: float = option(
+        0.0, "Fate's popularity-aware hybrid quantization (§4.5; lossy; needs --low): in a prompt, the experts fewest "
+             "of its tokens select, taken while their tokens make up at most this share of the prompt's selections, "
+             "are served from the lowest precision (and the next layer's predicted least popular are prefetched "
+             "there); 0 = off", flag="--prefill-low-share", metavar="SHARE", parse="float", profile=True)
     substitute_alpha: float = option(
         0.0, "importance-driven scheduling's expert-cache router (its Algorithm 1; lossy): in decode, a selection "
              "scoring below (1 + ALPHA) times the best unselected expert's score that is not cached is served by the "
@@ -198,8 +204,8 @@ class OffloadConfig:
         if self.shallow_layers is not None:
             if self.shallow_layers < 0:
                 raise ValueError(f"shallow_layers must be 0 or more, got {self.shallow_layers}")
-            if self.n_level > 1 or self.high is not None:
-                raise ValueError("a pool per layer (shallow_layers) serves one precision level, the model's own")
+            if self.importance is not None:
+                raise ValueError("a pool per layer (shallow_layers) and experts placed by importance do not go together")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown cache policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         w = self.policy_weights
@@ -209,6 +215,11 @@ class OffloadConfig:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if not 0.0 <= self.substitute_alpha <= 1.0:  # NaN fails too
             raise ValueError(f"substitute_alpha must be in [0, 1], got {self.substitute_alpha}")
+        if not 0.0 <= self.prefill_low_share <= 1.0:  # NaN fails too
+            raise ValueError(f"prefill_low_share must be in [0, 1], got {self.prefill_low_share}")
+        if self.prefill_low_share > 0.0 and self.n_level < 2:
+            raise ValueError("a low-precision share of a prompt's experts (prefill_low_share) needs a low precision "
+                             "level (low)")
         if self.prefill_order not in PREFILL_ORDERS:
             raise ValueError(f"unknown prefill order {self.prefill_order!r}; choose one of {', '.join(PREFILL_ORDERS)}")
         if self.hits not in HIT_POLICIES:
@@ -267,6 +278,7 @@ class OffloadConfig:
         params.prefetch_width = self.prefetch_width
         params.shallow_layers = -1 if self.shallow_layers is None else self.shallow_layers
         params.prefill_popular_first = self.prefill_order == "popularity"
+        params.prefill_low_share = self.prefill_low_share
         params.substitute_alpha = self.substitute_alpha
         params.direct_io = self.direct_io
         params.n_io_threads = self.io_threads

@@ -184,9 +184,11 @@ def fit_ubatch(info: ModelInfo, shape: ContextShape, config: OffloadConfig, leve
     return min(full, n_ubatch)
 
 
-def per_layer_min_bytes(info: ModelInfo) -> int:
-    """The smallest budget of a pool per MoE layer: one token's top-k in each."""
-    return info.expert_bytes_total // info.n_expert * info.n_expert_used
+def per_layer_min_bytes(levels: tuple[ModelInfo, ...]) -> int:
+    """The smallest budget of a pool per MoE layer (the highest level, levels[0]): one token's
+    top-k in each, beside the lower levels' one shared pool each."""
+    high = levels[0]
+    return high.expert_bytes_total // high.n_expert * high.n_expert_used + sum(l.min_budget_bytes for l in levels[1:])
 
 
 def plan_offload(info: ModelInfo, config: OffloadConfig, context_bytes: int,
@@ -208,7 +210,7 @@ def plan_offload(info: ModelInfo, config: OffloadConfig, context_bytes: int,
     if config.shallow_layers is not None:
         # a pool per layer (Fate's shallow-favoring allocation) needs one token's top-k in every
         # layer; where the memory holds less, one pool shared by every layer still runs
-        per_layer_min = per_layer_min_bytes(info)
+        per_layer_min = per_layer_min_bytes(levels)
         plan = plan_offload(info, dataclasses.replace(config, shallow_layers=None), context_bytes, levels, available_bytes)
         if plan.budget_bytes is None or plan.budget_bytes >= per_layer_min:
             return plan
