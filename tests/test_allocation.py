@@ -114,6 +114,12 @@ def test_a_prompt_serves_its_least_popular_experts_from_the_low_level_and_decode
     _, _, stats, _ = run_logits(path, _fate_with_low_copies(path, low, 0.0))
     assert stats["served"][1] == 0
 
+    # a low pool of one token's top-k: the least popular the low pool cannot take get high
+    # slots (hits "exact" or not, the share never stalls a prompt)
+    got, text, stats, _ = run_logits(path, _fate_with_low_copies(path, low, 0.5, level_shares=(1.0, 0.0)))
+    assert np.array_equal(ref.view(np.uint32), got.view(np.uint32)) and text == ref_text
+    assert stats["served"][1] > 0
+
 
 def test_the_low_share_is_lossy_with_real_low_copies(model_dir):
     from hobbitpy.prepare import prepare_companion

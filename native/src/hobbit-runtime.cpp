@@ -676,8 +676,12 @@ void hobbit_runtime::prefetch_next_layers(int il, const float * x, std::vector<l
     }
 }
 
-int hobbit_runtime::lookup(int il, int e, int want, int & level) const {
-    if (params.hit_policy != HOBBIT_HIT_EXACT) {
+bool hobbit_runtime::exact_for(const wave_selection & sel, int e) const {
+    return params.hit_policy == HOBBIT_HIT_EXACT && !sel.share_low[e];
+}
+
+int hobbit_runtime::lookup(int il, int e, int want, bool exact, int & level) const {
+    if (!exact) {
         return find_cached(il, e, level);
     }
     level = want;
@@ -759,27 +763,26 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
             after_wait[l] += use_of(s) == slot_use::busy;
         }
     }
-    const bool exact = params.hit_policy == HOBBIT_HIT_EXACT;
     // in place computes the model's own experts: the highest level, which "exact" serves
     // only to the selections that want it
-    const auto in_place_serves = [&](int want) { return plan.has_inplace && (!exact || want == 0); };
+    const auto in_place_serves = [&](int e) { return plan.has_inplace && (!exact_for(sel, e) || sel.want[e] == 0); };
     // the order take_slot_near takes slots in; a lower level only without an in-place pass
     // (in place, the model's own weights serve the expert better)
-    const auto level_with_room = [&](int want) {
-        return first_level(want, n_level, exact, !plan.has_inplace, [&](int l) { return room[l] > 0; });
+    const auto level_with_room = [&](int e) {
+        return first_level(sel.want[e], n_level, exact_for(sel, e), !plan.has_inplace, [&](int l) { return room[l] > 0; });
     };
 
     // experts already in a pool first: they cost nothing this wave, and their slots are
     // pinned before any miss looks for a victim
     std::vector<int> order = sel.order;
-    std::stable_partition(order.begin(), order.end(), [&](int e) { int l; return lookup(il, e, sel.want[e], l) >= 0; });
+    std::stable_partition(order.begin(), order.end(), [&](int e) { int l; return lookup(il, e, sel.want[e], exact_for(sel, e), l) >= 0; });
     for (int e : order) {
         if (served[e]) {
             continue;
         }
         expert_choice c;
         c.expert = e;
-        c.slot = lookup(il, e, sel.want[e], c.level);
+        c.slot = lookup(il, e, sel.want[e], exact_for(sel, e), c.level);
         if (c.slot >= 0) {
             c.how = serve_as::hit;
             if (use_of(pools[pool_of[c.level][il]].pool->slots[c.slot]) != slot_use::busy) {
@@ -793,18 +796,18 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
             c.upgrade = c.level > sel.want[e] && sel.top1[e] && params.hit_policy == HOBBIT_HIT_UPGRADE;
         } else if (sel.want[e] == skip) {
             c.how = serve_as::skip;
-        } else if (in_place_serves(sel.want[e]) && runs_in_place(il, e, sel.n_pairs[e])) {
+        } else if (in_place_serves(e) && runs_in_place(il, e, sel.n_pairs[e])) {
             c.how = serve_as::in_place; // cooperative: computed on the mapped model instead of loaded
-        } else if ((c.level = level_with_room(sel.want[e])) >= 0) {
+        } else if ((c.level = level_with_room(e)) >= 0) {
             c.how = serve_as::load;
             room[c.level]--;
         } else if (!plan.has_inplace &&
-                   (c.level = first_level(sel.want[e], n_level, exact, true, [&](int l) { return after_wait[l] > 0; })) >= 0) {
+                   (c.level = first_level(sel.want[e], n_level, exact_for(sel, e), true, [&](int l) { return after_wait[l] > 0; })) >= 0) {
             c.how = serve_as::wait;
             after_wait[c.level]--;
         } else {
             c.how = plan.must_fit ? serve_as::wait
-                  : in_place_serves(sel.want[e]) ? serve_as::in_place
+                  : in_place_serves(e) ? serve_as::in_place
                   : plan.last ? serve_as::wait : serve_as::later;
         }
         plan.choices.push_back(c);
@@ -812,9 +815,9 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
     return plan;
 }
 
-int hobbit_runtime::wait_for_slot(int il, int want, const wave_selection & sel, std::unique_lock<std::mutex> & lock, int & level) {
+int hobbit_runtime::wait_for_slot(int il, int want, bool exact, const wave_selection & sel, std::unique_lock<std::mutex> & lock,
+                                  int & level) {
     int s = -1;
-    const bool exact = params.hit_policy == HOBBIT_HIT_EXACT;
     while (!failed()) {
         // prefetches stand in the way: unpin the predicted experts, drop the queued loads,
         // wait for a running one
@@ -914,7 +917,7 @@ wave_assignment hobbit_runtime::apply_wave(int il, const wave_plan & plan, const
             // waits (which drop prefetches and free slots) change the pools in between
             s = c.how == serve_as::load ? take_slot(pool_of[level][il]) : -1;
             if (s < 0 && (plan.must_fit || c.how == serve_as::wait)) {
-                s = wait_for_slot(il, sel.want[e], sel, lock, level);
+                s = wait_for_slot(il, sel.want[e], exact_for(sel, e), sel, lock, level);
             }
             if (s < 0) {
                 if (plan.has_inplace) {

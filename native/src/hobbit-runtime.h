@@ -76,9 +76,12 @@ private:
                                std::unique_lock<std::mutex> & lock, std::vector<load_task> & loads);
     // the last wave's expert finds no slot: drop prefetches and wait for a running load
     // until one frees, or fail; the slot and its level, or -1; needs mtx
-    int  wait_for_slot(int il, int want, const wave_selection & sel, std::unique_lock<std::mutex> & lock, int & level);
-    // the cached copy a selection may use: any level, or with HOBBIT_HIT_EXACT only the wanted one; needs mtx
-    int  lookup(int il, int e, int want, int & level) const;
+    int  wait_for_slot(int il, int want, bool exact, const wave_selection & sel, std::unique_lock<std::mutex> & lock, int & level);
+    // the cached copy a selection may use: any level, or (exact) only the wanted one; needs mtx
+    int  lookup(int il, int e, int want, bool exact, int & level) const;
+    // hits "exact" for this expert of the selection: not for a prompt's least popular (any copy at or
+    // above the low level serves them)
+    bool exact_for(const wave_selection & sel, int e) const;
     // a slot of pool p for a new expert, or -1 if every slot is pinned or loading; needs mtx
     int  take_slot(int p);
     // a slot for an expert of layer il at level want if one is free, else at the nearest

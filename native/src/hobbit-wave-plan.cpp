@@ -14,6 +14,7 @@ wave_selection read_selection(const ggml_tensor * sel, const ggml_tensor * wts, 
     ws.n_pairs.assign(n_expert, 0);
     ws.want.assign(n_expert, INT_MAX);
     ws.top1.assign(n_expert, false);
+    ws.share_low.assign(n_expert, false);
     std::vector<float> w(ws.n_used);
     std::vector<int> pair_level(ws.n_used);
     for (int t = 0; t < ws.n_tokens; ++t) {
@@ -43,6 +44,7 @@ wave_selection read_selection(const ggml_tensor * sel, const ggml_tensor * wts, 
         for (int e : ws.order) {
             if (low[e] && ws.want[e] < skip) {
                 ws.want[e] = skip - 1;
+                ws.share_low[e] = true;
             }
         }
     }

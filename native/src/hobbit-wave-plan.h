@@ -23,6 +23,10 @@ struct wave_selection {
     std::vector<int>     want;    // [n_expert] level wanted: the highest any of its tokens asks for;
                                   // n_level = skipped if missed; INT_MAX = not selected
     std::vector<bool>    top1;    // [n_expert] some token weighs this expert most
+    std::vector<bool>    share_low; // [n_expert] wants the lowest level as one of a prompt's least popular (Fate
+                                    // §4.5): a higher copy, cached or where the low pool has no room, serves it as
+                                    // well, even with hits "exact" (the rule saves reads; it never asks to lose
+                                    // precision at hand)
     std::vector<int>     order;   // the selected experts, those with the most tokens first
 
     size_t n_pair() const { return ids.size(); }
