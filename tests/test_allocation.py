@@ -11,10 +11,13 @@ import hobbitpy
 from hobbitpy.allocation import layer_prediction_accuracy, shallow_boundary
 from hobbitpy.config import PREFILL_ORDERS, OffloadConfig
 from hobbitpy.errors import BudgetError
-from hobbitpy.presets import preset_settings
+from hobbitpy.presets import FATE_LOW_SHARE, preset_settings
 from hobbitpy.trace import Trace
 
 from conftest import ARCHES, CONTINUATION, MB, PROMPT, run_logits, tiny_model
+
+# the fate preset at one precision (its prompts' low-precision share left out): exact
+FATE_EXACT = {k: v for k, v in preset_settings("fate").items() if k not in FATE_LOW_SHARE}
 
 
 @pytest.mark.parametrize("arch", ARCHES)
@@ -26,7 +29,7 @@ def test_the_fate_preset_is_exact_to_stock(model_dir, arch):
     per_expert = info.expert_bytes_total / info.n_expert / info.n_layer_moe
     budget = per_expert * (info.n_expert + (info.n_layer_moe - 1) * (info.n_expert_used + 1))
     # the fate preset: a pool per layer with the first whole, ARC per layer, widened prefetch
-    config = OffloadConfig(**{**preset_settings("fate"), "cache_mb": budget / MB, "mode": "gpu-centric"})
+    config = OffloadConfig(**{**FATE_EXACT, "cache_mb": budget / MB, "mode": "gpu-centric"})
     got, text, stats, _ = run_logits(path, config)
     assert stats["expert_misses"] > 0
     assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
@@ -46,7 +49,7 @@ def test_a_prompt_wider_than_the_pools_loads_the_next_layer_in_either_order_exac
     ref, ref_text, _, _ = run_logits(path, OffloadConfig(enabled=False))
     per_expert = info.expert_bytes_total / info.n_expert / info.n_layer_moe
     budget = per_expert * (info.n_expert + (info.n_layer_moe - 1) * (info.n_expert_used + 1))
-    config = OffloadConfig(**{**preset_settings("fate"), "cache_mb": budget / MB, "prefill_order": order})
+    config = OffloadConfig(**{**FATE_EXACT, "cache_mb": budget / MB, "prefill_order": order})
     got, text, stats, _ = run_logits(path, config)
     assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
     assert text == ref_text
@@ -61,7 +64,7 @@ def test_a_budget_below_a_pool_per_layer_runs_one_shared_pool_exactly(model_dir)
     shared_min = info.min_budget_bytes
     per_layer_min = info.expert_bytes_total // info.n_expert * info.n_expert_used
     assert 2 * shared_min < per_layer_min
-    config = OffloadConfig(**{**preset_settings("fate"), "cache_mb": 2 * shared_min / MB})
+    config = OffloadConfig(**{**FATE_EXACT, "cache_mb": 2 * shared_min / MB})
     llm = hobbitpy.Llama(path, offload=config, n_ctx=64, verbose=False)
     try:
         assert llm.offload_plan.shared_pool and "one pool shared by every layer" in llm.offload_plan.reason
@@ -77,14 +80,14 @@ def test_a_budget_below_a_pool_per_layer_runs_one_shared_pool_exactly(model_dir)
 
 
 def _fate_with_low_copies(path, low, share: float, **kw) -> OffloadConfig:
-    """Fate with its INT2 share (§4.5): a pool per layer at the high level, one shared low pool;
-    decode wants the high level only (t1 = t2 = 1) and gets exactly it (hits exact)."""
+    """The fate preset with its INT2 share (§4.5) from `low`: a pool per layer at the high level,
+    one shared low pool; decode wants the high level only (t1 = t2 = 1) and gets exactly it
+    (hits exact)."""
     info = hobbitpy.inspect_model(path)
     per_expert = info.expert_bytes_total / info.n_expert / info.n_layer_moe
     budget = per_expert * (info.n_expert + (info.n_layer_moe - 1) * (info.n_expert_used + 1) + 2 * info.n_expert)
     return OffloadConfig(**{**preset_settings("fate"), "cache_mb": budget / MB, "mode": "gpu-centric", "low": str(low),
-                            "t1": 1.0, "t2": 1.0, "hits": "exact", "warm": False, "level_shares": (0.75, 0.25),
-                            "prefill_low_share": share, **kw})
+                            "level_shares": (0.75, 0.25), "prefill_low_share": share, **kw})
 
 
 @pytest.mark.parametrize("arch", ARCHES)
@@ -119,6 +122,29 @@ def test_a_prompt_serves_its_least_popular_experts_from_the_low_level_and_decode
     got, text, stats, _ = run_logits(path, _fate_with_low_copies(path, low, 0.5, level_shares=(1.0, 0.0)))
     assert np.array_equal(ref.view(np.uint32), got.view(np.uint32)) and text == ref_text
     assert stats["served"][1] > 0
+
+
+@pytest.mark.parametrize("share", [0.0, 0.3])
+def test_a_prompt_wider_than_the_high_pools_runs_in_waves_with_exact_hits(model_dir, share):
+    from test_mixed_precision import identical_companion
+
+    # repacked Q4_K experts never run in place: a prompt wider than a layer's slots runs in
+    # waves, counted on every level's slots; with hits "exact" and every selection wanting the
+    # high level, a wave whose high slots are all taken must still not leave the last wave more
+    # experts than it has slots (it failed so: "layer 1 selects 24 experts in one ubatch but
+    # its pools hold 12")
+    path = tiny_model(model_dir, "llama", n_layer=4, expert_type="Q4_K", n_embd=256, n_ff=512, n_expert=16,
+                      n_expert_used=4)
+    low = identical_companion(path, model_dir / f"{path.stem}.copy.gguf")
+    info = hobbitpy.inspect_model(path)
+    per_expert = info.expert_bytes_total / info.n_expert / info.n_layer_moe
+    budget = per_expert * (info.n_layer_moe * info.n_expert_used + 6)
+    config = OffloadConfig(**{**preset_settings("fate"), "shallow_layers": 0, "cache_mb": budget / MB, "low": str(low),
+                              "level_shares": (0.5, 0.5), "prefill_low_share": share})
+    ref, ref_text, _, _ = run_logits(path, OffloadConfig(enabled=False))
+    got, text, stats, _ = run_logits(path, config)
+    assert np.array_equal(ref.view(np.uint32), got.view(np.uint32)) and text == ref_text
+    assert stats["expert_inplace"] == 0
 
 
 def test_the_low_share_is_lossy_with_real_low_copies(model_dir):

@@ -746,9 +746,14 @@ void hobbit_runtime::begin_wave(int il, int wave, const wave_selection & sel, co
 wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel) const {
     wave_plan plan;
     plan.has_inplace = (int64_t) sel.n_pair() >= layers[il].inplace_min_pairs;
-    plan.last        = wave == n_waves(il, sel.n_tokens) - 1;
+    const int waves  = n_waves(il, sel.n_tokens);
+    plan.last        = wave == waves - 1;
     plan.must_fit    = plan.last && !plan.has_inplace;
     const int skip = n_level;
+    // the waves after this one hold this many experts (every slot of every level each): hits
+    // "exact" must not leave them more, though its level has no room now
+    const int64_t later_room = (int64_t) (waves - wave - 1) * layer_capacity(il);
+    int64_t n_later = 0;
 
     // slots each level's pool can give a new expert now (empty, or holding one nobody needs),
     // and those it can give after a wait: before this wave pins anything, a busy slot is a
@@ -796,6 +801,10 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
             c.upgrade = c.level > sel.want[e] && sel.top1[e] && params.hit_policy == HOBBIT_HIT_UPGRADE;
         } else if (sel.want[e] == skip) {
             c.how = serve_as::skip;
+        } else if (sel.share_low[e] && room[n_level - 1] > 0) {
+            c.how = serve_as::load; // the low copy is the cheap read the share is for, cheaper than in place
+            c.level = n_level - 1;
+            room[c.level]--;
         } else if (in_place_serves(e) && runs_in_place(il, e, sel.n_pairs[e])) {
             c.how = serve_as::in_place; // cooperative: computed on the mapped model instead of loaded
         } else if ((c.level = level_with_room(e)) >= 0) {
@@ -805,10 +814,17 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
                    (c.level = first_level(sel.want[e], n_level, exact_for(sel, e), true, [&](int l) { return after_wait[l] > 0; })) >= 0) {
             c.how = serve_as::wait;
             after_wait[c.level]--;
+        } else if (!plan.has_inplace && !plan.last && n_later >= later_room &&
+                   (c.level = first_level(sel.want[e], n_level, false, true, [&](int l) { return room[l] > 0; })) >= 0) {
+            // exactness as far as the waves allow: another level now rather than a last wave
+            // with more experts than slots (the wanted level's slots all went to this wave)
+            c.how = serve_as::load;
+            room[c.level]--;
         } else {
             c.how = plan.must_fit ? serve_as::wait
                   : in_place_serves(e) ? serve_as::in_place
                   : plan.last ? serve_as::wait : serve_as::later;
+            n_later += c.how == serve_as::later;
         }
         plan.choices.push_back(c);
     }

@@ -100,25 +100,25 @@ class OffloadConfig:
     prefetch_layers: int = option(0, "during decode, also prefetch the experts the next P layers' routers pick on the "
                                      "current layer's input, one layer deeper only while those predicted are all "
                                      "cached (HOBBIT's adaptive prefetch, §3.3); 0 loads on demand only",
-                                  flag="--prefetch-layers", metavar="P", group="depth", alias=("--prefetch", 1))
+                                  flag="--prefetch-layers", metavar="P", group="depth", alias=("--prefetch", 1), profile=True)
     prefetch_width: int = option(0, "experts prefetched per predicted layer, best first: more than the model's k "
                                     "widens the set past the router's top-k (Fate §4.3: an expert the prediction "
                                     "misses mostly ranks just below it), at the cost of loads that may go unused; "
                                     "0 = k; -1 = Fate's rule, the experts above the 75th percentile of the predicted "
-                                    "scores (a quarter of them), at least k + 1", flag="--prefetch-width", metavar="W")
+                                    "scores (a quarter of them), at least k + 1", flag="--prefetch-width", metavar="W", profile=True)
     shallow_layers: int | None = option(
         None, "a pool per MoE layer instead of one shared by all (Fate's shallow-favoring allocation, §4.4): the "
               "first N MoE layers hold all of their experts (the next-layer prediction is weakest there), the rest "
               "of the budget is split evenly over the deeper layers, and the policy evicts within a layer; 0 splits "
               "it evenly. The pools hold the highest precision; a lower one (--low) is one pool shared by every "
               "layer. The budget must hold one token's top-k in every layer",
-        flag="--shallow-layers", metavar="N", parse="int", default_text="none: one pool shared by every layer")
+        flag="--shallow-layers", metavar="N", parse="int", default_text="none: one pool shared by every layer", profile=True)
     prefill_order: str = option("popularity", "the order a prompt loads the next MoE layer's experts in while a "
                                               "layer computes, as many as its pool has room for: by how many of the "
                                               "prompt's tokens that layer's router is predicted to send to each, most "
                                               "first (popularity: Fate §4.5; needs --prefetch-layers 1 or more, "
                                               "else expert order), or expert by expert (expert)",
-                                flag="--prefill-order", choices=PREFILL_ORDERS)
+                                flag="--prefill-order", choices=PREFILL_ORDERS, profile=True)
     prefill_low_share: float = option(
         0.0, "Fate's popularity-aware hybrid quantization (§4.5; lossy; needs --low): in a prompt, the experts fewest "
              "of its tokens select, taken while their tokens make up at most this share of the prompt's selections, "
@@ -128,7 +128,7 @@ class OffloadConfig:
         0.0, "importance-driven scheduling's expert-cache router (its Algorithm 1; lossy): in decode, a selection "
              "scoring below (1 + ALPHA) times the best unselected expert's score that is not cached is served by the "
              "best cached unselected expert scoring within (1 - ALPHA) of it instead, the gate weights renormalized; "
-             "the paper runs 0.25-0.35; 0 = off (exact)", flag="--substitute", metavar="ALPHA", parse="float")
+             "the paper runs 0.25-0.35; 0 = off (exact)", flag="--substitute", metavar="ALPHA", parse="float", profile=True)
     direct_io: bool = option(True, "read experts through the page cache instead of with O_DIRECT (O_DIRECT avoids "
                                    "caching them twice)", flag="--no-direct-io", negate=True)
     io_threads: int = option(2, "threads reading experts: 2 keeps the disk busy while one copies out of its buffer",
@@ -162,7 +162,7 @@ class OffloadConfig:
                        flag="--t2", profile=True)
     level_shares: tuple[float, ...] | None = option(
         None, "how the expert budget is split among the precision levels, high first", flag="--level-shares",
-        metavar="HIGH,[MID,]LOW", parse="numbers",
+        metavar="HIGH,[MID,]LOW", parse="numbers", profile=True,
         default_text="room for every expert at the lowest precision, up to 85 % of the budget; the rest to the others")
     hits: str = option("upgrade", "a hit at another precision than wanted: use it (found), use it and load the wanted "
                                   "one in the background when it was lower and the disk is idle (upgrade), or serve "
@@ -173,7 +173,7 @@ class OffloadConfig:
                                       "a latency model measured at start-up (auto; measured up to 1.5x slower under "
                                       "tight caps)", flag="--mode", choices=MODES)
     warm: bool = option(True, "do not fill the lowest precision's pool in the background at start",
-                        flag="--no-warm", negate=True)
+                        flag="--no-warm", negate=True, profile=True)
     importance: tuple[tuple[float, ...], ...] | None = option(
         None, "place the experts statically by how much the routers weigh them (per MoE layer, the sum of each "
               "expert's squared gate weight; on the command line: from a `hobbitpy trace`): the most weighed at the "

@@ -58,6 +58,10 @@ def _windows(ids: list[int], n_ctx: int):
         yield window[: len(targets)], targets  # the last window: no target after the text's end
 
 
+# the reference's ubatch in `evaluate`, beside the candidate: its compute buffer grows with it
+REFERENCE_UBATCH = 32
+
+
 def _open(model_path: str, offload: OffloadConfig, n_ctx: int, n_ubatch: int, n_threads: int | None):
     from .llama import Llama
 
@@ -149,8 +153,18 @@ def evaluate(model_path: str | os.PathLike, text: str, offload: OffloadConfig, *
     high, so n_ubatch=1 measures what token-by-token decoding gets."""
     model_path = os.fspath(model_path)
     n_ubatch = n_ctx if n_ubatch is None else n_ubatch
-    candidate = _open(model_path, offload, n_ctx, n_ubatch, n_threads)
-    reference = _open(model_path, OffloadConfig(enabled=False), n_ctx, n_ubatch, n_threads) if compare_to_reference else None
+    # the reference first, on narrow ubatches: the candidate sizes its expert cache from the
+    # memory left, and the reference's compute buffer is touched only as it computes, unseen by
+    # that plan (on 256-token ubatches 220 MB of ref-deepseek's: under a memory cap the process
+    # was OOM-killed). Stock's logits do not depend on the ubatch (tests/test_memory.py)
+    reference = (_open(model_path, OffloadConfig(enabled=False), n_ctx, min(n_ubatch, REFERENCE_UBATCH), n_threads)
+                 if compare_to_reference else None)
+    try:
+        candidate = _open(model_path, offload, n_ctx, n_ubatch, n_threads)
+    except BaseException:
+        if reference is not None:
+            reference.close()
+        raise
     try:
         ids = candidate.tokenize(text.encode("utf-8"), add_bos=False, special=False)
         if max_tokens is not None:

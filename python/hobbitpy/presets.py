@@ -11,6 +11,14 @@ from dataclasses import dataclass
 from .config import PREFETCH_WIDTH_FATE
 
 
+# Fate's popularity-aware hybrid quantization (§4.5): a Q2_K copy (its INT2) in a small pool for a
+# prompt's least popular experts, a fifth of the prompt's selections (searched on ref-deepseek:
+# 0.2 kept +0.2 % perplexity and halved the 512-token TTFT; 0.4 was no faster); decode wants the
+# model's own experts (T1 = T2 = 1) and is served exactly them. Without these the preset is exact.
+FATE_LOW_SHARE = {"low": "Q2_K", "prefill_low_share": 0.2, "t1": 1.0, "t2": 1.0, "hits": "exact",
+                  "level_shares": (0.85, 0.15), "warm": False}
+
+
 @dataclass(frozen=True)
 class Preset:
     settings: dict
@@ -24,12 +32,14 @@ PRESETS: dict[str, Preset] = {
                      "HOBBIT: a Q2_K copy of every expert for the less important misses (T1/T2, eq. 2), the "
                      "multidimensional policy (eq. 3), adaptive prefetch two layers ahead (§3.3)"),
     "fate": Preset({"policy": "arc", "prefetch_layers": 1, "prefetch_width": PREFETCH_WIDTH_FATE, "shallow_layers": 1,
-                    "prefill_order": "popularity"},
+                    "prefill_order": "popularity", **FATE_LOW_SHARE},
                    "Fate: the next layer's gate on this layer's input with a widened candidate set (§4.3); a pool "
                    "per layer, the first MoE layer (which nothing predicts) whole, ARC per layer (§4.4; one shared pool "
                    "where the budget holds less than every layer's top-k); a prompt "
-                   "loads the next layer's experts most popular first, by the same gate (§4.5). Not yet: the INT2 "
-                   "share of the least popular (§4.5)"),
+                   "loads the next layer's experts most popular first, by the same gate, and reads the least popular, "
+                   "a fifth of its selections, from a Q2_K copy (§4.5's INT2 share; lossy for prompts: +0.2 % "
+                   "perplexity on ref-deepseek, docs/BENCHMARKS.md; needs `hobbitpy prepare MODEL --low Q2_K`); "
+                   "decode reads the model's own experts only, as Fate transfers INT4 only"),
     "importance": Preset({"substitute_alpha": 0.3, "prefetch_layers": 1, "policy": "score"},
                          "importance-driven scheduling: a low-score selection that misses is served by a cached "
                          "expert of similar score (Algorithm 1, alpha 0.3 as its Table 3's middle setting; lossy); "

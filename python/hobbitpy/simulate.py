@@ -137,7 +137,8 @@ def simulate_preset(trace: Trace, budget_mb: float, preset: str, *, popularity: 
     """A preset's cache rules replayed (presets.py): its policy, its substitution, its decode
     prefetch (at most as many layers ahead as the trace guessed) and, with a low precision,
     its T1 split of the misses. What the replay leaves out: a pool per layer (Fate's
-    allocation; one shared pool here), guesses wider than top-k (the trace records k),
+    allocation; one shared pool here), prompts (a trace is decode steps: Fate's low-precision
+    share of a prompt's experts), guesses wider than top-k (the trace records k),
     T2's skips, and the importance preset's choice of the top-score guesses only (the
     trace has no scores for its guesses: every guess is prefetched)."""
     from .config import DEFAULT_T1

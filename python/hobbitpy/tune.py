@@ -41,6 +41,7 @@ from .errors import HobbitError
 from .evaluate import Reference, evaluate_against, tokenize_text
 from .memory import ContextShape, context_sizes, fit_ubatch, plan_offload, process_resident_bytes
 from .model_file import ModelInfo, inspect_model
+from .presets import preset_settings
 from .profile import Profile
 
 # memory streams expert weights to the matmuls about this many times faster than the disk
@@ -63,6 +64,9 @@ TWO_LEVELS = (("Q4_K_M", "Q2_K"), ("Q4_K", "Q2_K"), ("Q3_K_M", "Q2_K"), ("Q4_K_M
 # (IQ2_XXS: 2.06 bits a weight, a fifth less than Q2_K; made only with the model's importance
 # matrix, `hobbitpy imatrix`, found next to it)
 PLACED_LEVELS = (("Q3_K", "Q2_K"), ("Q3_K_M", "Q2_K"), ("Q4_K", "Q2_K"), ("Q4_K_M", "Q3_K"), ("Q4_K", "IQ2_XXS"))
+# the presets (presets.py) tune scores as they are, each paper's method at the budget: Fiddler's
+# needs a profile of calibration text, which tune does not trace
+PRESET_CANDIDATES = ("lru", "importance", "fate", "hobbit")
 
 
 @dataclass
@@ -81,6 +85,7 @@ def candidates() -> list[Candidate]:
             out.append(Candidate(f"{name} {hits}", {"high": high, "low": low, "hits": hits}))
     out += [Candidate(f"{high}/{low} placed", {"high": high, "low": low, "hits": "found"}, placed=True)
             for high, low in PLACED_LEVELS]
+    out += [Candidate(f"preset {name}", preset_settings(name)) for name in PRESET_CANDIDATES]
     return out
 
 
