@@ -163,3 +163,26 @@ def test_a_placed_ladder_is_not_placed_by_the_tokens_it_is_scored_on(model_dir, 
     assert p.returncode == 0, p.stderr
     assert "Q4_K/Q2_K placed" in p.stdout and "skipped: placing the experts needs 256 tokens" in p.stdout
     assert json.loads(out.read_text())["settings"] == {"high": "Q2_K"}
+
+
+def test_the_presets_are_candidates_and_their_profile_applies(model_dir, tmp_path):
+    from hobbitpy.presets import preset_settings
+
+    # every setting of a preset goes into the profile, and a run applies them all
+    path = _tune_a_copy(model_dir, tmp_path, "preset importance")
+    settings = json.loads((tmp_path / "m.hobbit-profile.json").read_text())["settings"]
+    assert settings == preset_settings("importance")
+    with hobbitpy.Llama(path, n_ctx=64, verbose=False) as llm:
+        assert llm.offload_config.policy == "score" and llm.offload_config.substitute_alpha == 0.3
+
+
+def test_a_profile_of_the_fate_preset_loads_as_the_preset(tmp_path):
+    from hobbitpy.presets import preset_settings
+    from hobbitpy.profile import Profile, load_profile
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    Profile(model="m.gguf", model_bytes=1, settings=preset_settings("fate")).save(tmp_path / "p.json")
+    settings = load_profile(tmp_path / "p.json", model).settings
+    assert OffloadConfig(**settings) == OffloadConfig(**preset_settings("fate"))
+    hash(OffloadConfig(**settings))

@@ -192,6 +192,8 @@ class OffloadConfig:
         for name in ("importance", "popularity"):  # lists (a profile's JSON) are kept as tuples: the config stays hashable
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, tuple(tuple(float(x) for x in row) for row in getattr(self, name)))
+        if isinstance(self.level_shares, list):  # a profile's JSON list (the fate preset's split)
+            object.__setattr__(self, "level_shares", tuple(self.level_shares))
         if self.cache_mb is not None and not 0 < self.cache_mb <= MAX_CACHE_MB:
             raise ValueError(f"cache_mb must be positive and at most {MAX_CACHE_MB} MiB (a PiB), got {self.cache_mb}")
         if not 1 <= self.io_threads <= MAX_IO_THREADS:
