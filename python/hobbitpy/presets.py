@@ -13,7 +13,7 @@ from .config import PREFETCH_WIDTH_FATE
 
 # Fate's popularity-aware hybrid quantization (§4.5): a Q2_K copy (its INT2) in a small pool for a
 # prompt's least popular experts, a fifth of the prompt's selections (searched on ref-deepseek:
-# 0.2 kept +0.2 % perplexity and halved the 512-token TTFT; 0.4 was no faster); decode wants the
+# 0.2 cost +0.25 % perplexity and took the 512-token TTFT to 0.55x; 0.4 was no faster); decode wants the
 # model's own experts (T1 = T2 = 1) and is served exactly them. Without these the preset is exact.
 FATE_LOW_SHARE = {"low": "Q2_K", "prefill_low_share": 0.2, "t1": 1.0, "t2": 1.0, "hits": "exact",
                   "level_shares": (0.85, 0.15), "warm": False}
@@ -37,8 +37,9 @@ PRESETS: dict[str, Preset] = {
                    "per layer, the first MoE layer (which nothing predicts) whole, ARC per layer (§4.4; one shared pool "
                    "where the budget holds less than every layer's top-k); a prompt "
                    "loads the next layer's experts most popular first, by the same gate, and reads the least popular, "
-                   "a fifth of its selections, from a Q2_K copy (§4.5's INT2 share; lossy for prompts: +0.2 % "
-                   "perplexity on ref-deepseek, docs/BENCHMARKS.md; needs `hobbitpy prepare MODEL --low Q2_K`); "
+                   "a fifth of its selections, from a Q2_K copy (§4.5's INT2 share; lossy for prompts: +0.25 to "
+                   "+0.28 % perplexity under caps on ref-deepseek, docs/BENCHMARKS.md; needs `hobbitpy prepare MODEL "
+                   "--low Q2_K`); "
                    "decode reads the model's own experts only, as Fate transfers INT4 only"),
     "importance": Preset({"substitute_alpha": 0.3, "prefetch_layers": 1, "policy": "score"},
                          "importance-driven scheduling: a low-score selection that misses is served by a cached "
