@@ -83,3 +83,35 @@ def test_eval_bad_input(model_dir, tmp_path, capsys):
     one.write_text("a")
     assert cli_main(["eval", str(path), "--text", str(one), "--no-offload"]) == 2
     assert "at least 2" in capsys.readouterr().err
+
+
+def test_eval_under_a_memory_cap_scores_the_reference_first_and_the_candidate_alone(model_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from hobbitpy.memcap import MemoryCap
+
+    # the candidate sizes its cache from the memory left when it opens; side by side with the
+    # stock reference, the two competed for the cap (the reference's compute buffer got the
+    # process OOM-killed, or its mapped weights left the candidate too little to start)
+    model = tiny_model(model_dir, "llama", n_embd=256, n_ff=1024, n_expert=32)
+    info = hobbitpy.inspect_model(model)
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT * 4)
+    cap = MemoryCap.create(f"hobbitpy-eval-{os.getpid()}")
+    if cap is None:
+        pytest.fail("no writable memory cgroup here: the cap cannot be held")
+    cmd = [sys.executable, "-m", "hobbitpy", "eval", str(model), "--text", str(text), "--ctx", "32", "--threads", "2"]
+    try:
+        cap.set_limit(None)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, preexec_fn=cap.enter)
+        assert p.returncode == 0, p.stderr
+        # a cap that holds about half of the experts beside everything else
+        limit = int(cap.peak_bytes() - 0.5 * info.expert_bytes_total)
+        cap.set_limit(limit)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, preexec_fn=cap.enter)
+    finally:
+        cap.remove()
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+    assert "perplexity increase" in p.stdout and "offload on" in p.stdout, p.stdout

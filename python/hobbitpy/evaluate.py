@@ -10,13 +10,15 @@ two models in one process: their logits never have to be stored.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass, field
 import math
 import os
+import tempfile
 
 import numpy as np
 
 from .config import OffloadConfig
+from .disk import drop_from_page_cache
 from .errors import HobbitError
 
 
@@ -58,8 +60,20 @@ def _windows(ids: list[int], n_ctx: int):
         yield window[: len(targets)], targets  # the last window: no target after the text's end
 
 
-# the reference's ubatch in `evaluate`, beside the candidate: its compute buffer grows with it
-REFERENCE_UBATCH = 32
+# the reference's ubatch: its compute buffer grows with it (256 tokens of ref-mixtral's took
+# 100 MB, more than a 185 MB cap left), and stock's logits do not depend on it
+# (tests/test_memory.py)
+REFERENCE_UBATCH = 64
+
+# bytes the scoring of a window holds per logit: its float32 copy and a few float64 arrays
+# (log-probabilities, exponentials, differences) live at once
+SCORING_BYTES_PER_LOGIT = 48
+
+
+def _n_vocab(model_path: str) -> int:
+    from .model_file import inspect_model
+
+    return inspect_model(model_path).n_vocab
 
 
 def _open(model_path: str, offload: OffloadConfig, n_ctx: int, n_ubatch: int, n_threads: int | None):
@@ -96,20 +110,38 @@ class Reference:
     n_ctx: int
     log_probs: list[np.ndarray]   # one [window, n_vocab] array per window (float32)
     perplexity: float
+    store: object = field(default=None, repr=False)  # the temporary file log_probs are views of
+
+    @property
+    def n_vocab(self) -> int:
+        return self.log_probs[0].shape[1]
 
     @classmethod
     def measure(cls, model_path: str | os.PathLike, ids: list[int], *, n_ctx: int = 256, n_threads: int | None = None,
                 offload: OffloadConfig = OffloadConfig(enabled=False)) -> "Reference":
-        llm = _open(os.fspath(model_path), offload, n_ctx, n_ctx, n_threads)
-        log_probs, nll = [], 0.0
+        llm = _open(os.fspath(model_path), offload, n_ctx, min(n_ctx, REFERENCE_UBATCH), n_threads)
+        # the log-probabilities go to a temporary file, not the heap: a candidate scored after
+        # them sizes its cache from the memory left, and a file's pages are the kernel's to
+        # reclaim (on the heap, n_tokens x n_vocab floats: 64 MB for 4096 tokens of a
+        # 4096-token vocabulary, 6 GB for 50 k tokens of a 32 k one)
+        store = tempfile.TemporaryFile()
+        log_probs, nll, row = [], 0.0, 0
         try:
+            table = np.memmap(store, dtype=np.float32, mode="w+", shape=(len(ids) - 1, llm.n_vocab()))
             for window, targets in _windows(ids, n_ctx):
                 lp = log_softmax(_window_logits(llm, window))
                 nll -= float(lp[np.arange(len(targets)), targets].sum())
-                log_probs.append(lp.astype(np.float32))
+                table[row: row + len(targets)] = lp
+                log_probs.append(table[row: row + len(targets)])
+                row += len(targets)
+            table.flush()
+            os.posix_fadvise(store.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # written: read back as scored
+        except BaseException:
+            store.close()
+            raise
         finally:
             llm.close()
-        return cls(ids, n_ctx, log_probs, math.exp(nll / (len(ids) - 1)))
+        return cls(ids, n_ctx, log_probs, math.exp(nll / (len(ids) - 1)), store)
 
 
 def evaluate_against(model_path: str | os.PathLike, reference: Reference, offload: OffloadConfig, *,
@@ -118,7 +150,11 @@ def evaluate_against(model_path: str | os.PathLike, reference: Reference, offloa
     another file of the same model, e.g. a smaller quant) against a measured reference."""
     model_path = os.fspath(model_path)
     n_ctx = reference.n_ctx
+    # the candidate sizes its cache from the memory left when it opens: the scoring's arrays
+    # (a window's log-probabilities and their temporaries) are held by then, and freed for it
+    held = np.ones(SCORING_BYTES_PER_LOGIT * n_ctx * reference.n_vocab, np.uint8)
     candidate = _open(model_path, offload, n_ctx, n_ctx if n_ubatch is None else n_ubatch, n_threads)
+    del held
     nll = kl = 0.0
     agree = n = 0
     diffs = []  # per token: candidate's negative log-likelihood minus the reference's
@@ -128,9 +164,11 @@ def evaluate_against(model_path: str | os.PathLike, reference: Reference, offloa
             lp = log_softmax(_window_logits(candidate, window))
             at = np.arange(len(targets))
             nll -= float(lp[at, targets].sum())
-            diffs.append(ref_lp[at, targets].astype(np.float64) - lp[at, targets])
-            kl += float((np.exp(ref_lp.astype(np.float64)) * (ref_lp - lp)).sum())
-            agree += int((ref_lp.argmax(-1) == lp.argmax(-1)).sum())
+            # compared at the reference's precision (float32): the reference's own bits give 0
+            ref64, lp64 = ref_lp.astype(np.float64), lp.astype(np.float32).astype(np.float64)
+            diffs.append(ref64[at, targets] - lp64[at, targets])
+            kl += float((np.exp(ref64) * (ref64 - lp64)).sum())
+            agree += int((ref_lp.argmax(-1) == lp64.argmax(-1)).sum())
             n += len(targets)
         offloaded, stats = candidate.offloaded, candidate.offload_stats()
     finally:
@@ -153,49 +191,29 @@ def evaluate(model_path: str | os.PathLike, text: str, offload: OffloadConfig, *
     high, so n_ubatch=1 measures what token-by-token decoding gets."""
     model_path = os.fspath(model_path)
     n_ubatch = n_ctx if n_ubatch is None else n_ubatch
-    # the reference first, on narrow ubatches: the candidate sizes its expert cache from the
-    # memory left, and the reference's compute buffer is touched only as it computes, unseen by
-    # that plan (on 256-token ubatches 220 MB of ref-deepseek's: under a memory cap the process
-    # was OOM-killed). Stock's logits do not depend on the ubatch (tests/test_memory.py)
-    reference = (_open(model_path, OffloadConfig(enabled=False), n_ctx, min(n_ubatch, REFERENCE_UBATCH), n_threads)
-                 if compare_to_reference else None)
+    ids = tokenize_text(model_path, text, max_tokens)
+    if compare_to_reference:
+        # the reference first and alone, then the candidate alone: side by side they competed
+        # for a memory cap (the reference's compute buffer, touched only as it computes, got
+        # the process OOM-killed; its mapped weights left the candidate nothing). Its weights
+        # leave the page cache after it, where they would count against the candidate's plan
+        reference = Reference.measure(model_path, ids, n_ctx=n_ctx, n_threads=n_threads)
+        drop_from_page_cache(model_path)
+        return evaluate_against(model_path, reference, offload, n_ubatch=n_ubatch, n_threads=n_threads,
+                                progress=progress)
+    held = np.ones(SCORING_BYTES_PER_LOGIT * n_ctx * _n_vocab(model_path), np.uint8)
+    candidate = _open(model_path, offload, n_ctx, n_ubatch, n_threads)
+    del held
+    nll, n = 0.0, 0
     try:
-        candidate = _open(model_path, offload, n_ctx, n_ubatch, n_threads)
-    except BaseException:
-        if reference is not None:
-            reference.close()
-        raise
-    try:
-        ids = candidate.tokenize(text.encode("utf-8"), add_bos=False, special=False)
-        if max_tokens is not None:
-            ids = ids[:max_tokens]
-        if len(ids) < 2:
-            raise HobbitError(f"the text has {len(ids)} token(s) with this model's tokenizer; evaluation needs at least 2")
-
-        nll = ref_nll = kl = 0.0
-        agree = n = 0
-        diffs = []  # per token: candidate's negative log-likelihood minus the reference's
         windows = list(_windows(ids, n_ctx))
         for window, targets in (progress(windows) if progress else windows):
             lp = log_softmax(_window_logits(candidate, window))
-            rows = np.arange(len(targets))
-            nll -= float(lp[rows, targets].sum())
-            if reference is not None:
-                ref_lp = log_softmax(_window_logits(reference, window))
-                ref_nll -= float(ref_lp[rows, targets].sum())
-                diffs.append(ref_lp[rows, targets] - lp[rows, targets])
-                kl += float((np.exp(ref_lp) * (ref_lp - lp)).sum())
-                agree += int((ref_lp.argmax(-1) == lp.argmax(-1)).sum())
+            nll -= float(lp[np.arange(len(targets)), targets].sum())
             n += len(targets)
         offloaded, stats = candidate.offloaded, candidate.offload_stats()
     finally:
         candidate.close()
-        if reference is not None:
-            reference.close()
+    return EvalResult(model=model_path, n_tokens=n, perplexity=math.exp(nll / n), reference_perplexity=None,
+                      mean_kl=None, top1_agreement=None, offloaded=offloaded, stats=stats, log_ppl_ratio_se=None)
 
-    d = np.concatenate(diffs) if diffs else np.zeros(0)
-    return EvalResult(model=model_path, n_tokens=n, perplexity=math.exp(nll / n),
-                      reference_perplexity=math.exp(ref_nll / n) if reference is not None else None,
-                      mean_kl=kl / n if reference is not None else None,
-                      top1_agreement=agree / n if reference is not None else None, offloaded=offloaded,
-                      stats=stats, log_ppl_ratio_se=float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else None)

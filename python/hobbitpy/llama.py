@@ -113,7 +113,8 @@ class Llama(llama_cpp.Llama):
             shape = dataclasses.replace(shape, n_ubatch=fit_ubatch(self.model_info, shape, offload, levels, available))
             kwargs["n_ubatch"] = shape.n_ubatch
         context = context_sizes(self.model_info, shape)
-        if context.total > available:  # llama.cpp would only say "Failed to create llama_context"
+        # (a vocabulary-only load makes no context: nothing to refuse, e.g. tokenizing under a cap)
+        if context.total > available and not kwargs.get("vocab_only"):  # llama.cpp would only say "Failed to create llama_context"
             raise BudgetError(f"{model_path}: a context of {shape.n_ctx} tokens needs {context.kv / MB:.0f} MB of KV cache "
                               f"and {(context.total - context.kv) / MB:.0f} MB of other buffers, more than the "
                               f"{available / MB:.0f} MB of memory available; use a smaller context (n_ctx, --ctx)")
