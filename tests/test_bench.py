@@ -274,3 +274,17 @@ def test_bench_beam_search_against_stocks(model_dir, tmp_path):
     assert len(lru["generated"]) == 6
     # each step selects the union of four tokens' experts: more than one token's top-k
     assert lru["decode_stats"]["expert_hits"] + lru["decode_stats"]["expert_misses"] > 5 * info.n_layer_moe * 2
+
+
+def test_a_configuration_is_lossy_when_it_substitutes_or_serves_another_precision():
+    """bench checks only the exact configurations against stock's tokens: a preset that
+    substitutes experts (importance) must not count as exact (it printed a false "NO")."""
+    from hobbitpy.bench import BenchConfig, _lossy
+
+    assert not _lossy(BenchConfig.parse("lru=--preset lru"))
+    assert not _lossy(BenchConfig.parse("fate-exact=--policy arc --shallow-layers 1 --prefill-order popularity"))
+    assert _lossy(BenchConfig.parse("importance=--preset importance"))
+    assert _lossy(BenchConfig.parse("sub=--substitute 0.1"))
+    assert _lossy(BenchConfig.parse("mixed=--low Q2_K"))
+    assert _lossy(BenchConfig.parse("ladder=--high Q4_K"))
+    assert _lossy(BenchConfig("q3", None, model="other.gguf"))

@@ -262,10 +262,9 @@ def _summarize(name: str, runs: list[dict], disk_bw: float, stock_compute_s: flo
 
 
 def _lossy(cfg: BenchConfig) -> bool:
-    """Does the configuration serve weights at another precision than the model's (so its
-    tokens may differ from stock's)?"""
-    o = cfg.offload or {}
-    return cfg.model is not None or any(o.get(k) for k in ("high", "mid", "low"))
+    """May the configuration's tokens differ from stock's (another file, another precision,
+    substitution)?"""
+    return cfg.model is not None or (cfg.offload is not None and cfg.offload_config(None).lossy)
 
 
 TUNED = "tuned"

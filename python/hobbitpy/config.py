@@ -256,6 +256,12 @@ class OffloadConfig:
                                  f"high first) with a positive sum, got {self.level_shares}")
 
     @property
+    def lossy(self) -> bool:
+        """May the outputs differ from stock llama.cpp's: experts served at another precision
+        (a companion level) or substituted by others (substitute_alpha)?"""
+        return self.high is not None or self.n_level > 1 or self.substitute_alpha > 0
+
+    @property
     def n_level(self) -> int:
         """Precision levels: the model's own, then mid and low when given."""
         return 1 + (self.low is not None) + (self.mid is not None)
