@@ -300,14 +300,17 @@ HOBBIT_API bool hobbit_runtime_get_pool_stats(const hobbit_runtime * rt, int32_t
 
 // start recording routing (clears what was recorded): for every token and MoE layer, the
 // selected experts, gate weights, router probabilities and, for 1..lookahead (<= 4) layers
-// ahead, that layer's router's top-k on this layer's router input
-HOBBIT_API enum hobbit_status hobbit_runtime_trace_begin(hobbit_runtime * rt, int32_t lookahead, char * err, size_t err_size);
+// ahead, that layer's router's top-k on this layer's router input; keep_inputs: the router
+// inputs too (n_embd floats per token and layer)
+HOBBIT_API enum hobbit_status hobbit_runtime_trace_begin(hobbit_runtime * rt, int32_t lookahead, bool keep_inputs,
+                                                         char * err, size_t err_size);
 // tokens recorded so far (complete in every MoE layer); lookahead in use written to *lookahead
 HOBBIT_API int64_t hobbit_runtime_trace_size(const hobbit_runtime * rt, int32_t * n_moe_layer, int32_t * lookahead);
 // copy the first n tokens: experts/weights [n][n_moe_layer][n_expert_used], probs
-// [n][n_moe_layer][n_expert], predicted [n][n_moe_layer][lookahead][n_expert_used]; pointers may be NULL
+// [n][n_moe_layer][n_expert], predicted [n][n_moe_layer][lookahead][n_expert_used], inputs
+// [n][n_moe_layer][n_embd] (zeros unless kept); pointers may be NULL
 HOBBIT_API void hobbit_runtime_trace_copy(const hobbit_runtime * rt, int64_t n, int32_t * experts, float * weights,
-                                          float * probs, int32_t * predicted);
+                                          float * probs, int32_t * predicted, float * inputs);
 // stop recording and free the record
 HOBBIT_API void hobbit_runtime_trace_end(hobbit_runtime * rt);
 

@@ -209,12 +209,13 @@ bool hobbit_runtime_get_pool_stats(const hobbit_runtime * rt, int32_t pool, stru
     return rt != nullptr && stats != nullptr && rt->pool_stats(pool, *stats);
 }
 
-enum hobbit_status hobbit_runtime_trace_begin(hobbit_runtime * rt, int32_t lookahead, char * err, size_t err_size) {
+enum hobbit_status hobbit_runtime_trace_begin(hobbit_runtime * rt, int32_t lookahead, bool keep_inputs, char * err,
+                                              size_t err_size) {
     if (rt == nullptr) {
         write_error(err, err_size, "hobbit_runtime_trace_begin: no runtime");
         return HOBBIT_STATUS_ERROR_INVALID;
     }
-    return guarded([&] { rt->trace_begin(lookahead); }, err, err_size);
+    return guarded([&] { rt->trace_begin(lookahead, keep_inputs); }, err, err_size);
 }
 
 int64_t hobbit_runtime_trace_size(const hobbit_runtime * rt, int32_t * n_moe_layer, int32_t * lookahead) {
@@ -230,9 +231,9 @@ int64_t hobbit_runtime_trace_size(const hobbit_runtime * rt, int32_t * n_moe_lay
 }
 
 void hobbit_runtime_trace_copy(const hobbit_runtime * rt, int64_t n, int32_t * experts, float * weights, float * probs,
-                               int32_t * predicted) {
+                               int32_t * predicted, float * inputs) {
     if (rt != nullptr) {
-        rt->trace_copy(n, experts, weights, probs, predicted);
+        rt->trace_copy(n, experts, weights, probs, predicted, inputs);
     }
 }
 

@@ -1208,7 +1208,7 @@ bool hobbit_runtime::pool_stats(int pool, hobbit_pool_stats & out) const {
     return true;
 }
 
-void hobbit_runtime::trace_begin(int lookahead) {
+void hobbit_runtime::trace_begin(int lookahead, bool keep_inputs) {
     if (lookahead < 0 || lookahead > 4) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "trace lookahead must be 0..4, got " + std::to_string(lookahead));
     }
@@ -1217,7 +1217,7 @@ void hobbit_runtime::trace_begin(int lookahead) {
         routers = load_routers(model, moe_layers);
     }
     auto rec = std::make_unique<trace_recorder>(moe_layers, index.info.n_expert, index.info.n_expert_used,
-                                                index.info.n_embd, lookahead, std::move(routers));
+                                                index.info.n_embd, lookahead, std::move(routers), keep_inputs);
     std::lock_guard<std::mutex> lock(mtx);
     recorder = std::move(rec);
 }
@@ -1229,10 +1229,11 @@ int64_t hobbit_runtime::trace_size(int & n_moe_layer, int & lookahead) const {
     return recorder ? recorder->n_tokens() : 0;
 }
 
-void hobbit_runtime::trace_copy(int64_t n, int32_t * experts, float * weights, float * probs, int32_t * predicted) const {
+void hobbit_runtime::trace_copy(int64_t n, int32_t * experts, float * weights, float * probs, int32_t * predicted,
+                                float * inputs) const {
     std::lock_guard<std::mutex> lock(mtx);
     if (recorder) {
-        recorder->copy(std::min(n, recorder->n_tokens()), experts, weights, probs, predicted);
+        recorder->copy(std::min(n, recorder->n_tokens()), experts, weights, probs, predicted, inputs);
     }
 }
 

@@ -42,9 +42,10 @@ struct hobbit_runtime {
     bool pool_stats(int pool, hobbit_pool_stats & out) const;
 
     // routing trace (hobbit-trace-recorder); throws hobbit_error on a bad lookahead
-    void    trace_begin(int lookahead);
+    void    trace_begin(int lookahead, bool keep_inputs);
     int64_t trace_size(int & n_moe_layer, int & lookahead) const;
-    void    trace_copy(int64_t n, int32_t * experts, float * weights, float * probs, int32_t * predicted) const;
+    void    trace_copy(int64_t n, int32_t * experts, float * weights, float * probs, int32_t * predicted,
+                       float * inputs) const;
     void    trace_end();
 
     void new_sequence();

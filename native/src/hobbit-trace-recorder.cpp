@@ -4,9 +4,9 @@
 #include <cstring>
 
 trace_recorder::trace_recorder(std::vector<int> moe_layers_, int n_expert, int n_expert_used, int n_embd, int lookahead,
-                               std::vector<router_weights> routers_)
+                               std::vector<router_weights> routers_, bool keep_inputs)
         : moe_layers(std::move(moe_layers_)), n_expert(n_expert), n_used(n_expert_used), n_embd(n_embd),
-          lookahead_(lookahead), routers(std::move(routers_)), logs(moe_layers.size()) {
+          lookahead_(lookahead), keep_inputs(keep_inputs), routers(std::move(routers_)), logs(moe_layers.size()) {
     position.assign(moe_layers.empty() ? 0 : moe_layers.back() + 1, -1);
     for (size_t i = 0; i < moe_layers.size(); ++i) {
         position[moe_layers[i]] = (int) i;
@@ -41,6 +41,9 @@ void trace_recorder::record(int il, const ggml_tensor * sel, const ggml_tensor *
             log.probs.push_back(*(const float *) ((const char *) probs->data + e*probs->nb[1] + t*probs->nb[2]));
         }
         const float * xt = (const float *) ((const char *) x->data + t*x->nb[1]);
+        if (keep_inputs) {
+            log.inputs.insert(log.inputs.end(), xt, xt + n_embd);
+        }
         for (int d = 1; d <= lookahead_; ++d) {
             if (pos + d >= (int) routers.size()) {
                 log.predicted.insert(log.predicted.end(), n_used, -1);
@@ -60,7 +63,8 @@ int64_t trace_recorder::n_tokens() const {
     return logs.empty() ? 0 : n;
 }
 
-void trace_recorder::copy(int64_t n, int32_t * experts, float * weights, float * probs, int32_t * predicted) const {
+void trace_recorder::copy(int64_t n, int32_t * experts, float * weights, float * probs, int32_t * predicted,
+                          float * inputs) const {
     const int64_t L = (int64_t) logs.size();
     for (int64_t t = 0; t < n; ++t) {
         for (int64_t l = 0; l < L; ++l) {
@@ -77,6 +81,14 @@ void trace_recorder::copy(int64_t n, int32_t * experts, float * weights, float *
             if (predicted && lookahead_ > 0) {
                 const int64_t w = (int64_t) lookahead_ * n_used;
                 memcpy(predicted + (t*L + l)*w, log.predicted.data() + t*w, w * sizeof(int32_t));
+            }
+            if (inputs) {
+                float * row = inputs + (t*L + l)*n_embd;
+                if (keep_inputs) {
+                    memcpy(row, log.inputs.data() + t*n_embd, n_embd * sizeof(float));
+                } else {
+                    std::fill(row, row + n_embd, 0.0f);
+                }
             }
         }
     }

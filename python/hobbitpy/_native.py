@@ -204,10 +204,11 @@ void hobbit_runtime_reset_stats(hobbit_runtime * rt);
 bool hobbit_runtime_get_error(const hobbit_runtime * rt, char * buf, size_t size);
 void hobbit_runtime_clear_error(hobbit_runtime * rt);
 bool hobbit_runtime_get_pool_stats(const hobbit_runtime * rt, int32_t pool, struct hobbit_pool_stats * stats);
-enum hobbit_status hobbit_runtime_trace_begin(hobbit_runtime * rt, int32_t lookahead, char * err, size_t err_size);
+enum hobbit_status hobbit_runtime_trace_begin(hobbit_runtime * rt, int32_t lookahead, bool keep_inputs, char * err,
+                                              size_t err_size);
 int64_t hobbit_runtime_trace_size(const hobbit_runtime * rt, int32_t * n_moe_layer, int32_t * lookahead);
 void hobbit_runtime_trace_copy(const hobbit_runtime * rt, int64_t n, int32_t * experts, float * weights,
-                               float * probs, int32_t * predicted);
+                               float * probs, int32_t * predicted, float * inputs);
 void hobbit_runtime_trace_end(hobbit_runtime * rt);
 void hobbit_runtime_new_sequence(hobbit_runtime * rt);
 enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, const char * policy,

@@ -391,6 +391,10 @@ def _add_trace_parser(sub) -> None:
     p.add_argument("--lookahead", type=int, default=4, help="layers ahead to record router predictions for (0-4)")
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--neurons", metavar="THETA[,THETA...]", default=None,
+                   help="also measure CORM's neuron sparsity at these thresholds (e.g. 0.1,0.175,0.25,0.35): per "
+                        "selection, the share of the expert's neurons with |SiLU(W1 x)| > THETA and how well the "
+                        "previous MoE layer's input predicts them (SwiGLU models)")
     p.set_defaults(func=_trace)
 
 
@@ -398,6 +402,7 @@ def _trace(args) -> int:
     import pathlib
 
     from hobbitpy import HobbitError
+    from hobbitpy.neurons import FULL_EXPERT_SHARE, format_summary, parse_thetas
     from hobbitpy.trace import read_prompts, record_trace
 
     from tqdm import tqdm
@@ -410,13 +415,20 @@ def _trace(args) -> int:
     if out.suffix != ".npz":
         return _fail(f"{out}: a trace is written as .npz; name the file accordingly")
     try:
+        thetas = parse_thetas(args.neurons) if args.neurons is not None else ()
         prompts = read_prompts(args.prompts)
         t = record_trace(args.model, prompts, n_predict=args.n_predict, lookahead=args.lookahead, n_ctx=args.ctx,
-                         n_threads=args.threads, progress=lambda xs: tqdm(xs, desc="trace", unit="prompt", file=sys.stderr))
+                         n_threads=args.threads, neuron_thetas=thetas,
+                         progress=lambda xs: tqdm(xs, desc="trace", unit="prompt", file=sys.stderr))
         t.save(out)
     except (HobbitError, ValueError) as e:
         return _fail(str(e))
     print(f"{out}: {t.n_tokens} tokens x {t.meta['n_moe_layer']} MoE layers, {len(prompts)} prompts")
+    if t.neurons is not None:
+        print("neuron sparsity (CORM): mean over selections of the active share |SiLU(W1 x)| > theta, the share "
+              "predicted from the previous MoE layer's input, the active neurons it covers (recall), and the share "
+              f"of an expert a cold read takes (the whole expert above {FULL_EXPERT_SHARE:.0%} predicted)")
+        print(format_summary(t.neurons))
     return 0
 
 
@@ -449,6 +461,9 @@ def _add_plot_parser(sub) -> None:
                    help="cache budget of the hit-ratio panel (default: a quarter of every expert)")
     p.add_argument("--policy", nargs="+", choices=POLICIES, default=list(DEFAULT_PLOT_POLICIES),
                    help=f"policies drawn (default: {' '.join(DEFAULT_PLOT_POLICIES)})")
+    p.add_argument("--neurons", action="store_true",
+                   help="draw the trace's neuron statistics instead (CORM's Fig. 2 and 5b; a trace recorded with "
+                        "`trace --neurons`)")
     p.set_defaults(func=_plot)
 
 
@@ -458,13 +473,15 @@ def _plot(args) -> int:
     from hobbitpy import HobbitError
     from hobbitpy.outputs import new_output_error, write_new
     from hobbitpy.trace import load_trace
+    from hobbitpy.neuron_plot import plot_neurons
     from hobbitpy.trace_plot import plot_trace
 
     out = pathlib.Path(args.out) if args.out else pathlib.Path(args.trace).with_suffix(".png")
     if why := new_output_error(out):
         return _fail(why)
     try:
-        png = plot_trace(load_trace(args.trace), budget_mb=args.budget_mb, policies=args.policy)
+        trace = load_trace(args.trace)
+        png = plot_neurons(trace) if args.neurons else plot_trace(trace, budget_mb=args.budget_mb, policies=args.policy)
         write_new(out, png)
     except (HobbitError, ValueError, OSError) as e:
         return _fail(str(e))

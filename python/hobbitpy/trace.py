@@ -11,6 +11,8 @@ A trace is one ``.npz`` file:
 - ``seq_start`` uint8 [tokens]: 1 at the first token of every prompt
 - ``tokens``    int32 [tokens]: the token evaluated
 - ``meta``      a JSON string: model, shapes, expert bytes, prompts, settings
+- ``neuron_*``  with ``trace --neurons``: CORM's neuron statistics of every selection
+  (neurons.NeuronStats: active and predicted shares, recall, per threshold)
 
 Each evaluated token is one row, prompt tokens and generated ones alike (a prompt is
 evaluated in batches, its rows in token order).
@@ -32,6 +34,7 @@ from .config import MB, OffloadConfig
 from .errors import HobbitError
 from .memory import ContextShape, context_sizes, plan_offload
 from .model_file import inspect_model
+from .neurons import NeuronStats, check_arch, gate_weights, neuron_stats
 
 TRACE_VERSION = 1
 
@@ -45,6 +48,8 @@ class Trace:
     seq_start: np.ndarray
     tokens: np.ndarray
     meta: dict
+    neurons: NeuronStats | None = None
+    inputs: np.ndarray | None = None  # the router inputs, when record_trace kept them (never saved)
 
     @property
     def n_tokens(self) -> int:
@@ -59,7 +64,7 @@ class Trace:
         buf = io.BytesIO()
         np.savez_compressed(buf, experts=self.experts, weights=self.weights, probs=self.probs,
                             predicted=self.predicted, seq_start=self.seq_start, tokens=self.tokens,
-                            meta=np.array(json.dumps(self.meta)))
+                            meta=np.array(json.dumps(self.meta)), **(self.neurons.arrays() if self.neurons else {}))
         try:
             return write_new(path, buf.getvalue())  # never overwriting, never through a symlink
         except OutputExistsError:
@@ -74,14 +79,16 @@ def load_trace(path: str | os.PathLike) -> Trace:
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in ("experts", "weights", "probs", "predicted", "seq_start", "tokens", "meta")}
+            neurons = NeuronStats.of_arrays({k: z[k] for k in z.files if k.startswith("neuron_")})
     except (OSError, ValueError, KeyError) as e:
         raise HobbitError(f"{path}: not a hobbitpy trace ({e})") from e
     meta = json.loads(str(arrays.pop("meta")))
     if meta.get("trace_version") != TRACE_VERSION:
         raise HobbitError(f"{path}: trace version {meta.get('trace_version')} is not the supported {TRACE_VERSION}")
-    t = Trace(meta=meta, **arrays)
+    t = Trace(meta=meta, neurons=neurons, **arrays)
     n, L, k = t.experts.shape
-    if (L, k) != (meta["n_moe_layer"], meta["n_expert_used"]) or t.seq_start.shape != (n,):
+    if (L, k) != (meta["n_moe_layer"], meta["n_expert_used"]) or t.seq_start.shape != (n,) or (
+            neurons is not None and neurons.active.shape != (n, L, k, len(neurons.thetas))):
         raise HobbitError(f"{path}: the arrays do not match the trace's own description")
     return t
 
@@ -100,8 +107,13 @@ def read_prompts(path: str | os.PathLike) -> list[str]:
 
 def record_trace(model_path: str | os.PathLike, prompts: list[str], *, n_predict: int = 32, lookahead: int = 4,
                  n_ctx: int = 512, n_threads: int | None = None, cache_mb: float | None = None,
-                 policy: str = "lru", n_batch: int = 512, progress=None) -> Trace:
+                 policy: str = "lru", n_batch: int = 512, neuron_thetas: tuple[float, ...] = (), progress=None,
+                 keep_inputs: bool = False) -> Trace:
     """Generate greedily from each prompt and record the routing of every token.
+
+    neuron_thetas: also measure CORM's neuron statistics at these thresholds (neurons.py;
+    SwiGLU models), from the router inputs; keep_inputs: keep those inputs in
+    ``trace.inputs`` (float32 [tokens, moe_layers, n_embd]; not saved with the trace).
 
     The run's own cache (cache_mb, policy) does not change the trace, only how fast it
     is recorded; its hit and miss counts are kept in meta["runtime"]. With n_batch=1
@@ -116,6 +128,8 @@ def record_trace(model_path: str | os.PathLike, prompts: list[str], *, n_predict
     info = inspect_model(model_path)
     if not info.is_moe:
         raise HobbitError(f"{model_path} is a dense model: it has no routing to trace")
+    if neuron_thetas:
+        check_arch(model_path, info.arch)
     # the trace comes from the runtime, so it must attach: as much cache as memory allows,
     # never more than every expert (the outputs are the same at any budget)
     if cache_mb is None:
@@ -134,7 +148,8 @@ def record_trace(model_path: str | os.PathLike, prompts: list[str], *, n_predict
         if not llm.offloaded:
             raise HobbitError(f"{model_path}: the expert runtime did not attach; cannot trace")
         err = error_buffer()
-        if lib.hobbit_runtime_trace_begin(llm._runtime, lookahead, err, len(err)) != 0:
+        with_inputs = bool(neuron_thetas) or keep_inputs
+        if lib.hobbit_runtime_trace_begin(llm._runtime, lookahead, with_inputs, err, len(err)) != 0:
             raise HobbitError(to_str(err))
         tokens: list[int] = []
         seq_start: list[int] = []
@@ -165,12 +180,13 @@ def record_trace(model_path: str | os.PathLike, prompts: list[str], *, n_predict
         weights = np.empty((n, L, k), np.float32)
         probs = np.empty((n, L, E), np.float32)
         predicted = np.empty((n, L, D, k), np.int32)
+        inputs = np.empty((n, L, info.n_embd), np.float32) if with_inputs else np.empty(0, np.float32)
 
         def ptr(a, ctype):
             return ffi.cast(ctype, a.ctypes.data) if a.size else ffi.NULL
 
         lib.hobbit_runtime_trace_copy(llm._runtime, n, ptr(experts, "int32_t *"), ptr(weights, "float *"),
-                                      ptr(probs, "float *"), ptr(predicted, "int32_t *"))
+                                      ptr(probs, "float *"), ptr(predicted, "int32_t *"), ptr(inputs, "float *"))
         lib.hobbit_runtime_trace_end(llm._runtime)
         stats = llm.offload_stats()
         runtime = {"cache_mb": cache_mb, "policy": policy, "n_batch": n_batch, "n_slot": stats["n_slot"],
@@ -195,5 +211,10 @@ def record_trace(model_path: str | os.PathLike, prompts: list[str], *, n_predict
         "runtime": runtime,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    return Trace(experts=experts, weights=weights, probs=probs.astype(np.float16), predicted=predicted,
-                 seq_start=np.array(seq_start, np.uint8), tokens=np.array(tokens, np.int32), meta=meta)
+    trace = Trace(experts=experts, weights=weights, probs=probs.astype(np.float16), predicted=predicted,
+                  seq_start=np.array(seq_start, np.uint8), tokens=np.array(tokens, np.int32), meta=meta)
+    if neuron_thetas:
+        trace.neurons = neuron_stats(trace, inputs, gate_weights(model_path, L), neuron_thetas)
+    if keep_inputs:
+        trace.inputs = inputs
+    return trace

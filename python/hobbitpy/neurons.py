@@ -1,0 +1,173 @@
+"""CORM's neuron sparsity, measured on a routing trace (corm.txt §3.1 Fig. 2, §3.4 Fig. 5b).
+
+CORM loads only the *active* neurons of a selected expert: those whose activation
+|act(W1 x)| exceeds a threshold θ (a neuron is a row of W1 and W3 and the matching column
+of W2). It predicts them one layer ahead: the current MoE layer's input x through the next
+layer's W1 of the expert it will select. Both are measured here, offline, from the router
+inputs a trace recorded (`hobbitpy trace --neurons`) and the model's own gate weights:
+
+- active share: of a selected expert's neurons, the share with |act(W1 x)| > θ (what a
+  perfect predictor would read, before CORM's upper limit);
+- predicted share: the share with |act(W1 x_prev)| > θ, x_prev the same token's input to
+  the previous MoE layer (what CORM reads);
+- recall: of the active neurons, the share the prediction covers (the rest are computed
+  as zero: CORM's loss of accuracy; its Fig. 5b's neuron prediction accuracy).
+
+The weights are dequantized in float32 (the model computes on its quantized weights with
+ggml's kernels, so a neuron within rounding of θ may fall either side: a share, not a bit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import os
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import HobbitError
+
+if TYPE_CHECKING:
+    from .trace import Trace
+
+# the issue's sweep, around CORM's choice for Mixtral (0.25) and its Fig. 2 points (0.175, 0.25)
+DEFAULT_THETAS = (0.1, 0.175, 0.25, 0.35)
+# CORM §3.6: above this share of active neurons the whole expert is loaded (Mixtral's figure)
+FULL_EXPERT_SHARE = 0.75
+# architectures whose experts are SwiGLU (act = SiLU on W1's output, as CORM's models); gpt-oss
+# clamps its own variant and merges W1 with W3, which CORM does not cover
+SILU_ARCHS = ("llama", "qwen2moe", "qwen3moe", "deepseek", "deepseek2", "olmoe", "granitemoe")
+
+
+@dataclass
+class NeuronStats:
+    thetas: np.ndarray     # float32 [n_theta]
+    active: np.ndarray     # float16 [tokens, moe_layers, k, n_theta]: active share of each selection's expert
+    predicted: np.ndarray  # float16 [tokens, moe_layers, k, n_theta]: predicted share (NaN in the first MoE layer)
+    recall: np.ndarray     # float16 [tokens, moe_layers, k, n_theta]: active neurons predicted (NaN: none active or no prediction)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """As saved in a trace file."""
+        return {"neuron_thetas": self.thetas, "neuron_active": self.active, "neuron_predicted": self.predicted,
+                "neuron_recall": self.recall}
+
+    @classmethod
+    def of_arrays(cls, arrays) -> "NeuronStats | None":
+        if "neuron_thetas" not in arrays:
+            return None
+        return cls(arrays["neuron_thetas"], arrays["neuron_active"], arrays["neuron_predicted"], arrays["neuron_recall"])
+
+
+def parse_thetas(text: str) -> tuple[float, ...]:
+    """'0.1,0.25' -> (0.1, 0.25); ValueError for anything but non-negative finite numbers."""
+    try:
+        thetas = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--neurons takes thresholds separated by commas (e.g. 0.1,0.25), got {text!r}") from None
+    if not all(0.0 <= x < float("inf") for x in thetas):
+        raise ValueError(f"neuron thresholds must be finite and non-negative, got {text!r}")
+    return thetas
+
+
+def check_arch(model_path: str | os.PathLike, arch: str) -> None:
+    """HobbitError unless the model's experts are SwiGLU (CORM's act(W1 x) is SiLU's)."""
+    if arch not in SILU_ARCHS:
+        raise HobbitError(f"{model_path}: neuron statistics are for SwiGLU experts (SiLU on W1); "
+                          f"{arch} is not one of {', '.join(SILU_ARCHS)}")
+
+
+def gate_weights(model_path: str | os.PathLike, moe_layers: int) -> list[np.ndarray]:
+    """Every MoE layer's W1 (ffn_gate_exps) in float32, [n_expert, n_ff, n_embd], in layer order."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(os.fspath(model_path))
+    by_layer = {}
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] == "ffn_gate_exps":
+            by_layer[int(parts[1])] = t
+    if len(by_layer) != moe_layers:
+        raise HobbitError(f"{model_path}: neuron statistics need a separate gate projection (ffn_gate_exps) in every "
+                          f"MoE layer; found {len(by_layer)} of {moe_layers}")
+    weights = []
+    for il in sorted(by_layer):
+        t = by_layer[il]
+        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        n_embd, n_ff, n_expert = (int(x) for x in t.shape)  # ggml order
+        weights.append(w.reshape(n_expert, n_ff, n_embd))
+    return weights
+
+
+def _silu(z: np.ndarray) -> np.ndarray:
+    return z / (1.0 + np.exp(-z))
+
+
+def neuron_stats(trace: Trace, inputs: np.ndarray, gates: list[np.ndarray], thetas: tuple[float, ...]) -> NeuronStats:
+    """The statistics of every selection in the trace. inputs: float32 [tokens, moe_layers,
+    n_embd], each MoE layer's router input (the experts' input); gates: gate_weights(...)."""
+    check_arch(trace.meta["model"], trace.meta["arch"])
+    n, L, k = trace.experts.shape
+    th = np.asarray(thetas, np.float32)
+    shape = (n, L, k, len(th))
+    active = np.full(shape, np.nan, np.float32)
+    predicted = np.full(shape, np.nan, np.float32)
+    recall = np.full(shape, np.nan, np.float32)
+    for l in range(L):
+        w = gates[l]
+        for e in range(w.shape[0]):
+            rows, slots = np.nonzero(trace.experts[:, l, :] == e)
+            if rows.size == 0:
+                continue
+            act = np.abs(_silu(inputs[rows, l] @ w[e].T))  # [selections, n_ff]
+            is_active = act[:, :, None] > th                # [selections, n_ff, n_theta]
+            n_active = is_active.sum(axis=1)
+            active[rows, l, slots] = n_active / w.shape[1]
+            if l == 0:
+                continue  # nothing comes before the first MoE layer to predict it from
+            guess = np.abs(_silu(inputs[rows, l - 1] @ w[e].T))[:, :, None] > th
+            predicted[rows, l, slots] = guess.sum(axis=1) / w.shape[1]
+            hit = (guess & is_active).sum(axis=1)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                recall[rows, l, slots] = np.where(n_active > 0, hit / np.maximum(n_active, 1), np.nan)
+    f16 = lambda a: a.astype(np.float16)  # noqa: E731 - shares to three digits are plenty
+    return NeuronStats(th, f16(active), f16(predicted), f16(recall))
+
+
+def read_share(predicted: np.ndarray, limit: float = FULL_EXPERT_SHARE) -> np.ndarray:
+    """The share of an expert's bytes CORM reads for a predicted share: the predicted
+    neurons, or the whole expert above the limit (nothing for the cache: a cold read)."""
+    return np.where(predicted > limit, 1.0, predicted)
+
+
+def summary_rows(stats: NeuronStats) -> list[dict]:
+    """Per threshold and MoE layer (and 'all'): mean active share, predicted share, recall,
+    and the share of an expert's bytes a cold read takes (read_share)."""
+    rows = []
+    L = stats.active.shape[1]
+    for j, theta in enumerate(stats.thetas.tolist()):
+        for l in [*range(L), None]:
+            sl = (slice(None), slice(None) if l is None else l, slice(None), j)
+            a = stats.active[sl].astype(np.float32)
+            p = stats.predicted[sl].astype(np.float32)
+            r = stats.recall[sl].astype(np.float32)
+            rows.append({"theta": theta, "layer": "all" if l is None else l,
+                         "active": float(np.nanmean(a)) if np.isfinite(a).any() else float("nan"),
+                         "predicted": float(np.nanmean(p)) if np.isfinite(p).any() else float("nan"),
+                         "recall": float(np.nanmean(r)) if np.isfinite(r).any() else float("nan"),
+                         "read": float(np.nanmean(read_share(p))) if np.isfinite(p).any() else float("nan")})
+    return rows
+
+
+def format_summary(stats: NeuronStats) -> str:
+    """The summary as a text table: one line per threshold, the layers side by side."""
+    rows = summary_rows(stats)
+    L = stats.active.shape[1]
+    head = "  theta  measure    " + " ".join(f"{'L' + str(l):>6}" for l in range(L)) + f" {'all':>6}"
+    lines = [head]
+    for theta in stats.thetas.tolist():
+        mine = [r for r in rows if r["theta"] == theta]
+        for key, label in (("active", "active"), ("predicted", "predicted"), ("recall", "recall"), ("read", "read")):
+            vals = " ".join(f"{r[key]:6.3f}" if np.isfinite(r[key]) else f"{'-':>6}" for r in mine)
+            lines.append(f"  {theta:<6g} {label:<10} {vals}")
+    return "\n".join(lines)

@@ -1,0 +1,127 @@
+"""CORM's neuron statistics (`hobbitpy trace --neurons`): the router inputs the runtime
+records are the ones the routers saw, and the shares follow from them and the model's own
+gate weights."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import hobbitpy
+from hobbitpy import HobbitError
+from hobbitpy.cli import main as cli_main
+from hobbitpy.neurons import gate_weights, neuron_stats, parse_thetas
+from hobbitpy.trace import load_trace, record_trace
+
+from conftest import tiny_model
+
+PROMPTS = ["The old fisherman told stories about the sea", "In the beginning the village was quiet and small"]
+
+
+def _router_weights(path, n_layer):
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    tensors = {t.name: t for t in GGUFReader(os.fspath(path)).tensors}
+    out = []
+    for il in range(n_layer):
+        t = tensors[f"blk.{il}.ffn_gate_inp.weight"]
+        out.append(dequantize(t.data, t.tensor_type).astype(np.float32).reshape(int(t.shape[1]), int(t.shape[0])))
+    return out
+
+
+@pytest.fixture(scope="module")
+def traced(model_dir):
+    path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    return path, record_trace(path, PROMPTS, n_predict=6, n_ctx=128, keep_inputs=True,
+                              neuron_thetas=(0.0, 0.05, 0.2))
+
+
+def test_the_recorded_inputs_are_what_each_router_saw(traced):
+    path, t = traced
+    n_embd = hobbitpy.inspect_model(path).n_embd
+    assert t.inputs.shape == (t.n_tokens, 4, n_embd) and np.isfinite(t.inputs).all() and np.abs(t.inputs).sum() > 0
+    for il, w in enumerate(_router_weights(path, 4)):
+        logits = t.inputs[:, il] @ w.T
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        np.testing.assert_allclose(probs, t.probs[:, il].astype(np.float32), atol=3e-3)
+
+
+def test_the_shares_follow_from_the_inputs_and_the_gate_weights(traced):
+    path, t = traced
+    s = t.neurons
+    n, L, k = t.experts.shape
+    assert s.active.shape == s.predicted.shape == s.recall.shape == (n, L, k, 3)
+    active = s.active.astype(np.float32)
+    assert np.allclose(active[..., 0], 1.0)  # theta 0: every neuron not exactly zero
+    assert (np.diff(active, axis=-1) <= 0).all() and active[..., 2].mean() < active[..., 1].mean()
+    assert np.isnan(s.predicted[:, 0]).all() and np.isfinite(s.predicted[:, 1:]).all()  # nothing predicts layer 0
+
+    # one selection by hand: token 5, layer 2, the second expert, theta 0.2
+    gates = gate_weights(path, L)
+    e = t.experts[5, 2, 1]
+    silu = lambda z: z / (1 + np.exp(-z))  # noqa: E731
+    act = np.abs(silu(gates[2][e] @ t.inputs[5, 2])) > 0.2
+    guess = np.abs(silu(gates[2][e] @ t.inputs[5, 1])) > 0.2
+    n_ff = gates[2].shape[1]
+    assert s.active[5, 2, 1, 2] == np.float16(act.sum() / n_ff)
+    assert s.predicted[5, 2, 1, 2] == np.float16(guess.sum() / n_ff)
+    assert s.recall[5, 2, 1, 2] == np.float16((act & guess).sum() / act.sum())
+
+    # a layer predicted from its own input is predicted perfectly
+    same = np.repeat(t.inputs[:, 1:2], L, axis=1)
+    own = neuron_stats(t, same, gates, (0.2,))
+    np.testing.assert_array_equal(own.predicted[:, 1:], own.active[:, 1:])
+    assert np.nanmin(own.recall[:, 1:].astype(np.float32)) == 1.0
+
+
+def test_trace_neurons_on_the_command_line(model_dir, tmp_path, capsys):
+    path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    out = tmp_path / "t.npz"
+    assert cli_main(["trace", str(path), "--prompts", str(prompts), "--out", str(out), "-n", "4", "--ctx", "128",
+                     "--neurons", "0.1,0.25"]) == 0
+    text = capsys.readouterr().out
+    assert "neuron sparsity" in text and "recall" in text and "0.25" in text
+    back = load_trace(out)
+    assert back.neurons is not None and back.neurons.thetas.tolist() == pytest.approx([0.1, 0.25])
+    assert back.neurons.active.shape == (back.n_tokens, 4, 2, 2)
+    # without --neurons the trace has none
+    plain = tmp_path / "plain.npz"
+    assert cli_main(["trace", str(path), "--prompts", str(prompts), "--out", str(plain), "-n", "2", "--ctx", "128"]) == 0
+    assert load_trace(plain).neurons is None
+
+
+def test_bad_neuron_requests_are_one_clear_error(model_dir, tmp_path, capsys):
+    path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(PROMPTS[0] + "\n")
+    for bad in ("abc", "0.1,-1", "nan"):
+        assert cli_main(["trace", str(path), "--prompts", str(prompts), "--out", str(tmp_path / "x.npz"),
+                         "--neurons", bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "thresholds" in err[0]
+    assert not (tmp_path / "x.npz").exists()
+    with pytest.raises(ValueError):
+        parse_thetas("")
+    oss = tiny_model(model_dir, "gpt-oss")
+    with pytest.raises(HobbitError, match="SwiGLU"):
+        record_trace(oss, PROMPTS, n_predict=2, n_ctx=128, neuron_thetas=(0.1,))
+
+
+def test_plot_neurons_draws_a_new_png_or_says_what_is_missing(model_dir, tmp_path, capsys):
+    path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    with_stats = record_trace(path, PROMPTS, n_predict=2, n_ctx=128, neuron_thetas=(0.1,)).save(tmp_path / "n.npz")
+    plain = record_trace(path, PROMPTS, n_predict=2, n_ctx=128).save(tmp_path / "p.npz")
+    png = tmp_path / "n.png"
+    assert cli_main(["plot", str(with_stats), "--neurons", "--out", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert cli_main(["plot", str(with_stats), "--neurons", "--out", str(png)]) == 2  # never overwrites
+    capsys.readouterr()
+    assert cli_main(["plot", str(plain), "--neurons", "--out", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no neuron statistics" in err[0] and not (tmp_path / "p.png").exists()
