@@ -125,3 +125,57 @@ def test_plot_neurons_draws_a_new_png_or_says_what_is_missing(model_dir, tmp_pat
     assert cli_main(["plot", str(plain), "--neurons", "--out", str(tmp_path / "p.png")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no neuron statistics" in err[0] and not (tmp_path / "p.png").exists()
+
+
+TEXT = ("The keeper climbed the stairs of the tower every evening, lit the lamp and watched the sea. "
+        "Ships passed in the dark, and the light turned slowly over the water until the morning came. ") * 3
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2moe"])
+def test_neuron_pricing_at_theta_zero_is_stock_bit_for_bit(model_dir, arch):
+    """Every neuron kept: CORM's sparse compute must equal stock exactly (KL 0, all top-1s)."""
+    from hobbitpy import OffloadConfig
+    from hobbitpy.evaluate import evaluate
+    from hobbitpy.neurons import NeuronMaskSpec
+
+    path = tiny_model(model_dir, arch, n_layer=4, n_expert=8, n_expert_used=2)
+    for predicted in (False, True):
+        r = evaluate(path, TEXT, OffloadConfig(enabled=False), n_ctx=32, n_threads=2,
+                     neurons=NeuronMaskSpec(0.0, predicted=predicted, limit=1.0))
+        assert r.mean_kl == 0.0 and r.top1_agreement == 1.0 and r.perplexity == r.reference_perplexity
+        assert r.stats["neuron_selections"] > 0 and r.stats["neuron_kept_share"] == pytest.approx(1.0)
+        # the first MoE layer is never predicted: computed whole
+        assert (r.stats["neuron_whole"] > 0) == predicted
+
+
+def test_neuron_pricing_drops_neurons_and_costs_quality(model_dir):
+    from hobbitpy import OffloadConfig
+    from hobbitpy.evaluate import evaluate
+    from hobbitpy.neurons import NeuronMaskSpec
+
+    path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    oracle = evaluate(path, TEXT, OffloadConfig(enabled=False), n_ctx=32, n_threads=2,
+                      neurons=NeuronMaskSpec(0.05, predicted=False, limit=1.0))
+    assert 0.0 < oracle.stats["neuron_kept_share"] < 1.0 and oracle.stats["neuron_whole"] == 0
+    assert oracle.mean_kl > 0.0
+    # with a limit below every selection's share, each is computed whole: stock again
+    whole = evaluate(path, TEXT, OffloadConfig(enabled=False), n_ctx=32, n_threads=2,
+                     neurons=NeuronMaskSpec(0.05, predicted=False, limit=0.0))
+    assert whole.mean_kl == 0.0 and whole.stats["neuron_whole"] == whole.stats["neuron_selections"]
+
+
+def test_eval_neurons_on_the_command_line_and_its_bad_input(model_dir, tmp_path, capsys):
+    path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    base = ["eval", str(path), "--text", str(text), "--ctx", "32", "--threads", "2"]
+    assert cli_main([*base, "--no-offload", "--neurons", "0.05"]) == 0
+    out = capsys.readouterr().out
+    assert "neurons kept" in out and "perplexity increase" in out
+    for bad in (["--neurons", "0.05"],                      # offloaded: not the stock path
+                ["--no-offload", "--neuron-oracle"],        # without --neurons
+                ["--no-offload", "--neurons", "-1"],
+                ["--no-offload", "--neurons", "0.1", "--neuron-limit", "2"]):
+        assert cli_main([*base, *bad]) == 2, bad
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and ("neuron" in err[0] or "offload" in err[0]), err

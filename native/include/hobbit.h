@@ -345,6 +345,20 @@ HOBBIT_API bool hobbit_imatrix_entry(hobbit_imatrix * im, int32_t i, char * name
 // entry i's sums [n_mat][n_col] and token counts [n_mat], as float (llama.cpp's file layout)
 HOBBIT_API void hobbit_imatrix_copy(hobbit_imatrix * im, int32_t i, float * sums, float * counts);
 
+// CORM's sparse neurons priced on a stock context (hobbit-neuron-mask.cpp): pass
+// hobbit_neuron_mask_apply as its cb_eval with the mask as user data; after each routed
+// expert's gate projection, the neurons with |SiLU(W1 x)| <= theta are zeroed (add nothing),
+// x the layer's own input (predicted false: an oracle) or the previous MoE layer's (predicted:
+// CORM's one-layer-ahead prediction; the first MoE layer whole). A selection keeping more
+// than limit of its neurons is computed whole (CORM loads the whole expert then).
+typedef struct hobbit_neuron_mask hobbit_neuron_mask;
+HOBBIT_API hobbit_neuron_mask * hobbit_neuron_mask_new(float theta, bool predicted, float limit);
+HOBBIT_API void hobbit_neuron_mask_free(hobbit_neuron_mask * m);
+HOBBIT_API bool hobbit_neuron_mask_apply(struct ggml_tensor * t, bool ask, void * m);
+// selections seen, how many were computed whole, and the mean share of neurons kept
+HOBBIT_API void hobbit_neuron_mask_stats(hobbit_neuron_mask * m, int64_t * n_selections, int64_t * n_whole,
+                                         double * kept_share);
+
 // ggml abort callback (llama_set_abort_callback with data = the runtime): stops a decode
 // whose expert loads failed, so it returns an error instead of garbage
 HOBBIT_API bool hobbit_abort_callback(void * rt);

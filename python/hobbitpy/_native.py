@@ -224,6 +224,11 @@ bool hobbit_imatrix_collect(struct ggml_tensor * t, bool ask, void * im);
 int32_t hobbit_imatrix_count(hobbit_imatrix * im);
 bool hobbit_imatrix_entry(hobbit_imatrix * im, int32_t i, char * name, size_t name_size, int64_t * n_col, int64_t * n_mat);
 void hobbit_imatrix_copy(hobbit_imatrix * im, int32_t i, float * sums, float * counts);
+typedef struct hobbit_neuron_mask hobbit_neuron_mask;
+hobbit_neuron_mask * hobbit_neuron_mask_new(float theta, bool predicted, float limit);
+void hobbit_neuron_mask_free(hobbit_neuron_mask * m);
+bool hobbit_neuron_mask_apply(struct ggml_tensor * t, bool ask, void * m);
+void hobbit_neuron_mask_stats(hobbit_neuron_mask * m, int64_t * n_selections, int64_t * n_whole, double * kept_share);
 """
 
 ffi = cffi.FFI()

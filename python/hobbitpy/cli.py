@@ -581,6 +581,15 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--no-reference", action="store_true", help="perplexity only, no stock run to compare with")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--neurons", metavar="THETA", type=float, default=None,
+                   help="price CORM's sparse neurons instead (with --no-offload): a selected expert's neurons with "
+                        "|SiLU(W1 x)| <= THETA add nothing, x the previous MoE layer's input as CORM predicts it "
+                        "(the first MoE layer whole)")
+    p.add_argument("--neuron-oracle", action="store_true",
+                   help="with --neurons: each layer's own input instead (a perfect predictor)")
+    p.add_argument("--neuron-limit", metavar="SHARE", type=float, default=None,
+                   help="with --neurons: a selection keeping more than SHARE of its neurons is computed whole, as "
+                        "CORM loads the whole expert then (default 0.75, CORM's for Mixtral)")
     add_offload_args(p)
     p.set_defaults(func=_eval)
 
@@ -588,6 +597,7 @@ def _add_eval_parser(sub) -> None:
 def _eval(args) -> int:
     from hobbitpy import HobbitError
     from hobbitpy.evaluate import evaluate
+    from hobbitpy.neurons import FULL_EXPERT_SHARE, NeuronMaskSpec
 
     from tqdm import tqdm
 
@@ -598,8 +608,14 @@ def _eval(args) -> int:
         return _fail(why)
     try:
         offload = offload_config_from_args(args, args.model)
+        neurons = None
+        if args.neurons is not None:
+            neurons = NeuronMaskSpec(args.neurons, predicted=not args.neuron_oracle,
+                                     limit=FULL_EXPERT_SHARE if args.neuron_limit is None else args.neuron_limit)
+        elif args.neuron_oracle or args.neuron_limit is not None:
+            raise ValueError("--neuron-oracle and --neuron-limit go with --neurons THETA")
         r = evaluate(args.model, text, offload, n_ctx=args.ctx, max_tokens=args.max_tokens, n_threads=args.threads,
-                     compare_to_reference=not args.no_reference, n_ubatch=args.ubatch,
+                     compare_to_reference=not args.no_reference, n_ubatch=args.ubatch, neurons=neurons,
                      progress=lambda xs: tqdm(xs, desc="eval", unit="window", file=sys.stderr))
     except (HobbitError, ValueError) as e:
         return _fail(str(e))
@@ -612,7 +628,10 @@ def _eval(args) -> int:
         if r.log_ppl_ratio_se is not None:
             print(f"perplexity increase   {(r.perplexity / r.reference_perplexity - 1) * 100:+.2f} % "
                   f"(se {r.log_ppl_ratio_se * 100:.2f} points)")
-    if r.stats:
+    if r.stats and "neuron_kept_share" in r.stats:
+        print(f"neurons kept          {r.stats['neuron_kept_share'] * 100:.1f} % of each selected expert's on average; "
+              f"{r.stats['neuron_whole']} of {r.stats['neuron_selections']} selections computed whole")
+    elif r.stats:
         hits, misses = r.stats["expert_hits"], r.stats["expert_misses"]
         print(f"expert cache          {hits} hits, {misses} misses (hit ratio {hits / max(1, hits + misses):.3f}), "
               f"{r.stats['n_substituted']} substituted, {r.stats['expert_inplace']} computed in place")

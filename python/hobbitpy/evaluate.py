@@ -20,6 +20,7 @@ import numpy as np
 from .config import OffloadConfig
 from .disk import drop_from_page_cache
 from .errors import HobbitError
+from .neurons import NeuronMaskSpec, attach_neuron_mask, neuron_mask_stats
 
 
 @dataclass
@@ -76,15 +77,32 @@ def _n_vocab(model_path: str) -> int:
     return inspect_model(model_path).n_vocab
 
 
-def _open(model_path: str, offload: OffloadConfig, n_ctx: int, n_ubatch: int, n_threads: int | None):
+def _open(model_path: str, offload: OffloadConfig, n_ctx: int, n_ubatch: int, n_threads: int | None,
+          neurons: NeuronMaskSpec | None = None):
     from .llama import Llama
 
     if n_ctx < 2:
         raise ValueError(f"n_ctx must be at least 2, got {n_ctx}")
     if not 1 <= n_ubatch <= n_ctx:
         raise ValueError(f"n_ubatch must be 1..n_ctx ({n_ctx}), got {n_ubatch}")
-    return Llama(model_path, offload=offload, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ubatch, logits_all=True,
-                 verbose=False, n_threads=n_threads or os.cpu_count() or 1)
+    llm = Llama(model_path, offload=offload, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ubatch, logits_all=True,
+                verbose=False, n_threads=n_threads or os.cpu_count() or 1)
+    if neurons is not None:
+        try:
+            attach_neuron_mask(llm, neurons)
+        except BaseException:
+            llm.close()
+            raise
+    return llm
+
+
+NEURONS_ON_STOCK = ("neuron sparsity is priced on the stock path, every expert mapped: run it without offload "
+                    "(--no-offload)")
+
+
+def _stats(llm, neurons: NeuronMaskSpec | None) -> dict | None:
+    """The candidate's counters: its expert cache's, or the neuron mask's."""
+    return neuron_mask_stats(llm) if neurons is not None else llm.offload_stats()
 
 
 def tokenize_text(model_path: str | os.PathLike, text: str, max_tokens: int | None = None) -> list[int]:
@@ -145,15 +163,17 @@ class Reference:
 
 
 def evaluate_against(model_path: str | os.PathLike, reference: Reference, offload: OffloadConfig, *,
-                     n_ubatch: int | None = None, n_threads: int | None = None, progress=None) -> EvalResult:
+                     n_ubatch: int | None = None, n_threads: int | None = None, progress=None,
+                     neurons: NeuronMaskSpec | None = None) -> EvalResult:
     """Perplexity, KL and top-1 agreement of `offload` on `model_path` (the reference's model or
-    another file of the same model, e.g. a smaller quant) against a measured reference."""
+    another file of the same model, e.g. a smaller quant) against a measured reference;
+    neurons: CORM's sparse neurons on the stock path instead (offload disabled)."""
     model_path = os.fspath(model_path)
     n_ctx = reference.n_ctx
     # the candidate sizes its cache from the memory left when it opens: the scoring's arrays
     # (a window's log-probabilities and their temporaries) are held by then, and freed for it
     held = np.ones(SCORING_BYTES_PER_LOGIT * n_ctx * reference.n_vocab, np.uint8)
-    candidate = _open(model_path, offload, n_ctx, n_ctx if n_ubatch is None else n_ubatch, n_threads)
+    candidate = _open(model_path, offload, n_ctx, n_ctx if n_ubatch is None else n_ubatch, n_threads, neurons)
     del held
     nll = kl = 0.0
     agree = n = 0
@@ -170,7 +190,7 @@ def evaluate_against(model_path: str | os.PathLike, reference: Reference, offloa
             kl += float((np.exp(ref64) * (ref64 - lp64)).sum())
             agree += int((ref_lp.argmax(-1) == lp64.argmax(-1)).sum())
             n += len(targets)
-        offloaded, stats = candidate.offloaded, candidate.offload_stats()
+        offloaded, stats = candidate.offloaded, _stats(candidate, neurons)
     finally:
         candidate.close()
     d = np.concatenate(diffs)
@@ -182,15 +202,18 @@ def evaluate_against(model_path: str | os.PathLike, reference: Reference, offloa
 
 def evaluate(model_path: str | os.PathLike, text: str, offload: OffloadConfig, *, n_ctx: int = 256,
              max_tokens: int | None = None, compare_to_reference: bool = True, n_threads: int | None = None,
-             n_ubatch: int | None = None, progress=None) -> EvalResult:
+             n_ubatch: int | None = None, progress=None, neurons: NeuronMaskSpec | None = None) -> EvalResult:
     """Perplexity of `offload` on `text`, and (compare_to_reference) KL and top-1
-    agreement against stock llama.cpp on the same windows.
+    agreement against stock llama.cpp on the same windows. neurons: price CORM's sparse
+    neurons instead (on the stock path: offload must be disabled).
 
     n_ubatch (default n_ctx): tokens per forward pass. Mixed precision decides per pass:
     an expert that any token of the pass wants at high precision serves all of them at
     high, so n_ubatch=1 measures what token-by-token decoding gets."""
     model_path = os.fspath(model_path)
     n_ubatch = n_ctx if n_ubatch is None else n_ubatch
+    if neurons is not None and offload.enabled:  # before minutes of reference
+        raise ValueError(NEURONS_ON_STOCK)
     ids = tokenize_text(model_path, text, max_tokens)
     if compare_to_reference:
         # the reference first and alone, then the candidate alone: side by side they competed
@@ -200,9 +223,9 @@ def evaluate(model_path: str | os.PathLike, text: str, offload: OffloadConfig, *
         reference = Reference.measure(model_path, ids, n_ctx=n_ctx, n_threads=n_threads)
         drop_from_page_cache(model_path)
         return evaluate_against(model_path, reference, offload, n_ubatch=n_ubatch, n_threads=n_threads,
-                                progress=progress)
+                                progress=progress, neurons=neurons)
     held = np.ones(SCORING_BYTES_PER_LOGIT * n_ctx * _n_vocab(model_path), np.uint8)
-    candidate = _open(model_path, offload, n_ctx, n_ubatch, n_threads)
+    candidate = _open(model_path, offload, n_ctx, n_ubatch, n_threads, neurons)
     del held
     nll, n = 0.0, 0
     try:
@@ -211,7 +234,7 @@ def evaluate(model_path: str | os.PathLike, text: str, offload: OffloadConfig, *
             lp = log_softmax(_window_logits(candidate, window))
             nll -= float(lp[np.arange(len(targets)), targets].sum())
             n += len(targets)
-        offloaded, stats = candidate.offloaded, candidate.offload_stats()
+        offloaded, stats = candidate.offloaded, _stats(candidate, neurons)
     finally:
         candidate.close()
     return EvalResult(model=model_path, n_tokens=n, perplexity=math.exp(nll / n), reference_perplexity=None,

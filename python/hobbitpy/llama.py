@@ -164,11 +164,16 @@ class Llama(llama_cpp.Llama):
             runtime_ptr = ctypes.c_void_p(int(ffi.cast("uintptr_t", self._runtime)))
             llama_cpp.llama_set_abort_callback(self._ctx.ctx, self._abort_cb, runtime_ptr)
 
-    def _reopen_context(self, n_seq_max: int) -> None:
+    def _reopen_context(self, n_seq_max: int, cb_eval=None, cb_eval_user_data=None) -> None:
         """Replace llama_cpp's context of one sequence by one of n_seq_max sharing one KV cache
-        (unified: a sequence copied onto another shares its cells, as beams share the prompt)."""
+        (unified: a sequence copied onto another shares its cells, as beams share the prompt),
+        with a graph evaluation callback if given (llama_context_params.cb_eval; the caller
+        keeps it and its data alive as long as this Llama)."""
         self.context_params.n_seq_max = n_seq_max
         self.context_params.kv_unified = True
+        if cb_eval is not None:
+            self.context_params.cb_eval = cb_eval
+            self.context_params.cb_eval_user_data = cb_eval_user_data
         self._ctx.close()
         self._ctx = self._stack.enter_context(contextlib.closing(
             llama_cpp._internals.LlamaContext(model=self._model, params=self.context_params, verbose=self.verbose)))

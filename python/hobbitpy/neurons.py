@@ -19,6 +19,7 @@ ggml's kernels, so a neuron within rounding of θ may fall either side: a share,
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 import os
 from typing import TYPE_CHECKING
@@ -56,6 +57,49 @@ class NeuronStats:
         if "neuron_thetas" not in arrays:
             return None
         return cls(arrays["neuron_thetas"], arrays["neuron_active"], arrays["neuron_predicted"], arrays["neuron_recall"])
+
+
+@dataclass(frozen=True)
+class NeuronMaskSpec:
+    """CORM's sparse neurons as `eval --neurons` prices them (hobbit-neuron-mask.cpp): neurons
+    with |SiLU(W1 x)| <= theta add nothing, x the layer's own input (predicted False: a
+    perfect predictor) or the previous MoE layer's (CORM); a selection keeping more than
+    limit of its neurons is computed whole."""
+    theta: float
+    predicted: bool = True
+    limit: float = FULL_EXPERT_SHARE
+
+    def __post_init__(self):
+        if not 0.0 <= self.theta < float("inf") or not 0.0 <= self.limit <= 1.0:
+            raise ValueError(f"a neuron threshold must be finite and non-negative and the limit in [0, 1], got "
+                             f"theta {self.theta}, limit {self.limit}")
+
+
+def attach_neuron_mask(llm, spec: NeuronMaskSpec) -> None:
+    """Run a stock Llama's context with the neuron mask as its graph evaluation callback; its
+    counters go to neuron_mask_stats(llm)."""
+    import llama_cpp
+
+    from ._native import ffi, lib
+
+    if llm.offloaded:
+        raise ValueError("neuron sparsity is priced on the stock path, every expert mapped: run it without offload")
+    mask = lib.hobbit_neuron_mask_new(spec.theta, spec.predicted, spec.limit)
+    if mask == ffi.NULL:
+        raise MemoryError("no memory for the neuron mask")
+    llm._neuron_mask = ffi.gc(mask, lib.hobbit_neuron_mask_free)  # as long as the context
+    llm._neuron_mask_cb = llama_cpp.ggml_backend_sched_eval_callback(
+        int(ffi.cast("uintptr_t", lib.hobbit_neuron_mask_apply)))
+    llm._reopen_context(1, llm._neuron_mask_cb, ctypes.c_void_p(int(ffi.cast("uintptr_t", mask))))
+
+
+def neuron_mask_stats(llm) -> dict:
+    """Selections the mask saw, how many it computed whole, and the mean share of neurons kept."""
+    from ._native import ffi, lib
+
+    n, whole, kept = ffi.new("int64_t *"), ffi.new("int64_t *"), ffi.new("double *")
+    lib.hobbit_neuron_mask_stats(llm._neuron_mask, n, whole, kept)
+    return {"neuron_selections": n[0], "neuron_whole": whole[0], "neuron_kept_share": kept[0]}
 
 
 def parse_thetas(text: str) -> tuple[float, ...]:
