@@ -179,3 +179,60 @@ def test_eval_neurons_on_the_command_line_and_its_bad_input(model_dir, tmp_path,
         assert cli_main([*base, *bad]) == 2, bad
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and ("neuron" in err[0] or "offload" in err[0]), err
+
+
+def test_the_neuron_cache_replay_reads_what_each_variant_needs(traced):
+    from hobbitpy.neuron_sim import simulate_neurons
+
+    path, t = traced
+    n, L, k = t.experts.shape
+    n_ff = t.meta["n_ff_expert"]
+    neuron_bytes = t.meta["expert_bytes"] // (3 * n_ff)
+    everything = 2 * t.meta["expert_bytes_total"] / (1024 * 1024)
+    by = {r.variant: r for r in simulate_neurons(t, everything, 0.2, granule_bytes=0)}
+    # a cache holding every expert: whole experts are read once each
+    distinct = len({(l, e) for l in range(L) for e in t.experts[:, l].ravel() if e >= 0})
+    assert by["expert"].bytes_per_token * n == distinct * 3 * n_ff * neuron_bytes
+    assert by["expert"].ratio_to_expert == 1.0 and by["expert"].whole == by["expert"].accesses
+    # fewer neurons, fewer bytes; W1-first reads all of W1, so more than the oracle
+    assert by["oracle"].bytes_per_token < by["w1-first"].bytes_per_token < by["expert"].bytes_per_token
+    assert by["corm"].bytes_per_token < by["expert"].bytes_per_token
+    # theta 0: every neuron is active, over the limit: each variant reads whole experts
+    assert {r.variant: r.ratio_to_expert for r in simulate_neurons(t, everything, 0.0, granule_bytes=0)} == {
+        "expert": 1.0, "corm": 1.0, "oracle": 1.0, "w1-first": 1.0}
+    # read a page at a time, a neuron brings the other neurons of its page: rows this narrow put
+    # an active neuron on nearly every page, so sparse reads take the whole expert
+    paged = {r.variant: r for r in simulate_neurons(t, everything, 0.2)}
+    assert t.meta["expert_bytes"] // (3 * n_ff) < 4096 // 2  # several neurons a page
+    assert paged["oracle"].bytes_per_token > by["oracle"].bytes_per_token
+    assert paged["oracle"].bytes_per_token <= paged["expert"].bytes_per_token
+    # a small budget reads more, the same way round
+    small = 3 * k * t.meta["expert_bytes"] / (1024 * 1024)
+    tight = {r.variant: r for r in simulate_neurons(t, small, 0.2, granule_bytes=0)}
+    assert tight["expert"].bytes_per_token > by["expert"].bytes_per_token
+    assert tight["oracle"].bytes_per_token < tight["expert"].bytes_per_token
+
+
+def test_simulate_neurons_on_the_command_line(traced, tmp_path, capsys):
+    path, t = traced
+    saved = t.save(tmp_path / "n.npz")
+    budget = f"{2 * t.meta['expert_bytes_total'] / (1024 * 1024):.4f}"
+    assert cli_main(["simulate", str(saved), "--budget-mb", budget, "--neurons", "0.2", "--read-granule", "0"]) == 0
+    out = capsys.readouterr().out
+    assert all(v in out for v in ("expert", "corm", "oracle", "w1-first")) and "x expert" in out
+    assert cli_main(["simulate", str(saved), "--budget-mb", budget, "--neurons", "0.3"]) == 2  # not recorded
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "thresholds" in err[0]
+    plain = record_trace(path, PROMPTS[:1], n_predict=2, n_ctx=128).save(tmp_path / "p.npz")
+    assert cli_main(["simulate", str(plain), "--budget-mb", budget, "--neurons", "0.2"]) == 2
+    assert "no neuron sets" in capsys.readouterr().err
+
+
+def test_a_neuron_costs_the_granule_it_lies_on():
+    from hobbitpy.neuron_sim import widen_to_granules
+
+    bits = np.packbits(np.eye(10, dtype=np.uint8)[[5, 9]], axis=-1, bitorder="little")  # neuron 5; neuron 9
+    wide = np.unpackbits(widen_to_granules(bits, 10, 4), axis=-1, count=10, bitorder="little")
+    assert wide[0].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0]
+    assert wide[1].tolist() == [0, 0, 0, 0, 0, 0, 0, 0, 1, 1]  # the last granule is short
+    assert widen_to_granules(bits, 10, 1) is bits

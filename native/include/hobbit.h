@@ -328,6 +328,36 @@ HOBBIT_API enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trac
                                                     uint64_t seed, double low_miss_cost, float substitute_alpha,
                                                     struct hobbit_sim_result * result, char * err, size_t err_size);
 
+// a trace's selections with the neurons each needs, replayed through CORM's neuron cache
+// (hobbit-neuron-cache.h): a cached expert holds some of its neurons, a selection reads the
+// ones it needs and lacks, the whole expert above limit (0: always whole, expert-granular)
+struct hobbit_neuron_sim {
+    int32_t n_tokens;
+    int32_t n_layer;               // MoE layers in the trace
+    int32_t n_expert;
+    int32_t n_expert_used;
+    int32_t n_neuron;              // neurons of an expert (n_ff)
+    const int32_t * experts;       // [n_tokens][n_layer][n_expert_used]; -1 = none
+    const uint8_t * need_w1;       // [n_tokens][n_layer][n_expert_used][(n_neuron + 7) / 8]: rows of W1 needed, bit i
+                                   // of byte i / 8 = neuron i; NULL = every neuron
+    const uint8_t * need_rest;     // the same for the rows of W3 and columns of W2
+    int64_t neuron_bytes;          // one neuron of one projection
+    int64_t budget_bytes;
+    double  limit;
+};
+
+struct hobbit_neuron_sim_result {
+    int64_t accesses;              // selections replayed
+    int64_t hits;                  // ... that read nothing
+    int64_t whole;                 // ... over the limit: the whole expert needed
+    int64_t bytes_read;
+    int64_t requests;              // reads, one per run of consecutive neurons per projection
+};
+
+HOBBIT_API enum hobbit_status hobbit_simulate_neurons(const struct hobbit_neuron_sim * sim,
+                                                      struct hobbit_neuron_sim_result * result, char * err,
+                                                      size_t err_size);
+
 // importance matrix of the routed experts (what llama-imatrix collects, expert tensors only):
 // per "*_exps" tensor and expert, the sum over the tokens routed to it of each input column's
 // square, and the token count. Pass hobbit_imatrix_collect as a stock context's cb_eval with

@@ -310,6 +310,23 @@ enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, 
     }, err, err_size);
 }
 
+enum hobbit_status hobbit_simulate_neurons(const struct hobbit_neuron_sim * sim, struct hobbit_neuron_sim_result * result,
+                                           char * err, size_t err_size) {
+    if (sim == nullptr || result == nullptr || sim->experts == nullptr || sim->n_tokens < 0 || sim->n_layer < 1 ||
+        sim->n_expert < 1 || sim->n_expert_used < 1 || sim->n_neuron < 1 || sim->neuron_bytes < 1 ||
+        sim->budget_bytes < 0 || !(sim->limit >= 0.0 && sim->limit <= 1.0)) {
+        write_error(err, err_size, "hobbit_simulate_neurons: a trace with its experts, a shape, neuron bytes, a "
+                    "budget and a limit in [0, 1] are required");
+        return HOBBIT_STATUS_ERROR_INVALID;
+    }
+    const neuron_sim_trace tr = { sim->n_tokens, sim->n_layer, sim->n_expert, sim->n_expert_used, sim->n_neuron,
+                                  sim->experts, sim->need_w1, sim->need_rest };
+    return guarded([&] {
+        const neuron_sim_result r = neuron_cache_simulate(tr, sim->neuron_bytes, sim->budget_bytes, sim->limit);
+        *result = { r.accesses, r.hits, r.whole, r.bytes_read, r.requests };
+    }, err, err_size);
+}
+
 bool hobbit_abort_callback(void * rt) {
     return rt != nullptr && ((const hobbit_runtime *) rt)->failed();
 }

@@ -132,3 +132,43 @@ cache_sim_result cache_simulate(const cache_sim_trace & tr, int n_slot, bool bel
     r.miss_penalty = (double) r.misses_high + (double) r.misses_low * low_miss_cost;
     return r;
 }
+
+static neuron_bits bits_of(const uint8_t * packed, int n_neuron) {
+    neuron_bits b(n_neuron, packed == nullptr);
+    if (packed != nullptr) {
+        for (int i = 0; i < n_neuron; ++i) {
+            if ((packed[i >> 3] >> (i & 7)) & 1) {
+                b.set(i);
+            }
+        }
+    }
+    return b;
+}
+
+neuron_sim_result neuron_cache_simulate(const neuron_sim_trace & tr, int64_t neuron_bytes, int64_t budget_bytes,
+                                        double limit) {
+    neuron_cache cache(tr.n_layer, tr.n_expert, tr.n_neuron, neuron_bytes, budget_bytes, limit);
+    const int K = tr.n_expert_used;
+    const int64_t row = (tr.n_neuron + 7) / 8;
+    neuron_sim_result r;
+    for (int64_t step = 0; step < (int64_t) tr.n_tokens * tr.n_layer; ++step) {
+        cache.begin_step();
+        for (int k = 0; k < K; ++k) {
+            const int64_t sel = step * K + k;
+            const int e = tr.experts[sel];
+            if (e < 0 || e >= tr.n_expert) {
+                continue;
+            }
+            const neuron_need need = { bits_of(tr.need_w1 ? tr.need_w1 + sel * row : nullptr, tr.n_neuron),
+                                       bits_of(tr.need_rest ? tr.need_rest + sel * row : nullptr, tr.n_neuron) };
+            const neuron_plan p = cache.plan_access((int) (step % tr.n_layer), e, need);
+            cache.apply(p);
+            r.accesses++;
+            r.hits += p.hit && p.read_bytes == 0;
+            r.whole += p.whole;
+            r.bytes_read += p.read_bytes;
+            r.requests += p.n_requests;
+        }
+    }
+    return r;
+}

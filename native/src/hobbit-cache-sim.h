@@ -8,6 +8,7 @@
 #pragma once
 
 #include "hobbit-cache-policy.h"
+#include "hobbit-neuron-cache.h"
 
 #include <cstdint>
 
@@ -36,6 +37,23 @@ struct cache_sim_result {
     int64_t prefetched    = 0;  // experts loaded ahead of their layer
     int64_t prefetch_used = 0;  // of those, selected before they were evicted
 };
+
+// a trace's selections with the neurons each needs (CORM), replayed through one neuron cache
+struct neuron_sim_trace {
+    int32_t n_tokens, n_layer, n_expert, n_expert_used, n_neuron;
+    const int32_t * experts;   // [n_tokens][n_layer][n_expert_used]; -1 = none
+    const uint8_t * need_w1;   // [n_tokens][n_layer][n_expert_used][(n_neuron + 7) / 8], bit i of byte i / 8 =
+                               // neuron i (numpy's packbits, little bit order); NULL = every neuron
+    const uint8_t * need_rest; // the same for W3 and W2
+};
+
+struct neuron_sim_result {
+    int64_t accesses = 0, hits = 0, whole = 0;
+    int64_t bytes_read = 0, requests = 0;
+};
+
+neuron_sim_result neuron_cache_simulate(const neuron_sim_trace & trace, int64_t neuron_bytes, int64_t budget_bytes,
+                                        double limit);
 
 // belady: ignore kind/weights and use the offline optimum. substitute_alpha > 0 (with the
 // trace's scores): each step's selections first go through plan_substitution against the

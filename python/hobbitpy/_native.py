@@ -224,6 +224,28 @@ bool hobbit_imatrix_collect(struct ggml_tensor * t, bool ask, void * im);
 int32_t hobbit_imatrix_count(hobbit_imatrix * im);
 bool hobbit_imatrix_entry(hobbit_imatrix * im, int32_t i, char * name, size_t name_size, int64_t * n_col, int64_t * n_mat);
 void hobbit_imatrix_copy(hobbit_imatrix * im, int32_t i, float * sums, float * counts);
+struct hobbit_neuron_sim {
+    int32_t n_tokens;
+    int32_t n_layer;
+    int32_t n_expert;
+    int32_t n_expert_used;
+    int32_t n_neuron;
+    const int32_t * experts;
+    const uint8_t * need_w1;
+    const uint8_t * need_rest;
+    int64_t neuron_bytes;
+    int64_t budget_bytes;
+    double  limit;
+};
+struct hobbit_neuron_sim_result {
+    int64_t accesses;
+    int64_t hits;
+    int64_t whole;
+    int64_t bytes_read;
+    int64_t requests;
+};
+enum hobbit_status hobbit_simulate_neurons(const struct hobbit_neuron_sim * sim, struct hobbit_neuron_sim_result * result,
+                                           char * err, size_t err_size);
 typedef struct hobbit_neuron_mask hobbit_neuron_mask;
 hobbit_neuron_mask * hobbit_neuron_mask_new(float theta, bool predicted, float limit);
 void hobbit_neuron_mask_free(hobbit_neuron_mask * m);

@@ -521,6 +521,13 @@ def _add_simulate_parser(sub) -> None:
     p.add_argument("--preset", nargs="+", choices=list(PRESETS), default=[], metavar="NAME",
                    help=f"also replay these presets' rules ({', '.join(PRESETS)}): policy, substitution, decode "
                         "prefetch and T1's low-precision misses; one shared pool, top-k guesses, no skips")
+    p.add_argument("--neurons", type=float, metavar="THETA", default=None,
+                   help="replay CORM's neuron cache instead, at a threshold the trace recorded (`trace --neurons`): "
+                        "bytes per token of whole experts, CORM's predicted neurons, the exactly active ones, and W1 "
+                        "whole with the active rest, each cached expert keeping the neurons it read")
+    p.add_argument("--read-granule", type=int, default=None, metavar="BYTES",
+                   help="with --neurons: the smallest read of the slow tier; a neuron costs the granule it lies on "
+                        "(default 4096, a page of a file; 0 = single neurons, a tier that moves bytes)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.set_defaults(func=_simulate)
 
@@ -540,6 +547,8 @@ def _simulate(args) -> int:
             return _fail(f"--substitute must be in [0, 1], got {args.substitute}")
         if args.prefetch_layers < 0:
             return _fail(f"--prefetch-layers must be 0 or more, got {args.prefetch_layers}")
+        if args.neurons is not None:
+            return _simulate_neurons(t, args)
         results = simulate_all(t, args.budget_mb, args.policy, weights=args.policy_weights or (0.25,) * 4,
                                seed=args.seed, t1=args.t1, low_miss_cost=args.low_cost,
                                substitute_alpha=args.substitute, popularity=args.popularity,
@@ -561,6 +570,21 @@ def _simulate(args) -> int:
         accuracy = layer_prediction_accuracy(t)
         print(f"next-layer prediction accuracy per MoE layer: {' '.join(f'{a:.2f}' for a in accuracy)}; "
               f"shallow layers (Fate §4.4): --shallow-layers {shallow_boundary(accuracy)}")
+    if args.json and (why := _write_json(args.json, [r.as_dict() for r in results])):
+        return _fail(why)
+    return 0
+
+
+def _simulate_neurons(t, args) -> int:
+    from hobbitpy.neuron_sim import DEFAULT_GRANULE_BYTES, format_neuron_table, simulate_neurons
+
+    granule = DEFAULT_GRANULE_BYTES if args.read_granule is None else args.read_granule
+    results = [r for budget in args.budget_mb for r in simulate_neurons(t, budget, args.neurons, granule_bytes=granule)]
+    m = t.meta
+    print(f"{args.trace}: {os.path.basename(m['model'])}, {t.n_tokens} tokens, {m['n_moe_layer']} MoE layers x "
+          f"{m['n_expert']} experts (top-{m['n_expert_used']}) of {m['n_ff_expert']} neurons, "
+          f"{m['expert_bytes'] / MB:.2f} MB per expert, {m['expert_bytes_total'] / MB:.1f} MB of experts")
+    print(format_neuron_table(results))
     if args.json and (why := _write_json(args.json, [r.as_dict() for r in results])):
         return _fail(why)
     return 0

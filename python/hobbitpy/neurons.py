@@ -46,17 +46,24 @@ class NeuronStats:
     active: np.ndarray     # float16 [tokens, moe_layers, k, n_theta]: active share of each selection's expert
     predicted: np.ndarray  # float16 [tokens, moe_layers, k, n_theta]: predicted share (NaN in the first MoE layer)
     recall: np.ndarray     # float16 [tokens, moe_layers, k, n_theta]: active neurons predicted (NaN: none active or no prediction)
+    # the sets themselves, for the neuron cache's replay (neuron_sim.py): uint8 [tokens, moe_layers,
+    # k, n_theta, ceil(n_ff / 8)], bit i of byte i / 8 = neuron i (numpy's packbits, little bit
+    # order); predicted: every neuron in the first MoE layer (computed whole)
+    active_bits: np.ndarray | None = None
+    predicted_bits: np.ndarray | None = None
 
     def arrays(self) -> dict[str, np.ndarray]:
         """As saved in a trace file."""
         return {"neuron_thetas": self.thetas, "neuron_active": self.active, "neuron_predicted": self.predicted,
-                "neuron_recall": self.recall}
+                "neuron_recall": self.recall, "neuron_active_bits": self.active_bits,
+                "neuron_predicted_bits": self.predicted_bits}
 
     @classmethod
     def of_arrays(cls, arrays) -> "NeuronStats | None":
         if "neuron_thetas" not in arrays:
             return None
-        return cls(arrays["neuron_thetas"], arrays["neuron_active"], arrays["neuron_predicted"], arrays["neuron_recall"])
+        return cls(arrays["neuron_thetas"], arrays["neuron_active"], arrays["neuron_predicted"], arrays["neuron_recall"],
+                   arrays.get("neuron_active_bits"), arrays.get("neuron_predicted_bits"))
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,10 @@ def neuron_stats(trace: Trace, inputs: np.ndarray, gates: list[np.ndarray], thet
     active = np.full(shape, np.nan, np.float32)
     predicted = np.full(shape, np.nan, np.float32)
     recall = np.full(shape, np.nan, np.float32)
+    n_ff = gates[0].shape[1]
+    pack = lambda m: np.packbits(m.transpose(0, 2, 1), axis=-1, bitorder="little")  # noqa: E731 - [sel, n_ff, θ] -> bits
+    active_bits = np.zeros((*shape, (n_ff + 7) // 8), np.uint8)
+    predicted_bits = np.zeros_like(active_bits)
     for l in range(L):
         w = gates[l]
         for e in range(w.shape[0]):
@@ -167,15 +178,18 @@ def neuron_stats(trace: Trace, inputs: np.ndarray, gates: list[np.ndarray], thet
             is_active = act[:, :, None] > th                # [selections, n_ff, n_theta]
             n_active = is_active.sum(axis=1)
             active[rows, l, slots] = n_active / w.shape[1]
-            if l == 0:
-                continue  # nothing comes before the first MoE layer to predict it from
+            active_bits[rows, l, slots] = pack(is_active)
+            if l == 0:  # nothing comes before the first MoE layer to predict it from: whole
+                predicted_bits[rows, l, slots] = pack(np.ones_like(is_active))
+                continue
             guess = np.abs(_silu(inputs[rows, l - 1] @ w[e].T))[:, :, None] > th
             predicted[rows, l, slots] = guess.sum(axis=1) / w.shape[1]
+            predicted_bits[rows, l, slots] = pack(guess)
             hit = (guess & is_active).sum(axis=1)
             with np.errstate(invalid="ignore", divide="ignore"):
                 recall[rows, l, slots] = np.where(n_active > 0, hit / np.maximum(n_active, 1), np.nan)
     f16 = lambda a: a.astype(np.float16)  # noqa: E731 - shares to three digits are plenty
-    return NeuronStats(th, f16(active), f16(predicted), f16(recall))
+    return NeuronStats(th, f16(active), f16(predicted), f16(recall), active_bits, predicted_bits)
 
 
 def read_share(predicted: np.ndarray, limit: float = FULL_EXPERT_SHARE) -> np.ndarray:

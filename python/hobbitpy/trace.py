@@ -203,6 +203,7 @@ def record_trace(model_path: str | os.PathLike, prompts: list[str], *, n_predict
         "n_expert": E,
         "n_expert_used": k,
         "expert_bytes": info.expert_bytes,
+        "n_ff_expert": info.n_ff_expert,
         "expert_bytes_total": info.expert_bytes_total,
         "uniform": info.uniform,
         "lookahead": D,
