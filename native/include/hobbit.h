@@ -70,6 +70,14 @@ enum hobbit_policy {
 // prepare`): [high, low] or [high, mid, low]
 #define HOBBIT_MAX_LEVELS 3
 #define HOBBIT_AUTO_LOW_SHARE 0.85f
+// with Fate's prompt share (prefill_low_share) and a decode that wants the high level only, the
+// low level holds a prompt's least popular experts of two layers (the one computing, the next
+// one prefetched), and never more than this share of the budget (the rest is decode's)
+#define HOBBIT_PROMPT_LOW_MAX_SHARE 0.15f
+// the least popular experts that hold a share of a prompt's selections are about twice as many
+// as that share of the experts (measured on 512-token windows at share 0.2: 3 of 8 experts a
+// layer on ref-mixtral, 10 of 24 on ref-deepseek, medians; uniform routing would need 2 and 5)
+#define HOBBIT_PROMPT_LOW_SKEW 2.0f
 
 // I/O threads reading experts: more cannot keep a disk busier, and each holds its own buffers
 #define HOBBIT_MAX_IO_THREADS 64
@@ -136,6 +144,8 @@ struct hobbit_params {
     float   level_shares[HOBBIT_MAX_LEVELS];        // how the budget above the minimum is split among the levels; all 0 =
                                                     // automatic: the lowest level gets room for all of its experts, up to
                                                     // HOBBIT_AUTO_LOW_SHARE of the budget, the others share the rest evenly
+                                                    // (with prefill_low_share and t1 = 1: room for two layers' share of a
+                                                    // prompt's experts, up to HOBBIT_PROMPT_LOW_MAX_SHARE)
     float   t1;            // a selection's score (eq. 2) <= t1: high precision
     float   t_mid;         // three levels: score <= t_mid: the middle level
     float   t2;            // score > t2: a missed expert is skipped (no output this token)

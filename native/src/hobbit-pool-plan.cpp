@@ -3,6 +3,7 @@
 #include "hobbit-error.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 
 static std::string mib(int64_t n_bytes) {
@@ -109,7 +110,7 @@ std::vector<pool_plan_group> pool_plan_make_per_layer(const expert_index & index
 }
 
 std::vector<int64_t> pool_plan_level_budgets(const std::vector<const expert_index *> & levels, int64_t budget_bytes,
-                                             const float * level_shares, int64_t high_min_bytes) {
+                                             const float * level_shares, int64_t high_min_bytes, float prompt_low_share) {
     const int n = (int) levels.size();
     const auto min_of = [&](int l) { return l == 0 && high_min_bytes >= 0 ? high_min_bytes : levels[l]->info.min_budget_bytes; };
     int64_t min_total = 0;
@@ -140,8 +141,17 @@ std::vector<int64_t> pool_plan_level_budgets(const std::vector<const expert_inde
         share[0] = 1.0;
     } else {
         const expert_index & low = *levels[n - 1];
-        const double low_bytes = std::min<double>(low.info.expert_bytes_total - low.info.min_budget_bytes,
-                                                  HOBBIT_AUTO_LOW_SHARE * budget_bytes);
+        double low_bytes = std::min<double>(low.info.expert_bytes_total - low.info.min_budget_bytes,
+                                            HOBBIT_AUTO_LOW_SHARE * budget_bytes);
+        if (prompt_low_share > 0.0f) {
+            // only prompts read the low copies: what two layers' share needs, beyond the minimum
+            const double n_per_layer = std::min<double>(low.info.n_expert,
+                                                        std::ceil(HOBBIT_PROMPT_LOW_SKEW * prompt_low_share * low.info.n_expert));
+            const double per_layer = n_per_layer * low.info.expert_bytes;
+            low_bytes = std::min({ low_bytes, 2.0 * per_layer - low.info.min_budget_bytes,
+                                   (double) HOBBIT_PROMPT_LOW_MAX_SHARE * budget_bytes });
+            low_bytes = std::max(0.0, low_bytes);
+        }
         share[n - 1] = spare > 0 ? std::min(1.0, low_bytes / spare) : 0.0;
         for (int l = 0; l < n - 1; ++l) {
             share[l] = (1.0 - share[n - 1]) / (n - 1);

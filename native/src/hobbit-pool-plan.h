@@ -36,10 +36,14 @@ int64_t pool_plan_per_layer_min_bytes(const expert_index & index);
 // a copy of every expert in memory means a decode never waits for the disk); a level
 // that could hold all of its experts with less passes the excess on, highest precision
 // first. high_min_bytes: level 0's minimum where it is not one token's top-k (a pool per
-// layer: pool_plan_per_layer_min_bytes), or -1. Throws hobbit_error if the budget is below the
+// layer: pool_plan_per_layer_min_bytes), or -1. prompt_low_share > 0 (Fate's share, with a
+// decode that never wants the low level): automatic gives the lowest level room for two
+// layers of a prompt's least popular experts, ceil(HOBBIT_PROMPT_LOW_SKEW x share x n_expert)
+// each, up to HOBBIT_PROMPT_LOW_MAX_SHARE of the budget. Throws hobbit_error if the budget is below the
 // levels' minima.
 std::vector<int64_t> pool_plan_level_budgets(const std::vector<const expert_index *> & levels, int64_t budget_bytes,
-                                             const float * level_shares, int64_t high_min_bytes = -1);
+                                             const float * level_shares, int64_t high_min_bytes = -1,
+                                             float prompt_low_share = 0.0f);
 
 // with a static placement: placed_bytes[l] are the bytes of the experts placed at level l.
 // Each level gets exactly those (at least its minimum) when the budget holds them all, else

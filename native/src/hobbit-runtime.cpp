@@ -193,8 +193,11 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         }
         budgets = pool_plan_placed_budgets(level_indexes, params.budget_bytes, placed_bytes);
     } else {
+        // Fate's share with a decode that wants the model's experts only: the low pool is the prompts'
+        const float prompt_low_share = params.t1 >= 1.0f ? params.prefill_low_share : 0.0f;
         budgets = pool_plan_level_budgets(level_indexes, params.budget_bytes, params.level_shares,
-                                          params.shallow_layers >= 0 ? pool_plan_per_layer_min_bytes(level_index(0)) : -1);
+                                          params.shallow_layers >= 0 ? pool_plan_per_layer_min_bytes(level_index(0)) : -1,
+                                          prompt_low_share);
     }
     pool_of.assign(n_level, std::vector<int>(info.n_layer, -1));
     int64_t n_slot_total = 0;

@@ -512,6 +512,16 @@ static void test_level_budgets(const std::string & path) {
         refused = e.status == HOBBIT_STATUS_ERROR_BUDGET && std::string(e.what()).find("each precision") != std::string::npos;
     }
     CHECK(refused);
+    // Fate's prompt share: the low level holds two layers' share of a prompt's experts, twice
+    // the share of them (skew). At 0.1 of 4 experts that is one a layer, two in all: the
+    // minimum; the rest is the high level's
+    CHECK(min == 2 * expert);
+    b = pool_plan_level_budgets(levels, 9 * expert, automatic, -1, 0.1f);
+    CHECK(b[1] == min && b[0] == 7 * expert);
+    // at 0.3 (three a layer, six in all) HOBBIT_PROMPT_LOW_MAX_SHARE of the budget binds first
+    const int64_t small = 2 * min + 5 * expert;
+    b = pool_plan_level_budgets(levels, small, automatic, -1, 0.3f);
+    CHECK(b[1] > min && b[1] <= min + (int64_t) (HOBBIT_PROMPT_LOW_MAX_SHARE * small) + 1 && b[1] < 4 * expert);
     // a pool per layer at the high level: its minimum is every layer's top-k, not one token's
     const int64_t per_layer = pool_plan_per_layer_min_bytes(idx);
     b = pool_plan_level_budgets(levels, per_layer + min + 2 * expert, even, per_layer);

@@ -163,7 +163,8 @@ class OffloadConfig:
     level_shares: tuple[float, ...] | None = option(
         None, "how the expert budget is split among the precision levels, high first", flag="--level-shares",
         metavar="HIGH,[MID,]LOW", parse="numbers", profile=True,
-        default_text="room for every expert at the lowest precision, up to 85 % of the budget; the rest to the others")
+        default_text="room for every expert at the lowest precision, up to 85 % of the budget, the rest to the others; "
+                     "with prefill_low_share and T1 = 1, room for two layers' share of a prompt's experts, up to 15 %")
     hits: str = option("upgrade", "a hit at another precision than wanted: use it (found), use it and load the wanted "
                                   "one in the background when it was lower and the disk is idle (upgrade), or serve "
                                   "exactly the wanted precision (exact: the rule's own effect on quality)",

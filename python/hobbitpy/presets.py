@@ -14,10 +14,10 @@ from .config import PREFETCH_WIDTH_FATE
 # Fate's popularity-aware hybrid quantization (§4.5): a Q2_K copy (its INT2) in a small pool for a
 # prompt's least popular experts, a fifth of the prompt's selections (searched on ref-deepseek:
 # 0.2 cost +0.25 % perplexity and took the 512-token TTFT to 0.55x one-precision Fate's; 0.4 was no
-# faster); decode wants the model's own experts (T1 = T2 = 1) and is served exactly them.
-# Without these the preset is exact.
-FATE_LOW_SHARE = {"low": "Q2_K", "prefill_low_share": 0.2, "t1": 1.0, "t2": 1.0, "hits": "exact",
-                  "level_shares": (0.85, 0.15), "warm": False}
+# faster); decode wants the model's own experts (T1 = T2 = 1) and is served exactly them, so the
+# low pool is sized for the prompts (two layers' share, at most 15 % of the budget: hobbit.h's
+# HOBBIT_PROMPT_LOW_MAX_SHARE) and the rest is decode's. Without these the preset is exact.
+FATE_LOW_SHARE = {"low": "Q2_K", "prefill_low_share": 0.2, "t1": 1.0, "t2": 1.0, "hits": "exact", "warm": False}
 
 
 @dataclass(frozen=True)
