@@ -115,3 +115,26 @@ def test_eval_under_a_memory_cap_scores_the_reference_first_and_the_candidate_al
         cap.remove()
     assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
     assert "perplexity increase" in p.stdout and "offload on" in p.stdout, p.stdout
+
+
+def test_tokenizing_the_text_makes_no_context_and_prints_nothing(model_dir, tmp_path, capfd):
+    """The text is cut by a vocabulary-only load (tokens.Vocabulary): llama_cpp.Llama made a
+    context for it, whose length check printed "n_ctx_seq (512) > n_ctx_train (0)" on every eval."""
+    from hobbitpy import ModelFileError
+    from hobbitpy.evaluate import tokenize_text
+    from hobbitpy.tokens import Vocabulary
+
+    path = tiny_model(model_dir, "llama", n_layer=2, n_expert=4, n_expert_used=2)
+    capfd.readouterr()
+    ids = tokenize_text(path, TEXT)
+    out, err = capfd.readouterr()
+    assert len(ids) > 10 and out == "" and err == ""
+    with Vocabulary(path) as vocab:
+        assert vocab.detokenize(vocab.tokenize(b"the keeper climbed")).decode().strip() == "the keeper climbed"
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 12)
+    try:
+        Vocabulary(bad)
+        raise AssertionError("a broken file was read as a vocabulary")
+    except ModelFileError as e:
+        assert "bad.gguf" in str(e)

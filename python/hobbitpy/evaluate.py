@@ -107,13 +107,10 @@ def _stats(llm, neurons: NeuronMaskSpec | None) -> dict | None:
 
 def tokenize_text(model_path: str | os.PathLike, text: str, max_tokens: int | None = None) -> list[int]:
     """The text as the model's tokenizer cuts it (no BOS), at most max_tokens; at least 2 tokens."""
-    from .llama import Llama
+    from .tokens import Vocabulary
 
-    llm = Llama(os.fspath(model_path), offload=OffloadConfig(enabled=False), vocab_only=True, verbose=False)
-    try:
-        ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
-    finally:
-        llm.close()
+    with Vocabulary(model_path) as vocab:
+        ids = vocab.tokenize(text.encode("utf-8"), add_bos=False, special=False)
     ids = ids[:max_tokens] if max_tokens is not None else ids
     if len(ids) < 2:
         raise HobbitError(f"the text has {len(ids)} token(s) with this model's tokenizer; evaluation needs at least 2")

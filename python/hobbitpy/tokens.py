@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import ctypes
 
+import os
+
 from ._native import error_buffer, ffi, lib, to_str
-from .errors import TokenizeError
+from .errors import ModelFileError, TokenizeError
 
 
 def _tokenize_once(vocab, text: bytes, n_max: int, add_bos: bool, special: bool) -> tuple[int, list[int], str | None]:
@@ -48,3 +50,39 @@ def tokenize(llama_vocab, model_path: str, text: bytes, add_bos: bool, special: 
             raise TokenizeError(f"{model_path}: the model's vocabulary cannot encode {ch!r} (U+{ord(ch):04X}, character "
                                 f"{i} of the text): it has no token for it and no byte token to fall back to")
     raise TokenizeError(f"{model_path}: {error}")
+
+
+class Vocabulary:
+    """A model's tokenizer alone: a vocabulary-only load and no context (llama_cpp.Llama makes
+    one even then, whose check of a context length against the hyperparameters a vocabulary
+    load does not read printed a warning about nothing). For text to score (eval, tune)."""
+
+    def __init__(self, model_path: str | os.PathLike):
+        import llama_cpp
+        from llama_cpp import _internals
+
+        from .model_file import inspect_model
+
+        self.model_path = os.fspath(model_path)
+        inspect_model(self.model_path)  # a missing, truncated or foreign file: one clear error
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        try:
+            self._model = _internals.LlamaModel(path_model=self.model_path, params=params, verbose=False)
+        except ValueError as e:
+            raise ModelFileError(f"{self.model_path}: llama.cpp could not load its vocabulary ({e})") from None
+
+    def tokenize(self, text: bytes, add_bos: bool = False, special: bool = False) -> list[int]:
+        return tokenize(self._model.vocab, self.model_path, text, add_bos, special)
+
+    def detokenize(self, ids: list[int]) -> bytes:
+        return self._model.detokenize(ids, special=False)
+
+    def close(self) -> None:
+        self._model.close()
+
+    def __enter__(self) -> "Vocabulary":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -119,17 +119,14 @@ def unscored_text(model: str, text: str, n_scored: int) -> str:
     text it was fitted to and its increase reads low (ref-mixtral at 0.55, placed and scored on
     one text: bound +1.00 % there, +1.11 % on held-out text). Raises HobbitError when fewer than
     MIN_PLACEMENT_TOKENS remain."""
-    from .llama import Llama
+    from .tokens import Vocabulary
 
-    llm = Llama(model, offload=OffloadConfig(enabled=False), vocab_only=True, verbose=False)
-    try:
-        rest = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)[n_scored:]
+    with Vocabulary(model) as vocab:
+        rest = vocab.tokenize(text.encode("utf-8"), add_bos=False, special=False)[n_scored:]
         if len(rest) < MIN_PLACEMENT_TOKENS:
             raise HobbitError(f"placing the experts needs {MIN_PLACEMENT_TOKENS} tokens of text past the {n_scored} "
                               f"scored, the text has {len(rest)}: give a longer --text or fewer --max-tokens")
-        return llm.detokenize(rest).decode("utf-8", errors="replace")
-    finally:
-        llm.close()
+        return vocab.detokenize(rest).decode("utf-8", errors="replace")
 
 
 def _level_file(model: str, spec: str, threads: int, log) -> str:
