@@ -12,7 +12,7 @@ import pytest
 import hobbitpy
 from hobbitpy import HobbitError
 from hobbitpy.cli import main as cli_main
-from hobbitpy.neurons import gate_weights, neuron_stats, parse_thetas
+from hobbitpy.neurons import GateWeights, neuron_stats, parse_thetas
 from hobbitpy.trace import load_trace, record_trace
 
 from conftest import tiny_model
@@ -61,7 +61,7 @@ def test_the_shares_follow_from_the_inputs_and_the_gate_weights(traced):
     assert np.isnan(s.predicted[:, 0]).all() and np.isfinite(s.predicted[:, 1:]).all()  # nothing predicts layer 0
 
     # one selection by hand: token 5, layer 2, the second expert, theta 0.2
-    gates = gate_weights(path, L)
+    gates = [GateWeights(path, L)[l] for l in range(L)]
     e = t.experts[5, 2, 1]
     silu = lambda z: z / (1 + np.exp(-z))  # noqa: E731
     act = np.abs(silu(gates[2][e] @ t.inputs[5, 2])) > 0.2
@@ -111,6 +111,11 @@ def test_bad_neuron_requests_are_one_clear_error(model_dir, tmp_path, capsys):
     oss = tiny_model(model_dir, "gpt-oss")
     with pytest.raises(HobbitError, match="SwiGLU"):
         record_trace(oss, PROMPTS, n_predict=2, n_ctx=128, neuron_thetas=(0.1,))
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    assert cli_main(["eval", str(oss), "--text", str(text), "--ctx", "32", "--no-offload", "--neurons", "0.1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "SwiGLU" in err[0]
 
 
 def test_plot_neurons_draws_a_new_png_or_says_what_is_missing(model_dir, tmp_path, capsys):

@@ -20,7 +20,8 @@ import numpy as np
 from .config import OffloadConfig
 from .disk import drop_from_page_cache
 from .errors import HobbitError
-from .neurons import NeuronMaskSpec, attach_neuron_mask, neuron_mask_stats
+from .model_file import inspect_model
+from .neurons import NeuronMaskSpec, attach_neuron_mask, check_arch, neuron_mask_stats
 
 
 @dataclass
@@ -209,8 +210,10 @@ def evaluate(model_path: str | os.PathLike, text: str, offload: OffloadConfig, *
     high, so n_ubatch=1 measures what token-by-token decoding gets."""
     model_path = os.fspath(model_path)
     n_ubatch = n_ctx if n_ubatch is None else n_ubatch
-    if neurons is not None and offload.enabled:  # before minutes of reference
-        raise ValueError(NEURONS_ON_STOCK)
+    if neurons is not None:  # before minutes of reference
+        if offload.enabled:
+            raise ValueError(NEURONS_ON_STOCK)
+        check_arch(model_path, inspect_model(model_path).arch)
     ids = tokenize_text(model_path, text, max_tokens)
     if compare_to_reference:
         # the reference first and alone, then the candidate alone: side by side they competed

@@ -91,6 +91,7 @@ def attach_neuron_mask(llm, spec: NeuronMaskSpec) -> None:
 
     if llm.offloaded:
         raise ValueError("neuron sparsity is priced on the stock path, every expert mapped: run it without offload")
+    check_arch(llm.model_path, llm.model_info.arch)  # elsewhere the mask would find no gate and price nothing
     mask = lib.hobbit_neuron_mask_new(spec.theta, spec.predicted, spec.limit)
     if mask == ffi.NULL:
         raise MemoryError("no memory for the neuron mask")
@@ -127,36 +128,44 @@ def check_arch(model_path: str | os.PathLike, arch: str) -> None:
                           f"{arch} is not one of {', '.join(SILU_ARCHS)}")
 
 
-def gate_weights(model_path: str | os.PathLike, moe_layers: int) -> list[np.ndarray]:
-    """Every MoE layer's W1 (ffn_gate_exps) in float32, [n_expert, n_ff, n_embd], in layer order."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
+class GateWeights:
+    """Every MoE layer's W1 (ffn_gate_exps) in float32, [n_expert, n_ff, n_embd], by MoE layer
+    index; dequantized when asked for, one layer at a time (an inflated model's take 134-400 MB
+    a layer in float32)."""
 
-    reader = GGUFReader(os.fspath(model_path))
-    by_layer = {}
-    for t in reader.tensors:
-        parts = t.name.split(".")
-        if len(parts) == 4 and parts[0] == "blk" and parts[2] == "ffn_gate_exps":
-            by_layer[int(parts[1])] = t
-    if len(by_layer) != moe_layers:
-        raise HobbitError(f"{model_path}: neuron statistics need a separate gate projection (ffn_gate_exps) in every "
-                          f"MoE layer; found {len(by_layer)} of {moe_layers}")
-    weights = []
-    for il in sorted(by_layer):
-        t = by_layer[il]
-        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+    def __init__(self, model_path: str | os.PathLike, moe_layers: int):
+        from gguf import GGUFReader
+
+        by_layer = {}
+        for t in GGUFReader(os.fspath(model_path)).tensors:
+            parts = t.name.split(".")
+            if len(parts) == 4 and parts[0] == "blk" and parts[2] == "ffn_gate_exps":
+                by_layer[int(parts[1])] = t
+        if len(by_layer) != moe_layers:
+            raise HobbitError(f"{model_path}: neuron statistics need a separate gate projection (ffn_gate_exps) in "
+                              f"every MoE layer; found {len(by_layer)} of {moe_layers}")
+        self._tensors = [by_layer[il] for il in sorted(by_layer)]
+        self.n_ff = int(self._tensors[0].shape[1])
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __getitem__(self, layer: int) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        t = self._tensors[layer]
         n_embd, n_ff, n_expert = (int(x) for x in t.shape)  # ggml order
-        weights.append(w.reshape(n_expert, n_ff, n_embd))
-    return weights
+        return dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(n_expert, n_ff, n_embd)
 
 
 def _silu(z: np.ndarray) -> np.ndarray:
     return z / (1.0 + np.exp(-z))
 
 
-def neuron_stats(trace: Trace, inputs: np.ndarray, gates: list[np.ndarray], thetas: tuple[float, ...]) -> NeuronStats:
+def neuron_stats(trace: Trace, inputs: np.ndarray, gates, thetas: tuple[float, ...]) -> NeuronStats:
     """The statistics of every selection in the trace. inputs: float32 [tokens, moe_layers,
-    n_embd], each MoE layer's router input (the experts' input); gates: gate_weights(...)."""
+    n_embd], each MoE layer's router input (the experts' input); gates: GateWeights(...) or a
+    list of its arrays."""
     check_arch(trace.meta["model"], trace.meta["arch"])
     n, L, k = trace.experts.shape
     th = np.asarray(thetas, np.float32)
@@ -164,7 +173,7 @@ def neuron_stats(trace: Trace, inputs: np.ndarray, gates: list[np.ndarray], thet
     active = np.full(shape, np.nan, np.float32)
     predicted = np.full(shape, np.nan, np.float32)
     recall = np.full(shape, np.nan, np.float32)
-    n_ff = gates[0].shape[1]
+    n_ff = gates.n_ff if isinstance(gates, GateWeights) else gates[0].shape[1]
     pack = lambda m: np.packbits(m.transpose(0, 2, 1), axis=-1, bitorder="little")  # noqa: E731 - [sel, n_ff, θ] -> bits
     active_bits = np.zeros((*shape, (n_ff + 7) // 8), np.uint8)
     predicted_bits = np.zeros_like(active_bits)

@@ -34,7 +34,7 @@ from .config import MB, OffloadConfig
 from .errors import HobbitError
 from .memory import ContextShape, context_sizes, plan_offload
 from .model_file import inspect_model
-from .neurons import NeuronStats, check_arch, gate_weights, neuron_stats
+from .neurons import GateWeights, NeuronStats, check_arch, neuron_stats
 
 TRACE_VERSION = 1
 
@@ -215,7 +215,7 @@ def record_trace(model_path: str | os.PathLike, prompts: list[str], *, n_predict
     trace = Trace(experts=experts, weights=weights, probs=probs.astype(np.float16), predicted=predicted,
                   seq_start=np.array(seq_start, np.uint8), tokens=np.array(tokens, np.int32), meta=meta)
     if neuron_thetas:
-        trace.neurons = neuron_stats(trace, inputs, gate_weights(model_path, L), neuron_thetas)
+        trace.neurons = neuron_stats(trace, inputs, GateWeights(model_path, L), neuron_thetas)
     if keep_inputs:
         trace.inputs = inputs
     return trace
