@@ -4,14 +4,10 @@ threshold, and how much of it the previous layer's input predicts (recall)."""
 
 from __future__ import annotations
 
-import io
-import os
-
-import numpy as np
-
 from .errors import HobbitError
 from .neurons import summary_rows
 from .trace import Trace
+from .trace_plot import png_of, trace_title
 
 
 def plot_neurons(trace: Trace, title: str | None = None) -> bytes:
@@ -42,11 +38,4 @@ def plot_neurons(trace: Trace, title: str | None = None) -> bytes:
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
     axes[0].legend(loc="lower left")
-    m = trace.meta
-    fig.suptitle(title or f"{os.path.basename(m['model'])}: {trace.n_tokens} tokens, {m['n_moe_layer']} MoE layers x "
-                          f"{m['n_expert']} experts (top-{m['n_expert_used']})")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
+    return png_of(fig, title or trace_title(trace))

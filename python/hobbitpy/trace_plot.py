@@ -120,8 +120,20 @@ def plot_trace(trace: Trace, *, budget_mb: float | None = None, policies=DEFAULT
     ax.set_title(f"cache of {budget_mb:.1f} MB ({n_slot} of {m['n_moe_layer'] * m['n_expert']} experts)")
     ax.legend(loc="lower right")
 
-    fig.suptitle(title or f"{os.path.basename(m['model'])}: {trace.n_tokens} tokens, {m['n_moe_layer']} MoE layers x "
-                 f"{m['n_expert']} experts (top-{m['n_expert_used']})")
+    return png_of(fig, title or trace_title(trace))
+
+
+def trace_title(trace: Trace) -> str:
+    m = trace.meta
+    return (f"{os.path.basename(m['model'])}: {trace.n_tokens} tokens, {m['n_moe_layer']} MoE layers x "
+            f"{m['n_expert']} experts (top-{m['n_expert_used']})")
+
+
+def png_of(fig, title: str) -> bytes:
+    """The figure, titled, as PNG bytes; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
