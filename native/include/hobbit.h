@@ -395,8 +395,9 @@ typedef struct hobbit_neuron_mask hobbit_neuron_mask;
 HOBBIT_API hobbit_neuron_mask * hobbit_neuron_mask_new(float theta, bool predicted, float limit);
 HOBBIT_API void hobbit_neuron_mask_free(hobbit_neuron_mask * m);
 HOBBIT_API bool hobbit_neuron_mask_apply(struct ggml_tensor * t, bool ask, void * m);
-// selections seen, how many were computed whole, and the mean share of neurons kept
-HOBBIT_API void hobbit_neuron_mask_stats(hobbit_neuron_mask * m, int64_t * n_selections, int64_t * n_whole,
+// selections seen, how many were computed whole, and the mean share of neurons kept; false if
+// the mask failed (a gate output it could not read, or no memory): the logits were not priced
+HOBBIT_API bool hobbit_neuron_mask_stats(hobbit_neuron_mask * m, int64_t * n_selections, int64_t * n_whole,
                                          double * kept_share);
 
 // ggml abort callback (llama_set_abort_callback with data = the runtime): stops a decode

@@ -35,6 +35,7 @@ struct hobbit_neuron_mask {
     int64_t n_selections = 0;  // selections seen
     int64_t n_whole      = 0;  // ... computed whole (first MoE layer, over the limit, no prediction)
     double  kept         = 0;  // sum over selections of the share of neurons kept
+    bool    failed       = false;  // an allocation failed: nothing masked from then on
     std::mutex mutex;
 };
 
@@ -92,6 +93,8 @@ static const std::vector<float> & dequantized(hobbit_neuron_mask * m, int il, co
     return out;
 }
 
+static void mask_gate_output(hobbit_neuron_mask * m, ggml_tensor * t, int il);
+
 extern "C" bool hobbit_neuron_mask_apply(struct ggml_tensor * t, bool ask, void * user_data) {
     auto * m = static_cast<hobbit_neuron_mask *>(user_data);
     const bool gate = t->op == GGML_OP_MUL_MAT_ID && gate_layer(t->src[0]) >= 0;
@@ -101,13 +104,28 @@ extern "C" bool hobbit_neuron_mask_apply(struct ggml_tensor * t, bool ask, void 
     const ggml_tensor * w   = t->src[0];  // [n_embd, n_ff, n_expert]
     const ggml_tensor * x   = t->src[1];  // [n_embd, 1 or n_used, n_tokens], f32
     const ggml_tensor * ids = t->src[2];  // [n_used, n_tokens], i32
-    const int il = gate_layer(w);
-    const int64_t n_embd = w->ne[0], n_ff = w->ne[1], n_used = ids->ne[0], n_tokens = ids->ne[1];
-    if (t->type != GGML_TYPE_F32 || x->type != GGML_TYPE_F32 || !ggml_backend_buffer_is_host(t->buffer) ||
-        !ggml_backend_buffer_is_host(x->buffer) || t->ne[0] != n_ff || t->ne[2] != n_tokens) {
-        return true;  // a layout this callback does not know: computed whole, as stock
-    }
     std::lock_guard<std::mutex> lock(m->mutex);
+    if (t->type != GGML_TYPE_F32 || x->type != GGML_TYPE_F32 || !ggml_backend_buffer_is_host(t->buffer) ||
+        !ggml_backend_buffer_is_host(x->buffer) || t->ne[0] != w->ne[1] || t->ne[2] != ids->ne[1]) {
+        m->failed = true;  // a layout this callback does not know: priced as nothing, which must not pass for a price
+    }
+    if (m->failed) {
+        return true;
+    }
+    try {
+        mask_gate_output(m, t, gate_layer(w));
+    } catch (...) {
+        m->failed = true;  // no exception may cross into ggml's C: the run goes on whole, and says so
+    }
+    return true;
+}
+
+// the body of hobbit_neuron_mask_apply for one gate projection's output (the mutex held)
+static void mask_gate_output(hobbit_neuron_mask * m, ggml_tensor * t, int il) {
+    const ggml_tensor * w   = t->src[0];
+    const ggml_tensor * x   = t->src[1];
+    const ggml_tensor * ids = t->src[2];
+    const int64_t n_embd = w->ne[0], n_ff = w->ne[1], n_used = ids->ne[0], n_tokens = ids->ne[1];
     std::vector<int32_t> id((size_t) n_used * n_tokens);
     for (int64_t tok = 0; tok < n_tokens; ++tok) {
         for (int64_t k = 0; k < n_used; ++k) {
@@ -168,13 +186,13 @@ extern "C" bool hobbit_neuron_mask_apply(struct ggml_tensor * t, bool ask, void 
         m->prev_layer = il;
         m->prev_tokens = n_tokens;
     }
-    return true;
 }
 
-extern "C" void hobbit_neuron_mask_stats(hobbit_neuron_mask * m, int64_t * n_selections, int64_t * n_whole,
+extern "C" bool hobbit_neuron_mask_stats(hobbit_neuron_mask * m, int64_t * n_selections, int64_t * n_whole,
                                          double * kept_share) {
     std::lock_guard<std::mutex> lock(m->mutex);
     if (n_selections) *n_selections = m->n_selections;
     if (n_whole) *n_whole = m->n_whole;
     if (kept_share) *kept_share = m->n_selections > 0 ? m->kept / m->n_selections : 0.0;
+    return !m->failed;
 }

@@ -250,7 +250,7 @@ typedef struct hobbit_neuron_mask hobbit_neuron_mask;
 hobbit_neuron_mask * hobbit_neuron_mask_new(float theta, bool predicted, float limit);
 void hobbit_neuron_mask_free(hobbit_neuron_mask * m);
 bool hobbit_neuron_mask_apply(struct ggml_tensor * t, bool ask, void * m);
-void hobbit_neuron_mask_stats(hobbit_neuron_mask * m, int64_t * n_selections, int64_t * n_whole, double * kept_share);
+bool hobbit_neuron_mask_stats(hobbit_neuron_mask * m, int64_t * n_selections, int64_t * n_whole, double * kept_share);
 """
 
 ffi = cffi.FFI()

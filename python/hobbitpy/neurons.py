@@ -31,8 +31,6 @@ from .errors import HobbitError
 if TYPE_CHECKING:
     from .trace import Trace
 
-# the issue's sweep, around CORM's choice for Mixtral (0.25) and its Fig. 2 points (0.175, 0.25)
-DEFAULT_THETAS = (0.1, 0.175, 0.25, 0.35)
 # CORM §3.6: above this share of active neurons the whole expert is loaded (Mixtral's figure)
 FULL_EXPERT_SHARE = 0.75
 # architectures whose experts are SwiGLU (act = SiLU on W1's output, as CORM's models); gpt-oss
@@ -53,10 +51,11 @@ class NeuronStats:
     predicted_bits: np.ndarray | None = None
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """As saved in a trace file."""
-        return {"neuron_thetas": self.thetas, "neuron_active": self.active, "neuron_predicted": self.predicted,
-                "neuron_recall": self.recall, "neuron_active_bits": self.active_bits,
-                "neuron_predicted_bits": self.predicted_bits}
+        """As saved in a trace file (the sets only where there are some)."""
+        arrays = {"neuron_thetas": self.thetas, "neuron_active": self.active, "neuron_predicted": self.predicted,
+                  "neuron_recall": self.recall, "neuron_active_bits": self.active_bits,
+                  "neuron_predicted_bits": self.predicted_bits}
+        return {k: v for k, v in arrays.items() if v is not None}
 
     @classmethod
     def of_arrays(cls, arrays) -> "NeuronStats | None":
@@ -106,7 +105,9 @@ def neuron_mask_stats(llm) -> dict:
     from ._native import ffi, lib
 
     n, whole, kept = ffi.new("int64_t *"), ffi.new("int64_t *"), ffi.new("double *")
-    lib.hobbit_neuron_mask_stats(llm._neuron_mask, n, whole, kept)
+    if not lib.hobbit_neuron_mask_stats(llm._neuron_mask, n, whole, kept):
+        raise HobbitError(f"{llm.model_path}: the neuron mask could not read a gate projection's output (or ran out "
+                          "of memory): these logits are not CORM's")
     return {"neuron_selections": n[0], "neuron_whole": whole[0], "neuron_kept_share": kept[0]}
 
 
