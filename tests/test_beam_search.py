@@ -78,3 +78,17 @@ def test_beam_search_needs_its_sequences_and_a_sane_width(model_dir, tmp_path, c
     assert exit_.value.code == 2
     assert "beam width of 1..8" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
+
+
+def test_substitution_serves_the_beams_and_reads_less(model_dir):
+    """importance-driven substitution in a beam step (a decode batch): a low-score miss is
+    served by a cached expert or one another beam reads anyway (Algorithm 2's batch rule), so
+    the search loads fewer experts; lossy, so its beams may differ from stock's."""
+    path = tiny_model(model_dir, "llama", n_layer=4)
+    info = hobbitpy.inspect_model(path)
+    base = OffloadConfig(cache_mb=info.expert_bytes_total / 3 / MB, mode="gpu-centric")
+    _, _, off = _search(path, base, 4)
+    got, _, on = _search(path, OffloadConfig(**{**base.__dict__, "substitute_alpha": 0.3}), 4)
+    assert off["n_substituted"] == 0 and on["n_substituted"] > 0
+    assert on["expert_misses"] < off["expert_misses"]
+    assert len(got.beams) == 4 and all(np.isfinite(b.logprob) for b in got.beams)

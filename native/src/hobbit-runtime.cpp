@@ -1000,39 +1000,45 @@ std::vector<float> hobbit_runtime::router_scores(const ggml_tensor * probs, int 
 }
 
 void hobbit_runtime::substitute_low_scores(int il, ggml_tensor * dst) {
-    ggml_tensor * sel = dst->src[0];   // [n_used, 1] I32 (a view: not contiguous)
-    ggml_tensor * wts = dst->src[1];   // [1, n_used, 1] F32
-    const ggml_tensor * probs = dst->src[2]; // [1, n_expert, 1] F32
+    ggml_tensor * sel = dst->src[0];   // [n_used, n_tokens] I32 (a view: not contiguous)
+    ggml_tensor * wts = dst->src[1];   // [1, n_used, n_tokens] F32
+    const ggml_tensor * probs = dst->src[2]; // [1, n_expert, n_tokens] F32
     const int n_expert = index.info.n_expert;
     if (sel->type != GGML_TYPE_I32 || wts->type != GGML_TYPE_F32 || probs == nullptr || probs->type != GGML_TYPE_F32 ||
-        probs->ne[1] != n_expert || sel->ne[1] != 1) {
+        probs->ne[1] != n_expert || probs->ne[2] != sel->ne[1]) {
         return;
     }
     const int k = (int) sel->ne[0];
-    const std::vector<float> scores = router_scores(probs, 0);
-    std::vector<int> ids(k);
-    std::vector<float> weights(k);
-    for (int j = 0; j < k; ++j) {
-        ids[j]     = *(const int32_t *) ((const char *) sel->data + j * sel->nb[0]);
-        weights[j] = *(const float *) ((const char *) wts->data + j * wts->nb[1]);
+    const int n_tokens = (int) sel->ne[1];
+    const auto id_at = [&](int j, int t) { return (int32_t *) ((char *) sel->data + j * sel->nb[0] + t * sel->nb[1]); };
+    const auto weight_at = [&](int j, int t) { return (float *) ((char *) wts->data + j * wts->nb[1] + t * wts->nb[2]); };
+    std::vector<std::vector<float>> scores(n_tokens), weights(n_tokens, std::vector<float>(k));
+    std::vector<std::vector<int>> ids(n_tokens, std::vector<int>(k));
+    for (int t = 0; t < n_tokens; ++t) {
+        scores[t] = router_scores(probs, t);
+        for (int j = 0; j < k; ++j) {
+            ids[t][j]     = *id_at(j, t);
+            weights[t][j] = *weight_at(j, t);
+        }
     }
     std::lock_guard<std::mutex> lock(mtx);
-    const substitution_plan plan = plan_substitution(scores, ids, weights, params.substitute_alpha,
+    const std::vector<substitution_plan> plans = plan_batch_substitution(scores, ids, weights, params.substitute_alpha,
         [&](int e) { int level = -1; return find_cached(il, e, level) >= 0; });
-    if (plan.n_substituted == 0) {
-        return;
+    for (int t = 0; t < n_tokens; ++t) {
+        for (int j = 0; j < k; ++j) {
+            *id_at(j, t)     = plans[t].ids[j];
+            *weight_at(j, t) = plans[t].weights[j];
+        }
+        stats_.n_substituted += plans[t].n_substituted;
     }
-    for (int j = 0; j < k; ++j) {
-        *(int32_t *) ((char *) sel->data + j * sel->nb[0]) = plan.ids[j];
-        *(float *) ((char *) wts->data + j * wts->nb[1])   = plan.weights[j];
-    }
-    stats_.n_substituted += plan.n_substituted;
 }
 
 void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
     const int64_t t_enter = now_us();
     const int n_expert = index.info.n_expert;
-    if (params.substitute_alpha > 0.0f && wave == 0 && dst->src[0]->ne[1] == 1) {
+    // decode's ubatches (one token, or a batch of beams or sequences), never a prompt's
+    if (params.substitute_alpha > 0.0f && wave == 0 &&
+        !is_prompt_ubatch((size_t) dst->src[0]->ne[0] * dst->src[0]->ne[1], n_expert)) {
         substitute_low_scores(il, dst);
     }
     const wave_selection sel = read_selection(dst->src[0], dst->src[1], n_expert, thresholds, placed(il));

@@ -96,9 +96,11 @@ private:
     int  queue_background_load(int p, int il, int e, bool prefetch, std::vector<load_task> & loads);
     // HOBBIT's adaptive prefetch (§3.3) from layer il's router input x; needs mtx
     void prefetch_next_layers(int il, const float * x, std::vector<load_task> & loads);
-    // importance-driven substitution (hobbit-substitution.h) for a one-token ubatch: rewrites
-    // the dispatch op's selected ids and gate weights (src[0], src[1]) before the wave reads
-    // them; the graph's later ops (the weighted sum, gpt-oss's per-expert bias) read them too
+    // importance-driven substitution (hobbit-substitution.h) for a decode ubatch (one token, or
+    // a batch of beams or sequences, where an expert another token selects counts as cached:
+    // Algorithm 2's batch rule): rewrites the dispatch op's selected ids and gate weights
+    // (src[0], src[1]) before the wave reads them; the graph's later ops (the weighted sum,
+    // gpt-oss's per-expert bias) read them too
     void substitute_low_scores(int il, ggml_tensor * dst);
     // token's router scores of every expert from the dispatch op's probs ([1, n_expert, n_tokens]),
     // as probabilities (gpt-oss's logits softmaxed)

@@ -75,3 +75,31 @@ substitution_plan plan_substitution(const std::vector<float> & scores, const std
     }
     return plan;
 }
+
+std::vector<substitution_plan> plan_batch_substitution(const std::vector<std::vector<float>> & scores,
+                                                       const std::vector<std::vector<int>> & ids,
+                                                       const std::vector<std::vector<float>> & weights, float alpha,
+                                                       const std::function<bool(int)> & cached) {
+    const int n_expert = scores.empty() ? 0 : (int) scores[0].size();
+    std::vector<int> users(n_expert, 0);  // tokens of the batch selecting each expert
+    for (const std::vector<int> & token : ids) {
+        for (int e : token) {
+            if (e >= 0 && e < n_expert) {
+                users[e]++;
+            }
+        }
+    }
+    std::vector<substitution_plan> plans;
+    for (size_t t = 0; t < ids.size(); ++t) {
+        const auto own = [&](int e) { return (int) std::count(ids[t].begin(), ids[t].end(), e); };
+        plans.push_back(plan_substitution(scores[t], ids[t], weights[t], alpha,
+                                          [&](int e) { return users[e] > own(e) || cached(e); }));
+        for (size_t j = 0; j < ids[t].size(); ++j) {
+            if (plans.back().ids[j] != ids[t][j]) {
+                users[ids[t][j]]--;
+                users[plans.back().ids[j]]++;
+            }
+        }
+    }
+    return plans;
+}

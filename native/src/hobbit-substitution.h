@@ -32,3 +32,13 @@ struct substitution_plan {
 substitution_plan plan_substitution(const std::vector<float> & scores, const std::vector<int> & ids,
                                     const std::vector<float> & weights, float alpha,
                                     const std::function<bool(int)> & cached);
+
+// a decode batch (beams, sequences decoded side by side), token by token: an expert another
+// token of the batch selects is read anyway, so it counts as cached for this token (its own
+// low-score selection is kept, or it is taken as a substitute): the batch rule of Algorithm 2,
+// whose GPU computes an expert for many tokens as cheaply as for one. Every token's plan sees
+// the substitutions of the tokens before it. scores/ids/weights: one entry per token.
+std::vector<substitution_plan> plan_batch_substitution(const std::vector<std::vector<float>> & scores,
+                                                       const std::vector<std::vector<int>> & ids,
+                                                       const std::vector<std::vector<float>> & weights, float alpha,
+                                                       const std::function<bool(int)> & cached);

@@ -662,6 +662,22 @@ static void test_substitution() {
     const cache_sim_result subst = cache_simulate(tr, 1, false, cache_policy_kind::lru, {}, 0, 1.0, 0.3f);
     CHECK(plain.misses_high == 2 && plain.hits == 0 && plain.substituted == 0);
     CHECK(subst.misses_high == 1 && subst.hits == 1 && subst.substituted == 1);
+    // a batch of two tokens, nothing cached: token 0 picks 0 and 1; token 1 picks 0 and 3, whose
+    // 3 is low-score (0.20 < 1.3 x 0.19) and in band of expert 1 (0.19), which token 0 reads
+    // anyway: served by 1. Alone, token 1 keeps 3 (nothing cached to take instead)
+    const std::vector<std::vector<float>> batch_scores = { { 0.40f, 0.30f, 0.10f, 0.10f, 0.05f, 0.05f },
+                                                           { 0.40f, 0.19f, 0.05f, 0.20f, 0.08f, 0.08f } };
+    const std::vector<std::vector<int>> batch_ids = { { 0, 1 }, { 0, 3 } };
+    const std::vector<std::vector<float>> batch_weights = { { 0.4f / 0.7f, 0.3f / 0.7f }, { 0.4f / 0.6f, 0.2f / 0.6f } };
+    const std::vector<substitution_plan> bp = plan_batch_substitution(batch_scores, batch_ids, batch_weights, 0.3f, cached({}));
+    CHECK(bp.size() == 2 && bp[0].n_substituted == 0 && bp[1].n_substituted == 1);
+    CHECK(bp[1].ids == std::vector<int>({ 0, 1 }) && std::fabs(bp[1].weights[1] - 0.19f / 0.59f) < 1e-6f);
+    CHECK(plan_substitution(batch_scores[1], batch_ids[1], batch_weights[1], 0.3f, cached({})).n_substituted == 0);
+    // a token's own low-score selection that another token reads anyway is kept (expert 1 here)
+    const std::vector<std::vector<int>> both_one = { { 0, 1 }, { 0, 1 } };
+    const std::vector<std::vector<float>> both_scores = { batch_scores[0], { 0.40f, 0.20f, 0.05f, 0.19f, 0.08f, 0.08f } };
+    const std::vector<substitution_plan> kept = plan_batch_substitution(both_scores, both_one, batch_weights, 0.3f, cached({}));
+    CHECK(kept[1].n_substituted == 0 && kept[1].ids == std::vector<int>({ 0, 1 }));
     printf("ok substitution\n");
 }
 
