@@ -1036,7 +1036,8 @@ void hobbit_runtime::substitute_low_scores(int il, ggml_tensor * dst) {
 void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
     const int64_t t_enter = now_us();
     const int n_expert = index.info.n_expert;
-    // decode's ubatches (one token, or a batch of beams or sequences), never a prompt's
+    // decode's ubatches (one token, or a batch of beams or sequences), never a prompt's wide one
+    // (a prompt of a few tokens is served as decoding would serve them one by one)
     if (params.substitute_alpha > 0.0f && wave == 0 &&
         !is_prompt_ubatch((size_t) dst->src[0]->ne[0] * dst->src[0]->ne[1], n_expert)) {
         substitute_low_scores(il, dst);
