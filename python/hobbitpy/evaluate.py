@@ -21,7 +21,7 @@ from .config import OffloadConfig
 from .disk import drop_from_page_cache
 from .errors import HobbitError
 from .model_file import inspect_model
-from .neurons import NeuronMaskSpec, attach_neuron_mask, check_arch, neuron_mask_stats
+from .neurons import NEURONS_ON_STOCK, NeuronMaskSpec, attach_neuron_mask, check_arch, neuron_mask_stats
 
 
 @dataclass
@@ -95,10 +95,6 @@ def _open(model_path: str, offload: OffloadConfig, n_ctx: int, n_ubatch: int, n_
             llm.close()
             raise
     return llm
-
-
-NEURONS_ON_STOCK = ("neuron sparsity is priced on the stock path, every expert mapped: run it without offload "
-                    "(--no-offload)")
 
 
 def _stats(llm, neurons: NeuronMaskSpec | None) -> dict | None:

@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 FULL_EXPERT_SHARE = 0.75
 # architectures whose experts are SwiGLU (act = SiLU on W1's output, as CORM's models); gpt-oss
 # clamps its own variant and merges W1 with W3, which CORM does not cover
+# the mask prices CORM's arithmetic on stock's, every expert mapped
+NEURONS_ON_STOCK = ("neuron sparsity is priced on the stock path, every expert mapped: run it without offload "
+                    "(--no-offload)")
 SILU_ARCHS = ("llama", "qwen2moe", "qwen3moe", "deepseek", "deepseek2", "olmoe", "granitemoe")
 
 
@@ -89,7 +92,7 @@ def attach_neuron_mask(llm, spec: NeuronMaskSpec) -> None:
     from ._native import ffi, lib
 
     if llm.offloaded:
-        raise ValueError("neuron sparsity is priced on the stock path, every expert mapped: run it without offload")
+        raise ValueError(NEURONS_ON_STOCK)
     check_arch(llm.model_path, llm.model_info.arch)  # elsewhere the mask would find no gate and price nothing
     mask = lib.hobbit_neuron_mask_new(spec.theta, spec.predicted, spec.limit)
     if mask == ffi.NULL:
