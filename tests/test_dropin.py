@@ -34,6 +34,18 @@ def test_llama_cpp_imports_on_its_own():
     assert p.stdout.splitlines()[1] == repr([str((LIB_DIR / "libllama.so").resolve())])
 
 
+def test_llama_cpp_alone_finds_a_cpu_backend(model_dir):
+    # a portable build's CPU backends are modules beside libggml: llama_cpp's own Llama, with
+    # nothing of hobbitpy imported, must find one there (not in the interpreter's directory
+    # or the working directory, where ggml alone would look)
+    path = tiny_model(model_dir, "llama")
+    p = _python(f"import llama_cpp; llm = llama_cpp.Llama({str(path)!r}, n_ctx=64, verbose=False); "
+                "print(len(llm.create_completion('a', max_tokens=2)['choices'][0]['text']) >= 0); " + MAPPED)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.splitlines()[0] == "True"
+    assert p.stdout.splitlines()[1] == repr([str((LIB_DIR / "libllama.so").resolve())])
+
+
 @pytest.mark.parametrize("order", ["import llama_cpp, hobbitpy", "import hobbitpy, llama_cpp"])
 def test_either_import_order_loads_hobbitpys_library(order):
     p = _python(order + "; assert hobbitpy.Llama.__mro__[1] is llama_cpp.Llama; " + MAPPED)
@@ -44,7 +56,8 @@ def test_either_import_order_loads_hobbitpys_library(order):
 def test_another_libllama_loaded_first_is_refused_with_both_paths(tmp_path):
     # llama_cpp pointed elsewhere by the user and imported first: hobbitpy cannot share that
     # library, and says so instead of failing later in a confusing way
-    for lib in LIB_DIR.glob("lib*.so"):
+    # (with what an installed wheel keeps beside the package: auditwheel's copy of libgomp)
+    for lib in [*LIB_DIR.glob("lib*.so"), *LIB_DIR.parent.parent.glob("hobbitpy.libs/*.so*")]:
         shutil.copy(lib, tmp_path / lib.name)
     p = _python("import llama_cpp, hobbitpy", LLAMA_CPP_LIB_PATH=str(tmp_path))
     assert p.returncode != 0

@@ -30,6 +30,12 @@ static void advise_huge_pages(ggml_backend_buffer_t buf) {
 
 static ggml_backend_dev_t cpu_device() {
     ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    if (cpu == nullptr && ggml_backend_reg_count() == 0) {
+        // a portable build's backends are modules nothing has loaded yet (a pool made before
+        // any model, as the native tests and the simulator do): load them as llama.cpp would
+        ggml_backend_load_all();
+        cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    }
     if (cpu == nullptr) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_INTERNAL, "no CPU backend is loaded");
     }
