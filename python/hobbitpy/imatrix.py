@@ -68,6 +68,9 @@ def collect_imatrix(model_path: str | os.PathLike, text_path: str | os.PathLike,
     collector = ffi.gc(lib.hobbit_imatrix_new(), lib.hobbit_imatrix_free)
     if collector == ffi.NULL:
         raise MemoryError("no memory for the importance matrix collector")
+    # the backends, as llama_cpp.Llama loads them first (a portable build's CPU backend is a
+    # module nothing has loaded yet); loading again later is a no-op
+    llama_cpp.llama_backend_init()
     model_params = llama_cpp.llama_model_default_params()
     with llama_cpp._utils.suppress_stdout_stderr(disable=False):  # llama.cpp's load log: not for the terminal
         model = _internals.LlamaModel(path_model=os.fspath(model_path), params=model_params, verbose=False)
