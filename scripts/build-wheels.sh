@@ -4,27 +4,52 @@
 #       the patched llama.cpp with ggml's CPU backend once per instruction-set level (the best
 #       one this CPU runs is loaded at start), libhobbit and the Python package; one wheel
 #       for every Python 3 (no CPython extension), repaired by auditwheel to the manylinux tag
-#       this machine's glibc and libstdc++ allow (libgomp copied in);
+#       the libraries' glibc and libstdc++ symbols allow (libgomp copied in);
 #   llama_cpp_python-0.3.36-py3-none-<platform>.whl
 #       llama-cpp-python's Python API only (LLAMA_BUILD=OFF: it runs on hobbitpy's library);
 #       PyPI has only its source, whose default build compiles llama.cpp again.
-# Install both with `pip install DIST/*.whl`. The build reuses the editable install's build
-# directory (build/py3-none-linux_<arch>): after `pip install -e .` only the packaging runs.
+# Install both with `pip install DIST/*.whl`.
 #
-#   scripts/build-wheels.sh [DIST]
+#   scripts/build-wheels.sh [--arch aarch64] [DIST]
+#
+# For this machine's architecture the build reuses the editable install's build directory
+# (build/py3-none-linux_<arch>): after `pip install -e .` only the packaging runs. Another
+# architecture is cross-compiled with cmake/<arch>-linux-gnu.cmake (Debian's toolchain:
+# scripts/check-aarch64.sh installs it and runs the result under qemu).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
+arch=$(uname -m)
+if [ "${1:-}" = "--arch" ]; then
+    arch=${2:?--arch needs an architecture}
+    shift 2
+fi
 dist="$(mkdir -p "${1:-$root/dist}" && cd "${1:-$root/dist}" && pwd)"
 raw="$(mktemp -d)"
 trap 'rm -rf "$raw"' EXIT
 # the same arguments as the README's install command, so the build directory is reused as is
 export CMAKE_ARGS="${CMAKE_ARGS:--DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF}"
+repair=()
+no_cache=()
+if [ "$arch" != "$(uname -m)" ]; then
+    toolchain="$root/cmake/$arch-linux-gnu.cmake"
+    [ -f "$toolchain" ] || { echo "build-wheels: no toolchain file for $arch ($toolchain)" >&2; exit 2; }
+    export CMAKE_ARGS="$CMAKE_ARGS -DCMAKE_TOOLCHAIN_FILE=$toolchain"
+    export _PYTHON_HOST_PLATFORM="linux-$arch"  # the wheels' platform tag (and build directory)
+    # the libraries to graft and check against are the cross toolchain's, not this machine's
+    repair=(--ldpaths "/usr/$arch-linux-gnu/lib")
+    no_cache=(--no-cache-dir)  # pip's cache holds this machine's llama_cpp_python wheel
+fi
 
 python -m pip wheel "$root" --no-deps --no-build-isolation --wheel-dir "$raw"
-python -m pip wheel "llama-cpp-python==0.3.36" --no-deps --no-build-isolation --no-binary llama-cpp-python \
+# llama-cpp-python from the source hobbitpy's build downloaded, if there is one
+sdist="llama-cpp-python==0.3.36"
+for f in "${HOBBITPY_LLAMA_SDIST:-}" "$root"/build/*/_llama/llama_cpp_python-0.3.36.tar.gz; do
+    if [ -n "$f" ] && [ -f "$f" ]; then sdist=$f; break; fi
+done
+python -m pip wheel "$sdist" --no-deps --no-build-isolation --no-binary llama-cpp-python "${no_cache[@]}" \
     --wheel-dir "$raw"
 
 # the manylinux tag: the oldest policy whose symbol versions cover the libraries'
-python -m auditwheel repair --wheel-dir "$dist" "$raw"/hobbitpy-*.whl
+python -m auditwheel repair "${repair[@]}" --wheel-dir "$dist" "$raw"/hobbitpy-*.whl
 cp "$raw"/llama_cpp_python-*.whl "$dist"/
 ls -l "$dist"
