@@ -40,12 +40,14 @@ if [ "$arch" != "$(uname -m)" ]; then
     no_cache=(--no-cache-dir)  # pip's cache holds this machine's llama_cpp_python wheel
 fi
 
-python -m pip wheel "$root" --no-deps --no-build-isolation --wheel-dir "$raw"
-# llama-cpp-python from the source hobbitpy's build downloaded, if there is one
+# the llama.cpp source (llama-cpp-python's sdist) a build here already downloaded, if any:
+# both wheels are built from it
 sdist="llama-cpp-python==0.3.36"
 for f in "${HOBBITPY_LLAMA_SDIST:-}" "$root"/build/*/_llama/llama_cpp_python-0.3.36.tar.gz; do
-    if [ -n "$f" ] && [ -f "$f" ]; then sdist=$f; break; fi
+    if [ -n "$f" ] && [ -f "$f" ]; then sdist=$f; export HOBBITPY_LLAMA_SDIST=$f; break; fi
 done
+
+python -m pip wheel "$root" --no-deps --no-build-isolation --wheel-dir "$raw"
 python -m pip wheel "$sdist" --no-deps --no-build-isolation --no-binary llama-cpp-python "${no_cache[@]}" \
     --wheel-dir "$raw"
 
