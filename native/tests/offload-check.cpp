@@ -22,7 +22,6 @@ const char * const PROMPT = "And God said, Let there be light: and there was lig
 
 struct run_result {
     std::vector<float> logits;  // every evaluated token's logits, in order
-    std::vector<llama_token> tokens;
     hobbit_stats stats = {};
     bool offloaded = false;
 };
@@ -86,7 +85,6 @@ bool run(const char * path, const hobbit_params * offload, int n_decode, run_res
                 next = v;
             }
         }
-        out.tokens.push_back(next);
         batch = llama_batch_get_one(&next, 1);
     }
     if (hobbit_runtime * rt = hobbit_runtime_of_model(model)) {
