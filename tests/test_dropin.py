@@ -46,6 +46,24 @@ def test_llama_cpp_alone_finds_a_cpu_backend(model_dir):
     assert p.stdout.splitlines()[1] == repr([str((LIB_DIR / "libllama.so").resolve())])
 
 
+def test_a_backend_planted_in_the_working_directory_is_never_loaded(model_dir, tmp_path):
+    # stock ggml loads every libggml-<backend>-*.so it finds in the working directory to score
+    # it, which runs its code; hobbitpy's loads its backends from beside libggml only
+    marker = tmp_path / "planted-code-ran"
+    src = tmp_path / "planted.c"
+    src.write_text('#include <stdio.h>\n__attribute__((constructor)) static void planted(void) '
+                   f'{{ FILE * f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
+    cc = subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tmp_path / "libggml-cpu-planted.so"), str(src)],
+                        capture_output=True, text=True)
+    assert cc.returncode == 0, cc.stderr
+    path = tiny_model(model_dir, "llama")
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}
+    p = subprocess.run([sys.executable, "-c", f"import llama_cpp; llama_cpp.Llama({str(path)!r}, n_ctx=64, verbose=False)"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert not marker.exists(), "a library in the working directory was loaded"
+
+
 @pytest.mark.parametrize("order", ["import llama_cpp, hobbitpy", "import hobbitpy, llama_cpp"])
 def test_either_import_order_loads_hobbitpys_library(order):
     p = _python(order + "; assert hobbitpy.Llama.__mro__[1] is llama_cpp.Llama; " + MAPPED)
