@@ -27,6 +27,7 @@ from .beam_search import beam_search
 from ._native import error_buffer, ffi, lib, to_str
 from .companions import resolve_levels
 from .config import MB, OffloadConfig
+from .devices import say_if_gpu_unusable
 from .errors import BudgetError, ExpertReadError, HobbitError, ModelFileError
 from .memory import ContextShape, OffloadPlan, available_memory_bytes, context_sizes, fit_ubatch, plan_offload
 from .model_file import ModelInfo, inspect_model
@@ -97,6 +98,7 @@ class Llama(llama_cpp.Llama):
             if k not in LLAMA_KEYWORDS and close:
                 raise TypeError(f"Llama() got an unexpected keyword argument {k!r}; did you mean {close[0]!r}?")
         offload = offload_config_of(model_path, offload, profile, keywords, preset)
+        say_if_gpu_unusable()
         self.offload_config: OffloadConfig = offload  # what the experts are served with
         self._runtime = ffi.NULL
         self._abort_cb = None
