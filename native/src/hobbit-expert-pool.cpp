@@ -42,6 +42,18 @@ static ggml_backend_dev_t cpu_device() {
     return cpu;
 }
 
+ggml_backend_dev_t expert_pool_device() {
+    ggml_backend_dev_t cpu = cpu_device(); // loads the backends if nothing has
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        const enum ggml_backend_dev_type t = ggml_backend_dev_type(dev);
+        if (t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU) {
+            return dev;
+        }
+    }
+    return cpu;
+}
+
 // the same test the llama.cpp loader makes for a MUL_MAT_ID weight
 static bool buft_supports_expert_weight(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft,
                                         int type, int64_t n_in, int64_t n_out, int n_expert_used) {
@@ -77,8 +89,11 @@ bool expert_weight_repacked(int type, int64_t n_in, int64_t n_out, int n_expert_
     return expert_weight_buft(type, n_in, n_out, n_expert_used) != ggml_backend_dev_buffer_type(cpu_device());
 }
 
-expert_pool::expert_pool(const expert_layer_layout & shape, int n_layer, int n_expert, int n_expert_used, int n_slot)
+expert_pool::expert_pool(const expert_layer_layout & shape, int n_layer, int n_expert, int n_expert_used, int n_slot,
+                         ggml_backend_dev_t dev)
         : slots(n_slot), n_expert(n_expert), slot_of((size_t) n_layer * n_expert, -1) {
+    const bool on_cpu = dev == nullptr || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+    on_device_ = !on_cpu;
     ggml_init_params ip = { ggml_tensor_overhead() * (LLAMA_MOE_PROJ_COUNT * (1 + (size_t) n_slot)), nullptr, /*no_alloc*/ true };
     ctx = ggml_init(ip);
     static const char * names[LLAMA_MOE_PROJ_COUNT] = { "hobbit_pool_gate", "hobbit_pool_up", "hobbit_pool_down", "hobbit_pool_gate_up" };
@@ -92,8 +107,10 @@ expert_pool::expert_pool(const expert_layer_layout & shape, int n_layer, int n_e
             ggml_set_name(t, names[p]);
             tensors[p] = t;
 
-            ggml_backend_buffer_type_t buft = expert_weight_buft(pl.type, pl.ne[0], pl.ne[1], n_expert_used);
-            // pages are only touched by loads, so resident memory grows with the slots in use
+            // on a GPU the device's own buffer type (ggml's CUDA kernels take every type as stored)
+            ggml_backend_buffer_type_t buft = on_cpu ? expert_weight_buft(pl.type, pl.ne[0], pl.ne[1], n_expert_used)
+                                                     : ggml_backend_dev_buffer_type(dev);
+            // host pages are only touched by loads, so resident memory grows with the slots in use
             ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, ggml_backend_buft_get_alloc_size(buft, t));
             if (buf == nullptr) {
                 throw hobbit_error(HOBBIT_STATUS_ERROR_BUDGET, "cannot allocate the expert pool (" + std::to_string(n_slot) + " slots)");
@@ -106,7 +123,8 @@ expert_pool::expert_pool(const expert_layer_layout & shape, int n_layer, int n_e
                 throw hobbit_error(HOBBIT_STATUS_ERROR_INTERNAL, "cannot place the expert pool in its buffer");
             }
             if (buft != ggml_backend_dev_buffer_type(cpu_device())) {
-                // a repacking buffer converts on set_tensor, whole tensors only: one view per slot
+                // a repacking buffer converts on set_tensor, whole tensors only, and device
+                // memory is written through its backend: one view per slot
                 for (int s = 0; s < n_slot; ++s) {
                     ggml_tensor * v = ggml_view_3d(ctx, t, t->ne[0], t->ne[1], 1, t->nb[1], t->nb[2], (size_t) s * t->nb[2]);
                     if (ggml_backend_view_init(v) != GGML_STATUS_SUCCESS) {
@@ -133,6 +151,9 @@ expert_pool::~expert_pool() {
 }
 
 bool expert_pool::repacked() const {
+    if (on_device_) {
+        return false; // written through views too, but stored as the file has it
+    }
     for (const auto & v : views) {
         if (!v.empty()) {
             return true;

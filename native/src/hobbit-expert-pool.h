@@ -30,6 +30,11 @@ struct pool_slot {
     bool       prefetched = false; // loaded by a prefetch and not selected since
 };
 
+// where the pools live: the first GPU ggml has a backend for (HOBBIT §4's GPU-centric
+// design: experts computed where the non-expert weights are; on a Jetson the same memory),
+// else the CPU
+ggml_backend_dev_t expert_pool_device();
+
 // the buffer type stock llama.cpp picks for an expert weight of this type and shape on
 // the CPU (an extra buffer type that repacks it, or plain host memory)
 ggml_backend_buffer_type_t expert_weight_buft(int type, int64_t n_in, int64_t n_out, int n_expert_used);
@@ -37,19 +42,22 @@ bool expert_weight_repacked(int type, int64_t n_in, int64_t n_out, int n_expert_
 
 class expert_pool {
 public:
-    // shape: the expert tensors of the layers this pool serves
-    expert_pool(const expert_layer_layout & shape, int n_layer, int n_expert, int n_expert_used, int n_slot);
+    // shape: the expert tensors of the layers this pool serves; dev: where its weights live
+    // (NULL: the CPU)
+    expert_pool(const expert_layer_layout & shape, int n_layer, int n_expert, int n_expert_used, int n_slot,
+                ggml_backend_dev_t dev = nullptr);
     ~expert_pool();
     expert_pool(const expert_pool &) = delete;
     expert_pool & operator=(const expert_pool &) = delete;
 
     int n_slot() const { return (int) slots.size(); }
     ggml_tensor * weights(int proj) const { return tensors[proj]; }
-    bool repacked() const; // some projection is stored repacked
+    bool repacked() const; // some projection is stored repacked (by the CPU backend)
+    bool on_device() const { return on_device_; } // in a GPU's memory
 
-    // where a load into slot puts each projection: raw bytes go to dst[p]; a repacked
-    // projection has dst[p] = NULL and view[p] = the slot's tensor, written through
-    // ggml_backend_tensor_set (which repacks)
+    // where a load into slot puts each projection: raw bytes go to dst[p]; a repacked or
+    // device projection has dst[p] = NULL and view[p] = the slot's tensor, written through
+    // ggml_backend_tensor_set (which repacks, or copies to the device)
     void slot_targets(int slot, void * dst[LLAMA_MOE_PROJ_COUNT], ggml_tensor * view[LLAMA_MOE_PROJ_COUNT]) const;
 
     int  find(int layer, int expert) const { return slot_of[layer*n_expert + expert]; }
@@ -65,9 +73,10 @@ public:
 private:
     int n_expert;
     int n_used_ = 0;
+    bool on_device_ = false;
     std::vector<int> slot_of; // [n_layer * n_expert], -1 when not in the pool
     ggml_context * ctx = nullptr;
     std::vector<ggml_backend_buffer_t> buffers;                 // one per projection
     ggml_tensor * tensors[LLAMA_MOE_PROJ_COUNT] = {};
-    std::vector<ggml_tensor *> views[LLAMA_MOE_PROJ_COUNT];     // per slot, repacked projections only
+    std::vector<ggml_tensor *> views[LLAMA_MOE_PROJ_COUNT];     // per slot, repacked or device projections only
 };

@@ -417,25 +417,42 @@ void expert_index::check_companion(const expert_index & companion) const {
     }
 }
 
-expert_store::expert_store(const expert_index & index, bool direct_io) : index(index) {
+expert_store::expert_store(const expert_index & index, bool direct_io, ggml_backend_buffer_type_t pinned) : index(index) {
     fd = open(index.path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_IO, index.path + ": cannot open model file: " + errno_text());
     }
+    uint64_t max_slice = 0;
+    for (const auto & layer : index.layers) {
+        for (const auto & p : layer.proj) {
+            max_slice = std::max(max_slice, p.present ? p.n_bytes : 0);
+        }
+    }
     if (direct_io) {
         fd_direct = open(index.path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-        uint64_t max_slice = 0;
-        for (const auto & layer : index.layers) {
-            for (const auto & p : layer.proj) {
-                max_slice = std::max(max_slice, p.present ? p.n_bytes : 0);
-            }
-        }
         bounce_size = (max_slice + 2*DIRECT_IO_ALIGN + DIRECT_IO_ALIGN - 1) / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN;
-        if (fd_direct >= 0 && posix_memalign(&bounce, DIRECT_IO_ALIGN, bounce_size) != 0) {
-            bounce = nullptr;
-            close(fd_direct);
-            fd_direct = -1;
+    }
+    if (pinned != nullptr) {
+        // one page-locked block: the O_DIRECT bounce buffer (aligned inside it), then the staging
+        const size_t bounce_span = fd_direct >= 0 ? bounce_size + DIRECT_IO_ALIGN : 0;
+        pinned_buf = ggml_backend_buft_alloc_buffer(pinned, bounce_span + max_slice);
+        if (pinned_buf == nullptr) {
+            close(fd);
+            if (fd_direct >= 0) {
+                close(fd_direct);
+            }
+            throw hobbit_error(HOBBIT_STATUS_ERROR_BUDGET, "cannot allocate " + std::to_string((bounce_span + max_slice) >> 20) +
+                               " MB of page-locked memory to stage expert loads");
         }
+        const uintptr_t base = (uintptr_t) ggml_backend_buffer_get_base(pinned_buf);
+        if (fd_direct >= 0) {
+            bounce = (void *) ((base + DIRECT_IO_ALIGN - 1) / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN);
+        }
+        pinned_staging = (void *) (base + bounce_span);
+    } else if (fd_direct >= 0 && posix_memalign(&bounce, DIRECT_IO_ALIGN, bounce_size) != 0) {
+        bounce = nullptr;
+        close(fd_direct);
+        fd_direct = -1;
     }
 }
 
@@ -446,7 +463,11 @@ expert_store::~expert_store() {
     if (fd_direct >= 0) {
         close(fd_direct);
     }
-    free(bounce);
+    if (pinned_buf != nullptr) {
+        ggml_backend_buffer_free(pinned_buf); // bounce lives inside it
+    } else {
+        free(bounce);
+    }
 }
 
 const void * expert_store::read_direct(uint64_t offset, uint64_t n_bytes) {
@@ -503,6 +524,10 @@ const void * expert_store::read_slice(int il, int e, int proj) {
         if (const void * src = read_direct(offset, pl.n_bytes)) {
             return src;
         }
+    }
+    if (pinned_staging != nullptr) {
+        read_at(offset, pl.n_bytes, pinned_staging);
+        return pinned_staging;
     }
     staging.resize(pl.n_bytes);
     read_at(offset, pl.n_bytes, staging.data());

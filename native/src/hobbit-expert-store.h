@@ -7,6 +7,8 @@
 #pragma once
 
 #include "hobbit.h"
+
+#include "ggml-backend.h"
 #include "llama.h"
 
 #include <cstdint>
@@ -59,8 +61,10 @@ struct expert_index {
 // reads expert slices from the file; one instance per reading thread
 class expert_store {
 public:
-    // direct_io: try O_DIRECT; falls back to buffered reads where the file system refuses it
-    expert_store(const expert_index & index, bool direct_io);
+    // direct_io: try O_DIRECT; falls back to buffered reads where the file system refuses it.
+    // pinned: a device's host buffer type (page-locked memory) for the buffers read_slice
+    // returns, when the slices go on to device memory (one DMA each); NULL: plain memory
+    expert_store(const expert_index & index, bool direct_io, ggml_backend_buffer_type_t pinned = nullptr);
     ~expert_store();
     expert_store(const expert_store &) = delete;
     expert_store & operator=(const expert_store &) = delete;
@@ -91,4 +95,6 @@ private:
     void * bounce   = nullptr; // aligned buffer for O_DIRECT reads
     size_t bounce_size = 0;
     std::vector<uint8_t> staging; // read_slice's buffer for buffered reads
+    ggml_backend_buffer_t pinned_buf = nullptr; // holds bounce and pinned_staging when pinned
+    void * pinned_staging = nullptr;            // read_slice's buffer for buffered reads, pinned
 };

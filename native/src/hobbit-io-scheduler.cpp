@@ -8,12 +8,13 @@
 #include <chrono>
 #include <system_error>
 
-io_scheduler::io_scheduler(std::vector<const expert_index *> indexes, bool direct_io, int n_threads, done_fn on_done)
+io_scheduler::io_scheduler(std::vector<const expert_index *> indexes, bool direct_io, int n_threads, done_fn on_done,
+                           ggml_backend_buffer_type_t pinned)
         : indexes(std::move(indexes)), on_done(std::move(on_done)) {
     stores.resize(std::max(1, n_threads));
     for (level_stores & ls : stores) {
         for (const expert_index * index : this->indexes) {
-            ls.push_back(std::make_unique<expert_store>(*index, direct_io));
+            ls.push_back(std::make_unique<expert_store>(*index, direct_io, pinned));
         }
     }
     try {
@@ -134,7 +135,9 @@ void io_scheduler::loop(level_stores & stores) {
         std::string error;
         try {
             if (pc.whole) {
-                // the buffer repacks the raw slice into the slot as it is set
+                // the buffer repacks the raw slice into the slot as it is set, or copies it to
+                // device memory (CUDA: on this thread's own stream, so the copy overlaps the
+                // compute stream, from the page-locked staging: disk -> pinned -> device)
                 ggml_backend_tensor_set(task.view[pc.proj], store.read_slice(task.layer, task.expert, pc.proj), 0,
                                         ggml_nbytes(task.view[pc.proj]));
             } else if (pc.end > pc.begin) {

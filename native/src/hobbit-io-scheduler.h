@@ -30,7 +30,7 @@ struct load_task {
     int  expert;
     bool prefetch;                          // false: a dispatch waits for it
     void * dst[LLAMA_MOE_PROJ_COUNT];       // where each raw projection goes (NULL: none, or repacked)
-    ggml_tensor * view[LLAMA_MOE_PROJ_COUNT]; // repacked projections: the slot's tensor, written with ggml_backend_tensor_set
+    ggml_tensor * view[LLAMA_MOE_PROJ_COUNT]; // repacked or device projections: the slot's tensor, written with ggml_backend_tensor_set
 };
 
 class io_scheduler {
@@ -39,8 +39,10 @@ public:
     using done_fn = std::function<void(const load_task &, const std::string & error, uint64_t n_bytes, int64_t us)>;
 
     // n_threads readers, each with its own handles on every level's file (indexes[level];
-    // throws hobbit_error if a file cannot be opened)
-    io_scheduler(std::vector<const expert_index *> indexes, bool direct_io, int n_threads, done_fn on_done);
+    // throws hobbit_error if a file cannot be opened). pinned: the host buffer type of the
+    // pools' device when it is not the CPU (slices staged in page-locked memory), or NULL
+    io_scheduler(std::vector<const expert_index *> indexes, bool direct_io, int n_threads, done_fn on_done,
+                 ggml_backend_buffer_type_t pinned = nullptr);
     ~io_scheduler(); // closes: drops queued tasks, finishes the running reads, joins
 
     bool direct_io() const { return stores.front().front()->direct_io(); }

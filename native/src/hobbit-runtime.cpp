@@ -199,6 +199,18 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
                                           params.shallow_layers >= 0 ? pool_plan_per_layer_min_bytes(level_index(0)) : -1,
                                           prompt_low_share);
     }
+    // the pools live on the GPU when there is one (HOBBIT §4), in its memory: on a discrete
+    // GPU that memory, not the host's, must hold the budget
+    pool_dev = expert_pool_device();
+    if (ggml_backend_dev_type(pool_dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+        size_t free = 0, total = 0;
+        ggml_backend_dev_memory(pool_dev, &free, &total);
+        if (free > 0 && (size_t) params.budget_bytes > free) {
+            throw hobbit_error(HOBBIT_STATUS_ERROR_BUDGET, "the expert budget (" + std::to_string(params.budget_bytes >> 20) +
+                " MB) is more than " + ggml_backend_dev_name(pool_dev) + " has free (" + std::to_string(free >> 20) +
+                " MB); give a smaller cache");
+        }
+    }
     pool_of.assign(n_level, std::vector<int>(info.n_layer, -1));
     int64_t n_slot_total = 0;
     for (int l = 0; l < n_level; ++l) {
@@ -212,7 +224,8 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
             pg.level        = l;
             pg.type         = li.layers[g.layers.front()].proj[LLAMA_MOE_PROJ_DOWN].type;
             pg.expert_bytes = g.expert_bytes;
-            pg.pool   = std::make_unique<expert_pool>(li.layers[g.layers.front()], info.n_layer, info.n_expert, info.n_expert_used, g.n_slot);
+            pg.pool   = std::make_unique<expert_pool>(li.layers[g.layers.front()], info.n_layer, info.n_expert, info.n_expert_used,
+                                                      g.n_slot, pool_dev);
             pg.policy = cache_policy_make(policy_kind, g.n_slot, info.n_layer, info.n_expert, weights, params.seed,
                                           popularity.empty() ? nullptr : popularity.data());
             pg.n_layer = (int) g.layers.size();
@@ -279,8 +292,13 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         predictor = predictor_make_stacked_gates(load_routers(model, moe_layers), info.n_embd, width,
                                                  params.prefetch_layers);
     }
+    // loads into device pools are staged in the device's page-locked host memory (disk ->
+    // pinned -> device, HOBBIT §4), each I/O thread copying on its own stream
+    ggml_backend_buffer_type_t pinned = ggml_backend_dev_type(pool_dev) != GGML_BACKEND_DEVICE_TYPE_CPU
+        ? ggml_backend_dev_host_buffer_type(pool_dev) : nullptr;
     io = std::make_unique<io_scheduler>(level_indexes, params.direct_io, params.n_io_threads,
-        [this](const load_task & t, const std::string & err, uint64_t n, int64_t us) { on_load_done(t, err, n, us); });
+        [this](const load_task & t, const std::string & err, uint64_t n, int64_t us) { on_load_done(t, err, n, us); },
+        pinned);
 
     dispatch_uds.resize((size_t) info.n_layer * LLAMA_MOE_MAX_WAVES);
     layers.resize(info.n_layer);

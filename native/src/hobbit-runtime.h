@@ -161,6 +161,7 @@ private:
         int     n_layer = 0;                    // MoE layers served
         int64_t hits = 0, misses = 0, bytes_read = 0;
     };
+    ggml_backend_dev_t              pool_dev = nullptr; // where the pools live (expert_pool_device)
     std::vector<pool_group>         pools;
     std::vector<std::vector<int>>   pool_of;    // [level][n_layer]: index in pools, -1 for dense layers
     std::unique_ptr<predictor_i>    predictor;

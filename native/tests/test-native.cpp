@@ -95,12 +95,14 @@ static void test_index(const std::string & path) {
     printf("ok index\n");
 }
 
-static void test_store(const std::string & path, bool direct) {
+// staged: read_slice's buffers from a buffer type, as for pools in a GPU's memory (there the
+// device's page-locked host memory; here the CPU's, the same code path)
+static void test_store(const std::string & path, bool direct, bool staged) {
     expert_index idx = expert_index::from_file(path);
-    expert_store store(idx, direct);
+    expert_store store(idx, direct, staged ? ggml_backend_dev_buffer_type(expert_pool_device()) : nullptr);
     for (int il : {0, 2}) {
         for (int e = 0; e < N_EXPERT; ++e) {
-            std::vector<std::vector<uint8_t>> buf(3);
+            std::vector<std::vector<uint8_t>> buf(3), slice(3);
             void * dst[LLAMA_MOE_PROJ_COUNT] = {};
             for (int p = 0; p < 3; ++p) {
                 buf[p].resize(idx.layers[il].proj[p].n_bytes);
@@ -108,9 +110,14 @@ static void test_store(const std::string & path, bool direct) {
             }
             store.read_expert(il, e, dst);
             check_expert_bytes(buf, il, e);
+            for (int p = 0; p < 3; ++p) {
+                const uint8_t * src = (const uint8_t *) store.read_slice(il, e, p);
+                slice[p].assign(src, src + idx.layers[il].proj[p].n_bytes);
+            }
+            check_expert_bytes(slice, il, e);
         }
     }
-    printf("ok store (direct_io requested=%d, in use=%d)\n", direct, store.direct_io());
+    printf("ok store (direct_io requested=%d, in use=%d, staged=%d)\n", direct, store.direct_io(), staged);
 }
 
 static void test_truncated(const std::string & path) {
@@ -763,8 +770,10 @@ int main(int argc, char ** argv) {
     const std::string dir = argc > 1 ? argv[1] : "/tmp";
     const std::string path = write_model(dir + "/hobbit-native-test-" + std::to_string(getpid()) + ".gguf");
     test_index(path);
-    test_store(path, false);
-    test_store(path, true);
+    for (bool staged : {false, true}) {
+        test_store(path, false, staged);
+        test_store(path, true, staged);
+    }
     test_truncated(path);
     test_lru();
     test_lfu_lhu_fld();
