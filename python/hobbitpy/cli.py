@@ -26,11 +26,24 @@ def _add_run_parser(sub) -> None:
     _add_sampling_args(p)
     p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="CPU threads (default: all cores)")
     p.add_argument("-c", "--ctx", type=int, default=None, help="context length in tokens (default: the model's training context)")
+    _add_gpu_layers_arg(p)
     p.add_argument("--no-echo", action="store_true", help="print only the generated text, not the prompt before it")
     add_offload_args(p)
     p.add_argument("--stats-json", metavar="FILE", help="write run statistics as JSON to FILE (a new file)")
     _add_verbosity_args(p)
     p.set_defaults(func=_run)
+
+
+def _add_gpu_layers_arg(p) -> None:
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=None, metavar="N",
+                   help="layers whose non-expert weights go to the GPU, as llama.cpp's -ngl (-1: all; default: all "
+                        "when a GPU is usable, else none); the experts' pools are on the GPU whenever there is one")
+
+
+def _gpu_layers(args) -> int:
+    from hobbitpy.devices import default_gpu_layers
+
+    return default_gpu_layers() if args.n_gpu_layers is None else args.n_gpu_layers
 
 
 def _add_sampling_args(p) -> None:
@@ -76,6 +89,7 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("--ctx", type=int, default=None, help="context length in tokens (default: the model's training context)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads (default: all cores)")
+    _add_gpu_layers_arg(p)
     p.add_argument("--alias", help="the model's name in the API (default: the file path)")
     p.add_argument("--chat-format", help="llama-cpp-python chat format (default: the model's template)")
     p.add_argument("--api-key", help="require this bearer token")
@@ -102,7 +116,7 @@ def _serve(args) -> int:
         offload = offload_config_from_args(args, args.model, auto_profile=True)
         log.info(f"serving {args.model} on http://{args.host}:{args.port} (OpenAI API under /v1, /health, /metrics)")
         serve(args.model, offload, host=args.host, port=args.port, n_ctx=n_ctx, n_threads=args.threads,
-              alias=args.alias, chat_format=args.chat_format, api_key=args.api_key, verbose=args.verbose)
+              n_gpu_layers=_gpu_layers(args), alias=args.alias, chat_format=args.chat_format, api_key=args.api_key, verbose=args.verbose)
     except (ValueError, HobbitError, OSError) as e:
         return _fail(str(e))
     except KeyboardInterrupt:
@@ -977,7 +991,7 @@ def _run(args) -> int:
         n_ctx = args.ctx or hobbitpy.inspect_model(args.model).n_ctx_train or 512
         offload = offload_config_from_args(args, args.model, auto_profile=True)
         llm = hobbitpy.Llama(args.model, offload=offload, n_ctx=n_ctx, n_threads=args.threads, verbose=args.verbose,
-                             seed=args.seed)
+                             seed=args.seed, n_gpu_layers=_gpu_layers(args))
     except (ValueError, HobbitError) as e:
         return _fail(str(e))
     log.info(llm.offload_plan.reason)

@@ -25,15 +25,26 @@ def gpu_module_paths() -> list[str]:
     return sorted(str(p) for p in LIB_DIR.glob("libggml-cuda*.so"))
 
 
+def gpu_usable() -> bool:
+    """This build has a GPU backend and ggml found a GPU for it."""
+    if not gpu_module_paths():
+        return False
+    with llama_cpp._utils.suppress_stdout_stderr(disable=False):  # ggml's "loaded ... backend" lines
+        llama_cpp.llama_backend_init()  # loads every backend module ggml finds (once per process)
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+def default_gpu_layers() -> int:
+    """The CLI's -ngl when not given: every layer on the GPU when there is one (the experts'
+    pools are there too: HOBBIT's GPU-centric design), none otherwise (llama.cpp's -1/0)."""
+    return -1 if gpu_usable() else 0
+
+
 def gpu_unusable_reason() -> str | None:
     """Why the shipped GPU backend serves nothing here, or None (a GPU is usable, or this
     build has no GPU backend)."""
     modules = gpu_module_paths()
-    if not modules:
-        return None
-    with llama_cpp._utils.suppress_stdout_stderr(disable=False):  # ggml's "loaded ... backend" lines
-        llama_cpp.llama_backend_init()  # loads every backend module ggml finds (once per process)
-    if llama_cpp.llama_supports_gpu_offload():
+    if not modules or gpu_usable():
         return None
     try:
         # the loader's own attempt said nothing: make it again to learn why it failed

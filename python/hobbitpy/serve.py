@@ -29,7 +29,7 @@ def _proxy_class():
             # the ubatch only when asked for: left open, the planner narrows it when memory is short
             asked = {"n_ubatch": settings.n_ubatch} if "n_ubatch" in settings.model_fields_set else {}
             return Llama(settings.model, offload=self.offload, n_ctx=settings.n_ctx, n_batch=settings.n_batch,
-                         n_threads=settings.n_threads,
+                         n_threads=settings.n_threads, n_gpu_layers=settings.n_gpu_layers,
                          n_threads_batch=settings.n_threads_batch, seed=settings.seed,
                          chat_format=settings.chat_format, flash_attn=settings.flash_attn,
                          last_n_tokens_size=settings.last_n_tokens_size, verbose=settings.verbose, **asked)
@@ -91,8 +91,9 @@ class ExpertCacheCollector:
                                 value=stats["budget_bytes"])
 
 
-def create_app(model_path: str, offload: OffloadConfig, *, n_ctx: int, n_threads: int, alias: str | None = None,
-               chat_format: str | None = None, api_key: str | None = None, verbose: bool = False):
+def create_app(model_path: str, offload: OffloadConfig, *, n_ctx: int, n_threads: int, n_gpu_layers: int = 0,
+               alias: str | None = None, chat_format: str | None = None, api_key: str | None = None,
+               verbose: bool = False):
     """The ASGI app: llama-cpp-python's routes (/v1/completions, /v1/chat/completions,
     /v1/models, ...) on a hobbitpy.Llama, plus /health and /metrics. Loads the model."""
     try:
@@ -110,7 +111,8 @@ def create_app(model_path: str, offload: OffloadConfig, *, n_ctx: int, n_threads
                           "pip install 'hobbitpy[server]'") from None
 
     model_settings = ModelSettings(model=model_path, model_alias=alias, n_ctx=n_ctx, n_threads=n_threads,
-                                   n_threads_batch=n_threads, chat_format=chat_format, verbose=verbose)
+                                   n_threads_batch=n_threads, n_gpu_layers=n_gpu_layers, chat_format=chat_format,
+                                   verbose=verbose)
     server_settings = ServerSettings(api_key=api_key)
     proxy = _proxy_class()([model_settings], offload)
 
@@ -138,11 +140,11 @@ def create_app(model_path: str, offload: OffloadConfig, *, n_ctx: int, n_threads
 
 
 def serve(model_path: str, offload: OffloadConfig, *, host: str, port: int, n_ctx: int, n_threads: int,
-          alias: str | None = None, chat_format: str | None = None, api_key: str | None = None,
+          n_gpu_layers: int = 0, alias: str | None = None, chat_format: str | None = None, api_key: str | None = None,
           verbose: bool = False) -> None:
     """Load the model and serve it until interrupted."""
     import uvicorn
 
-    app = create_app(model_path, offload, n_ctx=n_ctx, n_threads=n_threads, alias=alias, chat_format=chat_format,
-                     api_key=api_key, verbose=verbose)
+    app = create_app(model_path, offload, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, alias=alias,
+                     chat_format=chat_format, api_key=api_key, verbose=verbose)
     uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning")
