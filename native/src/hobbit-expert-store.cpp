@@ -417,12 +417,12 @@ void expert_index::check_companion(const expert_index & companion) const {
     }
 }
 
-expert_store::expert_store(const expert_index & index, bool direct_io, ggml_backend_buffer_type_t pinned) : index(index) {
+expert_store::expert_store(const expert_index & index, bool direct_io, ggml_backend_buffer_type_t pinned)
+        : index(index), pinned(pinned) {
     fd = open(index.path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_IO, index.path + ": cannot open model file: " + errno_text());
     }
-    uint64_t max_slice = 0;
     for (const auto & layer : index.layers) {
         for (const auto & p : layer.proj) {
             max_slice = std::max(max_slice, p.present ? p.n_bytes : 0);
@@ -432,23 +432,18 @@ expert_store::expert_store(const expert_index & index, bool direct_io, ggml_back
         fd_direct = open(index.path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
         bounce_size = (max_slice + 2*DIRECT_IO_ALIGN + DIRECT_IO_ALIGN - 1) / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN;
     }
-    if (pinned != nullptr) {
-        // one page-locked block: the O_DIRECT bounce buffer (aligned inside it), then the staging
-        const size_t bounce_span = fd_direct >= 0 ? bounce_size + DIRECT_IO_ALIGN : 0;
-        pinned_buf = ggml_backend_buft_alloc_buffer(pinned, bounce_span + max_slice);
-        if (pinned_buf == nullptr) {
+    if (pinned != nullptr && fd_direct >= 0) {
+        // the O_DIRECT bounce buffer in page-locked memory (aligned inside it): read_slice
+        // returns it, and the copy to the device is one DMA
+        pinned_bounce_buf = ggml_backend_buft_alloc_buffer(pinned, bounce_size + DIRECT_IO_ALIGN);
+        if (pinned_bounce_buf == nullptr) {
             close(fd);
-            if (fd_direct >= 0) {
-                close(fd_direct);
-            }
-            throw hobbit_error(HOBBIT_STATUS_ERROR_BUDGET, "cannot allocate " + std::to_string((bounce_span + max_slice) >> 20) +
+            close(fd_direct);
+            throw hobbit_error(HOBBIT_STATUS_ERROR_BUDGET, "cannot allocate " + std::to_string(bounce_size >> 20) +
                                " MB of page-locked memory to stage expert loads");
         }
-        const uintptr_t base = (uintptr_t) ggml_backend_buffer_get_base(pinned_buf);
-        if (fd_direct >= 0) {
-            bounce = (void *) ((base + DIRECT_IO_ALIGN - 1) / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN);
-        }
-        pinned_staging = (void *) (base + bounce_span);
+        const uintptr_t base = (uintptr_t) ggml_backend_buffer_get_base(pinned_bounce_buf);
+        bounce = (void *) ((base + DIRECT_IO_ALIGN - 1) / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN);
     } else if (fd_direct >= 0 && posix_memalign(&bounce, DIRECT_IO_ALIGN, bounce_size) != 0) {
         bounce = nullptr;
         close(fd_direct);
@@ -463,10 +458,13 @@ expert_store::~expert_store() {
     if (fd_direct >= 0) {
         close(fd_direct);
     }
-    if (pinned_buf != nullptr) {
-        ggml_backend_buffer_free(pinned_buf); // bounce lives inside it
+    if (pinned_bounce_buf != nullptr) {
+        ggml_backend_buffer_free(pinned_bounce_buf); // bounce lives inside it
     } else {
         free(bounce);
+    }
+    if (pinned_staging_buf != nullptr) {
+        ggml_backend_buffer_free(pinned_staging_buf);
     }
 }
 
@@ -525,9 +523,18 @@ const void * expert_store::read_slice(int il, int e, int proj) {
             return src;
         }
     }
-    if (pinned_staging != nullptr) {
-        read_at(offset, pl.n_bytes, pinned_staging);
-        return pinned_staging;
+    if (pinned != nullptr) {
+        // buffered reads (no O_DIRECT here) stage in page-locked memory too, made at first use
+        if (pinned_staging_buf == nullptr) {
+            pinned_staging_buf = ggml_backend_buft_alloc_buffer(pinned, max_slice);
+            if (pinned_staging_buf == nullptr) {
+                throw hobbit_error(HOBBIT_STATUS_ERROR_BUDGET, "cannot allocate " + std::to_string(max_slice >> 20) +
+                                   " MB of page-locked memory to stage expert loads");
+            }
+        }
+        void * dst = ggml_backend_buffer_get_base(pinned_staging_buf);
+        read_at(offset, pl.n_bytes, dst);
+        return dst;
     }
     staging.resize(pl.n_bytes);
     read_at(offset, pl.n_bytes, staging.data());

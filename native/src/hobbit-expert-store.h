@@ -95,6 +95,8 @@ private:
     void * bounce   = nullptr; // aligned buffer for O_DIRECT reads
     size_t bounce_size = 0;
     std::vector<uint8_t> staging; // read_slice's buffer for buffered reads
-    ggml_backend_buffer_t pinned_buf = nullptr; // holds bounce and pinned_staging when pinned
-    void * pinned_staging = nullptr;            // read_slice's buffer for buffered reads, pinned
+    uint64_t max_slice = 0;       // the largest projection slice of the file
+    ggml_backend_buffer_type_t pinned = nullptr;        // page-locked memory, when loads go on to a device
+    ggml_backend_buffer_t pinned_bounce_buf  = nullptr; // holds bounce, when pinned
+    ggml_backend_buffer_t pinned_staging_buf = nullptr; // read_slice's buffer for buffered reads, when pinned
 };
