@@ -88,6 +88,7 @@ def test_offload_settings_are_keywords(model_dir):
     with hobbitpy.Llama(path, cache_mb=budget_mb, prefetch_layers=1, policy="lfu", n_ctx=64, verbose=False) as llm:
         assert llm.offloaded
         assert llm.offload_stats()["budget_bytes"] == int(budget_mb * MB)
+        assert llm.offload_stats()["pool_device"] == "CPU"  # no GPU here
     # a dict of OffloadConfig fields, keywords on top of it
     with hobbitpy.Llama(path, offload={"cache_mb": budget_mb * 2}, cache_mb=budget_mb, n_ctx=64, verbose=False) as llm:
         assert llm.offload_stats()["budget_bytes"] == int(budget_mb * MB)

@@ -24,6 +24,7 @@ def test_offload_check_tool_finds_offloaded_logits_equal_stock(model_dir, arch):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("CPU backend: ")
+    assert " on CPU; " in proc.stdout  # where the pools lived: no GPU here
     assert proc.stdout.rstrip().endswith("offloaded logits equal stock's bit for bit")
 
 

@@ -300,6 +300,8 @@ HOBBIT_API hobbit_runtime * hobbit_runtime_of_model(const struct llama_model * m
 
 HOBBIT_API void hobbit_runtime_get_stats(const hobbit_runtime * rt, struct hobbit_stats * stats);
 HOBBIT_API void hobbit_runtime_reset_stats(hobbit_runtime * rt);
+// the device the expert pools live on, as ggml names it ("CPU", "CUDA0", ...); owned by ggml
+HOBBIT_API const char * hobbit_runtime_pool_device(const hobbit_runtime * rt);
 
 // last error of the runtime (a failed read during decode); returns true and fills buf if there is one
 HOBBIT_API bool hobbit_runtime_get_error(const hobbit_runtime * rt, char * buf, size_t size);

@@ -194,6 +194,10 @@ void hobbit_runtime_reset_stats(hobbit_runtime * rt) {
     rt->reset_stats();
 }
 
+const char * hobbit_runtime_pool_device(const hobbit_runtime * rt) {
+    return rt->pool_device_name();
+}
+
 bool hobbit_runtime_get_error(const hobbit_runtime * rt, char * buf, size_t size) {
     std::string msg;
     const bool failed = rt->error(msg);

@@ -52,6 +52,7 @@ struct hobbit_runtime {
 
     bool error(std::string & msg) const;
     void clear_error();
+    const char * pool_device_name() const { return ggml_backend_dev_name(pool_dev); }
     bool failed() const { return has_error.load(std::memory_order_acquire) || (map_guard && map_guard->faulted()); }
 
 private:

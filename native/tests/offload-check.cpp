@@ -24,6 +24,7 @@ struct run_result {
     std::vector<float> logits;  // every evaluated token's logits, in order
     hobbit_stats stats = {};
     bool offloaded = false;
+    std::string pool_device;    // where the expert pools lived
 };
 
 void quiet_log(ggml_log_level level, const char * text, void *) {
@@ -89,6 +90,7 @@ bool run(const char * path, const hobbit_params * offload, int n_decode, run_res
     }
     if (hobbit_runtime * rt = hobbit_runtime_of_model(model)) {
         hobbit_runtime_get_stats(rt, &out.stats);
+        out.pool_device = hobbit_runtime_pool_device(rt);
     }
     llama_free(ctx);
     llama_model_free(model);
@@ -159,10 +161,10 @@ int main(int argc, char ** argv) {
     }
     const bool equal = stock.logits.size() == offloaded.logits.size() &&
                        memcmp(stock.logits.data(), offloaded.logits.data(), stock.logits.size() * sizeof(float)) == 0;
-    printf("%s: %s, %d MoE layers x %d experts; cache %.1f MB of %.1f MB; %d tokens decoded; "
+    printf("%s: %s, %d MoE layers x %d experts; cache %.1f MB of %.1f MB on %s; %d tokens decoded; "
            "%lld hits, %lld misses, %.1f MB read\n",
-           path, info.arch, info.n_layer_moe, info.n_expert, info.min_budget_bytes / 1048576.0,
-           info.expert_bytes_total / 1048576.0, n_decode, (long long) offloaded.stats.expert_hits,
+           path, info.arch, info.n_layer_moe, info.n_expert, info.min_budget_bytes / 1048576.0, 
+           info.expert_bytes_total / 1048576.0, offloaded.pool_device.c_str(), n_decode, (long long) offloaded.stats.expert_hits,
            (long long) offloaded.stats.expert_misses, offloaded.stats.bytes_read / 1048576.0);
     if (!equal) {
         printf("offloaded logits differ from stock's\n");

@@ -200,6 +200,7 @@ void hobbit_cancel_offload_request(void);
 bool hobbit_last_attach_error(char * buf, size_t size);
 hobbit_runtime * hobbit_runtime_of_model(const struct llama_model * model);
 void hobbit_runtime_get_stats(const hobbit_runtime * rt, struct hobbit_stats * stats);
+const char * hobbit_runtime_pool_device(const hobbit_runtime * rt);
 void hobbit_runtime_reset_stats(hobbit_runtime * rt);
 bool hobbit_runtime_get_error(const hobbit_runtime * rt, char * buf, size_t size);
 void hobbit_runtime_clear_error(hobbit_runtime * rt);

@@ -239,6 +239,7 @@ class Llama(llama_cpp.Llama):
                 stats[name] = value
             else:  # an array, one entry per precision level
                 stats[name] = [int(v) for v in value][:s.n_level]
+        stats["pool_device"] = to_str(lib.hobbit_runtime_pool_device(self._runtime))  # "CPU", or a GPU ("CUDA0")
         return stats
 
     def last_logits(self) -> np.ndarray:
