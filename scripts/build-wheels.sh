@@ -11,7 +11,7 @@
 # Install both with `pip install DIST/*.whl`.
 #
 #   scripts/build-wheels.sh [--arch aarch64] [DIST]
-#   scripts/build-wheels.sh --cuda CUDA_HOME [DIST]
+#   scripts/build-wheels.sh --cuda CUDA_HOME [DIST]     (this machine's architecture)
 #
 # --cuda: the same wheel with ggml's CUDA backend module beside the CPU ones, built with the
 # CUDA 12 toolkit in CUDA_HOME for CUDA_ARCHITECTURES (default 75-virtual: PTX that the
@@ -72,7 +72,6 @@ python -m pip wheel "$root" --no-deps --no-build-isolation "${build_dir[@]}" --w
 python -m pip wheel "$sdist" --no-deps --no-build-isolation --no-binary llama-cpp-python "${no_cache[@]}" \
     --wheel-dir "$raw"
 
-# the manylinux tag: the oldest policy whose symbol versions cover the libraries'
 if [ -n "$cuda_home" ]; then
     # the CUDA runtime and cuBLAS the module needs, as requirements of this wheel only
     python -m wheel unpack --dest "$raw/unpacked" "$raw"/hobbitpy-*.whl
@@ -83,6 +82,7 @@ if [ -n "$cuda_home" ]; then
     rm "$raw"/hobbitpy-*.whl
     python -m wheel pack --dest-dir "$raw" "$raw"/unpacked/hobbitpy-*
 fi
+# the manylinux tag: the oldest policy whose symbol versions cover the libraries'
 python -m auditwheel repair "${repair[@]}" --wheel-dir "$dist" "$raw"/hobbitpy-*.whl
 cp "$raw"/llama_cpp_python-*.whl "$dist"/
 ls -l "$dist"
