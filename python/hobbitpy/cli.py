@@ -1116,7 +1116,7 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(logging.Formatter("hobbitpy: %(message)s"))
     log.handlers[:] = [handler]
     log.propagate = False
-    log.setLevel(logging.WARNING if getattr(args, "quiet", False) else logging.INFO)
+    log.setLevel(logging.ERROR if getattr(args, "quiet", False) else logging.INFO)
     try:
         return args.func(args)
     except KeyboardInterrupt:

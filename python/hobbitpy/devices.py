@@ -4,13 +4,15 @@ A CUDA build ships ggml's CUDA backend as a module (``libggml-cuda.so`` beside l
 which ggml loads at start only if it can: on a machine without NVIDIA's driver the module
 does not load (``libcuda.so.1`` is missing), and a driver without a GPU gives it no
 device. ggml's loader is silent about both in a release build, so a user would never learn
-why a GPU wheel runs on the CPU; this module says it once per process.
+why a GPU wheel runs on the CPU; this module says it once per process, as a warning of the
+"hobbitpy" logger (the CLI prints it as a note, hidden by -q; in an application it goes
+where the application's logging sends warnings, to stderr when nothing is configured).
 """
 
 from __future__ import annotations
 
 import ctypes
-import sys
+import logging
 import threading
 
 import llama_cpp
@@ -56,10 +58,10 @@ def gpu_unusable_reason() -> str | None:
 
 
 def say_if_gpu_unusable() -> None:
-    """Print, once per process, that a GPU build runs on the CPU here, and why."""
+    """Warn, once per process, that a GPU build runs on the CPU here, and why."""
     if _said.is_set():
         return
     _said.set()
     why = gpu_unusable_reason()
     if why is not None:
-        print(f"hobbitpy: no usable CUDA GPU ({why}): running on the CPU", file=sys.stderr, flush=True)
+        logging.getLogger("hobbitpy").warning(f"no usable CUDA GPU ({why}): running on the CPU")
