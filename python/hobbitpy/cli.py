@@ -116,7 +116,8 @@ def _serve(args) -> int:
         offload = offload_config_from_args(args, args.model, auto_profile=True)
         log.info(f"serving {args.model} on http://{args.host}:{args.port} (OpenAI API under /v1, /health, /metrics)")
         serve(args.model, offload, host=args.host, port=args.port, n_ctx=n_ctx, n_threads=args.threads,
-              n_gpu_layers=_gpu_layers(args), alias=args.alias, chat_format=args.chat_format, api_key=args.api_key, verbose=args.verbose)
+              n_gpu_layers=_gpu_layers(args), alias=args.alias, chat_format=args.chat_format, api_key=args.api_key,
+              verbose=args.verbose)
     except (ValueError, HobbitError, OSError) as e:
         return _fail(str(e))
     except KeyboardInterrupt:
