@@ -12,7 +12,7 @@ import pytest
 import hobbitpy
 from hobbitpy import HobbitError, OffloadConfig
 from hobbitpy.cli import main as cli_main
-from hobbitpy.simulate import simulate, simulate_all
+from hobbitpy.simulate import simulate, simulate_all, slots_per_layer
 from hobbitpy.trace import load_trace, record_trace
 
 from conftest import MB, run_logits, tiny_model
@@ -215,3 +215,32 @@ def test_every_preset_is_replayed_with_its_rules(model_dir, tmp_path, capsys):
     # the hobbit preset prefetches two layers; a trace of one layer's guesses replays one
     assert cli_main(["simulate", str(out), "--budget-mb", f"{budget:.4f}", "--prefetch-layers", "2"]) == 2
     assert "guesses 1 layers ahead" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "arc"])
+def test_a_pool_per_layer_is_replayed_as_the_runtime_ran_it(model_dir, policy):
+    # the runtime's --shallow-layers 0: a pool per MoE layer, its own policy each, 10 slots
+    # dealt 3/3/2/2; the replay deals them the same way and counts the same hits and misses
+    path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    info = hobbitpy.inspect_model(path)
+    budget = _slots_budget_mb(info, 10)
+    t = record_trace(path, PROMPTS, n_predict=10, cache_mb=budget, policy=policy, n_batch=1, n_ctx=128, lookahead=2,
+                     shallow_layers=0)
+    rt = t.meta["runtime"]
+    per_layer = simulate(t, budget, policy, per_layer=True)
+    assert per_layer.n_slot == rt["n_slot"] == 10
+    assert (per_layer.hits, per_layer.misses) == (rt["expert_hits"], rt["expert_misses"])
+    shared = simulate(t, budget, policy)
+    assert per_layer.accesses == shared.accesses and per_layer.misses != shared.misses
+    assert slots_per_layer(t, budget) == [3, 3, 2, 2]
+    # Fate's shallow layer: the first whole (8 slots), 2 for each of the others
+    wide = _slots_budget_mb(info, 14)
+    assert slots_per_layer(t, wide, shallow_layers=1) == [8, 2, 2, 2]
+    t1 = record_trace(path, PROMPTS, n_predict=10, cache_mb=wide, policy=policy, n_batch=1, n_ctx=128, lookahead=2,
+                      shallow_layers=1)
+    r1 = simulate(t1, wide, policy, per_layer=True, shallow_layers=1)
+    assert (r1.hits, r1.misses) == (t1.meta["runtime"]["expert_hits"], t1.meta["runtime"]["expert_misses"])
+    with pytest.raises(HobbitError, match="a pool per layer needs 2 in each of 4"):
+        simulate(t, _slots_budget_mb(info, 7), policy, per_layer=True)
+    with pytest.raises(HobbitError, match="shared pool only"):
+        simulate(t, budget, policy, per_layer=True, prefetch_layers=1)

@@ -530,6 +530,10 @@ def _add_simulate_parser(sub) -> None:
     p.add_argument("--popularity", metavar="TRACE", type=_of_trace("expert_popularity"), default=None,
                    help="the popularity policy's profile from another trace of the same model (default: the "
                         "selection counts of the trace replayed, Fiddler's best case)")
+    p.add_argument("--shallow-layers", type=int, default=None, metavar="N",
+                   help="a pool per MoE layer, each with its own policy, the first N whole while the budget lasts "
+                        "(the runtime's --shallow-layers, Fate's arrangement; 0: every layer alike); default one "
+                        "shared pool")
     p.add_argument("--prefetch-layers", type=int, default=0, metavar="P",
                    help="replay the decode prefetch too: after each layer, the experts the trace's predictor "
                         "guessed for the next P layers are loaded (their bytes count as read; not for belady)")
@@ -562,12 +566,15 @@ def _simulate(args) -> int:
             return _fail(f"--substitute must be in [0, 1], got {args.substitute}")
         if args.prefetch_layers < 0:
             return _fail(f"--prefetch-layers must be 0 or more, got {args.prefetch_layers}")
+        if args.shallow_layers is not None and args.shallow_layers < 0:
+            return _fail(f"--shallow-layers must be 0 or more, got {args.shallow_layers}")
         if args.neurons is not None:
             return _simulate_neurons(t, args)
         results = simulate_all(t, args.budget_mb, args.policy, weights=args.policy_weights or (0.25,) * 4,
                                seed=args.seed, t1=args.t1, low_miss_cost=args.low_cost,
                                substitute_alpha=args.substitute, popularity=args.popularity,
-                               prefetch_layers=args.prefetch_layers)
+                               prefetch_layers=args.prefetch_layers, per_layer=args.shallow_layers is not None,
+                               shallow_layers=args.shallow_layers or 0)
         presets = [simulate_preset(t, budget, name, popularity=args.popularity, low_miss_cost=args.low_cost)
                    for budget in args.budget_mb for name in args.preset]
         # each budget's rows together: the policies, then the presets

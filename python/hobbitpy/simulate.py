@@ -4,11 +4,14 @@ The replay runs in libhobbit (hobbit_simulate_cache): the policy objects are the
 runtime's own, so a simulated LRU is the deployed LRU. Belady's offline optimum (evict
 the expert needed farthest in the future) is the bound every policy is compared to.
 The cache is one pool of budget // expert_bytes slots shared by all MoE layers, as
-the runtime builds it for a model whose MoE layers share one expert shape.
+the runtime builds it for a model whose MoE layers share one expert shape; or, with
+per_layer, a pool per MoE layer with its own policy (the runtime's --shallow-layers, Fate's
+arrangement), the slots dealt out as the runtime's pool_plan_make_per_layer deals them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, asdict
 
 import numpy as np
@@ -58,6 +61,34 @@ def slots_for_budget(trace: Trace, budget_mb: float) -> int:
     return n_slot
 
 
+def slots_per_layer(trace: Trace, budget_mb: float, shallow_layers: int = 0) -> list[int]:
+    """The slots of each MoE layer's pool, as the runtime's pool_plan_make_per_layer deals a
+    budget: every layer a token's top-k, the first shallow_layers whole while the budget
+    lasts, then the others a slot each in turn."""
+    slots_for_budget(trace, budget_mb)  # the same checks
+    L, k, E = trace.meta["n_moe_layer"], trace.meta["n_expert_used"], trace.meta["n_expert"]
+    eb = trace.meta["expert_bytes"]
+    left = int(budget_mb * MB) - L * k * eb
+    if left < 0:
+        raise HobbitError(f"a budget of {budget_mb:g} MB holds {int(budget_mb * MB) // eb} experts of "
+                          f"{eb / MB:.2f} MB; a pool per layer needs {k} in each of {L} MoE layers")
+    slots = [k] * L
+    first = min(max(shallow_layers, 0), L)
+    for i in range(first):
+        extra = min(left // eb, E - slots[i])
+        slots[i] += extra
+        left -= extra * eb
+    more = True
+    while more:
+        more = False
+        for i in range(first, L):
+            if left >= eb and slots[i] < E:
+                slots[i] += 1
+                left -= eb
+                more = True
+    return slots
+
+
 def router_scores(trace: Trace) -> np.ndarray:
     """[tokens, layers, n_expert] the router's scores as probabilities: the trace's probs, or
     for gpt-oss (which routes on logits and softmaxes over its selection) their softmax."""
@@ -71,7 +102,8 @@ def router_scores(trace: Trace) -> np.ndarray:
 def simulate(trace: Trace, budget_mb: float, policy: str, *, weights=(0.25, 0.25, 0.25, 0.25), seed: int = 0,
              high_precision: np.ndarray | None = None, low_miss_cost: float = 1.0, t1: float | None = None,
              substitute_alpha: float = 0.0, popularity: np.ndarray | None = None, prefetch_layers: int = 0,
-             label: str | None = None) -> SimResult:
+             label: str | None = None, per_layer: bool = False, shallow_layers: int = 0,
+             n_slot: int | None = None) -> SimResult:
     """Misses of `policy` on `trace` with a cache of `budget_mb`. A selection is wanted at
     high precision per high_precision, or (t1) when its eq. 2 score is at most t1; a
     low-precision miss costs low_miss_cost of a high one (HOBBIT's miss penalty).
@@ -81,13 +113,21 @@ def simulate(trace: Trace, budget_mb: float, policy: str, *, weights=(0.25, 0.25
     selection counts (a profile of the very text replayed: Fiddler's best case).
     prefetch_layers: after each layer the next P layers' experts the trace's predictor guessed
     are loaded, as the runtime's decode prefetch does (not for Belady). label: the name the
-    result goes by (default the policy)."""
+    result goes by (default the policy). per_layer: a pool per MoE layer (slots_per_layer,
+    shallow_layers whole first), each layer replayed alone with its own policy; not with
+    prefetch, which loads into the next layers' pools. n_slot: the slots themselves, for a
+    budget that is not a whole number of experts (per_layer's pools)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
     if high_precision is None and t1 is not None:
         high_precision = selection_scores(trace.weights) <= t1
+    if per_layer:
+        return _simulate_per_layer(trace, budget_mb, policy, shallow_layers, label=label, weights=weights, seed=seed,
+                                   high_precision=high_precision, low_miss_cost=low_miss_cost,
+                                   substitute_alpha=substitute_alpha, popularity=popularity,
+                                   prefetch_layers=prefetch_layers)
     native_policy = "weighted" if policy == "hobbit" else policy
-    n_slot = slots_for_budget(trace, budget_mb)
+    n_slot = slots_for_budget(trace, budget_mb) if n_slot is None else n_slot
     experts = np.ascontiguousarray(trace.experts, dtype=np.int32)
     seq_start = np.ascontiguousarray(trace.seq_start, dtype=np.uint8)
     t = ffi.new("struct hobbit_sim_trace *")
@@ -132,6 +172,26 @@ def simulate(trace: Trace, budget_mb: float, policy: str, *, weights=(0.25, 0.25
                      prefetch_used=int(r.prefetch_used))
 
 
+def _simulate_per_layer(trace: Trace, budget_mb: float, policy: str, shallow_layers: int, *, label, high_precision,
+                        popularity, prefetch_layers, **kwargs) -> SimResult:
+    if prefetch_layers:
+        raise HobbitError("prefetch loads into the next layers' pools: it is replayed with one shared pool only")
+    if policy == "popularity" and popularity is None:
+        popularity = expert_popularity(trace)
+    slots = slots_per_layer(trace, budget_mb, shallow_layers)
+    parts = []
+    for layer, n in enumerate(slots):
+        one = dataclasses.replace(trace, experts=trace.experts[:, layer:layer + 1], weights=trace.weights[:, layer:layer + 1],
+                                  probs=trace.probs[:, layer:layer + 1], predicted=trace.predicted[:, layer:layer + 1],
+                                  meta=trace.meta | {"n_moe_layer": 1}, neurons=None, inputs=None)
+        parts.append(simulate(one, budget_mb, policy, n_slot=n,
+                              high_precision=None if high_precision is None else high_precision[:, layer:layer + 1],
+                              popularity=None if popularity is None else popularity[layer:layer + 1], **kwargs))
+    total = {f: sum(getattr(r, f) for r in parts) for f in ("n_slot", "accesses", "hits", "misses", "bytes_read",
+                                                             "miss_penalty", "substituted", "prefetched", "prefetch_used")}
+    return SimResult(policy=label or f"{policy} per layer", budget_mb=budget_mb, **total)
+
+
 def simulate_preset(trace: Trace, budget_mb: float, preset: str, *, popularity: np.ndarray | None = None,
                     low_miss_cost: float = 1.0) -> SimResult:
     """A preset's cache rules replayed (presets.py): its policy, its substitution, its decode
@@ -162,7 +222,7 @@ def format_table(results: list[SimResult]) -> str:
     lines = []
     for budget in dict.fromkeys(r.budget_mb for r in results):
         rows = [r for r in results if r.budget_mb == budget]
-        best = next((r for r in rows if r.policy == "belady"), None)
+        best = next((r for r in rows if r.policy.split()[0] == "belady"), None)  # "belady" or "belady per layer"
         lines.append(f"budget {budget:g} MB ({rows[0].n_slot} slots), {rows[0].accesses} expert selections")
         substituting = any(r.substituted for r in rows)
         prefetching = any(r.prefetched for r in rows)

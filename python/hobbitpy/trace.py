@@ -108,15 +108,15 @@ def read_prompts(path: str | os.PathLike) -> list[str]:
 def record_trace(model_path: str | os.PathLike, prompts: list[str], *, n_predict: int = 32, lookahead: int = 4,
                  n_ctx: int = 512, n_threads: int | None = None, cache_mb: float | None = None,
                  policy: str = "lru", n_batch: int = 512, neuron_thetas: tuple[float, ...] = (), progress=None,
-                 keep_inputs: bool = False) -> Trace:
+                 keep_inputs: bool = False, shallow_layers: int | None = None) -> Trace:
     """Generate greedily from each prompt and record the routing of every token.
 
     neuron_thetas: also measure CORM's neuron statistics at these thresholds (neurons.py;
     SwiGLU models), from the router inputs; keep_inputs: keep those inputs in
     ``trace.inputs`` (float32 [tokens, moe_layers, n_embd]; not saved with the trace).
 
-    The run's own cache (cache_mb, policy) does not change the trace, only how fast it
-    is recorded; its hit and miss counts are kept in meta["runtime"]. With n_batch=1
+    The run's own cache (cache_mb, policy, shallow_layers: a pool per layer) does not change
+    the trace, only how fast it is recorded; its hit and miss counts are kept in meta["runtime"]. With n_batch=1
     every token is its own step, as the offline simulator replays it."""
     from .llama import Llama
 
@@ -141,7 +141,7 @@ def record_trace(model_path: str | os.PathLike, prompts: list[str], *, n_predict
     # last layer, whose routing would then be missing for prompt tokens
     # gpu-centric: every miss is loaded, so the runtime's own counts are the pool's (what
     # the simulator replays)
-    offload = OffloadConfig(cache_mb=cache_mb, policy=policy, mode="gpu-centric")
+    offload = OffloadConfig(cache_mb=cache_mb, policy=policy, mode="gpu-centric", shallow_layers=shallow_layers)
     llm = Llama(model_path, offload=offload, n_ctx=n_ctx, logits_all=True, n_batch=n_batch, n_ubatch=n_batch,
                 n_threads=n_threads or os.cpu_count() or 1, verbose=False)
     try:
