@@ -240,7 +240,7 @@ def test_a_pool_per_layer_is_replayed_as_the_runtime_ran_it(model_dir, policy):
                       shallow_layers=1)
     r1 = simulate(t1, wide, policy, per_layer=True, shallow_layers=1)
     assert (r1.hits, r1.misses) == (t1.meta["runtime"]["expert_hits"], t1.meta["runtime"]["expert_misses"])
-    with pytest.raises(HobbitError, match="a pool per layer needs 2 in each of 4"):
+    with pytest.raises(HobbitError, match="below the 2 a pool per layer needs in each of 4 MoE layers"):
         simulate(t, _slots_budget_mb(info, 7), policy, per_layer=True)
     with pytest.raises(HobbitError, match="shared pool only"):
         simulate(t, budget, policy, per_layer=True, prefetch_layers=1)

@@ -335,6 +335,13 @@ HOBBIT_API void hobbit_runtime_new_sequence(hobbit_runtime * rt);
 // policy code, offline. substitute_alpha > 0 (needs the trace's scores): each selection first
 // goes through the runtime's substitution (hobbit_params.substitute_alpha); not with belady,
 // whose future is the trace as routed
+// the slots of each of n_layer MoE layers' pools (a pool per layer, hobbit_params.shallow_layers)
+// as the runtime deals budget_bytes: one token's top-k each, the first n_shallow whole while
+// the budget lasts, then the others a slot each in turn; experts of expert_bytes in every layer
+HOBBIT_API enum hobbit_status hobbit_pool_plan_per_layer(int32_t n_layer, int64_t expert_bytes, int32_t n_expert_used,
+                                                         int32_t n_expert, int64_t budget_bytes, int32_t n_shallow,
+                                                         int32_t * slots, char * err, size_t err_size);
+
 HOBBIT_API enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, const char * policy,
                                                     const struct hobbit_policy_weights * weights, int32_t n_slot,
                                                     uint64_t seed, double low_miss_cost, float substitute_alpha,

@@ -3,10 +3,12 @@
 
 #include "hobbit-cache-sim.h"
 #include "hobbit-error.h"
+#include "hobbit-pool-plan.h"
 #include "hobbit-runtime.h"
 
 #include "llama.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -251,6 +253,26 @@ void hobbit_runtime_new_sequence(hobbit_runtime * rt) {
     if (rt != nullptr) {
         rt->new_sequence();
     }
+}
+
+enum hobbit_status hobbit_pool_plan_per_layer(int32_t n_layer, int64_t expert_bytes, int32_t n_expert_used,
+                                              int32_t n_expert, int64_t budget_bytes, int32_t n_shallow,
+                                              int32_t * slots, char * err, size_t err_size) {
+    if (slots == nullptr || n_layer < 1 || expert_bytes < 1 || n_expert_used < 1 || n_expert_used > n_expert) {
+        write_error(err, err_size, "hobbit_pool_plan_per_layer: inconsistent shape");
+        return HOBBIT_STATUS_ERROR_INVALID;
+    }
+    const int64_t min = (int64_t) n_layer * n_expert_used * expert_bytes;
+    if (budget_bytes < min) {
+        write_error(err, err_size, "a budget of " + std::to_string(budget_bytes / expert_bytes) + " experts is below the " +
+                    std::to_string(n_expert_used) + " a pool per layer needs in each of " + std::to_string(n_layer) +
+                    " MoE layers");
+        return HOBBIT_STATUS_ERROR_BUDGET;
+    }
+    const std::vector<int> dealt = pool_plan_deal_per_layer(std::vector<int64_t>(n_layer, expert_bytes), n_expert_used,
+                                                            n_expert, budget_bytes, n_shallow);
+    std::copy(dealt.begin(), dealt.end(), slots);
+    return HOBBIT_STATUS_OK;
 }
 
 enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, const char * policy,

@@ -67,6 +67,34 @@ int64_t pool_plan_per_layer_min_bytes(const expert_index & index) {
     return min;
 }
 
+std::vector<int> pool_plan_deal_per_layer(const std::vector<int64_t> & expert_bytes, int n_expert_used, int n_expert,
+                                          int64_t budget_bytes, int n_shallow) {
+    std::vector<int> slots(expert_bytes.size(), n_expert_used);
+    int64_t left = budget_bytes;
+    for (int64_t b : expert_bytes) {
+        left -= b * n_expert_used;
+    }
+    const int n_layer = (int) slots.size();
+    const int n_first = std::min(std::max(n_shallow, 0), n_layer);
+    for (int i = 0; i < n_first; ++i) {  // the shallow layers in order, each whole if it can be
+        const int64_t extra = std::max<int64_t>(0, std::min<int64_t>(left / expert_bytes[i], n_expert - slots[i]));
+        slots[i] += (int) extra;
+        left -= extra * expert_bytes[i];
+    }
+    // the deep layers evenly: a slot each round while the budget buys one somewhere
+    for (bool more = true; more;) {
+        more = false;
+        for (int i = n_first; i < n_layer; ++i) {
+            if (left >= expert_bytes[i] && slots[i] < n_expert) {
+                slots[i]++;
+                left -= expert_bytes[i];
+                more = true;
+            }
+        }
+    }
+    return slots;
+}
+
 std::vector<pool_plan_group> pool_plan_make_per_layer(const expert_index & index, int64_t budget_bytes, int n_shallow) {
     const hobbit_model_info & info = index.info;
     const int64_t min = pool_plan_per_layer_min_bytes(index);
@@ -76,35 +104,19 @@ std::vector<pool_plan_group> pool_plan_make_per_layer(const expert_index & index
             " experts of one token in each of " + std::to_string(info.n_layer_moe) + " MoE layers)");
     }
     std::vector<pool_plan_group> groups;
+    std::vector<int64_t> expert_bytes;
     for (int il = 0; il < info.n_layer; ++il) {
         if (index.layers[il].has_experts()) {
             pool_plan_group g;
             g.layers       = { il };
             g.expert_bytes = (int64_t) index.layers[il].n_bytes();
-            g.n_slot       = info.n_expert_used;
             groups.push_back(g);
+            expert_bytes.push_back(g.expert_bytes);
         }
     }
-    int64_t left = budget_bytes - min;
-    const int n_layer = (int) groups.size();
-    const int n_first = std::min(std::max(n_shallow, 0), n_layer);
-    for (int i = 0; i < n_first; ++i) {  // the shallow layers in order, each whole if it can be
-        pool_plan_group & g = groups[i];
-        const int64_t extra = std::min<int64_t>(left / g.expert_bytes, info.n_expert - g.n_slot);
-        g.n_slot += (int) extra;
-        left -= extra * g.expert_bytes;
-    }
-    // the deep layers evenly: a slot each round while the budget buys one somewhere
-    for (bool more = true; more;) {
-        more = false;
-        for (int i = n_first; i < n_layer; ++i) {
-            pool_plan_group & g = groups[i];
-            if (left >= g.expert_bytes && g.n_slot < info.n_expert) {
-                g.n_slot++;
-                left -= g.expert_bytes;
-                more = true;
-            }
-        }
+    const std::vector<int> slots = pool_plan_deal_per_layer(expert_bytes, info.n_expert_used, info.n_expert, budget_bytes, n_shallow);
+    for (size_t i = 0; i < groups.size(); ++i) {
+        groups[i].n_slot = slots[i];
     }
     return groups;
 }

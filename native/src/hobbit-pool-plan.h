@@ -27,6 +27,11 @@ std::vector<pool_plan_group> pool_plan_make(const expert_index & index, int64_t 
 // pool_plan_per_layer_min_bytes.
 std::vector<pool_plan_group> pool_plan_make_per_layer(const expert_index & index, int64_t budget_bytes, int n_shallow);
 
+// the slots of each MoE layer's pool as pool_plan_make_per_layer deals them, from the bytes
+// of one expert of each layer; the budget must hold n_expert_used of every layer
+std::vector<int> pool_plan_deal_per_layer(const std::vector<int64_t> & expert_bytes, int n_expert_used, int n_expert,
+                                          int64_t budget_bytes, int n_shallow);
+
 // one token's top-k in every MoE layer: the least a pool per layer needs
 int64_t pool_plan_per_layer_min_bytes(const expert_index & index);
 

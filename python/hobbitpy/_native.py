@@ -201,6 +201,9 @@ bool hobbit_last_attach_error(char * buf, size_t size);
 hobbit_runtime * hobbit_runtime_of_model(const struct llama_model * model);
 void hobbit_runtime_get_stats(const hobbit_runtime * rt, struct hobbit_stats * stats);
 const char * hobbit_runtime_pool_device(const hobbit_runtime * rt);
+enum hobbit_status hobbit_pool_plan_per_layer(int32_t n_layer, int64_t expert_bytes, int32_t n_expert_used,
+                                              int32_t n_expert, int64_t budget_bytes, int32_t n_shallow,
+                                              int32_t * slots, char * err, size_t err_size);
 void hobbit_runtime_reset_stats(hobbit_runtime * rt);
 bool hobbit_runtime_get_error(const hobbit_runtime * rt, char * buf, size_t size);
 void hobbit_runtime_clear_error(hobbit_runtime * rt);

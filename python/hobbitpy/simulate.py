@@ -6,7 +6,7 @@ the expert needed farthest in the future) is the bound every policy is compared 
 The cache is one pool of budget // expert_bytes slots shared by all MoE layers, as
 the runtime builds it for a model whose MoE layers share one expert shape; or, with
 per_layer, a pool per MoE layer with its own policy (the runtime's --shallow-layers, Fate's
-arrangement), the slots dealt out as the runtime's pool_plan_make_per_layer deals them.
+arrangement), the slots dealt out as the runtime deals them.
 """
 
 from __future__ import annotations
@@ -62,31 +62,17 @@ def slots_for_budget(trace: Trace, budget_mb: float) -> int:
 
 
 def slots_per_layer(trace: Trace, budget_mb: float, shallow_layers: int = 0) -> list[int]:
-    """The slots of each MoE layer's pool, as the runtime's pool_plan_make_per_layer deals a
-    budget: every layer a token's top-k, the first shallow_layers whole while the budget
-    lasts, then the others a slot each in turn."""
-    slots_for_budget(trace, budget_mb)  # the same checks
-    L, k, E = trace.meta["n_moe_layer"], trace.meta["n_expert_used"], trace.meta["n_expert"]
-    eb = trace.meta["expert_bytes"]
-    left = int(budget_mb * MB) - L * k * eb
-    if left < 0:
-        raise HobbitError(f"a budget of {budget_mb:g} MB holds {int(budget_mb * MB) // eb} experts of "
-                          f"{eb / MB:.2f} MB; a pool per layer needs {k} in each of {L} MoE layers")
-    slots = [k] * L
-    first = min(max(shallow_layers, 0), L)
-    for i in range(first):
-        extra = min(left // eb, E - slots[i])
-        slots[i] += extra
-        left -= extra * eb
-    more = True
-    while more:
-        more = False
-        for i in range(first, L):
-            if left >= eb and slots[i] < E:
-                slots[i] += 1
-                left -= eb
-                more = True
-    return slots
+    """The slots of each MoE layer's pool, as the runtime deals a budget (libhobbit's
+    pool_plan_deal_per_layer): every layer a token's top-k, the first shallow_layers whole
+    while the budget lasts, then the others a slot each in turn."""
+    slots_for_budget(trace, budget_mb)  # a uniform model, at least one token's top-k
+    m = trace.meta
+    slots = ffi.new("int32_t[]", m["n_moe_layer"])
+    err = error_buffer()
+    if lib.hobbit_pool_plan_per_layer(m["n_moe_layer"], m["expert_bytes"], m["n_expert_used"], m["n_expert"],
+                                      int(budget_mb * MB), shallow_layers, slots, err, len(err)) != 0:
+        raise HobbitError(f"{budget_mb:g} MB: {to_str(err)}")
+    return list(slots)
 
 
 def router_scores(trace: Trace) -> np.ndarray:

@@ -116,8 +116,9 @@ def record_trace(model_path: str | os.PathLike, prompts: list[str], *, n_predict
     ``trace.inputs`` (float32 [tokens, moe_layers, n_embd]; not saved with the trace).
 
     The run's own cache (cache_mb, policy, shallow_layers: a pool per layer) does not change
-    the trace, only how fast it is recorded; its hit and miss counts are kept in meta["runtime"]. With n_batch=1
-    every token is its own step, as the offline simulator replays it."""
+    the trace, only how fast it is recorded; its hit and miss counts are kept in
+    meta["runtime"]. With n_batch=1 every token is its own step, as the offline simulator
+    replays it."""
     from .llama import Llama
 
     model_path = os.fspath(model_path)
