@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from conftest import ARCHES, MB, run_logits, tiny_model
+from hobbitpy.config import MODES
+from hobbitpy.disk import drop_from_page_cache
+from conftest import ARCHES, CONTINUATION, MB, PROMPT, run_logits, tiny_model
 
 _reference: dict = {}
 
@@ -19,7 +21,7 @@ def reference(path):
     return _reference[path]
 
 
-@pytest.mark.parametrize("mode", ["cooperative", "auto"])
+@pytest.mark.parametrize("mode", ["cooperative", "auto", "balanced"])
 @pytest.mark.parametrize("arch", ARCHES)
 def test_in_place_is_bit_exact(model_dir, arch, mode):
     path = tiny_model(model_dir, arch)
@@ -27,11 +29,35 @@ def test_in_place_is_bit_exact(model_dir, arch, mode):
     scores, text, stats, _ = run_logits(path, hobbitpy.OffloadConfig(cache_mb=info.min_budget_bytes * 2 / MB, mode=mode))
     assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
     assert text == ref_text
-    assert stats["mode"] == ["gpu-centric", "cooperative", "auto"].index(mode)
+    assert stats["mode"] == MODES.index(mode)
     assert stats["expert_inplace"] > 0
     if mode == "cooperative":
         # nothing is loaded on demand: every miss ran on the mapped file
         assert stats["expert_misses"] == 0 and stats["bytes_read"] == 0
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_balanced_splits_misses_both_ways(model_dir, arch):
+    """Algorithm 2's split: with the model's experts out of the page cache, a wave's misses
+    are loaded (the widest batches) and computed in place (the narrowest), and the logits
+    stay stock's. (Loaded, this tiny model's file is in the page cache whole, and an expert
+    the page cache holds runs in place for free: it is dropped after the load.)"""
+    path = tiny_model(model_dir, arch)
+    ref_scores, _, _, info = reference(path)
+    llm = hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(cache_mb=info.min_budget_bytes * 2 / MB, mode="balanced"),
+                         n_ctx=256, n_batch=256, logits_all=True, verbose=False, n_threads=2, n_threads_batch=2)
+    try:
+        drop_from_page_cache(path)
+        llm.eval(llm.tokenize(PROMPT.encode()))
+        for t in llm.tokenize(CONTINUATION.encode(), add_bos=False)[:10]:
+            llm.eval([t])
+        scores = np.array(llm.scores[: llm.n_tokens], dtype=np.float32, copy=True)
+        stats = llm.offload_stats()
+    finally:
+        llm.close()
+    assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
+    assert stats["mode"] == MODES.index("balanced")
+    assert stats["expert_inplace"] > 0 and stats["expert_misses"] > 0 and stats["bytes_read"] > 0
 
 
 def test_cooperative_with_prefetch_and_mixed_precision(model_dir):

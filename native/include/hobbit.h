@@ -95,6 +95,8 @@ enum hobbit_mode {
     HOBBIT_MODE_GPU_CENTRIC = 0, // load it into a pool slot (in place only when a ubatch needs more experts than the pools hold)
     HOBBIT_MODE_COOPERATIVE = 1, // compute it in place on the model's mapped weights (the cache fills by prefetch and warm-up)
     HOBBIT_MODE_AUTO        = 2, // per expert and ubatch, by the latency model measured at start-up
+    HOBBIT_MODE_BALANCED    = 3, // per wave, the misses split between loads and in place so that both take
+                                 // even time (importance-driven scheduling's Algorithm 2; hobbit-executor-choice.h)
 };
 
 // weights of HOBBIT's eq. 3; they should sum to 1

@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -35,10 +36,55 @@ bool executor_choice::in_place(int n_tokens, double resident, int64_t layer_byte
     if (resident >= 0.9) {
         return true;
     }
+    // balanced: a wave's misses are split by balance_misses; asked of one expert alone (a
+    // prediction: is it worth a prefetch?), only what the page cache holds runs in place
+    if (mode == HOBBIT_MODE_BALANCED) {
+        return false;
+    }
     // a single token keeps what it loads for the next ones (reuse); a wide ubatch uses each
     // expert for many tokens at once, and in place every expert of the layer runs in one
     // pass instead of waiting for its loads slot by slot, which is worth some bandwidth
     return n_tokens > 1 && map_bytes_per_s >= WIDE_UBATCH_MAP_FACTOR * load_bytes_per_s;
+}
+
+miss_cost executor_choice::cost(int n_tokens, int64_t n_bytes, double resident) const {
+    miss_cost c;
+    c.n_tokens   = n_tokens;
+    // an unmeasured bandwidth (the probe failed) makes that side as slow as the other
+    const double load_bw = load_bytes_per_s > 0 ? load_bytes_per_s : map_bytes_per_s;
+    const double map_bw  = map_bytes_per_s > 0 ? map_bytes_per_s : load_bw;
+    c.load_s     = load_bw > 0 ? n_bytes / load_bw : 1.0;
+    c.in_place_s = map_bw > 0 ? std::max(0.0, 1.0 - resident) * n_bytes / map_bw : 1.0;
+    return c;
+}
+
+// the page cache holds an expert when at most this share of its bytes is still to be read
+static constexpr double RESIDENT_IN_PLACE_S = 1e-6;
+
+std::vector<bool> balance_misses(const std::vector<miss_cost> & misses) {
+    std::vector<bool> in_place(misses.size(), false);
+    std::vector<size_t> order;
+    for (size_t i = 0; i < misses.size(); ++i) {
+        if (misses[i].in_place_s <= RESIDENT_IN_PLACE_S) {
+            in_place[i] = true; // nothing to read: in place is free
+        } else {
+            order.push_back(i);
+        }
+    }
+    // widest batch first; ties keep the given order (the router's)
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return misses[a].n_tokens > misses[b].n_tokens; });
+    double c_load = 0.0, c_in_place = 0.0;
+    size_t l = 0, r = order.size();
+    while (l < r) {
+        if (c_load <= c_in_place) {
+            c_load += misses[order[l++]].load_s;
+        } else {
+            const size_t i = order[--r];
+            c_in_place += misses[i].in_place_s;
+            in_place[i] = true;
+        }
+    }
+    return in_place;
 }
 
 bool page_cache_holds_two_layers(int64_t layer_bytes, int64_t room) {
@@ -49,8 +95,8 @@ executor_choice executor_choice_make(const expert_index & index, enum hobbit_mod
     executor_choice c;
     c.mode = mode;
     c.available = available;
-    if (!available || mode != HOBBIT_MODE_AUTO) {
-        return c; // only auto decides by the bandwidths
+    if (!available || (mode != HOBBIT_MODE_AUTO && mode != HOBBIT_MODE_BALANCED)) {
+        return c; // only auto and balanced decide by the bandwidths
     }
     // the largest projection of expert 0 of the first MoE layer
     const expert_proj_layout * probe = nullptr;

@@ -14,6 +14,29 @@
 #include "hobbit.h"
 
 #include <cstddef>
+#include <vector>
+
+// one missed expert of a wave, as the balance weighs it (seconds)
+struct miss_cost {
+    int    n_tokens   = 0;   // tokens of the ubatch that selected it (Algorithm 2's B_i)
+    double load_s     = 0.0; // read into a slot by the I/O threads
+    double in_place_s = 0.0; // faulted in by the compute threads: what the page cache does not hold yet
+};
+
+// Importance-driven scheduling's Algorithm 2 (CPU-load balancing), on this tier. There a
+// missed expert is either loaded over PCIe (the GPU then computes any batch of it almost for
+// free) or computed by the CPU (time linear in its batch), and a two-pointer walk over the
+// misses, widest batch first, gives the next widest to the load side while its cumulative
+// time is not ahead, else the next narrowest to the CPU side, so that both finish together.
+// Here both sides compute on the same cores with the same kernels, so a token's compute costs
+// the same either way and drops out; what differs is how the bytes arrive: a load's pread by
+// the I/O threads (into a slot that keeps them for the next tokens), or in place the kernel's
+// readahead into the page cache (nothing read for what it already holds, nothing cached in
+// the pools). The walk is the paper's, with those two costs: the widest batches, the experts
+// most worth a slot, are loaded; the narrowest run in place; an expert the page cache holds
+// whole costs nothing in place and runs there before the walk. Returns, in the order given,
+// whether each miss runs in place.
+std::vector<bool> balance_misses(const std::vector<miss_cost> & misses);
 
 struct executor_choice {
     enum hobbit_mode mode = HOBBIT_MODE_GPU_CENTRIC;
@@ -25,6 +48,9 @@ struct executor_choice {
     // the share of its bytes already in the page cache; layer_bytes: every expert of its
     // layer; room: what the page cache may hold now beside the pools (-1 = no limit known)
     bool in_place(int n_tokens, double resident, int64_t layer_bytes, int64_t room) const;
+
+    // a miss of n_bytes selected by n_tokens, resident: the share of its bytes in the page cache
+    miss_cost cost(int n_tokens, int64_t n_bytes, double resident) const;
 };
 
 // computing a layer in place faults its experts into the page cache, which holds them while

@@ -254,7 +254,7 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
                           page_cache_holds_two_layers(layer_bytes, params.page_cache_room_bytes));
         any_inplace = any_inplace || inplace_ok[il];
     }
-    if (params.mode < HOBBIT_MODE_GPU_CENTRIC || params.mode > HOBBIT_MODE_AUTO) {
+    if (params.mode < HOBBIT_MODE_GPU_CENTRIC || params.mode > HOBBIT_MODE_BALANCED) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "unknown mode " + std::to_string((int) params.mode));
     }
     executor = executor_choice_make(index, params.mode, any_inplace, params.direct_io);
@@ -344,9 +344,35 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
 }
 
 bool hobbit_runtime::runs_in_place(int il, int e, int n_tokens) const {
-    return inplace_ok[il] && executor.in_place(n_tokens, executor.mode == HOBBIT_MODE_AUTO ? resident(il, e) : 0.0,
+    return inplace_ok[il] && executor.in_place(n_tokens, measures_residency() ? resident(il, e) : 0.0,
                                                (int64_t) index.layers[il].n_bytes() * index.info.n_expert,
                                                page_cache_room());
+}
+
+bool hobbit_runtime::measures_residency() const {
+    return executor.mode == HOBBIT_MODE_AUTO || executor.mode == HOBBIT_MODE_BALANCED;
+}
+
+std::vector<bool> hobbit_runtime::balanced_in_place(int il, const wave_selection & sel, const std::vector<int> & misses,
+                                                    const std::function<bool(int)> & either_way) const {
+    std::vector<bool> in_place(index.info.n_expert, false);
+    // under a tight cap the page cache has no room for what in place faults in: every miss loads
+    if (!page_cache_holds_two_layers((int64_t) index.layers[il].n_bytes() * index.info.n_expert, page_cache_room())) {
+        return in_place;
+    }
+    std::vector<int> experts;
+    std::vector<miss_cost> costs;
+    for (int e : misses) {
+        if (either_way(e)) {
+            experts.push_back(e);
+            costs.push_back(executor.cost(sel.n_pairs[e], (int64_t) index.layers[il].n_bytes(), resident(il, e)));
+        }
+    }
+    const std::vector<bool> split = balance_misses(costs);
+    for (size_t i = 0; i < experts.size(); ++i) {
+        in_place[experts[i]] = split[i];
+    }
+    return in_place;
 }
 
 int64_t hobbit_runtime::page_cache_room() const {
@@ -801,7 +827,16 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
     // experts already in a pool first: they cost nothing this wave, and their slots are
     // pinned before any miss looks for a victim
     std::vector<int> order = sel.order;
-    std::stable_partition(order.begin(), order.end(), [&](int e) { int l; return lookup(il, e, sel.want[e], exact_for(sel, e), l) >= 0; });
+    const auto cached = std::stable_partition(order.begin(), order.end(), [&](int e) {
+        int l;
+        return lookup(il, e, sel.want[e], exact_for(sel, e), l) >= 0;
+    });
+    // balanced: the misses that could run either way are split once for the wave (Algorithm 2)
+    const std::vector<bool> balanced = executor.mode == HOBBIT_MODE_BALANCED && plan.has_inplace && inplace_ok[il]
+        ? balanced_in_place(il, sel, std::vector<int>(cached, order.end()), [&](int e) {
+              return sel.want[e] != skip && !(sel.share_low[e] && room[n_level - 1] > 0) && in_place_serves(e);
+          })
+        : std::vector<bool>();
     for (int e : order) {
         if (served[e]) {
             continue;
@@ -826,7 +861,7 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
             c.how = serve_as::load; // the low copy is the cheap read the share is for, cheaper than in place
             c.level = n_level - 1;
             room[c.level]--;
-        } else if (in_place_serves(e) && runs_in_place(il, e, sel.n_pairs[e])) {
+        } else if (in_place_serves(e) && (balanced.empty() ? runs_in_place(il, e, sel.n_pairs[e]) : (bool) balanced[e])) {
             c.how = serve_as::in_place; // cooperative: computed on the mapped model instead of loaded
         } else if ((c.level = level_with_room(e)) >= 0) {
             c.how = serve_as::load;

@@ -124,6 +124,12 @@ private:
     void release_predicted(const std::function<bool(int p, int s, int il)> & pred);
     // would a miss of expert e of layer il used by n_tokens run in place (executor choice)? needs mtx
     bool runs_in_place(int il, int e, int n_tokens) const;
+    // balanced mode: which of a wave's misses (those either_way says may run in place or
+    // load) run in place, by Algorithm 2's split ([n_expert]); needs mtx
+    std::vector<bool> balanced_in_place(int il, const wave_selection & sel, const std::vector<int> & misses,
+                                        const std::function<bool(int)> & either_way) const;
+    // does the executor choice look at what the page cache holds (auto, balanced)?
+    bool measures_residency() const;
     // what the page cache may hold now beside the pools, or -1 if no limit is known; needs mtx
     int64_t page_cache_room() const;
     // share of expert e of layer il resident in the page cache (its slices of the mapped model)

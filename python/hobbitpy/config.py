@@ -18,7 +18,7 @@ _NATIVE_POLICY = {"lru": 0, "lfu": 1, "lhu": 2, "fld": 3, "random": 4, "weighted
                   "popularity": 7, "score": 8}
 
 # where a missed expert runs (hobbit.h enum hobbit_mode, in its order)
-MODES = ("gpu-centric", "cooperative", "auto")
+MODES = ("gpu-centric", "cooperative", "auto", "balanced")
 
 # the order a prompt loads the next layer's experts in (hobbit.h prefill_popular_first)
 PREFILL_ORDERS = ("popularity", "expert")
@@ -170,9 +170,11 @@ class OffloadConfig:
                                   "exactly the wanted precision (exact: the rule's own effect on quality)",
                        flag="--hits", choices=HIT_POLICIES, profile=True)
     mode: str = option("gpu-centric", "where a missed expert runs: loaded into the cache (gpu-centric), computed in "
-                                      "place on the mapped model file (cooperative), or chosen per expert and ubatch by "
+                                      "place on the mapped model file (cooperative), chosen per expert and ubatch by "
                                       "a latency model measured at start-up (auto; measured up to 1.5x slower under "
-                                      "tight caps)", flag="--mode", choices=MODES)
+                                      "tight caps), or a wave's misses split so loads and in-place reads take even "
+                                      "time, the widest batches loaded (balanced: importance-driven scheduling's "
+                                      "Algorithm 2)", flag="--mode", choices=MODES)
     warm: bool = option(True, "do not fill the lowest precision's pool in the background at start",
                         flag="--no-warm", negate=True, profile=True)
     importance: tuple[tuple[float, ...], ...] | None = option(

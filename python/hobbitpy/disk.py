@@ -13,9 +13,11 @@ ALIGN = 4096
 
 
 def drop_from_page_cache(path: str | os.PathLike) -> None:
-    """Evict this file's pages (only this file's: never the machine's whole cache)."""
+    """Evict this file's pages (only this file's: never the machine's whole cache). Written
+    pages are flushed first: the kernel does not drop a dirty page."""
     fd = os.open(path, os.O_RDONLY)
     try:
+        os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
