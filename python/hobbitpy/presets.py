@@ -48,8 +48,9 @@ PRESETS: dict[str, Preset] = {
                          "the next layer's predicted top-score experts prefetched, the low-score ones not (§5.2); "
                          "the expert with the lowest recent router scores, selected or not, evicted, the current "
                          "layer's pinned (§5.3); in a decode batch (beams) an expert another token selects counts as "
-                         "cached (Algorithm 2's batch rule). Not built: Algorithm 2's CPU/load split, which has "
-                         "nothing to trade where the CPU computes both ways (docs/BENCHMARKS.md)"),
+                         "cached (Algorithm 2's batch rule). Misses are loaded: Algorithm 2's CPU/load split is "
+                         "--mode balanced, measured at 0.48x --mode auto's decode where both sides read one disk "
+                         "(docs/BENCHMARKS.md)"),
     "fiddler": Preset({"policy": "popularity", "prefetch_layers": 0},
                       "Fiddler: the experts a profile of calibration text selects most (--popularity TRACE, which "
                       "this preset needs) are loaded at start and kept for the session, the least popular evicted "
