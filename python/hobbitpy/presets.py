@@ -49,7 +49,7 @@ PRESETS: dict[str, Preset] = {
                          "the expert with the lowest recent router scores, selected or not, evicted, the current "
                          "layer's pinned (§5.3); in a decode batch (beams) an expert another token selects counts as "
                          "cached (Algorithm 2's batch rule). Misses are loaded: Algorithm 2's CPU/load split is "
-                         "--mode balanced, measured at 0.48x --mode auto's decode where both sides read one disk "
+                         "--mode balanced, measured at 0.48-0.68x --mode auto's decode where both sides read one disk "
                          "(docs/BENCHMARKS.md)"),
     "fiddler": Preset({"policy": "popularity", "prefetch_layers": 0},
                       "Fiddler: the experts a profile of calibration text selects most (--popularity TRACE, which "
