@@ -58,7 +58,7 @@ miss_cost executor_choice::cost(int n_tokens, int64_t n_bytes, double resident) 
     return c;
 }
 
-// the page cache holds an expert when at most this share of its bytes is still to be read
+// an expert the page cache holds: at most this long (seconds) left to read in place
 static constexpr double RESIDENT_IN_PLACE_S = 1e-6;
 
 std::vector<bool> balance_misses(const std::vector<miss_cost> & misses) {
