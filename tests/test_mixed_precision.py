@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from conftest import ARCHES, MB, run_logits, tiny_model
+from conftest import ARCHES, CONTINUATION, MB, PROMPT, run_logits, tiny_model
 from hobbitpy.gguf_fields import field_value
 
 EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_up_exps.weight")
@@ -122,6 +122,37 @@ def test_skipping_drops_unimportant_misses(model_dir):
     assert stats["n_skipped"] > 0
     assert np.isfinite(scores).all()
     assert not np.array_equal(scores, ref_scores)
+
+
+def test_skip_cached_leaves_out_resident_experts_too(model_dir):
+    # skip_cached: a selection scoring above T2 is skipped whether its expert is in memory or
+    # not, so what is skipped depends on the text alone: a cache of every expert gives the bits
+    # of the smallest cache. t2 = 0 leaves each decoded token its first expert only
+    path = tiny_model(model_dir, "llama")
+    ref_scores, _, _, info = reference(path)
+    skipping = dict(skip_cached=True, t1=0.0, t2=0.0, mode="gpu-centric")
+    every, _, _, _ = run_logits(path, hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total / MB, **skipping))
+    smallest, _, _, _ = run_logits(path, hobbitpy.OffloadConfig(cache_mb=info.min_budget_bytes / MB, **skipping))
+    assert_bit_equal(every, smallest)
+    assert not np.array_equal(every, ref_scores)
+    with hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total / MB, **skipping),
+                        n_ctx=128, verbose=False) as llm:
+        llm.eval(llm.tokenize(PROMPT.encode()))
+        llm.reset_offload_stats()
+        decode = llm.tokenize(CONTINUATION.encode(), add_bos=False)[:10]
+        for t in decode:
+            llm.eval([t])
+        step = llm.offload_stats()
+    n_steps = len(decode)
+    # every decode step: one expert per layer served, the other k - 1 skipped, resident or not
+    assert step["n_skipped"] == n_steps * info.n_layer_moe * (info.n_expert_used - 1)
+    assert sum(step["served"]) == n_steps * info.n_layer_moe
+    assert step["expert_hits"] > 0
+    # nothing scores above t2 = 1: stock's bits, resident experts and all
+    kept, _, stats, _ = run_logits(path, hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total / MB,
+                                                               skip_cached=True, t2=1.0))
+    assert_bit_equal(kept, ref_scores)
+    assert stats["n_skipped"] == 0
 
 
 def test_one_level_ignores_thresholds(model_dir):

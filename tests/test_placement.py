@@ -126,3 +126,12 @@ def test_placed_from_a_trace_on_the_command_line(placed):
     import json
     stats = json.loads((model.parent / "s.json").read_text())
     assert stats["n_skipped"] == 0 and sum(stats["served_share"]) == pytest.approx(1.0)
+    # --skip-cached: a placement's resident experts are skipped by T2 too
+    p = subprocess.run([sys.executable, "-m", "hobbitpy", "run", str(model), "--high", "Q4_K", "--low", "Q2_K",
+                        "--hits", "found", "--placed", str(model.parent / "trace.npz"), "--cache-mb", "7",
+                        "--skip-cached", "--t1", "0", "--t2", "0",
+                        "-p", "In the beginning", "-n", "8", "--temp", "0", "--stats-json", str(model.parent / "skip.json")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    stats = json.loads((model.parent / "skip.json").read_text())
+    assert stats["n_skipped"] > 0

@@ -151,6 +151,8 @@ struct hobbit_params {
     float   t1;            // a selection's score (eq. 2) <= t1: high precision
     float   t_mid;         // three levels: score <= t_mid: the middle level
     float   t2;            // score > t2: a missed expert is skipped (no output this token)
+    bool    skip_cached;   // score > t2: skipped even when cached (its compute saved, not only its load), also with
+                           // one level or a static placement; false: only a missed expert is (HOBBIT)
     enum hobbit_hit_policy hit_policy; // a hit at another precision than the wanted one
     enum hobbit_mode mode; // where missed experts run; in place needs an expert type the CPU does not repack
     int64_t page_cache_room_bytes; // memory left for the page cache beside the pools (auto mode computes a wide
@@ -161,10 +163,10 @@ struct hobbit_params {
                            // then the free slots of the higher levels (with several levels or a high companion)
     // a static placement: the level each expert is served at, [n_layer_moe][n_expert] in the order of the
     // layers that have experts (e.g. the experts that carry the most gate weight high, the rest low, as many
-    // high as the budget holds: `hobbitpy tune`'s "placed" ladders). The thresholds t1/t_mid/t2 are then not
-    // used and nothing is skipped; the budget is split among the levels by the bytes placed at each (exactly
-    // those bytes when it holds them all), and warm-up loads each expert at its level. NULL: none (copied at
-    // request)
+    // high as the budget holds: `hobbitpy tune`'s "placed" ladders). The thresholds t1/t_mid are then not
+    // used, and t2 skips only with skip_cached; the budget is split among the levels by the bytes placed at
+    // each (exactly those bytes when it holds them all), and warm-up loads each expert at its level. NULL:
+    // none (copied at request)
     const int8_t * expert_levels;
     int32_t n_expert_levels; // entries in expert_levels (n_layer_moe * n_expert), 0 with NULL
     // a popularity profile (Fiddler §3: how often a trace of calibration text selected each expert),
@@ -218,7 +220,7 @@ struct hobbit_stats {
     bool    direct_io;             // O_DIRECT actually in use
     int32_t n_level;               // precision levels in use
     int64_t served[HOBBIT_MAX_LEVELS]; // selections (token, expert) served at each level (0 = high)
-    int64_t n_skipped;             // selections skipped: score above t2 and not cached
+    int64_t n_skipped;             // selections skipped: score above t2 and not cached (or, skip_cached, cached too)
     int64_t upgrades;              // background loads of the wanted precision after a lower-precision hit
     int64_t prefetch_wasted;       // prefetched experts evicted or dropped before any use
     int64_t warm_loads;            // loads queued at start to fill the pools, the lowest level first (warm_low)

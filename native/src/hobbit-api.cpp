@@ -75,6 +75,7 @@ struct hobbit_params hobbit_default_params(void) {
     p.t1              = 0.6f;  // HOBBIT's values for Mixtral-8x7B (§3.2)
     p.t_mid           = 0.75f;
     p.t2              = 0.9f;
+    p.skip_cached     = false;
     p.hit_policy      = HOBBIT_HIT_UPGRADE;
     p.warm_low        = true;
     p.mode            = HOBBIT_MODE_GPU_CENTRIC; // auto measured slower under tight caps (docs/BENCHMARKS.md)

@@ -23,7 +23,7 @@ void precision_scores(const float * weights, int k, float * scores) {
 }
 
 void precision_levels(const precision_thresholds & th, const float * weights, int k, int * levels) {
-    if (th.n_level <= 1) {
+    if (th.n_level <= 1 && !th.skip_cached) {
         std::fill(levels, levels + k, 0);
         return;
     }

@@ -5,7 +5,8 @@
 // unimportance score of the i-th is the sum of the weights ranked above it (eq. 2): 0 for
 // the first, close to 1 for an expert that adds little. A score <= t1 wants the high
 // precision (level 0), <= t_mid the middle one (three levels only), <= t2 the lowest;
-// above t2 a missed expert is skipped. The first expert is always high.
+// above t2 a missed expert is skipped (skip_cached: a cached one too, with any number of
+// levels). The first expert is always high.
 //
 // A prompt's experts are weighed by how many of its tokens select them instead (Fate §4.5,
 // popularity-aware hybrid quantization): the least popular, whose tokens together make up at
@@ -23,6 +24,9 @@ struct precision_thresholds {
     float t2      = 0.9f;
     float prefill_low_share = 0.0f; // a prompt's least popular experts covering at most this share of its
                                     // selections want the lowest level; 0 = the thresholds decide alone
+    bool  skip_cached = false;      // above t2 skipped whether cached or not: where every expert is resident
+                                    // (a placement, a budget that holds them all) compute is what a token
+                                    // costs, and a skip saves it; the thresholds then act on one level too
 };
 
 // wanted level (0 = high .. n_level-1, or PRECISION_SKIP) of each of one token's k

@@ -90,13 +90,14 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         }
         index.check_companion(companions.back());
     }
-    thresholds = { n_level, params.t1, params.t_mid, params.t2, n_level > 1 ? params.prefill_low_share : 0.0f };
+    thresholds = { n_level, params.t1, params.t_mid, params.t2, n_level > 1 ? params.prefill_low_share : 0.0f,
+                   params.skip_cached };
     if (params.hit_policy < HOBBIT_HIT_FOUND || params.hit_policy > HOBBIT_HIT_EXACT) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "unknown hit policy " + std::to_string((int) params.hit_policy));
     }
     const bool ordered = 0.0f <= params.t1 && params.t1 <= params.t2 && params.t2 <= 1.0f &&
                          (n_level < 3 || (params.t1 <= params.t_mid && params.t_mid <= params.t2));
-    if (n_level > 1 && !ordered) {
+    if ((n_level > 1 || params.skip_cached) && !ordered) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "thresholds must satisfy 0 <= t1 <= t_mid <= t2 <= 1 (t1 " +
             std::to_string(params.t1) + ", t_mid " + std::to_string(params.t_mid) + ", t2 " + std::to_string(params.t2) + ")");
     }
@@ -829,7 +830,7 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
     std::vector<int> order = sel.order;
     const auto cached = std::stable_partition(order.begin(), order.end(), [&](int e) {
         int l;
-        return lookup(il, e, sel.want[e], exact_for(sel, e), l) >= 0;
+        return !(sel.want[e] == skip && thresholds.skip_cached) && lookup(il, e, sel.want[e], exact_for(sel, e), l) >= 0;
     });
     // balanced: the misses that could run either way are split once for the wave (Algorithm 2)
     const std::vector<bool> balanced = executor.mode == HOBBIT_MODE_BALANCED && plan.has_inplace && inplace_ok[il]
@@ -843,7 +844,7 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
         }
         expert_choice c;
         c.expert = e;
-        c.slot = lookup(il, e, sel.want[e], exact_for(sel, e), c.level);
+        c.slot = sel.want[e] == skip && thresholds.skip_cached ? -1 : lookup(il, e, sel.want[e], exact_for(sel, e), c.level);
         if (c.slot >= 0) {
             c.how = serve_as::hit;
             if (use_of(pools[pool_of[c.level][il]].pool->slots[c.slot]) != slot_use::busy) {

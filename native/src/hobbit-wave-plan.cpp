@@ -30,7 +30,9 @@ wave_selection read_selection(const ggml_tensor * sel, const ggml_tensor * wts, 
                 if (ws.n_pairs[e]++ == 0) {
                     ws.order.push_back(e);
                 }
-                const int level = placed ? placed[e] : pair_level[k] == PRECISION_SKIP ? skip : pair_level[k];
+                // a placement fixes each expert's level; the skip rule then acts only with skip_cached
+                const int level = pair_level[k] == PRECISION_SKIP && (!placed || thresholds.skip_cached) ? skip
+                                : placed ? placed[e] : pair_level[k];
                 ws.want[e] = std::min(ws.want[e], level);
                 ws.top1[e] = ws.top1[e] || k == first;
             }

@@ -48,7 +48,7 @@ wave_selection read_selection(const ggml_tensor * sel, const ggml_tensor * wts, 
 
 enum class serve_as {
     hit,      // cached at `level`, in `slot`
-    skip,     // missed and wanted at no level: left out of the sum (HOBBIT's T1)
+    skip,     // wanted at no level and missed (or, with skip_cached, cached too): left out of the sum (HOBBIT's T2)
     in_place, // computed on the mapped model (cooperative)
     load,     // a slot of `level`'s pool is empty or evictable: the expert is read into it
     wait,     // no slot now, but a background load or a prediction holds one, or no pass comes after this one:

@@ -464,6 +464,12 @@ static void test_precision_scorer() {
     precision_levels(two, zero, 2, levels);
     CHECK(levels[0] == 0 && levels[1] == 0);
 
+    // skip_cached: the skip rule acts on one level too (every kept selection at level 0)
+    precision_thresholds one_skipping;
+    one_skipping.t2 = 0.85f; one_skipping.skip_cached = true;
+    precision_levels(one_skipping, w, 4, levels);
+    CHECK(levels[1] == 0 && levels[2] == 0 && levels[0] == 0 && levels[3] == PRECISION_SKIP);
+
     // Fate §4.5: a prompt's least popular experts, fewest tokens first, while their tokens
     // make up at most the share: 10 selections, a fifth is 2: experts 2 and 4 (one token
     // each; ties by id), not expert 3 (3 tokens), never the unselected 0

@@ -87,6 +87,7 @@ struct hobbit_params {
     float   t1;
     float   t_mid;
     float   t2;
+    bool    skip_cached;
     int     hit_policy;
     int     mode;
     int64_t page_cache_room_bytes;

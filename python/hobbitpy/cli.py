@@ -189,7 +189,7 @@ def _help(f) -> str:
     from hobbitpy.config import default_text, option_of
 
     opt = option_of(f)
-    if opt.negate:
+    if opt.negate or f.default is False:
         return opt.help
     return f"{opt.help} (default: {default_text(f)})".replace("%", "%%")
 
@@ -218,8 +218,9 @@ def add_offload_args(p) -> None:
             if opt.group not in groups:
                 groups[opt.group] = p.add_mutually_exclusive_group()
             target = groups[opt.group]
-        if opt.negate:
-            target.add_argument(opt.flag, action="store_false", dest=_dest(f), default=None, help=_help(f))
+        if opt.negate or f.default is False:
+            target.add_argument(opt.flag, action="store_false" if opt.negate else "store_true", dest=_dest(f),
+                                default=None, help=_help(f))
             continue
         kind = PARSERS[opt.parse] if opt.parse else type(f.default) if f.default is not None else str
         target.add_argument(opt.flag, dest=_dest(f), type=kind, default=None, choices=opt.choices,

@@ -46,7 +46,7 @@ class Option:
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
     parse: str | None = None       # how the flag's text becomes the value (cli.PARSERS), else the field's type
-    negate: bool = False           # a boolean the flag turns off (--no-warm)
+    negate: bool = False           # a boolean the flag turns off (--no-warm); else a boolean's flag turns it on
     profile: bool = False          # a profile may set it (what tune and calibrate decide)
     group: str | None = None       # flags of one group exclude each other
     alias: tuple[str, object] | None = None  # another flag that sets a fixed value (--prefetch = --prefetch-layers 1)
@@ -81,7 +81,7 @@ def options_table() -> str:
             flag += f", `{opt.alias[0]}` (= {opt.alias[1]})"
         if opt.choices:
             flag += " " + "|".join(opt.choices)
-        default = "on" if f.default is True else default_text(f)
+        default = "on" if f.default is True else "off" if f.default is False else default_text(f)
         what = f"the flag: {opt.help}" if opt.negate else opt.help
         cells = (f"`{f.name}`", flag, default, "yes" if opt.profile else "", what)
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
@@ -160,6 +160,10 @@ class OffloadConfig:
                                  flag="--t-mid", parse="float", profile=True, default_text="halfway from T1 to T2")
     t2: float = option(DEFAULT_T2, "a missed expert whose score is above T2 is skipped (it adds nothing to that token)",
                        flag="--t2", profile=True)
+    skip_cached: bool = option(False, "skip a selection whose score is above T2 even when its expert is in memory, "
+                                      "with any number of precisions or a placement: saves its compute, what a "
+                                      "resident expert costs (lossy; HOBBIT skips a missed expert only, to save its "
+                                      "load)", flag="--skip-cached", profile=True)
     level_shares: tuple[float, ...] | None = option(
         None, "how the expert budget is split among the precision levels, high first", flag="--level-shares",
         metavar="HIGH,[MID,]LOW", parse="numbers", profile=True,
@@ -180,8 +184,8 @@ class OffloadConfig:
     importance: tuple[tuple[float, ...], ...] | None = option(
         None, "place the experts statically by how much the routers weigh them (per MoE layer, the sum of each "
               "expert's squared gate weight; on the command line: from a `hobbitpy trace`): the most weighed at the "
-              "highest level the budget holds, the rest at the lowest, each always served at its level (T1/T2 "
-              "unused, nothing skipped). With a budget for a copy of every expert, a mixed-precision model resident "
+              "highest level the budget holds, the rest at the lowest, each always served at its level (T1 "
+              "unused; T2 skips only with --skip-cached). With a budget for a copy of every expert, a mixed-precision model resident "
               "in memory (placement.py)", flag="--placed", metavar="TRACE", parse="trace_importance", profile=True,
         default_text="none: the thresholds decide per selection")
     popularity: tuple[tuple[float, ...], ...] | None = option(
@@ -307,6 +311,7 @@ class OffloadConfig:
             params.level_shares[level] = share
         params.t1 = self.t1
         params.t2 = self.t2
+        params.skip_cached = self.skip_cached
         params.t_mid = self.t_mid if self.t_mid is not None else (self.t1 + self.t2) / 2
         params.hit_policy = HIT_POLICIES.index(self.hits)
         params.warm_low = self.warm
