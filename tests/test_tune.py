@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import hobbitpy
 from hobbitpy.config import OffloadConfig
 from hobbitpy.evaluate import Reference, evaluate_against, tokenize_text
@@ -89,10 +91,12 @@ def test_llama_applies_the_profile_next_to_the_model(model_dir, tmp_path):
         assert not llm.offloaded
 
 
-def test_a_placed_ladder_keeps_the_importance_and_places_for_the_budget_a_run_gets(model_dir, tmp_path):
-    path = _tune_a_copy(model_dir, tmp_path, "Q4_K/Q2_K placed")
+@pytest.mark.parametrize("candidate", ["Q4_K/Q2_K placed", "Q4_K/Q2_K placed skip"])
+def test_a_placed_ladder_keeps_the_importance_and_places_for_the_budget_a_run_gets(model_dir, tmp_path, candidate):
+    path = _tune_a_copy(model_dir, tmp_path, candidate)
     settings = json.loads((tmp_path / "m.hobbit-profile.json").read_text())["settings"]
     assert settings["high"] == "Q4_K" and settings["low"] == "Q2_K" and settings["hits"] == "found"
+    assert settings.get("skip_cached", False) == candidate.endswith("skip")
     info = hobbitpy.inspect_model(path)
     assert len(settings["importance"]) == info.n_layer_moe and {len(r) for r in settings["importance"]} == {info.n_expert}
     # the profile applies by itself; the placement follows the budget the run is given
@@ -101,6 +105,11 @@ def test_a_placed_ladder_keeps_the_importance_and_places_for_the_budget_a_run_ge
     for cache_mb in (low_total / 2**20, 1.3 * low_total / 2**20):
         with hobbitpy.Llama(path, cache_mb=cache_mb, n_ctx=64, verbose=False) as llm:
             highs.append(sum(level == 0 for row in llm.placement for level in row))
+            llm.create_completion("In the beginning", max_tokens=8, temperature=0.0)
+            skipped = llm.offload_stats()["n_skipped"]
+        # the skip variant's profile skips resident experts by itself (the default T2 leaves
+        # out the selections with under a tenth of their token's gate weight)
+        assert (skipped > 0) == candidate.endswith("skip")
     assert highs[0] == 0 < highs[1]
 
 

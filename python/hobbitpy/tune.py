@@ -8,8 +8,8 @@ size and a quality budget, measured rather than guessed.
    made by its quantizer), or two levels (a low copy under a higher one), each level
    holding only copies cheaper than the model's own, or two levels placed statically: one
    copy of every expert, the most weighed by the routers high (placement.py), weighed on
-   the text past the tokens scored (unscored_text()). Files missing are made first (never
-   overwriting).
+   the text past the tokens scored (unscored_text()), also with T2's skip on their resident
+   experts (skip_cached). Files missing are made first (never overwriting).
 3. Each candidate is scored on the text token by token at that budget, with the hit
    behaviour it will really have (`hits` upgrade or found, warm-up, the cache churning):
    perplexity, KL and top-1 against stock on the model; and the runtime's counters give
@@ -85,6 +85,11 @@ def candidates() -> list[Candidate]:
             out.append(Candidate(f"{name} {hits}", {"high": high, "low": low, "hits": hits}))
     out += [Candidate(f"{high}/{low} placed", {"high": high, "low": low, "hits": "found"}, placed=True)
             for high, low in PLACED_LEVELS]
+    # ... with T2's skip on resident experts too: every expert of a placed ladder is resident,
+    # and a token's compute is what a skip saves (at the default T2 a tenth of the selections,
+    # measured at no perplexity cost on ref-mixtral: docs/BENCHMARKS.md)
+    out += [Candidate(f"{high}/{low} placed skip", {"high": high, "low": low, "hits": "found", "skip_cached": True},
+                      placed=True) for high, low in PLACED_LEVELS]
     out += [Candidate(f"preset {name}", preset_settings(name)) for name in PRESET_CANDIDATES]
     return out
 
