@@ -82,8 +82,8 @@ def plot_frontier(rows: list[dict], title: str, path: pathlib.Path) -> bool:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("decode tokens/s (median)")
     axes[0][0].legend(fontsize=8)
-    # one panel is narrower than the title: it takes two lines there
-    fig.suptitle(f"{title}:{' ' if len(rows) > 1 else chr(10)}quality-speed frontier under a memory cap", fontsize=10)
+    sep = " " if len(rows) > 1 else "\n"  # one panel is narrower than the title: two lines there
+    fig.suptitle(f"{title}:{sep}quality-speed frontier under a memory cap", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

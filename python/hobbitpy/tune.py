@@ -87,7 +87,7 @@ def candidates() -> list[Candidate]:
             for high, low in PLACED_LEVELS]
     # ... with T2's skip on resident experts too: every expert of a placed ladder is resident,
     # and a token's compute is what a skip saves (at the default T2 a tenth of the selections,
-    # measured at no perplexity cost on ref-mixtral: docs/BENCHMARKS.md)
+    # within the standard error of the perplexity measured on ref-mixtral: docs/BENCHMARKS.md)
     out += [Candidate(f"{high}/{low} placed skip", {"high": high, "low": low, "hits": "found", "skip_cached": True},
                       placed=True) for high, low in PLACED_LEVELS]
     out += [Candidate(f"preset {name}", preset_settings(name)) for name in PRESET_CANDIDATES]
