@@ -684,7 +684,10 @@ void hobbit_runtime::prefetch_next_layers(int il, const float * x, std::vector<l
         precision_levels(thresholds, lp.weights.data(), k_sel, want.data());
         std::fill(want.begin() + k_sel, want.end(), want[k_sel - 1]);
         for (int i = 0; placed(lp.il) && i < k; ++i) {
-            want[i] = placed(lp.il)[lp.experts[i]];
+            // as read_selection: a placement fixes the level, the skip rule acts only with skip_cached
+            if (!(want[i] == PRECISION_SKIP && thresholds.skip_cached)) {
+                want[i] = placed(lp.il)[lp.experts[i]];
+            }
         }
         // with substitution, only the predicted top-score experts (importance-driven scheduling
         // §5.2): a low-score one that misses is served by a cached expert of similar score
@@ -827,10 +830,12 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
 
     // experts already in a pool first: they cost nothing this wave, and their slots are
     // pinned before any miss looks for a victim
+    // --skip-cached: skipped before any lookup, resident or not
+    const auto skipped_even_cached = [&](int e) { return sel.want[e] == skip && thresholds.skip_cached; };
     std::vector<int> order = sel.order;
     const auto cached = std::stable_partition(order.begin(), order.end(), [&](int e) {
         int l;
-        return !(sel.want[e] == skip && thresholds.skip_cached) && lookup(il, e, sel.want[e], exact_for(sel, e), l) >= 0;
+        return !skipped_even_cached(e) && lookup(il, e, sel.want[e], exact_for(sel, e), l) >= 0;
     });
     // balanced: the misses that could run either way are split once for the wave (Algorithm 2)
     const std::vector<bool> balanced = executor.mode == HOBBIT_MODE_BALANCED && plan.has_inplace && inplace_ok[il]
@@ -844,7 +849,7 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
         }
         expert_choice c;
         c.expert = e;
-        c.slot = sel.want[e] == skip && thresholds.skip_cached ? -1 : lookup(il, e, sel.want[e], exact_for(sel, e), c.level);
+        c.slot = skipped_even_cached(e) ? -1 : lookup(il, e, sel.want[e], exact_for(sel, e), c.level);
         if (c.slot >= 0) {
             c.how = serve_as::hit;
             if (use_of(pools[pool_of[c.level][il]].pool->slots[c.slot]) != slot_use::busy) {
