@@ -200,17 +200,18 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: f
             log(f"  expert importance traced on the text past the scored tokens ({len(importance)} MoE layers)")
         except HobbitError as e:
             unplaced = str(e)
+    width = max((len(cand.name) for cand in chosen), default=0)  # one column for the longest name ("... placed skip")
     for cand in chosen:
         settings = {k: v for k, v in cand.settings.items() if v is not None}
         if cand.placed:
             if importance is None:
-                log(f"  {cand.name:<20} skipped: {unplaced}")
+                log(f"  {cand.name:<{width}} skipped: {unplaced}")
                 continue
             settings["importance"] = importance
         try:
             files = {k: _level_file(model, settings[k], threads, log) for k in ("high", "low") if k in settings}
         except (HobbitError, ValueError, OSError) as e:
-            log(f"  {cand.name:<20} skipped: {e}")
+            log(f"  {cand.name:<{width}} skipped: {e}")
             continue
         levels = (inspect_model(files["high"]) if "high" in files else info,) + (
             (inspect_model(files["low"]),) if "low" in files else ())
@@ -221,7 +222,7 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: f
         try:
             budget = expert_budget(info, available, run_shape, levels, config)
         except HobbitError as e:
-            log(f"  {cand.name:<20} does not fit: {e}")
+            log(f"  {cand.name:<{width}} does not fit: {e}")
             continue
         if budget is None:
             budget = info.expert_bytes_total  # everything fits: stock would keep it all resident
@@ -234,7 +235,7 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: f
                "mean_kl": r.mean_kl,
                "top1_agreement": r.top1_agreement, "cost": _cost(r.stats, levels, info, r.n_tokens)}
         rows.append(row)
-        log(f"  {cand.name:<20} budget {budget / MB:7.1f} MB  ppl {100 * row['ppl_increase']:+6.2f} % "
+        log(f"  {cand.name:<{width}} budget {budget / MB:7.1f} MB  ppl {100 * row['ppl_increase']:+6.2f} % "
             f"(95 % bound {100 * row['ppl_increase_upper']:+6.2f} %)  KL {row['mean_kl']:.4f}  "
             f"cost {row['cost']:.3g} MB/token")
     best = choose(rows, max_ppl_increase, len(ids), log)
