@@ -186,7 +186,8 @@ class OffloadConfig:
               "expert's squared gate weight; on the command line: from a `hobbitpy trace`): the most weighed at the "
               "highest level the budget holds, the rest at the lowest, each always served at its level (T1 "
               "unused; T2 skips only with --skip-cached). With a budget for a copy of every expert, a "
-              "mixed-precision model resident in memory (placement.py)", flag="--placed", metavar="TRACE", parse="trace_importance", profile=True,
+              "mixed-precision model resident in memory (placement.py)",
+        flag="--placed", metavar="TRACE", parse="trace_importance", profile=True,
         default_text="none: the thresholds decide per selection")
     popularity: tuple[tuple[float, ...], ...] | None = option(
         None, "Fiddler's profile for the popularity policy: how often each expert is selected (per MoE layer; on the "
