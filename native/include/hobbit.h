@@ -134,6 +134,12 @@ struct hobbit_params {
                                // decode, a selection scoring below (1 + alpha) times the best unselected score (β)
                                // that is not cached is replaced by the best cached unselected expert scoring in
                                // [(1 - alpha) β, β], its gate weight renormalized; 0 = off (exact)
+    float   neuron_threshold; // CORM's neuron sparsity (§4.1-4.2; lossy): in every MoE layer after the first, a
+                              // selected expert's neurons whose |SiLU| of the gate projection of the previous MoE
+                              // layer's input is below this add nothing (computed as zero); < 0 = off (exact); 0 =
+                              // on, every neuron kept (exact too). Needs separate gate and up projections
+    float   neuron_limit;     // with neuron_threshold: an expert keeping more than this share of its neurons runs
+                              // whole (CORM's upper limit, 0.75 for Mixtral)
     bool    direct_io;       // read with O_DIRECT (bypassing the page cache) where the file system allows it
     int32_t n_io_threads;    // threads reading experts (2 keeps the disk busy while one copies; 1 = strict queue order)
 

@@ -69,6 +69,8 @@ struct hobbit_params hobbit_default_params(void) {
     p.prefill_popular_first = true;
     p.prefill_low_share = 0.0f;
     p.substitute_alpha = 0.0f;
+    p.neuron_threshold = -1.0f;
+    p.neuron_limit     = 0.75f;  // CORM's limit for Mixtral
     p.direct_io       = true;
     p.n_io_threads    = 2;
     p.n_level         = 1;
@@ -130,6 +132,12 @@ static std::string invalid_params(const hobbit_params * params) {
     }
     if (!(params->substitute_alpha >= 0.0f && params->substitute_alpha <= 1.0f)) { // NaN fails too
         return "substitute_alpha must be in [0, 1], got " + std::to_string(params->substitute_alpha);
+    }
+    if (std::isnan(params->neuron_threshold) || std::isinf(params->neuron_threshold)) {
+        return "neuron_threshold must be finite (below 0: off)";
+    }
+    if (!(params->neuron_limit >= 0.0f && params->neuron_limit <= 1.0f)) { // NaN fails too
+        return "neuron_limit must be in [0, 1], got " + std::to_string(params->neuron_limit);
     }
     if (params->prefetch_width < HOBBIT_PREFETCH_WIDTH_FATE) {
         return "prefetch_width must be >= 0 or HOBBIT_PREFETCH_WIDTH_FATE, got " + std::to_string(params->prefetch_width);

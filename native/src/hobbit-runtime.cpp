@@ -132,6 +132,16 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
 
     last_moe_layer = moe_layers.back();
 
+    // CORM's neuron sparsity zeroes a neuron's gate pre-activation (build_moe_ffn): a layer must have one
+    if (params.neuron_threshold >= 0.0f) {
+        for (int il : moe_layers) {
+            if (!index.layers[il].proj[LLAMA_MOE_PROJ_GATE].present) {
+                throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, path + ": layer " + std::to_string(il) + " has no separate "
+                    "gate projection of its experts, which neuron sparsity (neuron_threshold) needs");
+            }
+        }
+    }
+
     if (params.expert_levels != nullptr) {
         const int64_t n_want = (int64_t) moe_layers.size() * info.n_expert;
         if (params.n_expert_levels != n_want) {
@@ -326,6 +336,9 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         lo.inplace_min_pairs = !inplace_ok[il] ? INT32_MAX :
                                params.mode != HOBBIT_MODE_GPU_CENTRIC ? 0 : layer_capacity(il) + 1;
         lo.dispatch    = &hobbit_runtime::dispatch_op;
+        lo.neuron_sparse    = params.neuron_threshold >= 0.0f;
+        lo.neuron_threshold = params.neuron_threshold;
+        lo.neuron_limit     = params.neuron_limit;
     }
     offload_desc.n_layer  = info.n_layer;
     offload_desc.layers   = layers.data();

@@ -79,6 +79,8 @@ struct hobbit_params {
     bool    prefill_popular_first;
     float   prefill_low_share;
     float   substitute_alpha;
+    float   neuron_threshold;
+    float   neuron_limit;
     bool    direct_io;
     int32_t n_io_threads;
     int32_t n_level;

@@ -628,15 +628,9 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--no-reference", action="store_true", help="perplexity only, no stock run to compare with")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    p.add_argument("--neurons", metavar="THETA", type=float, default=None,
-                   help="price CORM's sparse neurons instead (with --no-offload): a selected expert's neurons with "
-                        "|SiLU(W1 x)| <= THETA add nothing, x the previous MoE layer's input as CORM predicts it "
-                        "(the first MoE layer whole)")
     p.add_argument("--neuron-oracle", action="store_true",
-                   help="with --neurons: each layer's own input instead (a perfect predictor)")
-    p.add_argument("--neuron-limit", metavar="SHARE", type=float, default=None,
-                   help="with --neurons: a selection keeping more than SHARE of its neurons is computed whole, as "
-                        "CORM loads the whole expert then (default 0.75, CORM's for Mixtral)")
+                   help="with --no-offload --neurons THETA (CORM priced on a stock context): each layer's own input "
+                        "instead of the previous MoE layer's (a perfect predictor)")
     add_offload_args(p)
     p.set_defaults(func=_eval)
 
@@ -644,7 +638,7 @@ def _add_eval_parser(sub) -> None:
 def _eval(args) -> int:
     from hobbitpy import HobbitError
     from hobbitpy.evaluate import evaluate
-    from hobbitpy.neurons import FULL_EXPERT_SHARE, NeuronMaskSpec
+    from hobbitpy.neurons import NeuronMaskSpec
 
     from tqdm import tqdm
 
@@ -655,12 +649,11 @@ def _eval(args) -> int:
         return _fail(why)
     try:
         offload = offload_config_from_args(args, args.model)
-        neurons = None
-        if args.neurons is not None:
-            neurons = NeuronMaskSpec(args.neurons, predicted=not args.neuron_oracle,
-                                     limit=FULL_EXPERT_SHARE if args.neuron_limit is None else args.neuron_limit)
-        elif args.neuron_oracle or args.neuron_limit is not None:
-            raise ValueError("--neuron-oracle and --neuron-limit go with --neurons THETA")
+        neurons = None  # stock's path prices CORM with a graph callback; the runtime masks in its own graph
+        if not offload.enabled and offload.neurons is not None:
+            neurons = NeuronMaskSpec(offload.neurons, predicted=not args.neuron_oracle, limit=offload.neuron_limit)
+        elif args.neuron_oracle:
+            raise ValueError("--neuron-oracle goes with --no-offload --neurons THETA")
         r = evaluate(args.model, text, offload, n_ctx=args.ctx, max_tokens=args.max_tokens, n_threads=args.threads,
                      compare_to_reference=not args.no_reference, n_ubatch=args.ubatch, neurons=neurons,
                      progress=lambda xs: tqdm(xs, desc="eval", unit="window", file=sys.stderr))

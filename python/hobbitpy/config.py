@@ -33,6 +33,8 @@ PREFETCH_WIDTH_FATE = -1  # hobbit.h HOBBIT_PREFETCH_WIDTH_FATE
 MAX_IO_THREADS = 64  # hobbit.h HOBBIT_MAX_IO_THREADS (a test holds them equal)
 MAX_CACHE_MB = 1 << 30  # a PiB: more is a typo, and its bytes would overflow the C API's int64
 DEFAULT_T2 = 0.9
+# CORM's upper limit on active neurons for Mixtral 8x7B (its Fig. 9): an expert keeping more runs whole
+NEURON_LIMIT_CORM = 0.75
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,16 @@ class OffloadConfig:
              "scoring below (1 + ALPHA) times the best unselected expert's score that is not cached is served by the "
              "best cached unselected expert scoring within (1 - ALPHA) of it instead, the gate weights renormalized; "
              "the paper runs 0.25-0.35; 0 = off (exact)", flag="--substitute", metavar="ALPHA", parse="float", profile=True)
+    neurons: float | None = option(
+        None, "CORM's neuron sparsity (lossy): in every MoE layer after the first, the neurons of a selected expert "
+              "whose |SiLU(W1 x')| is below THETA add nothing, x' the token's input to the previous MoE layer (CORM's "
+              "prediction one layer ahead, through the layer's own W1); the paper runs 0.1-0.35. Experts are still "
+              "read and multiplied whole, the prediction adds a gate projection (no neuron-granular reads or "
+              "kernels yet: docs/BENCHMARKS.md, CORM); 0 keeps every neuron (exact)", flag="--neurons",
+        metavar="THETA", parse="float", profile=True, default_text="off (exact)")
+    neuron_limit: float = option(NEURON_LIMIT_CORM, "with --neurons: an expert keeping more than this share of its "
+                                                    "neurons runs whole (CORM's upper limit)",
+                                 flag="--neuron-limit", metavar="SHARE", profile=True)
     direct_io: bool = option(True, "read experts through the page cache instead of with O_DIRECT (O_DIRECT avoids "
                                    "caching them twice)", flag="--no-direct-io", negate=True)
     io_threads: int = option(2, "threads reading experts: 2 keeps the disk busy while one copies out of its buffer",
@@ -225,6 +237,10 @@ class OffloadConfig:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if not 0.0 <= self.substitute_alpha <= 1.0:  # NaN fails too
             raise ValueError(f"substitute_alpha must be in [0, 1], got {self.substitute_alpha}")
+        if self.neurons is not None and not 0.0 <= self.neurons < math.inf:  # NaN fails too
+            raise ValueError(f"neurons (CORM's threshold) must be finite and non-negative, got {self.neurons}")
+        if not 0.0 <= self.neuron_limit <= 1.0:
+            raise ValueError(f"neuron_limit must be in [0, 1], got {self.neuron_limit}")
         if not 0.0 <= self.prefill_low_share <= 1.0:  # NaN fails too
             raise ValueError(f"prefill_low_share must be in [0, 1], got {self.prefill_low_share}")
         if self.prefill_low_share > 0.0 and self.n_level < 2:
@@ -266,8 +282,9 @@ class OffloadConfig:
     @property
     def lossy(self) -> bool:
         """May the outputs differ from stock llama.cpp's: experts served at another precision
-        (a companion level) or substituted by others (substitute_alpha)?"""
-        return self.high is not None or self.n_level > 1 or self.substitute_alpha > 0
+        (a companion level), substituted by others (substitute_alpha) or neurons left out (neurons)?"""
+        return (self.high is not None or self.n_level > 1 or self.substitute_alpha > 0
+                or (self.neurons is not None and self.neurons > 0))
 
     @property
     def n_level(self) -> int:
@@ -296,6 +313,8 @@ class OffloadConfig:
         params.prefill_popular_first = self.prefill_order == "popularity"
         params.prefill_low_share = self.prefill_low_share
         params.substitute_alpha = self.substitute_alpha
+        params.neuron_threshold = -1.0 if self.neurons is None else self.neurons
+        params.neuron_limit = self.neuron_limit
         params.direct_io = self.direct_io
         params.n_io_threads = self.io_threads
         params.policy = _NATIVE_POLICY[self.policy]

@@ -26,13 +26,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .config import NEURON_LIMIT_CORM
 from .errors import HobbitError
 
 if TYPE_CHECKING:
     from .trace import Trace
 
-# CORM §3.6: above this share of active neurons the whole expert is loaded (Mixtral's figure)
-FULL_EXPERT_SHARE = 0.75
+# CORM (its Fig. 9): above this share of active neurons the whole expert is loaded (Mixtral's figure)
+FULL_EXPERT_SHARE = NEURON_LIMIT_CORM
 # architectures whose experts are SwiGLU (act = SiLU on W1's output, as CORM's models); gpt-oss
 # clamps its own variant and merges W1 with W3, which CORM does not cover
 # the mask prices CORM's arithmetic on stock's, every expert mapped

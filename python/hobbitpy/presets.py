@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import PREFETCH_WIDTH_FATE
+from .config import NEURON_LIMIT_CORM, PREFETCH_WIDTH_FATE
 
 
 # Fate's popularity-aware hybrid quantization (§4.5): a Q2_K copy (its INT2) in a small pool for a
@@ -59,6 +59,15 @@ PRESETS: dict[str, Preset] = {
                       "so misses are loaded: --mode cooperative computes them in place, --mode auto decides by the "
                       "latency model (its Algorithm 1). Its beam case: Llama(n_seq_max=W).beam_search, `bench "
                       "--beams W`"),
+    "corm": Preset({"neurons": 0.25, "neuron_limit": NEURON_LIMIT_CORM, "prefetch_layers": 1},
+                   "CORM: a selected expert's neurons whose |SiLU(W1 x')| is below 0.25 (its θ for Mixtral, Fig. 10) "
+                   "add nothing, x' the previous MoE layer's input (its prediction one layer ahead through the "
+                   "layer's own W1, §4.2), the whole expert above 75 % kept (Fig. 9); the next layer's experts "
+                   "predicted by its gate on this layer's input and prefetched (§4.2). Lossy. Not built: "
+                   "neuron-granular reads, the neuron cache and sparse kernels (experts are read and multiplied "
+                   "whole: on a page-read tier a neuron of our models is 1/15 of a page, docs/BENCHMARKS.md, CORM); "
+                   "its expert-granularity mixed quantization is --placed TRACE --low Q2_K (by gate weight, not by "
+                   "frequency)"),
 }
 
 

@@ -66,7 +66,7 @@ TWO_LEVELS = (("Q4_K_M", "Q2_K"), ("Q4_K", "Q2_K"), ("Q3_K_M", "Q2_K"), ("Q4_K_M
 PLACED_LEVELS = (("Q3_K", "Q2_K"), ("Q3_K_M", "Q2_K"), ("Q4_K", "Q2_K"), ("Q4_K_M", "Q3_K"), ("Q4_K", "IQ2_XXS"))
 # the presets (presets.py) tune scores as they are, each paper's method at the budget: Fiddler's
 # needs a profile of calibration text, which tune does not trace
-PRESET_CANDIDATES = ("lru", "importance", "fate", "hobbit")
+PRESET_CANDIDATES = ("lru", "importance", "fate", "hobbit", "corm")
 
 
 @dataclass
@@ -228,12 +228,13 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: f
             budget = info.expert_bytes_total  # everything fits: stock would keep it all resident
         r = evaluate_against(model, reference, OffloadConfig(**settings, cache_mb=budget / MB), n_ubatch=1,
                              n_threads=threads)
+        cost = _cost(r.stats, levels, info, r.n_tokens, predicts_neurons=config.neurons is not None)
         row = {"name": cand.name, "settings": settings, "budget_mb": budget / MB, "perplexity": r.perplexity,
                "ppl_increase": r.perplexity / reference.perplexity - 1.0,
                "ppl_increase_upper": math.exp(math.log(r.perplexity / reference.perplexity)
                                               + CONFIDENCE_Z * (r.log_ppl_ratio_se or 0.0)) - 1.0,
                "mean_kl": r.mean_kl,
-               "top1_agreement": r.top1_agreement, "cost": _cost(r.stats, levels, info, r.n_tokens)}
+               "top1_agreement": r.top1_agreement, "cost": cost}
         rows.append(row)
         log(f"  {cand.name:<{width}} budget {budget / MB:7.1f} MB  ppl {100 * row['ppl_increase']:+6.2f} % "
             f"(95 % bound {100 * row['ppl_increase_upper']:+6.2f} %)  KL {row['mean_kl']:.4f}  "
@@ -271,13 +272,18 @@ def choose(rows: list[dict], max_ppl_increase: float, n_tokens: int, log=print) 
     return min(measured, key=lambda r: (r["mean_kl"], r["cost"], r["name"]))
 
 
-def _cost(stats: dict | None, levels: tuple[ModelInfo, ...], info: ModelInfo, n_tokens: int) -> float:
-    """Expert megabytes per token: what the matmuls stream, plus what loaded in the background
-    (warm-up, upgrades: each a copy into a slot that competes with the matmuls for the cores),
-    plus MEMORY_OVER_DISK times what decoding waited for from the disk."""
+def _cost(stats: dict | None, levels: tuple[ModelInfo, ...], info: ModelInfo, n_tokens: int,
+          predicts_neurons: bool = False) -> float:
+    """Expert megabytes per token: what the matmuls stream (with CORM's neuron prediction, each
+    selection past the first MoE layer streams its gate projection, a third of it, once more:
+    experts are multiplied whole), plus what loaded in the background (warm-up, upgrades: each a
+    copy into a slot that competes with the matmuls for the cores), plus MEMORY_OVER_DISK times
+    what decoding waited for from the disk."""
     if stats is None:  # stock: every expert resident (the budget held them all)
         return info.expert_bytes_total / info.n_expert * info.n_expert_used / MB
     per_expert = [level.expert_bytes_total / (level.n_layer_moe * level.n_expert) for level in levels]
     served = sum(n * b for n, b in zip(stats["served"], per_expert))
+    if predicts_neurons:
+        served *= 1.0 + (info.n_layer_moe - 1) / info.n_layer_moe / 3.0
     waited = stats["demand_bytes_read"]
     return (served + stats["background_bytes_read"] + MEMORY_OVER_DISK * waited) / max(1, n_tokens) / MB

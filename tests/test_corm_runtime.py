@@ -1,0 +1,75 @@
+"""CORM's neuron sparsity in the runtime (`--neurons THETA`, `--preset corm`): at θ = 0 every
+neuron is kept and the logits equal stock's bit for bit at any cache size, for every
+architecture; above it neurons are left out as CORM predicts them, the same rule the stock
+pricing path (`eval --no-offload --neurons`) applies with a graph callback."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hobbitpy
+from hobbitpy.cli import main as cli_main
+from conftest import ARCHES, MB, run_logits, tiny_model
+
+from test_exactness import BUDGETS, reference
+
+TEXT = ("The keeper climbed the stairs of the tower every evening, lit the lamp and watched the sea. "
+        "Ships passed in the dark, and the light turned slowly over the water until the morning came. ") * 3
+
+
+@pytest.mark.parametrize("budget", ["min", "half", "all"])
+@pytest.mark.parametrize("arch", ARCHES)
+def test_theta_zero_keeps_every_neuron_bit_for_bit(model_dir, arch, budget):
+    path = tiny_model(model_dir, arch)
+    ref_scores, ref_text, _, info = reference(path)
+    config = hobbitpy.OffloadConfig(cache_mb=BUDGETS[budget](info) / MB, neurons=0.0, neuron_limit=1.0,
+                                    prefetch_layers=1)
+    scores, text, stats, _ = run_logits(path, config)
+    assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
+    assert text == ref_text
+    assert stats["expert_misses"] > 0
+
+
+def _eval(path, config, **kw):
+    from hobbitpy.evaluate import evaluate
+
+    return evaluate(path, TEXT, config, n_ctx=32, n_threads=2, **kw)
+
+
+def test_neurons_left_out_cost_what_the_stock_pricing_says(model_dir):
+    """The runtime's mask and the pricing callback apply one rule (the callback dots in float32,
+    the graph on ggml's quantized activations, so a neuron within rounding of θ may differ): both
+    lose quality, by about as much, and a limit of 0 keeps every expert that keeps any neuron."""
+    from hobbitpy.neurons import NeuronMaskSpec
+
+    path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    info = hobbitpy.inspect_model(path)
+    budget = info.expert_bytes_total / 2 / MB
+    runtime = _eval(path, hobbitpy.OffloadConfig(cache_mb=budget, neurons=0.05, neuron_limit=1.0))
+    priced = _eval(path, hobbitpy.OffloadConfig(enabled=False),
+                   neurons=NeuronMaskSpec(0.05, predicted=True, limit=1.0))
+    assert runtime.offloaded and runtime.mean_kl > 0.0 and priced.mean_kl > 0.0
+    assert runtime.mean_kl == pytest.approx(priced.mean_kl, rel=0.25)
+    assert abs(runtime.perplexity - priced.perplexity) < 0.1 * abs(priced.perplexity - priced.reference_perplexity) + 1e-3
+    # more of the neurons left out: more lost
+    wider = _eval(path, hobbitpy.OffloadConfig(cache_mb=budget, neurons=0.2, neuron_limit=1.0))
+    assert wider.mean_kl > runtime.mean_kl
+
+
+def test_the_corm_preset_and_its_flags_on_the_command_line(model_dir, tmp_path, capsys):
+    path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    half = hobbitpy.inspect_model(path).expert_bytes_total / 2 / MB  # a model that fits runs stock
+    base = ["eval", str(path), "--text", str(text), "--ctx", "32", "--threads", "2", "--cache-mb", f"{half:.3f}"]
+    assert cli_main([*base, "--preset", "corm"]) == 0
+    out = capsys.readouterr().out
+    assert "offload on" in out and "perplexity increase" in out and "mean KL to reference  0.000000" not in out
+    assert cli_main([*base, "--neurons", "0", "--neuron-limit", "1"]) == 0
+    assert "mean KL to reference  0.000000" in capsys.readouterr().out
+    for bad in (["--neurons", "-1"], ["--neurons", "nan"], ["--neurons", "0.1", "--neuron-limit", "2"],
+                ["--neuron-oracle"], ["--neurons", "0.1", "--neuron-oracle"]):
+        assert cli_main([*base, *bad]) == 2, bad
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "neuron" in err[0], err
