@@ -73,3 +73,25 @@ def test_the_corm_preset_and_its_flags_on_the_command_line(model_dir, tmp_path, 
         assert cli_main([*base, *bad]) == 2, bad
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "neuron" in err[0], err
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_a_generation_whose_last_layer_computes_only_the_output_row(model_dir, arch):
+    """A prompt's last layer computes only the rows that have outputs: the prediction takes the
+    same rows of the previous MoE layer's input. θ = 0 prints stock's greedy text; θ > 0 runs."""
+    import subprocess
+    import sys
+
+    path = tiny_model(model_dir, arch)
+    half = f"{hobbitpy.inspect_model(path).expert_bytes_total / 2 / MB:.4f}"
+    common = ["-m", "hobbitpy", "run", str(path), "--prompt", "The harbour at dawn was quiet", "-n", "12",
+              "--temp", "0", "--threads", "2"]
+
+    def run(*args):
+        p = subprocess.run([sys.executable, *common, *args], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        return p.stdout
+
+    stock = run("--no-offload")
+    assert run("--cache-mb", half, "--neurons", "0", "--neuron-limit", "1") == stock
+    assert run("--cache-mb", half, "--preset", "corm").strip()
