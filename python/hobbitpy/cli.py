@@ -540,7 +540,8 @@ def _add_simulate_parser(sub) -> None:
                         "guessed for the next P layers are loaded (their bytes count as read; not for belady)")
     p.add_argument("--preset", nargs="+", choices=list(PRESETS), default=[], metavar="NAME",
                    help=f"also replay these presets' rules ({', '.join(PRESETS)}): policy, substitution, decode "
-                        "prefetch and T1's low-precision misses; one shared pool, top-k guesses, no skips")
+                        "prefetch and T1's low-precision misses; one shared pool, top-k guesses, no skips (corm: whole "
+                        "experts, as the runtime reads them; --neurons replays the neuron cache CORM would read)")
     p.add_argument("--neurons", type=float, metavar="THETA", default=None,
                    help="replay CORM's neuron cache instead, at a threshold the trace recorded (`trace --neurons`): "
                         "bytes per token of whole experts, CORM's predicted neurons, the exactly active ones, and W1 "

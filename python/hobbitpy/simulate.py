@@ -186,7 +186,8 @@ def simulate_preset(trace: Trace, budget_mb: float, preset: str, *, popularity: 
     allocation; one shared pool here), prompts (a trace is decode steps: Fate's low-precision
     share of a prompt's experts), guesses wider than top-k (the trace records k),
     T2's skips, and the importance preset's choice of the top-score guesses only (the
-    trace has no scores for its guesses: every guess is prefetched)."""
+    trace has no scores for its guesses: every guess is prefetched). The corm preset reads
+    whole experts, as the runtime does; its neuron cache is `simulate_neurons`'s replay."""
     from .config import DEFAULT_T1
     from .presets import preset_settings
 
