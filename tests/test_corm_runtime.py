@@ -29,6 +29,9 @@ def test_theta_zero_keeps_every_neuron_bit_for_bit(model_dir, arch, budget):
     assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
     assert text == ref_text
     assert stats["expert_misses"] > 0
+    # every neuron of every predicted selection kept, and counted so
+    assert stats["neuron_selections"] > 0
+    assert stats["neuron_kept"] == stats["neuron_whole"] == stats["neuron_selections"]
 
 
 def _eval(path, config, **kw):
@@ -52,6 +55,13 @@ def test_neurons_left_out_cost_what_the_stock_pricing_says(model_dir):
     assert runtime.offloaded and runtime.mean_kl > 0.0 and priced.mean_kl > 0.0
     assert runtime.mean_kl == pytest.approx(priced.mean_kl, rel=0.25)
     assert abs(runtime.perplexity - priced.perplexity) < 0.1 * abs(priced.perplexity - priced.reference_perplexity) + 1e-3
+    # the share kept, as the runtime counts it (MoE layers after the first), is the pricing's
+    # (which counts the first MoE layer's selections as whole) without them
+    n = runtime.stats["neuron_selections"]
+    n_moe = 4
+    assert n == priced.stats["neuron_selections"] * (n_moe - 1) // n_moe
+    priced_share = (priced.stats["neuron_kept_share"] * n_moe - 1) / (n_moe - 1)
+    assert runtime.stats["neuron_kept"] / n == pytest.approx(priced_share, abs=0.02)
     # more of the neurons left out: more lost
     wider = _eval(path, hobbitpy.OffloadConfig(cache_mb=budget, neurons=0.2, neuron_limit=1.0))
     assert wider.mean_kl > runtime.mean_kl

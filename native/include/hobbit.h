@@ -237,6 +237,10 @@ struct hobbit_stats {
     int64_t dispatch_us;           // time the dispatch ops spent deciding and bookkeeping (their waits are stall_us)
     int64_t background_bytes_read; // of bytes_read, what loaded in the background (prefetch, upgrades, warm-up)
     int64_t n_substituted;         // selections replaced by a cached expert of similar score (substitute_alpha)
+    int64_t neuron_selections;     // neuron_threshold: selections whose neurons the previous layer's input predicted
+                                   // (every MoE layer after the first)
+    int64_t neuron_whole;          // ... of them run whole (more than neuron_limit of their neurons kept)
+    double  neuron_kept;           // ... the sum over them of the share of neurons kept (1 for a whole one)
 };
 
 // counters of one pool (one per expert signature; index 0 .. n_pool-1)

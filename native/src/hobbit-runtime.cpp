@@ -339,6 +339,8 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         lo.neuron_sparse    = params.neuron_threshold >= 0.0f;
         lo.neuron_threshold = params.neuron_threshold;
         lo.neuron_limit     = params.neuron_limit;
+        lo.neuron_count     = &hobbit_runtime::neuron_count_op;
+        lo.neuron_count_ud  = this;
     }
     offload_desc.n_layer  = info.n_layer;
     offload_desc.layers   = layers.data();
@@ -459,6 +461,36 @@ void hobbit_runtime::dispatch_op(ggml_tensor * dst, int ith, int nth, void * ud)
     }
     const auto * d = (const dispatch_ud *) ud;
     d->rt->dispatch(dst, d->il, d->wave);
+}
+
+void hobbit_runtime::neuron_count_op(ggml_tensor * dst, int ith, int nth, void * ud) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    auto * rt = (hobbit_runtime *) ud;
+    const ggml_tensor * kept = dst->src[0]; // [1, n_expert_used, n_tokens]
+    const ggml_tensor * ids  = dst->src[1]; // [n_expert_used, n_tokens, n_pool + 1]
+    int64_t n = 0, whole = 0;
+    double sum = 0.0;
+    for (int64_t t = 0; t < ids->ne[1]; ++t) {
+        for (int64_t k = 0; k < ids->ne[0]; ++k) {
+            bool in_pass = false;
+            for (int64_t p = 0; p < ids->ne[2]; ++p) {
+                in_pass |= *(const int32_t *) ((const char *) ids->data + k * ids->nb[0] + t * ids->nb[1] + p * ids->nb[2]) >= 0;
+            }
+            if (in_pass) {
+                const float share = *(const float *) ((const char *) kept->data + k * kept->nb[1] + t * kept->nb[2]);
+                n++;
+                whole += share >= 1.0f;
+                sum += share;
+            }
+        }
+    }
+    std::lock_guard<std::mutex> lock(rt->mtx);
+    rt->stats_.neuron_selections += n;
+    rt->stats_.neuron_whole      += whole;
+    rt->stats_.neuron_kept       += sum;
 }
 
 int32_t hobbit_runtime::n_waves_op(void * ctx, int32_t n_tokens) {

@@ -63,6 +63,8 @@ private:
     };
 
     static void    dispatch_op(ggml_tensor * dst, int ith, int nth, void * ud);
+    // CORM's neuron mask of a pass: what it kept, counted (args: kept share per pair, dispatch ids)
+    static void    neuron_count_op(ggml_tensor * dst, int ith, int nth, void * ud);
     static int32_t n_waves_op(void * ctx, int32_t n_tokens);
     int  n_waves(int il, int n_tokens) const;
     // runs on the compute thread, blocking until this wave's experts are in the pools:

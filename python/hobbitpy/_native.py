@@ -153,6 +153,9 @@ struct hobbit_stats {
     int64_t dispatch_us;
     int64_t background_bytes_read;
     int64_t n_substituted;
+    int64_t neuron_selections;
+    int64_t neuron_whole;
+    double  neuron_kept;
 };
 
 struct hobbit_pool_stats {

@@ -111,7 +111,8 @@ def run(spec: dict) -> dict:
             r["decode_stats"] = {k: stats[k] for k in ("n_level", "served", "n_skipped", "expert_hits", "expert_misses",
                                                        "prefetch_issued", "prefetch_used", "prefetch_wasted", "upgrades",
                                                        "warm_loads", "bytes_read", "demand_bytes_read", "stall_us",
-                                                       "dispatch_us", "background_bytes_read", "n_substituted")}
+                                                       "dispatch_us", "background_bytes_read", "n_substituted",
+                                                       "neuron_selections", "neuron_whole", "neuron_kept")}
         r["pools"] = [dict(p, hit_ratio=p["hits"] / max(1, p["hits"] + p["misses"])) for p in llm.pool_stats()]
         r["generated"] = generated
 

@@ -676,6 +676,9 @@ def _eval(args) -> int:
         hits, misses = r.stats["expert_hits"], r.stats["expert_misses"]
         print(f"expert cache          {hits} hits, {misses} misses (hit ratio {hits / max(1, hits + misses):.3f}), "
               f"{r.stats['n_substituted']} substituted, {r.stats['expert_inplace']} computed in place")
+        if n := r.stats["neuron_selections"]:  # the runtime's mask (--neurons): the layers it predicts
+            print(f"neurons kept          {r.stats['neuron_kept'] / n * 100:.1f} % of each predicted selection's on "
+                  f"average (MoE layers after the first); {r.stats['neuron_whole']} of {n} computed whole")
     if args.json and (why := _write_json(args.json, r.as_dict())):
         return _fail(why)
     return 0
