@@ -97,6 +97,7 @@ def test_completion_matches_run_and_is_offloaded(server):
     assert after["hobbitpy_generated_tokens_total"] > before.get("hobbitpy_generated_tokens_total", 0)
     assert after["hobbitpy_prompt_tokens_total"] > before.get("hobbitpy_prompt_tokens_total", 0)
     assert after["hobbitpy_served_selections_total{level=0}"] > 0
+    assert after["hobbitpy_neuron_predicted_selections_total"] == 0  # no --neurons: no neuron left out
 
 
 def test_streamed_chat(server):

@@ -77,6 +77,10 @@ class ExpertCacheCollector:
             "prefetch_issued": ("prefetch_issued", "Experts prefetched"),
             "prefetch_used": ("prefetch_used", "Prefetched experts then selected"),
             "upgrades": ("upgrades", "Higher-precision copies loaded after a lower-precision hit"),
+            "neuron_predicted_selections": ("neuron_selections", "Selections whose neurons CORM's mask predicted "
+                                                                 "(--neurons; MoE layers after the first)"),
+            "neuron_kept_selections": ("neuron_kept", "Those selections' kept shares of their neurons, summed "
+                                                      "(divided by the above: the mean share kept)"),
         }
         for name, (key, doc) in counters.items():
             yield CounterMetricFamily(f"hobbitpy_{name}", doc, value=stats[key])
