@@ -79,3 +79,36 @@ def test_cli_and_bad_input(model_dir, tmp_path):
     with pytest.raises(hobbitpy.ModelFileError, match="cannot be widened"):
         inflate(src, tmp_path / "odd.gguf", 300, progress=False)  # not whole Q8_0 blocks
     assert not (tmp_path / "narrow.gguf").exists() and not (tmp_path / "odd.gguf").exists()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt-oss"])
+def test_a_padded_hidden_size_keeps_the_logits_bit_for_bit(model_dir, tmp_path, arch):
+    from hobbitpy.inflate import pad_embedding
+
+    src = tiny_model(model_dir, arch)
+    dst = tmp_path / "tall.gguf"
+    before = hobbitpy.inspect_model(src)
+    pad_embedding(src, dst, 4 * before.n_embd, progress=False)
+    after = hobbitpy.inspect_model(dst)
+    assert after.n_embd == 4 * before.n_embd and after.n_embd_head_k == before.n_embd_head_k
+    assert after.expert_bytes > 3 * before.expert_bytes  # gate/up rows four times as long, down four times the rows
+    a = run_logits(src, hobbitpy.OffloadConfig(enabled=False))
+    b = run_logits(dst, hobbitpy.OffloadConfig(enabled=False))
+    assert same_bits(a[0], b[0]) and a[1] == b[1]
+    # and offloaded
+    c = run_logits(dst, hobbitpy.OffloadConfig(cache_mb=after.expert_bytes_total / 2 / MB))
+    assert same_bits(b[0], c[0])
+
+
+def test_a_padded_hidden_size_must_be_a_power_of_four_times(model_dir, tmp_path):
+    from hobbitpy.inflate import pad_embedding
+
+    src = tiny_model(model_dir, "llama")
+    n = hobbitpy.inspect_model(src).n_embd
+    for bad in (2 * n, 3 * n, n, n + 32):
+        with pytest.raises(ValueError, match="power of 4"):
+            pad_embedding(src, tmp_path / f"x{bad}.gguf", bad, progress=False)
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(hobbitpy.HobbitError, match="hidden size"):  # qwen2moe's attention is sized by it
+        pad_embedding(tiny_model(model_dir, "qwen2moe"), tmp_path / "q.gguf", 4 * n, progress=False)
+    assert not list(tmp_path.iterdir())

@@ -105,6 +105,15 @@ def inflate(src: str | os.PathLike, dst: str | os.PathLike, n_ff: int, *, progre
             return np.concatenate(out, axis=1)
         raise AssertionError(kind)
 
+    return _write(reader, arch, dst, {ff_key: n_ff}, {}, plan, new_data, progress, f"inflate to n_ff {n_ff}")
+
+
+def _write(reader, arch: str, dst: pathlib.Path, replace: dict, add: dict, plan: list, new_data, progress: bool,
+           desc: str) -> pathlib.Path:
+    """Write dst: reader's metadata with the values of `replace` (key: value, the source's type
+    kept) and the keys of `add` (key: (value, GGUFValueType)), and the tensors of `plan` ((tensor,
+    kind, new ggml shape)) as new_data(tensor, kind) gives their bytes; through a temporary
+    file, so a failure leaves nothing."""
     tmp = dst.with_name(dst.name + ".tmp")
     try:
         writer = gguf.GGUFWriter(tmp, arch)
@@ -112,9 +121,9 @@ def inflate(src: str | os.PathLike, dst: str | os.PathLike, n_ff: int, *, progre
             if key.startswith("GGUF.") or key == "general.architecture":
                 continue
             value, vtype, sub = field_value(field)
-            if key == ff_key:
-                value = n_ff
-            writer.add_key_value(key, value, vtype, sub_type=sub)
+            writer.add_key_value(key, replace.get(key, value), vtype, sub_type=sub)
+        for key, (value, vtype) in add.items():
+            writer.add_key_value(key, value, vtype)
         for t, kind, new_shape in plan:
             qtype = QT(t.tensor_type)
             n_elems = int(np.prod(new_shape))
@@ -126,7 +135,7 @@ def inflate(src: str | os.PathLike, dst: str | os.PathLike, n_ff: int, *, progre
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        with tqdm(total=len(plan), unit="tensor", disable=not progress, desc=f"inflate to n_ff {n_ff}") as bar:
+        with tqdm(total=len(plan), unit="tensor", disable=not progress, desc=desc) as bar:
             for t, kind, _ in plan:
                 writer.write_tensor_data(np.ascontiguousarray(new_data(t, kind)).view(np.uint8))
                 bar.update(1)
@@ -136,3 +145,104 @@ def inflate(src: str | os.PathLike, dst: str | os.PathLike, n_ff: int, *, progre
         tmp.unlink(missing_ok=True)
         raise
     return dst
+
+
+# tensors whose rows are read along the hidden size (ne0 = n_embd): zero columns
+_EMBD_IN = (".attn_q.weight", ".attn_k.weight", ".attn_v.weight",
+            ".ffn_gate_inp.weight", ".ffn_gate_exps.weight", ".ffn_up_exps.weight", ".ffn_gate_inp_shexp.weight",
+            ".ffn_gate_shexp.weight", ".ffn_up_shexp.weight", ".ffn_gate.weight", ".ffn_up.weight",
+            ".ffn_down_exps.bias", ".attn_output.bias", ".ffn_down.bias")
+# ... whose rows are written along it (ne1 = n_embd): zero rows
+_EMBD_OUT = (".attn_output.weight", ".ffn_down_exps.weight", ".ffn_down_shexp.weight", ".ffn_down.weight")
+# RMSNorm weights over the hidden size: scaled, zeros for the new dimensions
+_EMBD_NORMS = (".attn_norm.weight", ".ffn_norm.weight", ".post_attention_norm.weight")
+# the same outside the blocks (whole names)
+_EMBD_IN_TOP, _EMBD_NORMS_TOP = ("token_embd.weight", "output.weight"), ("output_norm.weight",)
+# architectures whose attention llama.cpp sizes by key_length x heads, not by the hidden size
+_PADDABLE = ("llama", "gpt-oss")
+# what does not touch the hidden size in the architectures this is tested on (llama, qwen2moe, gpt-oss)
+_EMBD_FREE = (".attn_q.bias", ".attn_k.bias", ".attn_v.bias", ".ffn_gate_inp.bias", ".attn_sinks.weight",
+              ".ffn_gate_exps.bias", ".ffn_up_exps.bias")
+
+
+def pad_embedding(src: str | os.PathLike, dst: str | os.PathLike, n_embd: int, *, progress: bool = True) -> pathlib.Path:
+    """Write `dst`: `src` with its hidden size padded to `n_embd` dimensions that stay exactly zero.
+
+    Every weight reading the hidden state gets zero columns, every weight writing it zero rows
+    (quantized zero blocks are zero bytes), so the new dimensions are 0 everywhere and add 0 to
+    every dot product. RMSNorm then divides by a mean over n_embd: with n_embd / n = 4^k its
+    result is 2^k times larger, so the norm weights are divided by 2^k and eps by 4^k, both
+    exact in floating point, and the logits stay bit-identical. The heads keep their size
+    (attention.key_length / value_length written). What it is for: rows as long as a real
+    model's (a neuron of 4096 Q8_0 weights is about a page), on which neuron-granular reads
+    can be measured (CORM)."""
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    if dst.exists():
+        raise FileExistsError(f"{dst}: already exists; inflate never overwrites a file")
+    if dst.resolve() == src.resolve():
+        raise ValueError(f"{dst}: the output must be a new file")
+    from .model_file import inspect_model
+    info = inspect_model(src)
+    arch = info.arch
+    if arch not in _PADDABLE:
+        raise ModelFileError(f"{src}: padding the hidden size is done for {', '.join(_PADDABLE)} only (llama.cpp "
+                             f"sizes {arch}'s attention by the hidden size, not by its heads)")
+    reader = gguf.GGUFReader(src)
+    n_old = info.n_embd
+    ratio = n_embd // n_old if n_embd % n_old == 0 else 0
+    k = (ratio.bit_length() - 1) // 2 if ratio else 0
+    if ratio < 4 or 4 ** k != ratio:
+        raise ValueError(f"--n-embd {n_embd} must be {n_old} times a power of 4 (the norm's scaling is exact then)")
+    plan = []
+    for t in reader.tensors:
+        qtype = QT(t.tensor_type)
+        shape = _ggml_shape(t)
+        name = t.name
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        in_block = name.startswith("blk.")
+        if (name.endswith(_EMBD_IN) if in_block else name in _EMBD_IN_TOP) and shape[0] == n_old and n_embd % block == 0:
+            plan.append((t, "cols", [n_embd] + shape[1:]))
+        elif in_block and name.endswith(_EMBD_OUT) and len(shape) >= 2 and shape[1] == n_old:
+            plan.append((t, "rows", [shape[0], n_embd] + shape[2:]))
+        elif ((name.endswith(_EMBD_NORMS) if in_block else name in _EMBD_NORMS_TOP) and shape == [n_old]
+              and qtype == QT.F32):
+            plan.append((t, "norm", [n_embd]))
+        elif in_block and (name.endswith(_EMBD_FREE) or n_old not in shape):
+            plan.append((t, "copy", shape))
+        else:
+            raise ModelFileError(f"{src}: {name} {shape} ({qtype.name}): padding the hidden size does not know "
+                                 f"this tensor")
+
+    def new_data(t, kind):
+        qtype = QT(t.tensor_type)
+        shape = _ggml_shape(t)
+        raw = np.asarray(t.data).view(np.uint8)
+        if kind == "copy":
+            return raw
+        if kind == "cols":  # every row longer by zero blocks
+            rows = raw.reshape(-1, _row_bytes(qtype, n_old))
+            out = np.zeros((rows.shape[0], _row_bytes(qtype, n_embd)), np.uint8)
+            out[:, : rows.shape[1]] = rows
+            return out
+        if kind == "rows":  # [ne0, n_old -> n_embd, ...]: zero rows after each matrix's own
+            mats = raw.reshape(-1, n_old, _row_bytes(qtype, shape[0]))
+            out = np.zeros((mats.shape[0], n_embd, mats.shape[2]), np.uint8)
+            out[:, :n_old] = mats
+            return out
+        if kind == "norm":
+            out = np.zeros(n_embd, np.float32)
+            out[:n_old] = np.asarray(t.data, np.float32) / np.float32(2 ** k)
+            return out
+        raise AssertionError(kind)
+
+    eps_key = f"{arch}.attention.layer_norm_rms_epsilon"
+    if eps_key not in reader.fields:
+        raise ModelFileError(f"{src}: no {eps_key}: padding the hidden size needs RMSNorm's epsilon")
+    eps, _, _ = field_value(reader.fields[eps_key])
+    replace = {f"{arch}.embedding_length": n_embd, eps_key: float(np.float32(eps) / np.float32(4 ** k))}
+    add = {}
+    for key, size in ((f"{arch}.attention.key_length", info.n_embd_head_k),
+                      (f"{arch}.attention.value_length", info.n_embd_head_v)):
+        if key not in reader.fields:
+            add[key] = (size, gguf.GGUFValueType.UINT32)
+    return _write(reader, arch, dst, replace, add, plan, new_data, progress, f"pad the hidden size to {n_embd}")
