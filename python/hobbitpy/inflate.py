@@ -35,15 +35,30 @@ def _row_bytes(qtype: QT, n: int) -> int:
     return n // block * size
 
 
-def inflate(src: str | os.PathLike, dst: str | os.PathLike, n_ff: int, *, progress: bool = True) -> pathlib.Path:
-    """Write `dst`: `src` with every routed expert widened to `n_ff` neurons."""
+def _longer_rows(raw: np.ndarray, qtype: QT, n_old: int, n_new: int) -> np.ndarray:
+    """Rows of n_old elements (bytes of qtype) made n_new long with zero blocks at their end
+    (a zero block is zero bytes: it adds exactly 0 to any dot product)."""
+    rows = raw.reshape(-1, _row_bytes(qtype, n_old))
+    out = np.zeros((rows.shape[0], _row_bytes(qtype, n_new)), np.uint8)
+    out[:, : rows.shape[1]] = rows
+    return out
+
+
+def _source_and_new_output(src, dst):
+    """The paths, and the source's ModelInfo: clear errors for a missing, truncated or non-GGUF
+    source, and for an output that exists (never overwritten) or is the source."""
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     if dst.exists():
         raise FileExistsError(f"{dst}: already exists; inflate never overwrites a file")
     if dst.resolve() == src.resolve():
         raise ValueError(f"{dst}: the output must be a new file")
     from .model_file import inspect_model
-    info = inspect_model(src)  # clear errors for missing, truncated, non-GGUF files
+    return src, dst, inspect_model(src)
+
+
+def inflate(src: str | os.PathLike, dst: str | os.PathLike, n_ff: int, *, progress: bool = True) -> pathlib.Path:
+    """Write `dst`: `src` with every routed expert widened to `n_ff` neurons."""
+    src, dst, info = _source_and_new_output(src, dst)
     if not info.is_moe:
         raise ModelFileError(f"{src}: a dense model has no experts to inflate")
 
@@ -85,13 +100,8 @@ def inflate(src: str | os.PathLike, dst: str | os.PathLike, n_ff: int, *, progre
         qtype = QT(t.tensor_type)
         shape = _ggml_shape(t)
         raw = np.asarray(t.data).view(np.uint8)
-        if kind == "copy":
-            return raw
         if kind == "down":  # [n_ff_old -> n_ff, n_embd, n_expert]: zero blocks at the end of every row
-            rows = raw.reshape(-1, _row_bytes(qtype, n_ff_old))
-            out = np.zeros((rows.shape[0], _row_bytes(qtype, n_ff)), np.uint8)
-            out[:, : rows.shape[1]] = rows
-            return out
+            return _longer_rows(raw, qtype, n_ff_old, n_ff)
         if kind in ("rows", "gate_up"):  # [n_embd, rows, n_expert]: copies of existing rows
             n_rows = shape[1]
             per_expert = raw.reshape(-1, n_rows, _row_bytes(qtype, shape[0]))
@@ -112,8 +122,8 @@ def _write(reader, arch: str, dst: pathlib.Path, replace: dict, add: dict, plan:
            desc: str) -> pathlib.Path:
     """Write dst: reader's metadata with the values of `replace` (key: value, the source's type
     kept) and the keys of `add` (key: (value, GGUFValueType)), and the tensors of `plan` ((tensor,
-    kind, new ggml shape)) as new_data(tensor, kind) gives their bytes; through a temporary
-    file, so a failure leaves nothing."""
+    kind, new ggml shape)) as new_data(tensor, kind) gives their bytes ("copy": the source's);
+    through a temporary file, so a failure leaves nothing."""
     tmp = dst.with_name(dst.name + ".tmp")
     try:
         writer = gguf.GGUFWriter(tmp, arch)
@@ -137,7 +147,8 @@ def _write(reader, arch: str, dst: pathlib.Path, replace: dict, add: dict, plan:
         writer.write_ti_data_to_file()
         with tqdm(total=len(plan), unit="tensor", disable=not progress, desc=desc) as bar:
             for t, kind, _ in plan:
-                writer.write_tensor_data(np.ascontiguousarray(new_data(t, kind)).view(np.uint8))
+                data = np.asarray(t.data) if kind == "copy" else new_data(t, kind)
+                writer.write_tensor_data(np.ascontiguousarray(data).view(np.uint8))
                 bar.update(1)
         writer.close()
         os.replace(tmp, dst)
@@ -176,13 +187,7 @@ def pad_embedding(src: str | os.PathLike, dst: str | os.PathLike, n_embd: int, *
     (attention.key_length / value_length written). What it is for: rows as long as a real
     model's (a neuron of 4096 Q8_0 weights is about a page), on which neuron-granular reads
     can be measured (CORM)."""
-    src, dst = pathlib.Path(src), pathlib.Path(dst)
-    if dst.exists():
-        raise FileExistsError(f"{dst}: already exists; inflate never overwrites a file")
-    if dst.resolve() == src.resolve():
-        raise ValueError(f"{dst}: the output must be a new file")
-    from .model_file import inspect_model
-    info = inspect_model(src)
+    src, dst, info = _source_and_new_output(src, dst)
     arch = info.arch
     if arch not in _PADDABLE:
         raise ModelFileError(f"{src}: padding the hidden size is done for {', '.join(_PADDABLE)} only (llama.cpp "
@@ -217,13 +222,8 @@ def pad_embedding(src: str | os.PathLike, dst: str | os.PathLike, n_embd: int, *
         qtype = QT(t.tensor_type)
         shape = _ggml_shape(t)
         raw = np.asarray(t.data).view(np.uint8)
-        if kind == "copy":
-            return raw
         if kind == "cols":  # every row longer by zero blocks
-            rows = raw.reshape(-1, _row_bytes(qtype, n_old))
-            out = np.zeros((rows.shape[0], _row_bytes(qtype, n_embd)), np.uint8)
-            out[:, : rows.shape[1]] = rows
-            return out
+            return _longer_rows(raw, qtype, n_old, n_embd)
         if kind == "rows":  # [ne0, n_old -> n_embd, ...]: zero rows after each matrix's own
             mats = raw.reshape(-1, n_old, _row_bytes(qtype, shape[0]))
             out = np.zeros((mats.shape[0], n_embd, mats.shape[2]), np.uint8)
