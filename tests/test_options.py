@@ -60,6 +60,7 @@ def test_the_c_defaults_are_the_tables():
     assert bool(c.direct_io) == d.direct_io and bool(c.warm_low) == d.warm and c.seed == d.seed
     assert HIT_POLICIES[c.hit_policy] == d.hits and MODES[c.mode] == d.mode
     assert bool(c.prefill_popular_first) == (d.prefill_order == "popularity")
+    assert c.neuron_threshold < 0 and d.neurons is None and abs(c.neuron_limit - d.neuron_limit) < 1e-6
     assert lib.HOBBIT_MAX_IO_THREADS == MAX_IO_THREADS
     w = c.policy_weights
     assert all(abs(a - b) < 1e-6 for a, b in zip((w.lru, w.lfu, w.lhu, w.fld), d.policy_weights))

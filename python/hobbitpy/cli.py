@@ -418,7 +418,8 @@ def _trace(args) -> int:
     import pathlib
 
     from hobbitpy import HobbitError
-    from hobbitpy.neurons import FULL_EXPERT_SHARE, format_summary, parse_thetas
+    from hobbitpy.config import NEURON_LIMIT_CORM
+    from hobbitpy.neurons import format_summary, parse_thetas
     from hobbitpy.trace import read_prompts, record_trace
 
     from tqdm import tqdm
@@ -443,7 +444,7 @@ def _trace(args) -> int:
     if t.neurons is not None:
         print("neuron sparsity (CORM): mean over selections of the active share |SiLU(W1 x)| > theta, the share "
               "predicted from the previous MoE layer's input, the active neurons it covers (recall), and the share "
-              f"of an expert a cold read takes (the whole expert above {FULL_EXPERT_SHARE:.0%} predicted)")
+              f"of an expert a cold read takes (the whole expert above {NEURON_LIMIT_CORM:.0%} predicted)")
         print(format_summary(t.neurons))
     return 0
 

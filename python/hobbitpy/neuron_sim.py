@@ -27,9 +27,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .config import MB
+from .config import MB, NEURON_LIMIT_CORM
 from .errors import HobbitError
-from .neurons import FULL_EXPERT_SHARE
 from .trace import Trace
 
 NEURON_VARIANTS = ("expert", "corm", "oracle", "w1-first")
@@ -80,7 +79,7 @@ def _needs(trace: Trace, j: int, variant: str, per_granule: int) -> tuple[np.nda
 
 
 def simulate_neurons(trace: Trace, budget_mb: float, theta: float, variants=NEURON_VARIANTS,
-                     limit: float = FULL_EXPERT_SHARE, granule_bytes: int = DEFAULT_GRANULE_BYTES) -> list[NeuronSimResult]:
+                     limit: float = NEURON_LIMIT_CORM, granule_bytes: int = DEFAULT_GRANULE_BYTES) -> list[NeuronSimResult]:
     """Each variant's replay at one budget and threshold (one the trace recorded), reading in
     granules of granule_bytes (0: single neurons)."""
     from ._native import error_buffer, ffi, lib, to_str

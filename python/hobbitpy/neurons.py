@@ -32,8 +32,6 @@ from .errors import HobbitError
 if TYPE_CHECKING:
     from .trace import Trace
 
-# CORM (its Fig. 9): above this share of active neurons the whole expert is loaded (Mixtral's figure)
-FULL_EXPERT_SHARE = NEURON_LIMIT_CORM
 # architectures whose experts are SwiGLU (act = SiLU on W1's output, as CORM's models); gpt-oss
 # clamps its own variant and merges W1 with W3, which CORM does not cover
 # the mask prices CORM's arithmetic on stock's, every expert mapped
@@ -77,7 +75,7 @@ class NeuronMaskSpec:
     limit of its neurons is computed whole."""
     theta: float
     predicted: bool = True
-    limit: float = FULL_EXPERT_SHARE
+    limit: float = NEURON_LIMIT_CORM
 
     def __post_init__(self):
         if not 0.0 <= self.theta < float("inf") or not 0.0 <= self.limit <= 1.0:
@@ -206,7 +204,7 @@ def neuron_stats(trace: Trace, inputs: np.ndarray, gates, thetas: tuple[float, .
     return NeuronStats(th, f16(active), f16(predicted), f16(recall), active_bits, predicted_bits)
 
 
-def read_share(predicted: np.ndarray, limit: float = FULL_EXPERT_SHARE) -> np.ndarray:
+def read_share(predicted: np.ndarray, limit: float = NEURON_LIMIT_CORM) -> np.ndarray:
     """The share of an expert's bytes CORM reads for a predicted share: the predicted
     neurons, or the whole expert above the limit (nothing for the cache: a cold read)."""
     return np.where(predicted > limit, 1.0, predicted)
