@@ -140,6 +140,10 @@ struct hobbit_params {
                               // on, every neuron kept (exact too). Needs separate gate and up projections
     float   neuron_limit;     // with neuron_threshold: an expert keeping more than this share of its neurons runs
                               // whole (CORM's upper limit, 0.75 for Mixtral)
+    bool    neuron_reads;     // with neuron_threshold and level_paths[0] a companion of `prepare --neuron-layout`:
+                              // read experts neuron by neuron, W1 first (hobbit-neuron-reads.h) instead of
+                              // predicting from the previous layer: the gate projection whole, then the rows of
+                              // up and down its activations keep (every MoE layer, the first too); one level
     bool    direct_io;       // read with O_DIRECT (bypassing the page cache) where the file system allows it
     int32_t n_io_threads;    // threads reading experts (2 keeps the disk busy while one copies; 1 = strict queue order)
 
@@ -238,9 +242,10 @@ struct hobbit_stats {
     int64_t background_bytes_read; // of bytes_read, what loaded in the background (prefetch, upgrades, warm-up)
     int64_t n_substituted;         // selections replaced by a cached expert of similar score (substitute_alpha)
     int64_t neuron_selections;     // neuron_threshold: selections whose neurons the previous layer's input predicted
-                                   // (every MoE layer after the first)
+                                   // (every MoE layer after the first), or, with neuron_reads, their gate's activations
     int64_t neuron_whole;          // ... of them run whole (more than neuron_limit of their neurons kept)
     double  neuron_kept;           // ... the sum over them of the share of neurons kept (1 for a whole one)
+    int64_t neuron_reads;          // neuron_reads: read requests of runs of neurons' rows (of up and of down)
 };
 
 // counters of one pool (one per expert signature; index 0 .. n_pool-1)

@@ -139,6 +139,10 @@ static std::string invalid_params(const hobbit_params * params) {
     if (!(params->neuron_limit >= 0.0f && params->neuron_limit <= 1.0f)) { // NaN fails too
         return "neuron_limit must be in [0, 1], got " + std::to_string(params->neuron_limit);
     }
+    if (params->neuron_reads && (params->neuron_threshold < 0.0f || params->n_level != 1 || params->level_paths[0] == nullptr ||
+                                 params->level_paths[0][0] == '\0')) {
+        return "neuron_reads needs neuron_threshold >= 0, one level and the neuron layout as level_paths[0]";
+    }
     if (params->prefetch_width < HOBBIT_PREFETCH_WIDTH_FATE) {
         return "prefetch_width must be >= 0 or HOBBIT_PREFETCH_WIDTH_FATE, got " + std::to_string(params->prefetch_width);
     }

@@ -246,6 +246,9 @@ expert_index expert_index::from_file(const std::string & path) {
             *field = gguf_get_val_str(ctx.get(), id);
         }
     }
+    const int64_t layout_id = gguf_find_key(ctx.get(), "hobbitpy.companion.neuron_layout");
+    idx.neuron_layout = layout_id >= 0 && gguf_get_kv_type(ctx.get(), layout_id) == GGUF_TYPE_BOOL &&
+                        gguf_get_val_bool(ctx.get(), layout_id);
     info.n_layer       = (int32_t) std::max<int64_t>(0, gguf_get_int(ctx.get(), arch + ".block_count"));
     info.n_expert      = (int32_t) std::max<int64_t>(0, gguf_get_int(ctx.get(), arch + ".expert_count"));
     info.n_expert_used = (int32_t) std::max<int64_t>(0, gguf_get_int(ctx.get(), arch + ".expert_used_count"));
@@ -403,7 +406,11 @@ void expert_index::check_companion(const expert_index & companion) const {
             if (pa.present != pb.present) {
                 throw mismatch("tensor '" + name + "' is " + (pb.present ? "there but not in the model" : "missing"));
             }
-            if (pa.present && (pa.ne[0] != pb.ne[0] || pa.ne[1] != pb.ne[1] || pa.ne[2] != pb.ne[2])) {
+            // a neuron layout holds down transposed
+            const bool transposed = companion.neuron_layout && p == LLAMA_MOE_PROJ_DOWN;
+            const int64_t ne0 = transposed ? pb.ne[1] : pb.ne[0];
+            const int64_t ne1 = transposed ? pb.ne[0] : pb.ne[1];
+            if (pa.present && (pa.ne[0] != ne0 || pa.ne[1] != ne1 || pa.ne[2] != pb.ne[2])) {
                 throw mismatch("tensor '" + name + "' has shape [" + std::to_string(pb.ne[0]) + ", " + std::to_string(pb.ne[1]) + ", " +
                                std::to_string(pb.ne[2]) + "], the model's is [" + std::to_string(pa.ne[0]) + ", " +
                                std::to_string(pa.ne[1]) + ", " + std::to_string(pa.ne[2]) + "]");

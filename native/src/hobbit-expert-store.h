@@ -41,6 +41,11 @@ struct expert_index {
     std::string made_of;
     std::string made_of_fingerprint;
 
+    // a companion written by `hobbitpy prepare --neuron-layout` (hobbitpy.companion.neuron_layout):
+    // its down projections are stored transposed, [n_embd, n_ff, n_expert], a neuron per row,
+    // so that an expert's neurons are read one by one (CORM)
+    bool neuron_layout = false;
+
     // throws hobbit_error naming the file and what is wrong
     static expert_index from_file(const std::string & path);
 

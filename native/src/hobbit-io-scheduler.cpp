@@ -62,16 +62,23 @@ void io_scheduler::submit(const std::vector<load_task> & tasks) {
             n_background += task.prefetch ? 1 : 0;
             std::deque<piece> & q = task.prefetch ? prefetches : on_demand;
             const expert_layer_layout & layer = indexes[task.level]->layers[task.layer];
-            for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
+            const auto push_range = [&](int p, uint64_t begin, uint64_t end) {
+                for (uint64_t b = begin; b < end; b += PIECE_BYTES) {
+                    q.push_back({ ld, p, b, std::min(end, b + PIECE_BYTES), false });
+                    ld->pieces_left++;
+                }
+                ld->n_bytes += end - begin;
+            };
+            for (const load_range & r : task.ranges) {
+                push_range(r.proj, r.begin, r.end);
+            }
+            for (int p = 0; p < LLAMA_MOE_PROJ_COUNT && task.ranges.empty(); ++p) {
                 if (task.view[p] != nullptr) {
                     q.push_back({ ld, p, 0, 0, true });
                     ld->pieces_left++;
+                    ld->n_bytes += layer.proj[p].n_bytes;
                 } else if (layer.proj[p].present && task.dst[p] != nullptr) {
-                    const uint64_t n = layer.proj[p].n_bytes;
-                    for (uint64_t b = 0; b < n; b += PIECE_BYTES) {
-                        q.push_back({ ld, p, b, std::min(n, b + PIECE_BYTES), false });
-                        ld->pieces_left++;
-                    }
+                    push_range(p, 0, layer.proj[p].n_bytes);
                 }
             }
             if (ld->pieces_left == 0) {
@@ -159,7 +166,7 @@ void io_scheduler::loop(level_stores & stores) {
             n_background -= (last && task.prefetch) ? 1 : 0;
         }
         if (last) {
-            on_done(task, ld.error, ld.error.empty() ? indexes[task.level]->layers[task.layer].n_bytes() : 0, us);
+            on_done(task, ld.error, ld.error.empty() ? ld.n_bytes : 0, us);
         }
     }
 }

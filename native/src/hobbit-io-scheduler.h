@@ -22,6 +22,12 @@
 #include <thread>
 #include <vector>
 
+// bytes [begin, end) of projection proj of an expert's slice (a run of neurons' rows)
+struct load_range {
+    int      proj;
+    uint64_t begin, end;
+};
+
 struct load_task {
     int  group;                             // the pool the slot belongs to
     int  level;                             // precision level: which file the expert is read from
@@ -31,6 +37,8 @@ struct load_task {
     bool prefetch;                          // false: a dispatch waits for it
     void * dst[LLAMA_MOE_PROJ_COUNT];       // where each raw projection goes (NULL: none, or repacked)
     ggml_tensor * view[LLAMA_MOE_PROJ_COUNT]; // repacked or device projections: the slot's tensor, written with ggml_backend_tensor_set
+    std::vector<load_range> ranges;         // not empty: only these bytes, into dst (rows of neurons of a slot that holds
+                                            // the expert: its state does not change), instead of whole projections
 };
 
 class io_scheduler {
@@ -66,6 +74,7 @@ private:
         bool        started     = false;
         std::string error;
         int64_t     t_start_us  = 0;
+        uint64_t    n_bytes     = 0; // what the load reads
     };
     // one read of a load: bytes [begin, end) of projection proj (whole = a repacked
     // projection, set through ggml in one piece)

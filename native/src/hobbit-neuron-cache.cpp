@@ -28,8 +28,7 @@ int neuron_bits::runs() const {
     return r;
 }
 
-// a & ~b
-static neuron_bits minus(const neuron_bits & a, const neuron_bits & b) {
+neuron_bits minus(const neuron_bits & a, const neuron_bits & b) {
     neuron_bits out(a.n);
     for (size_t i = 0; i < a.words.size(); ++i) {
         out.words[i] = a.words[i] & ~b.words[i];
@@ -37,7 +36,7 @@ static neuron_bits minus(const neuron_bits & a, const neuron_bits & b) {
     return out;
 }
 
-static void join(neuron_bits & into, const neuron_bits & b) {
+void join(neuron_bits & into, const neuron_bits & b) {
     for (size_t i = 0; i < into.words.size(); ++i) {
         into.words[i] |= b.words[i];
     }

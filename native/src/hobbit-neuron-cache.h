@@ -32,6 +32,9 @@ struct neuron_bits {
     int n = 0;
 };
 
+neuron_bits minus(const neuron_bits & a, const neuron_bits & b); // a & ~b
+void        join(neuron_bits & into, const neuron_bits & b);    // into |= b
+
 struct neuron_need {
     neuron_bits w1;    // rows of W1 the selection computes with
     neuron_bits rest;  // rows of W3 and columns of W2

@@ -1,6 +1,7 @@
 #include "hobbit-runtime.h"
 
 #include "hobbit-error.h"
+#include "hobbit-neuron-reads.h"
 #include "hobbit-substitution.h"
 
 #include <sys/stat.h>
@@ -14,6 +15,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <numeric>
 
 // the names of hobbit.h's enum hobbit_policy, in its order
@@ -142,6 +144,24 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         }
     }
 
+    // neuron-granular reads: the high level is a neuron layout whose down projections the runtime's
+    // own kernel multiplies (Q8_0 rows), in plain host memory
+    neuron_reads = params.neuron_reads;
+    if (neuron_reads) {
+        if (!high || !high->neuron_layout || n_level != 1 || params.neuron_threshold < 0.0f) {
+            throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, std::string(high ? high->path : "no file") + ": neuron-granular reads "
+                "need a companion written by `hobbitpy prepare --neuron-layout` as the only level, and a neuron threshold");
+        }
+        for (int il : moe_layers) {
+            const expert_layer_layout & l = high->layers[il];
+            if (!l.proj[LLAMA_MOE_PROJ_GATE].present || !l.proj[LLAMA_MOE_PROJ_UP].present ||
+                l.proj[LLAMA_MOE_PROJ_DOWN].type != GGML_TYPE_Q8_0) {
+                throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, high->path + ": layer " + std::to_string(il) + " needs separate "
+                    "gate and up projections and a Q8_0 down projection for neuron-granular reads");
+            }
+        }
+    }
+
     if (params.expert_levels != nullptr) {
         const int64_t n_want = (int64_t) moe_layers.size() * info.n_expert;
         if (params.n_expert_levels != n_want) {
@@ -212,7 +232,7 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     }
     // the pools live on the GPU when there is one (HOBBIT §4), in its memory: on a discrete
     // GPU that memory, not the host's, must hold the budget
-    pool_dev = expert_pool_device();
+    pool_dev = neuron_reads ? ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU) : expert_pool_device(); // the CPU runs the neuron ops
     if (ggml_backend_dev_type(pool_dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
         size_t free = 0, total = 0;
         ggml_backend_dev_memory(pool_dev, &free, &total);
@@ -236,7 +256,9 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
             pg.type         = li.layers[g.layers.front()].proj[LLAMA_MOE_PROJ_DOWN].type;
             pg.expert_bytes = g.expert_bytes;
             pg.pool   = std::make_unique<expert_pool>(li.layers[g.layers.front()], info.n_layer, info.n_expert, info.n_expert_used,
-                                                      g.n_slot, pool_dev);
+                                                      g.n_slot, pool_dev, /*plain*/ neuron_reads);
+            pg.held.assign(g.n_slot, neuron_bits());
+            pg.held_owner.assign(g.n_slot, -1);
             pg.policy = cache_policy_make(policy_kind, g.n_slot, info.n_layer, info.n_expert, weights, params.seed,
                                           popularity.empty() ? nullptr : popularity.data());
             pg.n_layer = (int) g.layers.size();
@@ -336,11 +358,17 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         lo.inplace_min_pairs = !inplace_ok[il] ? INT32_MAX :
                                params.mode != HOBBIT_MODE_GPU_CENTRIC ? 0 : layer_capacity(il) + 1;
         lo.dispatch    = &hobbit_runtime::dispatch_op;
-        lo.neuron_sparse    = params.neuron_threshold >= 0.0f;
+        lo.neuron_sparse    = params.neuron_threshold >= 0.0f && !neuron_reads;
         lo.neuron_threshold = params.neuron_threshold;
         lo.neuron_limit     = params.neuron_limit;
         lo.neuron_count     = &hobbit_runtime::neuron_count_op;
         lo.neuron_count_ud  = this;
+        if (neuron_reads) {
+            lo.neuron_fetch    = &hobbit_runtime::neuron_fetch_op;
+            lo.neuron_fetch_ud = lo.dispatch_ud[0];
+            lo.neuron_down     = &hobbit_runtime::neuron_down_op;
+            lo.neuron_down_ud  = nullptr;
+        }
     }
     offload_desc.n_layer  = info.n_layer;
     offload_desc.layers   = layers.data();
@@ -354,7 +382,8 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
 
     // with one level of the model's own experts a miss is served as well from the file, so the
     // pools fill as the run goes; a popularity profile says what deserves them from the start
-    if (params.warm_low && (n_level > 1 || high || !popularity.empty())) {
+    // (a neuron layout is the model's own experts, read as needed)
+    if (params.warm_low && (n_level > 1 || (high && !neuron_reads) || !popularity.empty())) {
         warm_pools();
     }
 }
@@ -493,6 +522,111 @@ void hobbit_runtime::neuron_count_op(ggml_tensor * dst, int ith, int nth, void *
     rt->stats_.neuron_kept       += sum;
 }
 
+void hobbit_runtime::neuron_fetch_op(ggml_tensor * dst, int ith, int nth, void * ud) {
+    (void) nth;
+    if (ith != 0) {
+        return;
+    }
+    const auto * d = (const dispatch_ud *) ud;
+    d->rt->fetch_neurons(dst, d->il);
+}
+
+void hobbit_runtime::neuron_down_op(ggml_tensor * dst, int ith, int nth, void * ud) {
+    (void) ud;
+    const ggml_tensor * act = dst->src[0]; // [n_ff, n_expert_used, n_tokens]
+    const ggml_tensor * w   = dst->src[1]; // [n_embd, n_ff, n_slot], Q8_0: a neuron per row
+    const ggml_tensor * ids = dst->src[2]; // [n_expert_used, n_tokens]: slot or -1
+    const int64_t n_block = w->ne[0] / 32;
+    // each thread its share of the output's blocks, for every pair
+    const int64_t b0 = n_block * ith / nth, b1 = n_block * (ith + 1) / nth;
+    for (int64_t t = 0; t < act->ne[2]; ++t) {
+        for (int64_t k = 0; k < act->ne[1]; ++k) {
+            const int32_t s = *(const int32_t *) ((const char *) ids->data + k * ids->nb[0] + t * ids->nb[1]);
+            float * out = (float *) ((char *) dst->data + k * dst->nb[1] + t * dst->nb[2]);
+            if (s < 0) {
+                memset(out + b0 * 32, 0, (size_t) (b1 - b0) * 32 * sizeof(float));
+                continue;
+            }
+            neuron_down_q8_0((const char *) w->data + (size_t) s * w->nb[2], w->nb[1], (int) w->ne[1],
+                             (const float *) ((const char *) act->data + k * act->nb[1] + t * act->nb[2]), out, b0, b1);
+        }
+    }
+}
+
+void hobbit_runtime::fetch_neurons(ggml_tensor * dst, int il) {
+    const ggml_tensor * gate = dst->src[0]; // [n_ff, n_expert_used, n_tokens]
+    const ggml_tensor * ids  = dst->src[1]; // [n_expert_used, n_tokens, n_pool + 1]; plane 0: the slot
+    const int n_ff = (int) gate->ne[0];
+    const int64_t t_enter = now_us();
+
+    std::unique_lock<std::mutex> lock(mtx);
+    const int p = pool_of[0][il];
+    pool_group & pg = pools[p];
+    std::map<int, neuron_bits> need; // slot -> the union of its pairs' kept neurons
+    neuron_bits keep;
+    for (int64_t t = 0; t < gate->ne[2]; ++t) {
+        for (int64_t k = 0; k < gate->ne[1]; ++k) {
+            const int32_t s = *(const int32_t *) ((const char *) ids->data + k * ids->nb[0] + t * ids->nb[1]);
+            float * mask = (float *) ((char *) dst->data + k * dst->nb[1] + t * dst->nb[2]);
+            if (s < 0 || failed()) {
+                std::fill(mask, mask + n_ff, 0.0f); // not in this pass: its down row is zero anyway
+                continue;
+            }
+            const float * g = (const float *) ((const char *) gate->data + k * gate->nb[1] + t * gate->nb[2]);
+            const bool whole = neuron_keep(g, n_ff, params.neuron_threshold, params.neuron_limit, keep);
+            const int kept = keep.count();
+            for (int f = 0; f < n_ff; ++f) {
+                mask[f] = keep.test(f) ? 1.0f : 0.0f;
+            }
+            stats_.neuron_selections++;
+            stats_.neuron_whole += whole;
+            stats_.neuron_kept  += (double) kept / n_ff;
+            auto it = need.find(s);
+            if (it == need.end()) {
+                need.emplace(s, keep);
+            } else {
+                join(it->second, keep);
+            }
+        }
+    }
+    // read what each slot lacks: its rows belong to the expert it last read rows for
+    std::vector<load_task> loads;
+    for (auto & [s, rows] : need) {
+        const pool_slot & slot = pg.pool->slots[s];
+        const int64_t owner = (int64_t) slot.layer * index.info.n_expert + slot.expert;
+        if (pg.held_owner[s] != owner || pg.held[s].size() != n_ff) {
+            pg.held[s] = neuron_bits(n_ff);
+            pg.held_owner[s] = owner;
+        }
+        const neuron_bits missing = minus(rows, pg.held[s]);
+        if (missing.count() == 0) {
+            continue;
+        }
+        load_task task = { p, 0, s, slot.layer, slot.expert, /*prefetch*/ false, {}, {} };
+        pg.pool->slot_targets(s, task.dst, task.view);
+        const expert_layer_layout & layout = high->layers[slot.layer];
+        for (int proj : { LLAMA_MOE_PROJ_UP, LLAMA_MOE_PROJ_DOWN }) {
+            neuron_ranges(missing, proj, layout.proj[proj].n_bytes / n_ff, task.ranges);
+        }
+        stats_.neuron_reads += (int64_t) task.ranges.size();
+        join(pg.held[s], missing); // a failed read fails the run
+        loads.push_back(std::move(task));
+    }
+    if (loads.empty()) {
+        stats_.dispatch_us += now_us() - t_enter;
+        return;
+    }
+    rows_pending += (int) loads.size();
+    io->submit(loads);
+    const int64_t t0 = now_us();
+    n_waiting++;
+    cv_loaded.wait(lock, [&] { return failed() || rows_pending == 0; });
+    n_waiting--;
+    const int64_t waited = now_us() - t0;
+    stats_.stall_us    += waited;
+    stats_.dispatch_us += now_us() - t_enter - waited;
+}
+
 int32_t hobbit_runtime::n_waves_op(void * ctx, int32_t n_tokens) {
     const auto * d = (const dispatch_ud *) ctx;
     return d->rt->n_waves(d->il, n_tokens);
@@ -574,6 +708,18 @@ int hobbit_runtime::find_cached(int il, int e, int & level) const {
     return -1;
 }
 
+load_task hobbit_runtime::slot_load(int p, int s, int il, int e, bool prefetch) const {
+    load_task task = { p, pools[p].level, s, il, e, prefetch, {}, {} };
+    pools[p].pool->slot_targets(s, task.dst, task.view);
+    if (neuron_reads) {
+        // W1 first: the rows of up and down follow once the gate's activations say which (fetch_neurons)
+        for (int proj = 0; proj < LLAMA_MOE_PROJ_COUNT; ++proj) {
+            task.dst[proj] = proj == LLAMA_MOE_PROJ_GATE ? task.dst[proj] : nullptr;
+        }
+    }
+    return task;
+}
+
 int hobbit_runtime::queue_background_load(int p, int il, int e, bool prefetch, std::vector<load_task> & loads) {
     expert_pool & pool = *pools[p].pool;
     const int s = take_slot(p);
@@ -583,9 +729,7 @@ int hobbit_runtime::queue_background_load(int p, int il, int e, bool prefetch, s
     pool.assign(s, il, e);
     pool.slots[s].prefetched = prefetch;
     pools[p].policy->on_insert(s, il, e);
-    load_task task = { p, pools[p].level, s, il, e, /*prefetch*/ true, {}, {} };
-    pool.slot_targets(s, task.dst, task.view);
-    loads.push_back(task);
+    loads.push_back(slot_load(p, s, il, e, /*prefetch*/ true));
     return s;
 }
 
@@ -1055,9 +1199,7 @@ wave_assignment hobbit_runtime::apply_wave(int il, const wave_plan & plan, const
             pg.pool->assign(s, il, e);
             pg.policy->on_insert(s, il, e);
             pg.policy->on_access(s, /*high*/ level == 0);
-            load_task task = { p, level, s, il, e, /*prefetch*/ false, {}, {} };
-            pg.pool->slot_targets(s, task.dst, task.view);
-            loads.push_back(task);
+            loads.push_back(slot_load(p, s, il, e, /*prefetch*/ false));
         }
         const int p = pool_of[level][il];
         pools[p].pool->slots[s].pins++;
@@ -1214,8 +1356,12 @@ void hobbit_runtime::on_load_done(const load_task & task, const std::string & er
     {
         std::lock_guard<std::mutex> lock(mtx);
         stats_.io_us += us;
+        const bool rows = !task.ranges.empty(); // neuron rows into a slot that holds the expert
+        rows_pending -= rows ? 1 : 0;
         if (!error.empty()) {
-            pools[task.group].pool->clear(task.slot);
+            if (!rows) {
+                pools[task.group].pool->clear(task.slot);
+            }
             fail(error);
         } else {
             pools[task.group].pool->slots[task.slot].state = slot_state::ready;

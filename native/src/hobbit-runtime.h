@@ -11,6 +11,7 @@
 #include "hobbit-expert-store.h"
 #include "hobbit-io-scheduler.h"
 #include "hobbit-mapping-guard.h"
+#include "hobbit-neuron-cache.h"
 #include "hobbit-pool-plan.h"
 #include "hobbit-precision-scorer.h"
 #include "hobbit-predictor.h"
@@ -65,6 +66,15 @@ private:
     static void    dispatch_op(ggml_tensor * dst, int ith, int nth, void * ud);
     // CORM's neuron mask of a pass: what it kept, counted (args: kept share per pair, dispatch ids)
     static void    neuron_count_op(ggml_tensor * dst, int ith, int nth, void * ud);
+    // neuron-granular reads (hobbit-neuron-reads.h): after the gate projection, the rows of up and
+    // down its activations keep are read into the pass's slots (args: gate pre-activation, dispatch
+    // ids; dst: the keep mask); the down projection over the kept neurons (args: activation, the
+    // pool's transposed down, slot ids)
+    static void    neuron_fetch_op(ggml_tensor * dst, int ith, int nth, void * ud);
+    static void    neuron_down_op(ggml_tensor * dst, int ith, int nth, void * ud);
+    void fetch_neurons(ggml_tensor * dst, int il); // blocks until the rows are read
+    // a load of expert e of layer il into slot s of pool p (with neuron reads its gate projection only)
+    load_task slot_load(int p, int s, int il, int e, bool prefetch) const;
     static int32_t n_waves_op(void * ctx, int32_t n_tokens);
     int  n_waves(int il, int n_tokens) const;
     // runs on the compute thread, blocking until this wave's experts are in the pools:
@@ -169,6 +179,10 @@ private:
         int64_t expert_bytes = 0;
         int     n_layer = 0;                    // MoE layers served
         int64_t hits = 0, misses = 0, bytes_read = 0;
+        // neuron reads: the rows of up and down each slot holds, and whose (layer * n_expert +
+        // expert; loads of the gate projection leave them as they are)
+        std::vector<neuron_bits> held;
+        std::vector<int64_t>     held_owner;
     };
     ggml_backend_dev_t              pool_dev = nullptr; // where the pools live (expert_pool_device)
     std::vector<pool_group>         pools;
@@ -198,6 +212,8 @@ private:
     int64_t                 graph_seq = 0; // counts graphs: a dispatch of a layer not after the last one starts a new one
     std::vector<bool>       served;   // experts of the current layer's ubatch served by an earlier wave
     int                     n_waiting = 0;
+    bool                    neuron_reads = false; // params.neuron_reads, checked
+    int                     rows_pending = 0;     // neuron row loads submitted and not done
     int                     last_dispatch_il = -1; // layer of the latest dispatch
     int                     last_moe_layer   = -1; // after its dispatch the graph is about to end
     int                     sweep_rank       = -1; // a prompt's wide ubatch: the MoE rank of the layer it is at

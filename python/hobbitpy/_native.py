@@ -81,6 +81,7 @@ struct hobbit_params {
     float   substitute_alpha;
     float   neuron_threshold;
     float   neuron_limit;
+    bool    neuron_reads;
     bool    direct_io;
     int32_t n_io_threads;
     int32_t n_level;
@@ -156,6 +157,7 @@ struct hobbit_stats {
     int64_t neuron_selections;
     int64_t neuron_whole;
     double  neuron_kept;
+    int64_t neuron_reads;
 };
 
 struct hobbit_pool_stats {

@@ -677,7 +677,10 @@ def _eval(args) -> int:
         hits, misses = r.stats["expert_hits"], r.stats["expert_misses"]
         print(f"expert cache          {hits} hits, {misses} misses (hit ratio {hits / max(1, hits + misses):.3f}), "
               f"{r.stats['n_substituted']} substituted, {r.stats['expert_inplace']} computed in place")
-        if n := r.stats["neuron_selections"]:  # the runtime's mask (--neurons): the layers it predicts
+        if (n := r.stats["neuron_selections"]) and r.stats["neuron_reads"]:  # --neuron-layout: read as kept
+            print(f"neurons kept          {r.stats['neuron_kept'] / n * 100:.1f} % of each selection's on average, "
+                  f"read in {r.stats['neuron_reads']} requests; {r.stats['neuron_whole']} of {n} computed whole")
+        elif n:  # the runtime's mask (--neurons): the layers it predicts
             print(f"neurons kept          {r.stats['neuron_kept'] / n * 100:.1f} % of each predicted selection's on "
                   f"average (MoE layers after the first); {r.stats['neuron_whole']} of {n} computed whole")
     if args.json and (why := _write_json(args.json, r.as_dict())):
@@ -732,6 +735,9 @@ def _add_prepare_parser(sub) -> None:
                    help="importance matrix of the model's experts (`hobbitpy imatrix`, or llama-imatrix's GGUF file): "
                         "weighs each column's rounding error as llama-quantize does; needed by IQ2_XXS, IQ2_XS, "
                         "IQ2_S, IQ1_S, IQ1_M")
+    p.add_argument("--neuron-layout", action="store_true",
+                   help="write only the layout of CORM's neuron-granular reads instead (MODEL.neurons-Q8_0.gguf: the "
+                        "experts in Q8_0, down transposed, a neuron per row), for run --neurons THETA --neuron-layout")
     p.set_defaults(func=_prepare)
 
 
@@ -776,6 +782,18 @@ def _prepare(args) -> int:
     from hobbitpy.prepare import companion_fallbacks, default_companion_path, prepare_companion
     from hobbitpy.quants import default_quant_dir, is_mix_name, make_uniform_quant
 
+    if args.neuron_layout:
+        if args.mid or args.high or args.imatrix or args.low.upper() != "Q2_K":
+            return _fail("--neuron-layout writes the neuron layout alone (Q8_0); --low, --mid, --high and --imatrix "
+                         "do not apply")
+        try:
+            start = time.perf_counter()
+            path = prepare_companion(args.model, "Q8_0", args.out, source_path=args.source, threads=args.threads,
+                                     neuron_layout=True)
+        except (HobbitError, ValueError, OSError) as e:
+            return _fail(str(e))
+        print(f"wrote {path}: {os.path.getsize(path) / MB:.1f} MB in {time.perf_counter() - start:.1f} s")
+        return 0
     types = [args.low] + [t for t in (args.mid, args.high) if t]
     mixes = [t for t in types if is_mix_name(t)]
     if mixes and (args.out or args.source):

@@ -135,12 +135,18 @@ class OffloadConfig:
         None, "CORM's neuron sparsity (lossy): in every MoE layer after the first, the neurons of a selected expert "
               "whose |SiLU(W1 x')| is below THETA add nothing, x' the token's input to the previous MoE layer (CORM's "
               "prediction one layer ahead, through the layer's own W1); the paper runs 0.1-0.35. Experts are still "
-              "read and multiplied whole, the prediction adds a gate projection (no neuron-granular reads or "
-              "kernels yet: docs/BENCHMARKS.md, CORM); 0 keeps every neuron (exact)", flag="--neurons",
+              "read and multiplied whole, the prediction adds a gate projection; with --neuron-layout they are read "
+              "neuron by neuron instead (docs/BENCHMARKS.md, CORM); 0 keeps every neuron (exact)", flag="--neurons",
         metavar="THETA", parse="float", profile=True, default_text="off (exact)")
     neuron_limit: float = option(NEURON_LIMIT_CORM, "with --neurons: an expert keeping more than this share of its "
                                                     "neurons runs whole (CORM's upper limit)",
                                  flag="--neuron-limit", metavar="SHARE", profile=True)
+    neuron_layout: str | None = option(
+        None, "with --neurons: read the experts neuron by neuron from this companion (`hobbitpy prepare "
+              "--neuron-layout`: down stored transposed, a neuron per row; lossy, down re-quantized per neuron): "
+              "each expert's gate projection whole, then only the rows of up and down whose |SiLU| reaches THETA, "
+              "in every MoE layer (W1 first, no prediction); a cached expert reads only the neurons it lacks",
+        flag="--neuron-layout", metavar="PATH", profile=True, default_text="none: whole experts")
     direct_io: bool = option(True, "read experts through the page cache instead of with O_DIRECT (O_DIRECT avoids "
                                    "caching them twice)", flag="--no-direct-io", negate=True)
     io_threads: int = option(2, "threads reading experts: 2 keeps the disk busy while one copies out of its buffer",
@@ -241,6 +247,9 @@ class OffloadConfig:
             raise ValueError(f"neurons (CORM's threshold) must be finite and non-negative, got {self.neurons}")
         if not 0.0 <= self.neuron_limit <= 1.0:
             raise ValueError(f"neuron_limit must be in [0, 1], got {self.neuron_limit}")
+        if self.neuron_layout is not None and (self.neurons is None or self.high or self.mid or self.low):
+            raise ValueError("a neuron layout (neuron_layout) needs a neuron threshold (neurons) and serves as the only "
+                             "precision level (no high, mid or low)")
         if not 0.0 <= self.prefill_low_share <= 1.0:  # NaN fails too
             raise ValueError(f"prefill_low_share must be in [0, 1], got {self.prefill_low_share}")
         if self.prefill_low_share > 0.0 and self.n_level < 2:
@@ -284,7 +293,12 @@ class OffloadConfig:
         """May the outputs differ from stock llama.cpp's: experts served at another precision
         (a companion level), substituted by others (substitute_alpha) or neurons left out (neurons)?"""
         return (self.high is not None or self.n_level > 1 or self.substitute_alpha > 0
-                or (self.neurons is not None and self.neurons > 0))
+                or (self.neurons is not None and self.neurons > 0) or self.neuron_layout is not None)
+
+    @property
+    def high_file(self) -> str | None:
+        """What serves the high level: a neuron layout, a --high companion, or None (the model's experts)."""
+        return self.neuron_layout if self.neuron_layout is not None else self.high
 
     @property
     def n_level(self) -> int:
@@ -315,6 +329,7 @@ class OffloadConfig:
         params.substitute_alpha = self.substitute_alpha
         params.neuron_threshold = -1.0 if self.neurons is None else self.neurons
         params.neuron_limit = self.neuron_limit
+        params.neuron_reads = self.neuron_layout is not None
         params.direct_io = self.direct_io
         params.n_io_threads = self.io_threads
         params.policy = _NATIVE_POLICY[self.policy]

@@ -11,6 +11,12 @@ F16/BF16/F32. Rows that are not whole blocks of the type fall back as
 (`hobbitpy imatrix`, or llama-imatrix's file) each expert's rows are quantized weighing
 its columns by it, as llama-quantize does, and the lowest-bit types (IQ2_*, IQ1_*) become
 available.
+
+With `neuron_layout` the companion serves CORM's neuron-granular reads instead: every expert
+tensor in Q8_0 (the model's own Q8_0 blocks come out unchanged), the down projection stored
+transposed, [n_embd, n_ff, n_expert], so that a neuron's column of W2 is one row of
+self-contained blocks (CORM quantizes per neuron for the same reason); that re-quantization
+is the layout's only loss.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ KEY_TYPE = "hobbitpy.companion.type"
 KEY_IMATRIX = "hobbitpy.companion.imatrix"  # the importance matrix's file name, if one was used
 KEY_FALLBACKS = "hobbitpy.companion.fallbacks"
 KEY_OF_FINGERPRINT = "hobbitpy.companion.of_fingerprint"  # the runtime checks it (hobbit-expert-store.cpp)
+KEY_NEURON_LAYOUT = "hobbitpy.companion.neuron_layout"  # down stored transposed (expert_index::neuron_layout)
+NEURON_LAYOUT_TYPE = "Q8_0"  # the type the runtime's sparse down kernel reads
 """One "tensor=TYPE" string per tensor written in another type than KEY_TYPE; absent if none."""
 
 # the quantized types ggml_quantize_chunk handles (ggml.c), where this gguf package knows them
@@ -91,6 +99,12 @@ def default_companion_path(model_path: str | os.PathLike, type_name: str) -> pat
     return model_path.with_name(f"{model_path.stem}.experts-{companion_type(type_name, with_imatrix=True).name}.gguf")
 
 
+def default_neuron_layout_path(model_path: str | os.PathLike) -> pathlib.Path:
+    """Where `prepare --neuron-layout` writes by default: `<model stem>.neurons-Q8_0.gguf`."""
+    model_path = pathlib.Path(model_path)
+    return model_path.with_name(f"{model_path.stem}.neurons-{NEURON_LAYOUT_TYPE}.gguf")
+
+
 def companion_fallbacks(path: str | os.PathLike) -> dict[str, str]:
     """Tensor name -> type, for each tensor of a companion written in another type than
     the one asked for (its rows are not whole blocks of that type)."""
@@ -103,7 +117,8 @@ def companion_fallbacks(path: str | os.PathLike) -> dict[str, str]:
 
 def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: str | os.PathLike | None = None,
                       source_path: str | os.PathLike | None = None, threads: int = 2,
-                      progress: bool = True, imatrix_path: str | os.PathLike | None = None) -> pathlib.Path:
+                      progress: bool = True, imatrix_path: str | os.PathLike | None = None,
+                      neuron_layout: bool = False) -> pathlib.Path:
     """Write the companion of `model_path` holding its routed experts in `type_name`; return its path.
 
     out_path: default `default_companion_path(model_path, type_name)`; an existing file
@@ -114,13 +129,17 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
     the model's experts (needed by IQ2_*/IQ1_* types, used by any type when given).
     Raises ModelFileError (a file is missing, not a GGUF, split, without experts, or the
     source is another model), ValueError (type, threads, output folder), FileExistsError.
+    neuron_layout: the layout of CORM's neuron reads (type Q8_0, down transposed; see the module).
     """
+    if neuron_layout and (type_name.upper() != NEURON_LAYOUT_TYPE or imatrix_path is not None):
+        raise ValueError(f"a neuron layout is {NEURON_LAYOUT_TYPE}, without an importance matrix")
     qtype = companion_type(type_name, with_imatrix=imatrix_path is not None)
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
     model_path = pathlib.Path(model_path)
     source_path = model_path if source_path is None else pathlib.Path(source_path)
-    out = default_companion_path(model_path, type_name) if out_path is None else pathlib.Path(out_path)
+    out = pathlib.Path(out_path) if out_path is not None else (
+        default_neuron_layout_path(model_path) if neuron_layout else default_companion_path(model_path, type_name))
     if os.path.lexists(out):  # a dangling symlink too
         raise FileExistsError(f"{out}: already exists; prepare never overwrites a file")
     if not out.parent.is_dir():
@@ -131,11 +150,18 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
         source = _open_model(source_path)
         _check_same_model(model_path, model, source_path, source)
     source_tensors = {t.name: t for t in source.tensors}
-    plan = []  # (source tensor, ggml shape, type written)
+    plan = []  # (source tensor, ggml shape written, type written)
     for t in model.tensors:
         if t.name.endswith(EXPERT_SUFFIXES):
             shape = [int(n) for n in t.shape]  # ggml order: row length first
-            plan.append((source_tensors[t.name], shape, _row_type(qtype, shape[0], t.name, model_path)))
+            if neuron_layout and t.name.endswith(".ffn_gate_up_exps.weight"):
+                raise ModelFileError(f"{model_path}: '{t.name}' merges gate and up; a neuron layout needs them apart")
+            if neuron_layout and _is_down(t.name):
+                shape = [shape[1], shape[0], *shape[2:]]  # a neuron per row
+            row_type = _row_type(qtype, shape[0], t.name, model_path)
+            if neuron_layout and row_type != qtype:
+                raise ModelFileError(f"{model_path}: '{t.name}' has rows of {shape[0]}, not whole {qtype.name} blocks")
+            plan.append((source_tensors[t.name], shape, row_type))
     for source_tensor, _, _ in plan:
         _check_readable(source_tensor, source_path)
     importance = _importance_of(imatrix_path, plan) if imatrix_path is not None else {}
@@ -153,6 +179,8 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
         writer.add_string(KEY_SOURCE, source_path.name)
         writer.add_string(KEY_TYPE, qtype.name)
         writer.add_array(KEY_FALLBACKS, [f"{t.name}={row_type.name}" for t, _, row_type in plan if row_type != qtype])
+        if neuron_layout:
+            writer.add_bool(KEY_NEURON_LAYOUT, True)
         if imatrix_path is not None:
             writer.add_string(KEY_IMATRIX, pathlib.Path(imatrix_path).name)
         for t, shape, row_type in plan:
@@ -170,8 +198,11 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
               tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
                    desc=f"{qtype.name} experts") as bar):
             for t, shape, row_type in plan:
-                writer.write_tensor_data(_quantize(t, shape[0], row_type, pool, bar.update, source_path,
-                                                   importance.get(t.name)))
+                if neuron_layout and _is_down(t.name):
+                    writer.write_tensor_data(_quantize_transposed(t, shape, row_type, pool, bar.update, source_path))
+                else:
+                    writer.write_tensor_data(_quantize(t, shape[0], row_type, pool, bar.update, source_path,
+                                                       importance.get(t.name)))
         writer.close()
         try:  # a link fails if the name appeared meanwhile (a symlink too): never overwrites
             os.link(tmp, out)
@@ -291,6 +322,34 @@ def _importance_of(imatrix_path, plan) -> dict[str, np.ndarray]:
                                  f"the tensor has {shape[2]} experts of rows of {shape[0]} (a matrix of another model?)")
         importance[t.name] = weights
     return importance
+
+
+def _is_down(name: str) -> bool:
+    return name.endswith(".ffn_down_exps.weight")
+
+
+def _quantize_transposed(t, shape: list[int], row_type: QT, pool: ThreadPoolExecutor, on_bytes_read,
+                         source_path) -> np.ndarray:
+    """Stacked experts `t` ([n_ff, n_embd, n_expert] in ggml order) with each expert's matrix
+    transposed, [n_embd, n_ff]: row f is neuron f's column, quantized by itself in row_type."""
+    n_embd, n_ff = shape[0], shape[1]
+    experts = np.asarray(t.data).reshape(-1, n_embd, t.data.shape[-1])  # one expert's rows each
+    row_bytes = lib.ggml_row_size(row_type, n_embd)
+    quantized = np.empty((experts.shape[0], n_ff, row_bytes), np.uint8)
+
+    def quantize_expert(e: int) -> int:
+        values = gguf.quants.dequantize(experts[e], QT(t.tensor_type)).reshape(n_embd, n_ff)
+        columns = np.ascontiguousarray(values.T, dtype=np.float32)
+        dst = ffi.from_buffer(quantized[e])
+        n_bytes = lib.ggml_quantize_chunk(row_type, ffi.from_buffer("float[]", columns), dst, 0, n_ff, n_embd, ffi.NULL)
+        if not lib.ggml_validate_row_data(row_type, dst, n_bytes):
+            raise ModelFileError(f"{source_path}: tensor '{t.name}' expert {e} gives invalid {row_type.name} blocks "
+                                 "(values that are not finite?)")
+        return experts[e].nbytes
+
+    for n_bytes_read in pool.map(quantize_expert, range(experts.shape[0])):
+        on_bytes_read(n_bytes_read)
+    return quantized
 
 
 def _quantize(t, n_per_row: int, row_type: QT, pool: ThreadPoolExecutor, on_bytes_read, source_path,
