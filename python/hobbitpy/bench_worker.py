@@ -112,7 +112,8 @@ def run(spec: dict) -> dict:
                                                        "prefetch_issued", "prefetch_used", "prefetch_wasted", "upgrades",
                                                        "warm_loads", "bytes_read", "demand_bytes_read", "stall_us",
                                                        "dispatch_us", "background_bytes_read", "n_substituted",
-                                                       "neuron_selections", "neuron_whole", "neuron_kept")}
+                                                       "neuron_selections", "neuron_whole", "neuron_kept",
+                                                       "neuron_reads")}
         r["pools"] = [dict(p, hit_ratio=p["hits"] / max(1, p["hits"] + p["misses"])) for p in llm.pool_stats()]
         r["generated"] = generated
 

@@ -78,9 +78,11 @@ class ExpertCacheCollector:
             "prefetch_used": ("prefetch_used", "Prefetched experts then selected"),
             "upgrades": ("upgrades", "Higher-precision copies loaded after a lower-precision hit"),
             "neuron_predicted_selections": ("neuron_selections", "Selections whose neurons CORM's mask predicted "
-                                                                 "(--neurons; MoE layers after the first)"),
+                                                                 "(--neurons; MoE layers after the first), or whose "
+                                                                 "gate chose them (--neuron-layout; every MoE layer)"),
             "neuron_kept_selections": ("neuron_kept", "Those selections' kept shares of their neurons, summed "
                                                       "(divided by the above: the mean share kept)"),
+            "neuron_read_requests": ("neuron_reads", "Reads of runs of neurons' rows (--neuron-layout)"),
         }
         for name, (key, doc) in counters.items():
             yield CounterMetricFamily(f"hobbitpy_{name}", doc, value=stats[key])
