@@ -9,6 +9,7 @@
 #include "hobbit-io-scheduler.h"
 #include "hobbit-mapping-guard.h"
 #include "hobbit-neuron-cache.h"
+#include "hobbit-neuron-reads.h"
 #include "hobbit-pool-plan.h"
 #include "hobbit-precision-scorer.h"
 #include "hobbit-predictor.h"
@@ -778,6 +779,80 @@ static void test_neuron_cache() {
     printf("ok neuron cache\n");
 }
 
+// CORM's neuron reads: the keep rule, the byte ranges of runs of neurons, the sparse down
+// product over Q8_0 rows, and ranged loads through the scheduler
+static void test_neuron_reads(const std::string & path) {
+    // SiLU of these: -0.072, -0.048, 0, 0.026, 0.172, 0.731, 2.858, -0.189
+    const float g[8] = { -4.0f, -0.1f, 0.0f, 0.05f, 0.3f, 1.0f, 3.0f, -0.5f };
+    neuron_bits keep;
+    CHECK(!neuron_keep(g, 8, 0.18f, 1.0f, keep) && keep.count() == 3 && keep.test(5) && keep.test(6) && keep.test(7));
+    CHECK(neuron_keep(g, 8, 0.0f, 0.75f, keep) && keep.count() == 8); // every neuron passes: over the limit, whole
+
+    std::vector<load_range> ranges;
+    neuron_ranges(bits(10, { 0, 1, 2, 5, 7, 8 }), LLAMA_MOE_PROJ_UP, 100, ranges);
+    CHECK(ranges.size() == 3 && ranges[0].proj == LLAMA_MOE_PROJ_UP);
+    CHECK(ranges[0].begin == 0 && ranges[0].end == 300 && ranges[1].begin == 500 && ranges[1].end == 600 &&
+          ranges[2].begin == 700 && ranges[2].end == 900);
+
+    // the sparse down equals the sum of the kept rows, dequantized, times their activations
+    const int n_embd = 64, n_ff = 5;
+    std::vector<float> w((size_t) n_ff * n_embd);
+    for (size_t i = 0; i < w.size(); ++i) {
+        w[i] = std::sin(0.37f * (float) i) * (1.0f + (float) (i % 7));
+    }
+    const size_t row = ggml_row_size(GGML_TYPE_Q8_0, n_embd);
+    std::vector<uint8_t> q(n_ff * row);
+    ggml_quantize_chunk(GGML_TYPE_Q8_0, w.data(), q.data(), 0, n_ff, n_embd, nullptr);
+    std::vector<float> deq(w.size());
+    ggml_get_type_traits(GGML_TYPE_Q8_0)->to_float(q.data(), deq.data(), (int64_t) deq.size());
+    const float act[n_ff] = { 0.5f, 0.0f, -2.0f, 0.0f, 1.25f };
+    std::vector<float> out(n_embd, 99.0f);
+    neuron_down_q8_0(q.data(), row, n_ff, act, out.data(), 0, 1); // two threads' shares of the blocks
+    neuron_down_q8_0(q.data(), row, n_ff, act, out.data(), 1, 2);
+    for (int j = 0; j < n_embd; ++j) {
+        float ref = 0.0f;
+        for (int f = 0; f < n_ff; ++f) {
+            ref += act[f] * deq[(size_t) f * n_embd + j];
+        }
+        CHECK(std::fabs(out[j] - ref) <= 1e-5f * (1.0f + std::fabs(ref)));
+    }
+    // a neuron left out is never touched: its row may be anything (here NaN scales)
+    memset(q.data() + 1 * row, 0xff, row);
+    std::vector<float> again(n_embd);
+    neuron_down_q8_0(q.data(), row, n_ff, act, again.data(), 0, 2);
+    CHECK(memcmp(again.data(), out.data(), n_embd * sizeof(float)) == 0);
+
+    // a load of ranges writes their bytes alone and reports their sum
+    expert_index idx = expert_index::from_file(path);
+    const uint64_t n_up = idx.layers[0].proj[LLAMA_MOE_PROJ_UP].n_bytes;
+    std::vector<uint8_t> buf(n_up, 0xab);
+    std::mutex mtx;
+    std::condition_variable cv;
+    uint64_t reported = 0;
+    bool done = false;
+    {
+        io_scheduler io({ &idx }, /*direct_io*/ true, /*n_threads*/ 2, [&](const load_task &, const std::string & err, uint64_t n, int64_t) {
+            CHECK(err.empty());
+            std::lock_guard<std::mutex> lock(mtx);
+            reported = n;
+            done = true;
+            cv.notify_all();
+        });
+        load_task t = { 0, 0, 0, /*layer*/ 0, /*expert*/ 1, /*prefetch*/ false, {}, {} };
+        t.dst[LLAMA_MOE_PROJ_UP] = buf.data();
+        t.ranges = { { LLAMA_MOE_PROJ_UP, 0, 256 }, { LLAMA_MOE_PROJ_UP, 520, 600 } };
+        io.submit({ t });
+        std::unique_lock<std::mutex> lock(mtx);
+        cv.wait(lock, [&] { return done; });
+    }
+    CHECK(reported == 256 + 80);
+    for (uint64_t b = 0; b < n_up; ++b) {
+        const bool in = b < 256 || (b >= 520 && b < 600);
+        CHECK(buf[b] == (in ? pattern(0, LLAMA_MOE_PROJ_UP, 1, b) : 0xab));
+    }
+    printf("ok neuron reads\n");
+}
+
 // a file mapped, then cut: a read past its new end inside a guard reads zeros and marks the
 // guard, where it would have been a SIGBUS
 static void test_mapping_guard(const std::string & dir) {
@@ -830,6 +905,7 @@ int main(int argc, char ** argv) {
     test_substitution();
     test_balance_misses();
     test_neuron_cache();
+    test_neuron_reads(path);
     test_mapping_guard(dir);
     unlink(path.c_str());
     printf("all native tests passed\n");
