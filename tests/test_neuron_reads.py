@@ -130,6 +130,7 @@ def test_bad_neuron_layouts_are_one_line_and_exit_2(model_dir, tmp_path, capsys)
     assert cli_main([*base, "--neurons", "0.05", "--neuron-layout", str(layout)]) == 0
     assert "neurons kept" in capsys.readouterr().out
     for bad in (["--neuron-layout", str(layout)],                                  # no threshold
+                ["--neurons", "0.05", "--neuron-layout", str(tmp_path / "missing.gguf")],  # no such file
                 ["--neurons", "0.05", "--neuron-layout", str(plain)],               # not a neuron layout
                 ["--neurons", "0.05", "--neuron-layout", str(_layout(model_dir, other))],  # another model's
                 ["--neurons", "0.05", "--neuron-layout", str(layout), "--low", "Q2_K"]):

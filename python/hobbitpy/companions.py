@@ -47,9 +47,10 @@ def resolve_level(model_path: str | os.PathLike, spec: str, flag: str) -> str:
 
 
 def resolve_levels(model_path: str | os.PathLike, high: str | None, mid: str | None,
-                   low: str | None) -> tuple[str | None, ...]:
-    """The file of each precision level, high to low; None for the model's own experts."""
-    levels = [resolve_level(model_path, high, "--high") if high is not None else None]
+                   low: str | None, high_flag: str = "--high") -> tuple[str | None, ...]:
+    """The file of each precision level, high to low; None for the model's own experts.
+    high_flag: the option that named the high level's file (in messages)."""
+    levels = [resolve_level(model_path, high, high_flag) if high is not None else None]
     if mid is not None:
         levels.append(resolve_level(model_path, mid, "--mid"))
     if low is not None:

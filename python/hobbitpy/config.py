@@ -301,6 +301,11 @@ class OffloadConfig:
         return self.neuron_layout if self.neuron_layout is not None else self.high
 
     @property
+    def high_flag(self) -> str:
+        """The option that names high_file (for messages)."""
+        return "--neuron-layout" if self.neuron_layout is not None else "--high"
+
+    @property
     def n_level(self) -> int:
         """Precision levels: the model's own, then mid and low when given."""
         return 1 + (self.low is not None) + (self.mid is not None)

@@ -107,7 +107,7 @@ class Llama(llama_cpp.Llama):
         # the file of each precision level, high to low; None: the model's own experts (the
         # runtime checks that companions hold this model's experts)
         self.level_paths: tuple[str | None, ...] = (
-            resolve_levels(model_path, offload.high_file, offload.mid, offload.low) if offload.enabled else (None,))
+            resolve_levels(model_path, offload.high_file, offload.mid, offload.low, offload.high_flag) if offload.enabled else (None,))
         levels = tuple(self.model_info if p is None else inspect_model(p) for p in self.level_paths)
         shape = ContextShape.of(kwargs)
         available = available_memory_bytes()
