@@ -44,10 +44,10 @@ KEY_SOURCE = "hobbitpy.companion.source"
 KEY_TYPE = "hobbitpy.companion.type"
 KEY_IMATRIX = "hobbitpy.companion.imatrix"  # the importance matrix's file name, if one was used
 KEY_FALLBACKS = "hobbitpy.companion.fallbacks"
+"""One "tensor=TYPE" string per tensor written in another type than KEY_TYPE; absent if none."""
 KEY_OF_FINGERPRINT = "hobbitpy.companion.of_fingerprint"  # the runtime checks it (hobbit-expert-store.cpp)
 KEY_NEURON_LAYOUT = "hobbitpy.companion.neuron_layout"  # down stored transposed (expert_index::neuron_layout)
 NEURON_LAYOUT_TYPE = "Q8_0"  # the type the runtime's sparse down kernel reads
-"""One "tensor=TYPE" string per tensor written in another type than KEY_TYPE; absent if none."""
 
 # the quantized types ggml_quantize_chunk handles (ggml.c), where this gguf package knows them
 _QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
