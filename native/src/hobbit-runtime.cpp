@@ -602,7 +602,7 @@ void hobbit_runtime::fetch_neurons(ggml_tensor * dst, int il) {
         if (missing.count() == 0) {
             continue;
         }
-        load_task task = { p, 0, s, slot.layer, slot.expert, /*prefetch*/ false, {}, {} };
+        load_task task = { p, 0, s, slot.layer, slot.expert, /*prefetch*/ false, {}, {}, {} };
         pg.pool->slot_targets(s, task.dst, task.view);
         const expert_layer_layout & layout = high->layers[slot.layer];
         for (int proj : { LLAMA_MOE_PROJ_UP, LLAMA_MOE_PROJ_DOWN }) {
@@ -709,7 +709,7 @@ int hobbit_runtime::find_cached(int il, int e, int & level) const {
 }
 
 load_task hobbit_runtime::slot_load(int p, int s, int il, int e, bool prefetch) const {
-    load_task task = { p, pools[p].level, s, il, e, prefetch, {}, {} };
+    load_task task = { p, pools[p].level, s, il, e, prefetch, {}, {}, {} };
     pools[p].pool->slot_targets(s, task.dst, task.view);
     if (neuron_reads) {
         // W1 first: the rows of up and down follow once the gate's activations say which (fetch_neurons)

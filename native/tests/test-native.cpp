@@ -407,7 +407,7 @@ static void test_scheduler(const std::string & path) {
         });
         std::vector<load_task> tasks;
         for (int i = 0; i < 8; ++i) {
-            load_task t = { 0, /*level*/ 0, i, i < 4 ? 0 : 2, i % N_EXPERT, /*prefetch*/ i < 7, {}, {} };
+            load_task t = { 0, /*level*/ 0, i, i < 4 ? 0 : 2, i % N_EXPERT, /*prefetch*/ i < 7, {}, {}, {} };
             for (int p = 0; p < 3; ++p) {
                 bufs[i][p].resize(idx.layers[t.layer].proj[p].n_bytes);
                 t.dst[p] = bufs[i][p].data();
@@ -838,7 +838,7 @@ static void test_neuron_reads(const std::string & path) {
             done = true;
             cv.notify_all();
         });
-        load_task t = { 0, 0, 0, /*layer*/ 0, /*expert*/ 1, /*prefetch*/ false, {}, {} };
+        load_task t = { 0, 0, 0, /*layer*/ 0, /*expert*/ 1, /*prefetch*/ false, {}, {}, {} };
         t.dst[LLAMA_MOE_PROJ_UP] = buf.data();
         t.ranges = { { LLAMA_MOE_PROJ_UP, 0, 256 }, { LLAMA_MOE_PROJ_UP, 520, 600 } };
         io.submit({ t });
