@@ -144,13 +144,13 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         }
     }
 
-    // neuron-granular reads: the high level is a neuron layout whose down projections the runtime's
-    // own kernel multiplies (Q8_0 rows), in plain host memory
+    // neuron-granular reads (hobbit_params checked the threshold and the one level): the high level is
+    // a neuron layout whose down projections the runtime's own kernel multiplies (Q8_0 rows)
     neuron_reads = params.neuron_reads;
     if (neuron_reads) {
-        if (!high || !high->neuron_layout || n_level != 1 || params.neuron_threshold < 0.0f) {
-            throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, std::string(high ? high->path : "no file") + ": neuron-granular reads "
-                "need a companion written by `hobbitpy prepare --neuron-layout` as the only level, and a neuron threshold");
+        if (!high || !high->neuron_layout) {
+            throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, std::string(high ? high->path : "no file") + ": not a neuron "
+                "layout; neuron-granular reads need the file `hobbitpy prepare --neuron-layout` writes");
         }
         for (int il : moe_layers) {
             const expert_layer_layout & l = high->layers[il];

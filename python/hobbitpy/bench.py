@@ -135,11 +135,10 @@ def _machine() -> dict:
 
 def config_files(model: str, cfg: BenchConfig) -> set[str]:
     """Every file a run of this configuration may read."""
-    offload = cfg.offload
-    layout = offload.get("neuron_layout") if offload else None
-    high = layout or (offload.get("high") if offload else None)
-    levels = resolve_levels(model, high, offload.get("mid"), offload.get("low"),
-                            "--neuron-layout" if layout else "--high") if offload else ()
+    if cfg.offload is None:
+        return {cfg.model or model}
+    offload = cfg.offload_config(cfg.offload["cache_mb"])
+    levels = resolve_levels(model, offload.high_file, offload.mid, offload.low, offload.high_flag)
     return {cfg.model or model, *(p for p in levels if p is not None)}
 
 

@@ -12,6 +12,7 @@ import sys
 MB = 1024 * 1024
 log = logging.getLogger("hobbitpy")
 DEFAULT_MODEL = "ref-mixtral-Q8_0.gguf"  # models/README.md
+DEFAULT_LOW = "Q2_K"  # the low level prepare writes and calibrate reads when none is named
 
 
 def _add_run_parser(sub) -> None:
@@ -722,7 +723,7 @@ def _add_prepare_parser(sub) -> None:
                                    "Each goes next to the model as MODEL.experts-TYPE.gguf unless --out names it; "
                                    "an existing file is never overwritten.")
     p.add_argument("model", help="GGUF model file (MoE)")
-    p.add_argument("--low", default="Q2_K", metavar="TYPE",
+    p.add_argument("--low", metavar="TYPE",
                    help="type of the low-precision copy (default Q2_K); a llama.cpp mix (Q3_K_M, Q4_K_M, ...) makes "
                         "that uniform quant of the model with llama.cpp's quantizer into MODEL.quants/ instead")
     p.add_argument("--mid", metavar="TYPE", help="also write a mid-precision copy of this type or mix, e.g. Q4_K")
@@ -783,7 +784,7 @@ def _prepare(args) -> int:
     from hobbitpy.quants import default_quant_dir, is_mix_name, make_uniform_quant
 
     if args.neuron_layout:
-        if args.mid or args.high or args.imatrix or args.low.upper() != "Q2_K":
+        if args.mid or args.high or args.imatrix or args.low:
             return _fail("--neuron-layout writes the neuron layout alone (Q8_0); --low, --mid, --high and --imatrix "
                          "do not apply")
         try:
@@ -794,7 +795,7 @@ def _prepare(args) -> int:
             return _fail(str(e))
         print(f"wrote {path}: {os.path.getsize(path) / MB:.1f} MB in {time.perf_counter() - start:.1f} s")
         return 0
-    types = [args.low] + [t for t in (args.mid, args.high) if t]
+    types = [args.low or DEFAULT_LOW] + [t for t in (args.mid, args.high) if t]
     mixes = [t for t in types if is_mix_name(t)]
     if mixes and (args.out or args.source):
         return _fail(f"{', '.join(mixes)}: llama.cpp mixes are whole quants of the model, made into "
@@ -846,7 +847,7 @@ def _add_calibrate_parser(sub) -> None:
                                    "MODEL.hobbit-profile.json, which `hobbitpy run` applies by itself.")
     p.add_argument("model", help="GGUF model file (MoE)")
     p.add_argument("--text", required=True, help="UTF-8 text file (held-out text of the kind the model will see)")
-    p.add_argument("--low", default="Q2_K", metavar="TYPE|PATH",
+    p.add_argument("--low", default=DEFAULT_LOW, metavar="TYPE|PATH",
                    help="the low-precision level (default Q2_K: the file `hobbitpy prepare` writes)")
     p.add_argument("--max-ppl-increase", type=float, default=0.01,
                    help="perplexity budget relative to all-high precision (default 0.01 = 1%%)")
