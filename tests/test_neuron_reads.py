@@ -1,7 +1,7 @@
 """CORM's neuron-granular reads (`prepare --neuron-layout`, `--neurons THETA --neuron-layout FILE`):
-the layout holds the model's experts with down transposed, a neuron per row; the runtime reads
-each expert's gate projection, then only the rows of up and down the activations keep, and
-computes down over those neurons. At θ = 0 every neuron is read and kept: the logits differ
+the layout holds the model's experts with down transposed, a neuron per row, bundled with its
+up row; the runtime reads each expert's gate projection, then only the neurons the activations
+keep (their up and down rows in one read per run), and computes up and down over them. At θ = 0 every neuron is read and kept: the logits differ
 from stock's only by the re-quantized down projection. Above it the rule is the stock pricing
 path's with exact activations (`NeuronMaskSpec(predicted=False)`), and fewer bytes are read."""
 
@@ -33,17 +33,21 @@ def _tensors(path):
     return {t.name: t for t in gguf.GGUFReader(path).tensors}
 
 
-def test_the_layout_keeps_gate_and_up_and_transposes_down(model_dir):
+def test_the_layout_keeps_gate_and_up_and_bundles_down_transposed_with_up(model_dir):
     path = tiny_model(model_dir, "llama")
     layout = _layout(model_dir, path)
     model, neurons = _tensors(path), _tensors(layout)
     gate = "blk.0.ffn_gate_exps.weight"
     assert np.array_equal(np.asarray(model[gate].data), np.asarray(neurons[gate].data))  # Q8_0 blocks unchanged
-    down = "blk.1.ffn_down_exps.weight"
+    up, down = "blk.1.ffn_up_exps.weight", "blk.1.ffn_down_exps.weight"
+    assert down not in neurons
     n_ff, n_embd, n_expert = (int(n) for n in model[down].shape)
-    assert [int(n) for n in neurons[down].shape] == [n_embd, n_ff, n_expert]
+    assert [int(n) for n in neurons[up].shape] == [n_embd, 2 * n_ff, n_expert]
+    bundle = np.asarray(neurons[up].data).reshape(n_expert, n_ff, 2, -1)  # [expert, neuron, up|down, row bytes]
+    assert np.array_equal(bundle[:, :, 0].reshape(-1, bundle.shape[-1]),
+                          np.asarray(model[up].data).reshape(-1, bundle.shape[-1]))  # up's blocks unchanged
     original = gguf.quants.dequantize(np.asarray(model[down].data), model[down].tensor_type)  # [expert, embd, ff]
-    transposed = gguf.quants.dequantize(np.asarray(neurons[down].data), neurons[down].tensor_type)  # [expert, ff, embd]
+    transposed = gguf.quants.dequantize(np.ascontiguousarray(bundle[:, :, 1]), neurons[up].tensor_type)  # [expert, ff, embd]
     step = np.abs(original).max() / 127
     assert np.abs(transposed.transpose(0, 2, 1) - original).max() <= step
     assert not np.array_equal(transposed.transpose(0, 2, 1), original)  # re-quantized per neuron: the layout's loss
@@ -115,6 +119,10 @@ def test_neurons_read_cost_what_the_exact_pricing_says_and_read_fewer_bytes(mode
     assert reads.stats["neuron_kept"] / n == pytest.approx(priced.stats["neuron_kept_share"], abs=0.02)
     assert reads.stats["neuron_reads"] > 0
     assert reads.stats["bytes_read"] < whole.stats["bytes_read"]
+    # the budget counts rows, not whole experts: the same bytes hold the gates of more experts
+    # (room for their rows at half their neurons) and never more than the budget
+    assert reads.stats["n_slot"] >= 1.4 * whole.stats["n_slot"]
+    assert whole.stats["pool_bytes"] <= reads.stats["pool_bytes"] <= budget * MB
 
 
 def test_bad_neuron_layouts_are_one_line_and_exit_2(model_dir, tmp_path, capsys):

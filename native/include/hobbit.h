@@ -225,7 +225,7 @@ struct hobbit_stats {
     int64_t io_us;                 // time from a load's first read to its last, summed over loads
     int64_t peak_pool_bytes;       // most slot bytes ever holding an expert
     int64_t budget_bytes;          // budget the pool was sized from
-    int64_t pool_bytes;            // bytes allocated for slots (n_slot * expert_bytes)
+    int64_t pool_bytes;            // bytes allocated for slots (n_slot * expert_bytes) and neuron rows
     int32_t n_slot;                // slots in the pool
     bool    direct_io;             // O_DIRECT actually in use
     int32_t n_level;               // precision levels in use

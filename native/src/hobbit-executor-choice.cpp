@@ -140,7 +140,7 @@ executor_choice executor_choice_make(const expert_index & index, enum hobbit_mod
         expert_store store_b(index, direct_io);
         std::vector<uint8_t> dst(probe->n_bytes);
         const double s = timed_halves([&](uint64_t b, uint64_t e) {
-            (b == 0 ? store_a : store_b).read_piece(probe_layer, 0, probe_proj, b, e, dst.data());
+            (b == 0 ? store_a : store_b).read_piece(probe_layer, 0, probe_proj, b, e, dst.data() + b);
         }, probe->n_bytes);
         c.load_bytes_per_s = s > 0 ? probe->n_bytes / s : 0.0;
     } catch (const std::exception &) {

@@ -90,7 +90,7 @@ bool expert_weight_repacked(int type, int64_t n_in, int64_t n_out, int n_expert_
 }
 
 expert_pool::expert_pool(const expert_layer_layout & shape, int n_layer, int n_expert, int n_expert_used, int n_slot,
-                         ggml_backend_dev_t dev, bool plain)
+                         ggml_backend_dev_t dev, bool gate_only)
         : slots(n_slot), n_expert(n_expert), slot_of((size_t) n_layer * n_expert, -1) {
     const bool on_cpu = dev == nullptr || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
     on_device_ = !on_cpu;
@@ -100,7 +100,7 @@ expert_pool::expert_pool(const expert_layer_layout & shape, int n_layer, int n_e
     try {
         for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
             const expert_proj_layout & pl = shape.proj[p];
-            if (!pl.present) {
+            if (!pl.present || (gate_only && p != LLAMA_MOE_PROJ_GATE)) {
                 continue;
             }
             ggml_tensor * t = ggml_new_tensor_3d(ctx, (ggml_type) pl.type, pl.ne[0], pl.ne[1], n_slot);
@@ -109,7 +109,6 @@ expert_pool::expert_pool(const expert_layer_layout & shape, int n_layer, int n_e
 
             // on a GPU the device's own buffer type (ggml's CUDA kernels take every type as stored)
             ggml_backend_buffer_type_t buft = !on_cpu ? ggml_backend_dev_buffer_type(dev)
-                                            : plain   ? ggml_backend_dev_buffer_type(cpu_device())
                                                       : expert_weight_buft(pl.type, pl.ne[0], pl.ne[1], n_expert_used);
             // host pages are only touched by loads, so resident memory grows with the slots in use
             ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, ggml_backend_buft_get_alloc_size(buft, t));

@@ -43,10 +43,10 @@ bool expert_weight_repacked(int type, int64_t n_in, int64_t n_out, int n_expert_
 class expert_pool {
 public:
     // shape: the expert tensors of the layers this pool serves; dev: where its weights live
-    // (NULL: the CPU); plain: plain host memory for every projection, never repacked (neuron-granular
-    // reads write rows of the raw layout)
+    // (NULL: the CPU); gate_only: the gate projection alone (neuron-granular reads: the neuron
+    // row cache holds the rows of up and down)
     expert_pool(const expert_layer_layout & shape, int n_layer, int n_expert, int n_expert_used, int n_slot,
-                ggml_backend_dev_t dev = nullptr, bool plain = false);
+                ggml_backend_dev_t dev = nullptr, bool gate_only = false);
     ~expert_pool();
     expert_pool(const expert_pool &) = delete;
     expert_pool & operator=(const expert_pool &) = delete;

@@ -24,7 +24,7 @@ static const char * proj_tensor_suffix[LLAMA_MOE_PROJ_COUNT] = {
 static constexpr size_t DIRECT_IO_ALIGN = 4096;
 
 bool expert_layer_layout::has_experts() const {
-    return proj[LLAMA_MOE_PROJ_DOWN].present;
+    return proj[LLAMA_MOE_PROJ_DOWN].present || proj[LLAMA_MOE_PROJ_UP].present || proj[LLAMA_MOE_PROJ_GATE_UP].present;
 }
 
 bool expert_layer_layout::same_signature(const expert_layer_layout & other) const {
@@ -305,7 +305,10 @@ expert_index expert_index::from_file(const std::string & path) {
             pl.n_bytes = ggml_row_size((ggml_type) pl.type, ne[0]) * ne[1];
             pl.offset  = data_offset + gguf_get_tensor_offset(ctx.get(), t);
         }
-        if (layer.proj[LLAMA_MOE_PROJ_DOWN].present != (layer.proj[LLAMA_MOE_PROJ_UP].present || layer.proj[LLAMA_MOE_PROJ_GATE_UP].present)) {
+        // a neuron layout's up holds down too (prepare --neuron-layout): down is not there
+        const bool has_down = idx.neuron_layout ? layer.proj[LLAMA_MOE_PROJ_UP].present : layer.proj[LLAMA_MOE_PROJ_DOWN].present;
+        if (has_down != (layer.proj[LLAMA_MOE_PROJ_UP].present || layer.proj[LLAMA_MOE_PROJ_GATE_UP].present) ||
+            (idx.neuron_layout && layer.proj[LLAMA_MOE_PROJ_DOWN].present)) {
             throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, path + ": layer " + std::to_string(il) + " has an incomplete set of expert tensors");
         }
         if (!layer.has_experts()) {
@@ -313,8 +316,11 @@ expert_index expert_index::from_file(const std::string & path) {
         }
         info.n_layer_moe++;
         info.expert_bytes_total += (int64_t) layer.n_bytes() * info.n_expert;
-        for (const auto & p : layer.proj) {
-            info.max_slice_bytes = std::max<int64_t>(info.max_slice_bytes, p.present ? (int64_t) p.n_bytes : 0);
+        for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
+            // a neuron layout's up (with down) is read by runs of neurons, never whole: the
+            // readers' buffers need not hold it (read_at reads long runs in parts)
+            const bool whole = layer.proj[p].present && !(idx.neuron_layout && p == LLAMA_MOE_PROJ_UP);
+            info.max_slice_bytes = std::max<int64_t>(info.max_slice_bytes, whole ? (int64_t) layer.proj[p].n_bytes : 0);
         }
         if (first == nullptr) {
             first = &layer;
@@ -403,14 +409,18 @@ void expert_index::check_companion(const expert_index & companion) const {
             const expert_proj_layout & pa = layers[il].proj[p];
             const expert_proj_layout & pb = companion.layers[il].proj[p];
             const std::string name = "blk." + std::to_string(il) + "." + proj_tensor_suffix[p];
-            if (pa.present != pb.present) {
+            // a neuron layout bundles each neuron's down column with its up row: down's rows are in up
+            const bool bundled = companion.neuron_layout && p == LLAMA_MOE_PROJ_UP;
+            const bool in_up   = companion.neuron_layout && p == LLAMA_MOE_PROJ_DOWN;
+            if (in_up && pb.present) {
+                throw mismatch("tensor '" + name + "' is there; a neuron layout holds down within up");
+            }
+            if (!in_up && pa.present != pb.present) {
                 throw mismatch("tensor '" + name + "' is " + (pb.present ? "there but not in the model" : "missing"));
             }
-            // a neuron layout holds down transposed
-            const bool transposed = companion.neuron_layout && p == LLAMA_MOE_PROJ_DOWN;
-            const int64_t ne0 = transposed ? pb.ne[1] : pb.ne[0];
-            const int64_t ne1 = transposed ? pb.ne[0] : pb.ne[1];
-            if (pa.present && (pa.ne[0] != ne0 || pa.ne[1] != ne1 || pa.ne[2] != pb.ne[2])) {
+            const int64_t ne1 = bundled ? pb.ne[1] / 2 : pb.ne[1];
+            if (pa.present && pb.present && (pa.ne[0] != pb.ne[0] || pa.ne[1] != ne1 || (bundled && pb.ne[1] % 2 != 0) ||
+                                             pa.ne[2] != pb.ne[2])) {
                 throw mismatch("tensor '" + name + "' has shape [" + std::to_string(pb.ne[0]) + ", " + std::to_string(pb.ne[1]) + ", " +
                                std::to_string(pb.ne[2]) + "], the model's is [" + std::to_string(pa.ne[0]) + ", " +
                                std::to_string(pa.ne[1]) + ", " + std::to_string(pa.ne[2]) + "]");
@@ -430,11 +440,7 @@ expert_store::expert_store(const expert_index & index, bool direct_io, ggml_back
     if (fd < 0) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_IO, index.path + ": cannot open model file: " + errno_text());
     }
-    for (const auto & layer : index.layers) {
-        for (const auto & p : layer.proj) {
-            max_slice = std::max(max_slice, p.present ? p.n_bytes : 0);
-        }
-    }
+    max_slice = (uint64_t) index.info.max_slice_bytes;
     if (direct_io) {
         fd_direct = open(index.path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
         bounce_size = (max_slice + 2*DIRECT_IO_ALIGN + DIRECT_IO_ALIGN - 1) / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN;
@@ -502,13 +508,17 @@ const void * expert_store::read_direct(uint64_t offset, uint64_t n_bytes) {
 }
 
 void expert_store::read_at(uint64_t offset, uint64_t n_bytes, void * dst) {
-    if (fd_direct >= 0) {
-        if (const void * src = read_direct(offset, n_bytes)) {
-            memcpy(dst, src, n_bytes);
-            return;
-        }
-    }
+    // the bounce buffer holds max_slice with an aligned block either side: longer reads go in parts
     uint64_t done = 0;
+    while (fd_direct >= 0 && done < n_bytes) {
+        const uint64_t n = std::min<uint64_t>(n_bytes - done, bounce_size - 2 * DIRECT_IO_ALIGN);
+        const void * src = read_direct(offset + done, n);
+        if (src == nullptr) {
+            break; // no O_DIRECT here after all: the rest buffered
+        }
+        memcpy((char *) dst + done, src, n);
+        done += n;
+    }
     while (done < n_bytes) {
         const ssize_t n = pread(fd, (char *) dst + done, n_bytes - done, offset + done);
         if (n < 0 && errno == EINTR) {
@@ -525,6 +535,10 @@ void expert_store::read_at(uint64_t offset, uint64_t n_bytes, void * dst) {
 const void * expert_store::read_slice(int il, int e, int proj) {
     const expert_proj_layout & pl = index.layers.at(il).proj[proj];
     const uint64_t offset = pl.offset + (uint64_t) e * pl.n_bytes;
+    if (pl.n_bytes > max_slice) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_INTERNAL, index.path + ": projection " + std::to_string(proj) +
+                           " is never read whole (a neuron layout's up), yet it was asked for whole");
+    }
     if (fd_direct >= 0) {
         if (const void * src = read_direct(offset, pl.n_bytes)) {
             return src;
@@ -561,5 +575,5 @@ void expert_store::read_expert(int il, int e, void * const dst[LLAMA_MOE_PROJ_CO
 
 void expert_store::read_piece(int il, int e, int proj, uint64_t begin, uint64_t end, void * dst) {
     const expert_proj_layout & pl = index.layers.at(il).proj[proj];
-    read_at(pl.offset + (uint64_t) e * pl.n_bytes + begin, end - begin, (char *) dst + begin);
+    read_at(pl.offset + (uint64_t) e * pl.n_bytes + begin, end - begin, dst);
 }

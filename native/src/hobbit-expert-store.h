@@ -42,8 +42,9 @@ struct expert_index {
     std::string made_of_fingerprint;
 
     // a companion written by `hobbitpy prepare --neuron-layout` (hobbitpy.companion.neuron_layout):
-    // its down projections are stored transposed, [n_embd, n_ff, n_expert], a neuron per row,
-    // so that an expert's neurons are read one by one (CORM)
+    // each expert's up tensor bundles the up rows and the transposed down, [n_embd, 2 x n_ff,
+    // n_expert]: row 2f neuron f's up row, row 2f + 1 its down column; there is no down tensor.
+    // A run of neurons is one read (CORM's neuron-granular reads)
     bool neuron_layout = false;
 
     // throws hobbit_error naming the file and what is wrong
@@ -78,8 +79,8 @@ public:
     // Blocking. Throws hobbit_error on a failed or short read.
     void read_expert(int il, int e, void * const dst[LLAMA_MOE_PROJ_COUNT]);
 
-    // read bytes [begin, end) of projection proj of expert e of layer il into dst + begin
-    // (a piece of a load, so that several threads can share one expert). Blocking; throws like read_expert.
+    // read bytes [begin, end) of projection proj of expert e of layer il to dst (a piece of a
+    // load, so that several threads can share one expert). Blocking; throws like read_expert.
     void read_piece(int il, int e, int proj, uint64_t begin, uint64_t end, void * dst);
 
     // read one projection's slice into a buffer of the store; the pointer is valid until
@@ -100,7 +101,7 @@ private:
     void * bounce   = nullptr; // aligned buffer for O_DIRECT reads
     size_t bounce_size = 0;
     std::vector<uint8_t> staging; // read_slice's buffer for buffered reads
-    uint64_t max_slice = 0;       // the largest projection slice of the file
+    uint64_t max_slice = 0;       // the largest projection slice read whole (info.max_slice_bytes)
     ggml_backend_buffer_type_t pinned = nullptr;        // page-locked memory, when loads go on to a device
     ggml_backend_buffer_t pinned_bounce_buf  = nullptr; // holds bounce, when pinned
     ggml_backend_buffer_t pinned_staging_buf = nullptr; // read_slice's buffer for buffered reads, when pinned

@@ -62,27 +62,27 @@ void io_scheduler::submit(const std::vector<load_task> & tasks) {
             n_background += task.prefetch ? 1 : 0;
             std::deque<piece> & q = task.prefetch ? prefetches : on_demand;
             const expert_layer_layout & layer = indexes[task.level]->layers[task.layer];
-            const auto push_range = [&](int p, uint64_t begin, uint64_t end) {
+            const auto push_range = [&](int p, uint64_t begin, uint64_t end, char * to) {
                 for (uint64_t b = begin; b < end; b += PIECE_BYTES) {
-                    q.push_back({ ld, p, b, std::min(end, b + PIECE_BYTES), false });
+                    q.push_back({ ld, p, b, std::min(end, b + PIECE_BYTES), to + (b - begin), false });
                     ld->pieces_left++;
                 }
                 ld->n_bytes += end - begin;
             };
             for (const load_range & r : task.ranges) {
-                push_range(r.proj, r.begin, r.end);
+                push_range(r.proj, r.begin, r.end, (char *) r.to);
             }
             for (int p = 0; p < LLAMA_MOE_PROJ_COUNT && task.ranges.empty(); ++p) {
                 if (task.view[p] != nullptr) {
-                    q.push_back({ ld, p, 0, 0, true });
+                    q.push_back({ ld, p, 0, 0, nullptr, true });
                     ld->pieces_left++;
                     ld->n_bytes += layer.proj[p].n_bytes;
                 } else if (layer.proj[p].present && task.dst[p] != nullptr) {
-                    push_range(p, 0, layer.proj[p].n_bytes);
+                    push_range(p, 0, layer.proj[p].n_bytes, (char *) task.dst[p]);
                 }
             }
             if (ld->pieces_left == 0) {
-                q.push_back({ ld, 0, 0, 0, false }); // nothing to read: completes at once
+                q.push_back({ ld, 0, 0, 0, nullptr, false }); // nothing to read: completes at once
                 ld->pieces_left = 1;
             }
         }
@@ -148,7 +148,7 @@ void io_scheduler::loop(level_stores & stores) {
                 ggml_backend_tensor_set(task.view[pc.proj], store.read_slice(task.layer, task.expert, pc.proj), 0,
                                         ggml_nbytes(task.view[pc.proj]));
             } else if (pc.end > pc.begin) {
-                store.read_piece(task.layer, task.expert, pc.proj, pc.begin, pc.end, task.dst[pc.proj]);
+                store.read_piece(task.layer, task.expert, pc.proj, pc.begin, pc.end, pc.to);
             }
         } catch (const std::exception & e) {
             error = e.what();

@@ -22,10 +22,12 @@
 #include <thread>
 #include <vector>
 
-// bytes [begin, end) of projection proj of an expert's slice (a run of neurons' rows)
+// bytes [begin, end) of projection proj of an expert's slice (a run of neurons' rows), read to
+// `to` (a run of the neuron row cache's pages)
 struct load_range {
     int      proj;
     uint64_t begin, end;
+    void *   to;
 };
 
 struct load_task {
@@ -37,8 +39,8 @@ struct load_task {
     bool prefetch;                          // false: a dispatch waits for it
     void * dst[LLAMA_MOE_PROJ_COUNT];       // where each raw projection goes (NULL: none, or repacked)
     ggml_tensor * view[LLAMA_MOE_PROJ_COUNT]; // repacked or device projections: the slot's tensor, written with ggml_backend_tensor_set
-    std::vector<load_range> ranges;         // not empty: only these bytes, into dst (rows of neurons of a slot that holds
-                                            // the expert: its state does not change), instead of whole projections
+    std::vector<load_range> ranges;         // not empty: only these bytes (rows of neurons of the expert the slot holds:
+                                            // its state does not change), instead of whole projections
 };
 
 class io_scheduler {
@@ -76,12 +78,13 @@ private:
         int64_t     t_start_us  = 0;
         uint64_t    n_bytes     = 0; // what the load reads
     };
-    // one read of a load: bytes [begin, end) of projection proj (whole = a repacked
+    // one read of a load: bytes [begin, end) of projection proj to `to` (whole = a repacked
     // projection, set through ggml in one piece)
     struct piece {
         std::shared_ptr<load> ld;
         int      proj;
         uint64_t begin, end;
+        void *   to;
         bool     whole;
     };
 

@@ -23,26 +23,47 @@ bool neuron_keep(const float * g, int n_ff, float theta, float limit, neuron_bit
     return false;
 }
 
-void neuron_ranges(const neuron_bits & rows, int proj, uint64_t row_bytes, std::vector<load_range> & out) {
-    for (int i = 0; i < rows.size();) {
-        if (!rows.test(i)) {
-            ++i;
+// ggml's block_q8_0: an f16 scale, then 32 signed bytes
+static constexpr int    QK    = 32;
+static constexpr size_t BLOCK = sizeof(ggml_fp16_t) + QK;
+static constexpr int    LANES = 8;
+
+void neuron_up_q8_0(const uint8_t * base, uint64_t page_bytes, const int32_t * pages, int n_embd, const float * x,
+                    const float * keep, float * out, int f0, int f1) {
+    const int64_t n_block = n_embd / QK;
+    for (int f = f0; f < f1; ++f) {
+        // a neuron left out is 0 whatever its row holds; it may not have been read
+        if (keep[f] == 0.0f || pages[f] < 0) {
+            out[f] = 0.0f;
             continue;
         }
-        int j = i;
-        while (j < rows.size() && rows.test(j)) {
-            ++j;
+        const uint8_t * row = base + (size_t) pages[f] * page_bytes;
+        float sum = 0.0f;
+        for (int64_t b = 0; b < n_block; ++b) {
+            const uint8_t * blk = row + (size_t) b * BLOCK;
+            ggml_fp16_t d16;
+            memcpy(&d16, blk, sizeof(d16));
+            const int8_t * q = (const int8_t *) (blk + sizeof(ggml_fp16_t));
+            const float * xb = x + b * QK;
+            // LANES independent sums: a float reduction in one chain does not vectorize
+            float lane[LANES] = {};
+            for (int i = 0; i < QK; i += LANES) {
+                for (int l = 0; l < LANES; ++l) {
+                    lane[l] += (float) q[i + l] * xb[i + l];
+                }
+            }
+            float block_sum = 0.0f;
+            for (int l = 0; l < LANES; ++l) {
+                block_sum += lane[l];
+            }
+            sum += ggml_fp16_to_fp32(d16) * block_sum;
         }
-        out.push_back({ proj, (uint64_t) i * row_bytes, (uint64_t) j * row_bytes });
-        i = j;
+        out[f] = sum;
     }
 }
 
-void neuron_down_q8_0(const void * w, uint64_t row_stride, int n_ff, const float * act, float * out,
-                      int64_t b0, int64_t b1) {
-    // ggml's block_q8_0: an f16 scale, then 32 signed bytes
-    constexpr int QK = 32;
-    constexpr size_t BLOCK = sizeof(ggml_fp16_t) + QK;
+void neuron_down_q8_0(const uint8_t * base, uint64_t page_bytes, const int32_t * pages, int n_ff, const float * act,
+                      float * out, int64_t b0, int64_t b1) {
     memset(out + b0 * QK, 0, (size_t) (b1 - b0) * QK * sizeof(float));
     for (int f = 0; f < n_ff; ++f) {
         const float a = act[f];
@@ -50,7 +71,10 @@ void neuron_down_q8_0(const void * w, uint64_t row_stride, int n_ff, const float
         if (!(a > 0.0f || a < 0.0f)) {
             continue;
         }
-        const uint8_t * row = (const uint8_t *) w + (size_t) f * row_stride;
+        if (pages[f] < 0) {
+            continue; // never kept, never read (the fetch reads every kept row)
+        }
+        const uint8_t * row = base + (size_t) pages[f] * page_bytes;
         for (int64_t b = b0; b < b1; ++b) {
             const uint8_t * blk = row + (size_t) b * BLOCK;
             ggml_fp16_t d16;

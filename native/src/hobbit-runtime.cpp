@@ -145,7 +145,7 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     }
 
     // neuron-granular reads (hobbit_params checked the threshold and the one level): the high level is
-    // a neuron layout whose down projections the runtime's own kernel multiplies (Q8_0 rows)
+    // a neuron layout (up and down bundled by neuron) whose rows the runtime's own kernels multiply (Q8_0)
     neuron_reads = params.neuron_reads;
     if (neuron_reads) {
         if (!high || !high->neuron_layout) {
@@ -155,9 +155,9 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         for (int il : moe_layers) {
             const expert_layer_layout & l = high->layers[il];
             if (!l.proj[LLAMA_MOE_PROJ_GATE].present || !l.proj[LLAMA_MOE_PROJ_UP].present ||
-                l.proj[LLAMA_MOE_PROJ_DOWN].type != GGML_TYPE_Q8_0) {
+                l.proj[LLAMA_MOE_PROJ_UP].type != GGML_TYPE_Q8_0) {
                 throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, high->path + ": layer " + std::to_string(il) + " needs separate "
-                    "gate and up projections and a Q8_0 down projection for neuron-granular reads");
+                    "gate and up projections, up and down bundled in Q8_0, for neuron-granular reads");
             }
         }
     }
@@ -248,24 +248,38 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         const expert_index & li = level_index(l);
         // Fate's pool per layer holds the precision decode serves (the highest); a lower one
         // (the low copies of a prompt's least popular experts) is one pool shared by every layer
-        const std::vector<pool_plan_group> plan = params.shallow_layers >= 0 && l == 0
+        std::vector<pool_plan_group> plan = params.shallow_layers >= 0 && l == 0
             ? pool_plan_make_per_layer(li, budgets[l], params.shallow_layers) : pool_plan_make(li, budgets[l]);
-        for (const pool_plan_group & g : plan) {
+        for (pool_plan_group & g : plan) {
+            const expert_layer_layout & shape = li.layers[g.layers.front()];
             pool_group pg;
             pg.level        = l;
-            pg.type         = li.layers[g.layers.front()].proj[LLAMA_MOE_PROJ_DOWN].type;
+            pg.type         = shape.proj[neuron_reads ? LLAMA_MOE_PROJ_UP : LLAMA_MOE_PROJ_DOWN].type; // a neuron layout's up holds down
             pg.expert_bytes = g.expert_bytes;
-            pg.pool   = std::make_unique<expert_pool>(li.layers[g.layers.front()], info.n_layer, info.n_expert, info.n_expert_used,
-                                                      g.n_slot, pool_dev, /*plain*/ neuron_reads);
-            pg.held.assign(g.n_slot, neuron_bits());
-            pg.held_owner.assign(g.n_slot, -1);
+            int64_t bytes   = g.n_slot * g.expert_bytes;
+            if (neuron_reads) {
+                // the group's bytes, shared by gate slots and the pages of the row cache
+                const int n_ff = (int) shape.proj[LLAMA_MOE_PROJ_GATE].ne[1];
+                const uint64_t row_bytes = shape.proj[LLAMA_MOE_PROJ_UP].n_bytes / (2 * n_ff); // up holds down too
+                int64_t n_page = 0;
+                if (!neuron_rows_split(bytes, (int64_t) shape.proj[LLAMA_MOE_PROJ_GATE].n_bytes, n_ff, row_bytes,
+                                       std::min(g.n_slot, info.n_expert_used), (int) g.layers.size() * info.n_expert,
+                                       g.n_slot, n_page)) {
+                    throw hobbit_error(HOBBIT_STATUS_ERROR_INTERNAL, "the pool plan left less than one token's experts");
+                }
+                pg.rows = std::make_unique<neuron_row_cache>(n_ff, row_bytes, n_page);
+                pg.expert_bytes = (int64_t) shape.proj[LLAMA_MOE_PROJ_GATE].n_bytes; // a slot's
+                bytes = g.n_slot * pg.expert_bytes + pg.rows->bytes();
+            }
+            pg.pool   = std::make_unique<expert_pool>(shape, info.n_layer, info.n_expert, info.n_expert_used,
+                                                      g.n_slot, pool_dev, /*gate_only*/ neuron_reads);
             pg.policy = cache_policy_make(policy_kind, g.n_slot, info.n_layer, info.n_expert, weights, params.seed,
                                           popularity.empty() ? nullptr : popularity.data());
             pg.n_layer = (int) g.layers.size();
             for (int il : g.layers) {
                 pool_of[l][il] = (int) pools.size();
             }
-            stats_.pool_bytes += g.n_slot * g.expert_bytes;
+            stats_.pool_bytes += bytes;
             n_slot_total += g.n_slot;
             pools.push_back(std::move(pg));
         }
@@ -366,8 +380,10 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         if (neuron_reads) {
             lo.neuron_fetch    = &hobbit_runtime::neuron_fetch_op;
             lo.neuron_fetch_ud = lo.dispatch_ud[0];
+            lo.neuron_up       = &hobbit_runtime::neuron_up_op;
+            lo.neuron_up_ud    = this;
             lo.neuron_down     = &hobbit_runtime::neuron_down_op;
-            lo.neuron_down_ud  = nullptr;
+            lo.neuron_down_ud  = this;
         }
     }
     offload_desc.n_layer  = info.n_layer;
@@ -531,23 +547,51 @@ void hobbit_runtime::neuron_fetch_op(ggml_tensor * dst, int ith, int nth, void *
     d->rt->fetch_neurons(dst, d->il);
 }
 
+// the pair (k, t) of a pass: its pages, or nullptr when it is not in the pass
+static const int32_t * pair_pages(const std::vector<const int32_t *> & pages, int64_t n_used, int64_t k, int64_t t) {
+    const size_t i = (size_t) (t * n_used + k);
+    return i < pages.size() ? pages[i] : nullptr;
+}
+
+void hobbit_runtime::neuron_up_op(ggml_tensor * dst, int ith, int nth, void * ud) {
+    const auto * rt = (const hobbit_runtime *) ud;
+    const ggml_tensor * x    = dst->src[0]; // [n_embd, 1 or n_expert_used, n_tokens]
+    const ggml_tensor * keep = dst->src[1]; // [n_ff, n_expert_used, n_tokens]
+    const neuron_row_cache & rows = *rt->pass_rows;
+    const int n_ff = (int) dst->ne[0];
+    // each thread its share of the neurons, for every pair
+    const int f0 = (int) ((int64_t) n_ff * ith / nth), f1 = (int) ((int64_t) n_ff * (ith + 1) / nth);
+    for (int64_t t = 0; t < dst->ne[2]; ++t) {
+        for (int64_t k = 0; k < dst->ne[1]; ++k) {
+            float * out = (float *) ((char *) dst->data + k * dst->nb[1] + t * dst->nb[2]);
+            const int32_t * pages = pair_pages(rt->pass_pages, dst->ne[1], k, t);
+            if (pages == nullptr) {
+                std::fill(out + f0, out + f1, 0.0f);
+                continue;
+            }
+            const float * xk = (const float *) ((const char *) x->data + (x->ne[1] == 1 ? 0 : k) * x->nb[1] + t * x->nb[2]);
+            neuron_up_q8_0(rows.row(0, 0), rows.page_bytes(), pages, (int) x->ne[0], xk,
+                           (const float *) ((const char *) keep->data + k * keep->nb[1] + t * keep->nb[2]), out, f0, f1);
+        }
+    }
+}
+
 void hobbit_runtime::neuron_down_op(ggml_tensor * dst, int ith, int nth, void * ud) {
-    (void) ud;
+    const auto * rt = (const hobbit_runtime *) ud;
     const ggml_tensor * act = dst->src[0]; // [n_ff, n_expert_used, n_tokens]
-    const ggml_tensor * w   = dst->src[1]; // [n_embd, n_ff, n_slot], Q8_0: a neuron per row
-    const ggml_tensor * ids = dst->src[2]; // [n_expert_used, n_tokens]: slot or -1
-    const int64_t n_block = w->ne[0] / 32;
+    const neuron_row_cache & rows = *rt->pass_rows;
+    const int64_t n_block = dst->ne[0] / 32;
     // each thread its share of the output's blocks, for every pair
     const int64_t b0 = n_block * ith / nth, b1 = n_block * (ith + 1) / nth;
     for (int64_t t = 0; t < act->ne[2]; ++t) {
         for (int64_t k = 0; k < act->ne[1]; ++k) {
-            const int32_t s = *(const int32_t *) ((const char *) ids->data + k * ids->nb[0] + t * ids->nb[1]);
             float * out = (float *) ((char *) dst->data + k * dst->nb[1] + t * dst->nb[2]);
-            if (s < 0) {
+            const int32_t * pages = pair_pages(rt->pass_pages, act->ne[1], k, t);
+            if (pages == nullptr) {
                 memset(out + b0 * 32, 0, (size_t) (b1 - b0) * 32 * sizeof(float));
                 continue;
             }
-            neuron_down_q8_0((const char *) w->data + (size_t) s * w->nb[2], w->nb[1], (int) w->ne[1],
+            neuron_down_q8_0(rows.row(1, 0), rows.page_bytes(), pages, (int) act->ne[0],
                              (const float *) ((const char *) act->data + k * act->nb[1] + t * act->nb[2]), out, b0, b1);
         }
     }
@@ -562,7 +606,9 @@ void hobbit_runtime::fetch_neurons(ggml_tensor * dst, int il) {
     std::unique_lock<std::mutex> lock(mtx);
     const int p = pool_of[0][il];
     pool_group & pg = pools[p];
-    std::map<int, neuron_bits> need; // slot -> the union of its pairs' kept neurons
+    neuron_row_cache & rows = *pg.rows;
+    std::map<int64_t, neuron_bits> need;                       // owner (layer * n_expert + expert) -> the union of its pairs' kept neurons
+    std::vector<int64_t> pair_owner(gate->ne[1] * gate->ne[2], -1); // token-major
     neuron_bits keep;
     for (int64_t t = 0; t < gate->ne[2]; ++t) {
         for (int64_t k = 0; k < gate->ne[1]; ++k) {
@@ -581,36 +627,43 @@ void hobbit_runtime::fetch_neurons(ggml_tensor * dst, int il) {
             stats_.neuron_selections++;
             stats_.neuron_whole += whole;
             stats_.neuron_kept  += (double) kept / n_ff;
-            auto it = need.find(s);
+            const pool_slot & slot = pg.pool->slots[s];
+            const int64_t owner = (int64_t) slot.layer * index.info.n_expert + slot.expert;
+            pair_owner[t * gate->ne[1] + k] = owner;
+            auto it = need.find(owner);
             if (it == need.end()) {
-                need.emplace(s, keep);
+                need.emplace(owner, keep);
             } else {
                 join(it->second, keep);
             }
         }
     }
-    // read what each slot lacks: its rows belong to the expert it last read rows for
+    // read the rows the pass's experts lack, making room from the least recently used others
+    neuron_rows_plan plan;
+    if (!rows.plan_rows(need, plan)) {
+        // the waves hold no more experts than the pages can hold whole (layer_capacity)
+        fail("neuron reads: a pass of layer " + std::to_string(il) + " needs more rows than the neuron row cache's " +
+             std::to_string(rows.n_page()) + " pages");
+        return;
+    }
+    std::vector<neuron_row_run> runs;
+    rows.apply_rows(plan, runs);
+    pass_rows = &rows;
+    pass_pages.assign(pair_owner.size(), nullptr);
+    for (size_t i = 0; i < pair_owner.size(); ++i) {
+        pass_pages[i] = pair_owner[i] < 0 ? nullptr : rows.pages(pair_owner[i]);
+    }
+    // a run of neurons is one read: the layout bundles each neuron's up row and down column, as a page does
+    const uint64_t page_bytes = rows.page_bytes();
     std::vector<load_task> loads;
-    for (auto & [s, rows] : need) {
-        const pool_slot & slot = pg.pool->slots[s];
-        const int64_t owner = (int64_t) slot.layer * index.info.n_expert + slot.expert;
-        if (pg.held_owner[s] != owner || pg.held[s].size() != n_ff) {
-            pg.held[s] = neuron_bits(n_ff);
-            pg.held_owner[s] = owner;
+    for (const neuron_row_run & run : runs) {
+        const int e = (int) (run.owner % index.info.n_expert);
+        if (loads.empty() || loads.back().expert != e) {
+            loads.push_back({ p, 0, pg.pool->find(il, e), il, e, /*prefetch*/ false, {}, {}, {} });
         }
-        const neuron_bits missing = minus(rows, pg.held[s]);
-        if (missing.count() == 0) {
-            continue;
-        }
-        load_task task = { p, 0, s, slot.layer, slot.expert, /*prefetch*/ false, {}, {}, {} };
-        pg.pool->slot_targets(s, task.dst, task.view);
-        const expert_layer_layout & layout = high->layers[slot.layer];
-        for (int proj : { LLAMA_MOE_PROJ_UP, LLAMA_MOE_PROJ_DOWN }) {
-            neuron_ranges(missing, proj, layout.proj[proj].n_bytes / n_ff, task.ranges);
-        }
-        stats_.neuron_reads += (int64_t) task.ranges.size();
-        join(pg.held[s], missing); // a failed read fails the run
-        loads.push_back(std::move(task));
+        loads.back().ranges.push_back({ LLAMA_MOE_PROJ_UP, (uint64_t) run.first * page_bytes,
+                                        (uint64_t) (run.first + run.count) * page_bytes, rows.row(0, run.first_page) });
+        stats_.neuron_reads++;
     }
     if (loads.empty()) {
         stats_.dispatch_us += now_us() - t_enter;
@@ -636,6 +689,11 @@ int hobbit_runtime::layer_capacity(int il) const {
     int n = 0;
     for (int l = 0; l < n_level; ++l) {
         n += pools[pool_of[l][il]].pool->n_slot();
+    }
+    if (neuron_reads) {
+        // a wave's experts need their kept rows at once: no more than the pages hold whole
+        const neuron_row_cache & rows = *pools[pool_of[0][il]].rows;
+        n = (int) std::min<int64_t>(n, rows.n_page() / rows.n_ff());
     }
     return n;
 }
@@ -711,13 +769,7 @@ int hobbit_runtime::find_cached(int il, int e, int & level) const {
 load_task hobbit_runtime::slot_load(int p, int s, int il, int e, bool prefetch) const {
     load_task task = { p, pools[p].level, s, il, e, prefetch, {}, {}, {} };
     pools[p].pool->slot_targets(s, task.dst, task.view);
-    if (neuron_reads) {
-        // W1 first: the rows of up and down follow once the gate's activations say which (fetch_neurons)
-        for (int proj = 0; proj < LLAMA_MOE_PROJ_COUNT; ++proj) {
-            task.dst[proj] = proj == LLAMA_MOE_PROJ_GATE ? task.dst[proj] : nullptr;
-        }
-    }
-    return task;
+    return task; // with neuron reads the pool holds the gate alone: the rows follow once its activations say which
 }
 
 int hobbit_runtime::queue_background_load(int p, int il, int e, bool prefetch, std::vector<load_task> & loads) {
@@ -1032,12 +1084,22 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
               return sel.want[e] != skip && !(sel.share_low[e] && room[n_level - 1] > 0) && in_place_serves(e);
           })
         : std::vector<bool>();
+    // neuron reads: a wave holds no more experts than the row cache's pages hold whole (its
+    // experts' kept rows are read at once); n_waves counted on as many
+    const int64_t wave_room = neuron_reads ? layer_capacity(il) : INT64_MAX;
+    int64_t n_in_wave = 0;
     for (int e : order) {
         if (served[e]) {
             continue;
         }
         expert_choice c;
         c.expert = e;
+        if (n_in_wave >= wave_room && !plan.last) {
+            c.how = serve_as::later;
+            n_later++;
+            plan.choices.push_back(c);
+            continue;
+        }
         c.slot = skipped_even_cached(e) ? -1 : lookup(il, e, sel.want[e], exact_for(sel, e), c.level);
         if (c.slot >= 0) {
             c.how = serve_as::hit;
@@ -1077,6 +1139,7 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
                   : plan.last ? serve_as::wait : serve_as::later;
             n_later += c.how == serve_as::later;
         }
+        n_in_wave += c.how == serve_as::hit || c.how == serve_as::load || c.how == serve_as::wait;
         plan.choices.push_back(c);
     }
     return plan;
@@ -1407,6 +1470,9 @@ int64_t hobbit_runtime::used_pool_bytes() const {
     int64_t n = 0;
     for (const auto & pg : pools) {
         n += pg.pool->n_used() * pg.expert_bytes;
+        if (pg.rows) {
+            n += (pg.rows->n_page() - pg.rows->n_free()) * 2 * (int64_t) pg.rows->row_bytes();
+        }
     }
     return n;
 }

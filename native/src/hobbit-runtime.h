@@ -12,6 +12,7 @@
 #include "hobbit-io-scheduler.h"
 #include "hobbit-mapping-guard.h"
 #include "hobbit-neuron-cache.h"
+#include "hobbit-neuron-rows.h"
 #include "hobbit-pool-plan.h"
 #include "hobbit-precision-scorer.h"
 #include "hobbit-predictor.h"
@@ -67,10 +68,12 @@ private:
     // CORM's neuron mask of a pass: what it kept, counted (args: kept share per pair, dispatch ids)
     static void    neuron_count_op(ggml_tensor * dst, int ith, int nth, void * ud);
     // neuron-granular reads (hobbit-neuron-reads.h): after the gate projection, the rows of up and
-    // down its activations keep are read into the pass's slots (args: gate pre-activation, dispatch
-    // ids; dst: the keep mask); the down projection over the kept neurons (args: activation, the
-    // pool's transposed down, slot ids)
+    // down its activations keep are read into the neuron row cache (args: gate pre-activation,
+    // dispatch ids; dst: the keep mask); the up projection over the kept neurons (args: the
+    // experts' input, the keep mask, slot ids) and the down projection (args: activation, slot ids)
+    // over the rows the fetch left in pass_pages
     static void    neuron_fetch_op(ggml_tensor * dst, int ith, int nth, void * ud);
+    static void    neuron_up_op(ggml_tensor * dst, int ith, int nth, void * ud);
     static void    neuron_down_op(ggml_tensor * dst, int ith, int nth, void * ud);
     void fetch_neurons(ggml_tensor * dst, int il); // blocks until the rows are read
     // a load of expert e of layer il into slot s of pool p (with neuron reads its gate projection only)
@@ -179,10 +182,9 @@ private:
         int64_t expert_bytes = 0;
         int     n_layer = 0;                    // MoE layers served
         int64_t hits = 0, misses = 0, bytes_read = 0;
-        // neuron reads: the rows of up and down each slot holds, and whose (layer * n_expert +
-        // expert; loads of the gate projection leave them as they are)
-        std::vector<neuron_bits> held;
-        std::vector<int64_t>     held_owner;
+        // neuron reads: the rows of up and down read for the experts of these layers (the pool
+        // holds their gate projections)
+        std::unique_ptr<neuron_row_cache> rows;
     };
     ggml_backend_dev_t              pool_dev = nullptr; // where the pools live (expert_pool_device)
     std::vector<pool_group>         pools;
@@ -214,6 +216,10 @@ private:
     int                     n_waiting = 0;
     bool                    neuron_reads = false; // params.neuron_reads, checked
     int                     rows_pending = 0;     // neuron row loads submitted and not done
+    // the last fetch's pass: the row cache and each pair's pages (token-major, nullptr: not in the
+    // pass), read by the up and down ops that follow it in the graph
+    const neuron_row_cache *       pass_rows = nullptr;
+    std::vector<const int32_t *>   pass_pages;
     int                     last_dispatch_il = -1; // layer of the latest dispatch
     int                     last_moe_layer   = -1; // after its dispatch the graph is about to end
     int                     sweep_rank       = -1; // a prompt's wide ubatch: the MoE rank of the layer it is at

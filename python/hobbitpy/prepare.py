@@ -13,10 +13,13 @@ its columns by it, as llama-quantize does, and the lowest-bit types (IQ2_*, IQ1_
 available.
 
 With `neuron_layout` the companion serves CORM's neuron-granular reads instead: every expert
-tensor in Q8_0 (the model's own Q8_0 blocks come out unchanged), the down projection stored
-transposed, [n_embd, n_ff, n_expert], so that a neuron's column of W2 is one row of
-self-contained blocks (CORM quantizes per neuron for the same reason); that re-quantization
-is the layout's only loss.
+tensor in Q8_0 (the model's own Q8_0 blocks come out unchanged), the down projection
+transposed so that a neuron's column of W2 is one row of self-contained blocks (CORM
+quantizes per neuron for the same reason; that re-quantization is the layout's only loss),
+and that row stored right after the neuron's row of W3: the up tensor holds both,
+[n_embd, 2 x n_ff, n_expert], row 2f neuron f's up row and row 2f + 1 its down column, and
+there is no down tensor. A run of neurons is then one read of both projections (CORM's
+neuron bundle), half the requests of two tensors; small requests are what disks are slow at.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ KEY_IMATRIX = "hobbitpy.companion.imatrix"  # the importance matrix's file name,
 KEY_FALLBACKS = "hobbitpy.companion.fallbacks"
 """One "tensor=TYPE" string per tensor written in another type than KEY_TYPE; absent if none."""
 KEY_OF_FINGERPRINT = "hobbitpy.companion.of_fingerprint"  # the runtime checks it (hobbit-expert-store.cpp)
-KEY_NEURON_LAYOUT = "hobbitpy.companion.neuron_layout"  # down stored transposed (expert_index::neuron_layout)
+KEY_NEURON_LAYOUT = "hobbitpy.companion.neuron_layout"  # up and down bundled by neuron (expert_index::neuron_layout)
 NEURON_LAYOUT_TYPE = "Q8_0"  # the type the runtime's sparse down kernel reads
 
 # the quantized types ggml_quantize_chunk handles (ggml.c), where this gguf package knows them
@@ -129,7 +132,7 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
     the model's experts (needed by IQ2_*/IQ1_* types, used by any type when given).
     Raises ModelFileError (a file is missing, not a GGUF, split, without experts, or the
     source is another model), ValueError (type, threads, output folder), FileExistsError.
-    neuron_layout: the layout of CORM's neuron reads (type Q8_0, down transposed; see the module).
+    neuron_layout: the layout of CORM's neuron reads (type Q8_0, up and down bundled by neuron; see the module).
     """
     if neuron_layout and (type_name.upper() != NEURON_LAYOUT_TYPE or imatrix_path is not None):
         raise ValueError(f"a neuron layout is {NEURON_LAYOUT_TYPE}, without an importance matrix")
@@ -150,20 +153,29 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
         source = _open_model(source_path)
         _check_same_model(model_path, model, source_path, source)
     source_tensors = {t.name: t for t in source.tensors}
-    plan = []  # (source tensor, ggml shape written, type written)
+    plan = []  # (source tensor, ggml shape written, type written, the down tensor bundled with it or None)
     for t in model.tensors:
         if t.name.endswith(EXPERT_SUFFIXES):
             shape = [int(n) for n in t.shape]  # ggml order: row length first
+            down = None
             if neuron_layout and t.name.endswith(".ffn_gate_up_exps.weight"):
                 raise ModelFileError(f"{model_path}: '{t.name}' merges gate and up; a neuron layout needs them apart")
             if neuron_layout and _is_down(t.name):
-                shape = [shape[1], shape[0], *shape[2:]]  # a neuron per row
+                continue  # bundled with up
+            if neuron_layout and t.name.endswith(".ffn_up_exps.weight"):
+                down = source_tensors.get(t.name.replace(".ffn_up_exps.", ".ffn_down_exps."))
+                if down is None or [int(n) for n in down.shape] != [shape[1], shape[0], *shape[2:]]:
+                    raise ModelFileError(f"{model_path}: '{t.name}' has no down projection of the transposed shape "
+                                         "beside it; a neuron layout bundles the two")
+                shape = [shape[0], 2 * shape[1], *shape[2:]]  # a neuron's up row, then its down column
             row_type = _row_type(qtype, shape[0], t.name, model_path)
             if neuron_layout and row_type != qtype:
                 raise ModelFileError(f"{model_path}: '{t.name}' has rows of {shape[0]}, not whole {qtype.name} blocks")
-            plan.append((source_tensors[t.name], shape, row_type))
-    for source_tensor, _, _ in plan:
-        _check_readable(source_tensor, source_path)
+            plan.append((source_tensors[t.name], shape, row_type, down))
+    for source_tensor, _, _, down in plan:
+        for tensor in (source_tensor, down):
+            if tensor is not None:
+                _check_readable(tensor, source_path)
     importance = _importance_of(imatrix_path, plan) if imatrix_path is not None else {}
 
     # an interrupted run leaves no file under the real name; a fresh name, so that nothing
@@ -178,12 +190,12 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
         writer.add_string(KEY_OF_FINGERPRINT, model_fingerprint(model_path))
         writer.add_string(KEY_SOURCE, source_path.name)
         writer.add_string(KEY_TYPE, qtype.name)
-        writer.add_array(KEY_FALLBACKS, [f"{t.name}={row_type.name}" for t, _, row_type in plan if row_type != qtype])
+        writer.add_array(KEY_FALLBACKS, [f"{t.name}={row_type.name}" for t, _, row_type, _ in plan if row_type != qtype])
         if neuron_layout:
             writer.add_bool(KEY_NEURON_LAYOUT, True)
         if imatrix_path is not None:
             writer.add_string(KEY_IMATRIX, pathlib.Path(imatrix_path).name)
-        for t, shape, row_type in plan:
+        for t, shape, row_type, _ in plan:
             row_bytes = lib.ggml_row_size(row_type, shape[0])
             # numpy order with the row in bytes; GGUFWriter turns it back into elements
             writer.add_tensor_info(t.name, [*reversed(shape[1:]), row_bytes], np.dtype(np.uint8),
@@ -191,15 +203,18 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for row_type in {row_type for _, _, row_type in plan}:
+        for row_type in {row_type for _, _, row_type, _ in plan}:
             lib.ggml_quantize_init(row_type)
-        total = sum(int(t.n_bytes) for t, _, _ in plan)
+        total = sum(int(t.n_bytes) + (int(down.n_bytes) if down is not None else 0) for t, _, _, down in plan)
         with (ThreadPoolExecutor(threads) as pool,
               tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
                    desc=f"{qtype.name} experts") as bar):
-            for t, shape, row_type in plan:
-                if neuron_layout and _is_down(t.name):
-                    writer.write_tensor_data(_quantize_transposed(t, shape, row_type, pool, bar.update, source_path))
+            for t, shape, row_type, down in plan:
+                if down is not None:
+                    up_rows = _quantize(t, shape[0], row_type, pool, bar.update, source_path)
+                    down_rows = _quantize_transposed(down, shape[0], row_type, pool, bar.update, source_path)
+                    bundled = np.stack([up_rows.reshape(down_rows.shape), down_rows], axis=2)  # [expert, neuron, up|down, row]
+                    writer.write_tensor_data(bundled.reshape(-1, bundled.shape[-1]))
                 else:
                     writer.write_tensor_data(_quantize(t, shape[0], row_type, pool, bar.update, source_path,
                                                        importance.get(t.name)))
@@ -328,11 +343,12 @@ def _is_down(name: str) -> bool:
     return name.endswith(".ffn_down_exps.weight")
 
 
-def _quantize_transposed(t, shape: list[int], row_type: QT, pool: ThreadPoolExecutor, on_bytes_read,
+def _quantize_transposed(t, n_embd: int, row_type: QT, pool: ThreadPoolExecutor, on_bytes_read,
                          source_path) -> np.ndarray:
     """Stacked experts `t` ([n_ff, n_embd, n_expert] in ggml order) with each expert's matrix
-    transposed, [n_embd, n_ff]: row f is neuron f's column, quantized by itself in row_type."""
-    n_embd, n_ff = shape[0], shape[1]
+    transposed, [n_embd, n_ff]: row f is neuron f's column, quantized by itself in row_type;
+    [n_expert, n_ff, row bytes]."""
+    n_ff = int(t.shape[0])
     experts = np.asarray(t.data).reshape(-1, n_embd, t.data.shape[-1])  # one expert's rows each
     row_bytes = lib.ggml_row_size(row_type, n_embd)
     quantized = np.empty((experts.shape[0], n_ff, row_bytes), np.uint8)
