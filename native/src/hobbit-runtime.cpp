@@ -609,6 +609,8 @@ void hobbit_runtime::fetch_neurons(ggml_tensor * dst, int il) {
     neuron_row_cache & rows = *pg.rows;
     std::map<int64_t, neuron_bits> need;                       // owner (layer * n_expert + expert) -> the union of its pairs' kept neurons
     std::vector<int64_t> pair_owner(gate->ne[1] * gate->ne[2], -1); // token-major
+    pass_rows = &rows;
+    pass_pages.assign(pair_owner.size(), nullptr); // a failed fetch leaves the up and down ops zero rows
     neuron_bits keep;
     for (int64_t t = 0; t < gate->ne[2]; ++t) {
         for (int64_t k = 0; k < gate->ne[1]; ++k) {
@@ -648,8 +650,6 @@ void hobbit_runtime::fetch_neurons(ggml_tensor * dst, int il) {
     }
     std::vector<neuron_row_run> runs;
     rows.apply_rows(plan, runs);
-    pass_rows = &rows;
-    pass_pages.assign(pair_owner.size(), nullptr);
     for (size_t i = 0; i < pair_owner.size(); ++i) {
         pass_pages[i] = pair_owner[i] < 0 ? nullptr : rows.pages(pair_owner[i]);
     }

@@ -143,9 +143,10 @@ class OffloadConfig:
                                  flag="--neuron-limit", metavar="SHARE", profile=True)
     neuron_layout: str | None = option(
         None, "with --neurons: read the experts neuron by neuron from this companion (`hobbitpy prepare "
-              "--neuron-layout`: down stored transposed, a neuron per row; lossy, down re-quantized per neuron): "
-              "each expert's gate projection whole, then only the rows of up and down whose |SiLU| reaches THETA, "
-              "in every MoE layer (W1 first, no prediction); a cached expert reads only the neurons it lacks",
+              "--neuron-layout`: down stored transposed, each neuron's down row after its up row; lossy, down "
+              "re-quantized per neuron): each expert's gate projection whole, then only the neurons whose |SiLU| "
+              "reaches THETA, in every MoE layer (W1 first, no prediction), a run of neurons one read; the cache "
+              "keeps the rows read, its budget counting rows, and an expert reads only the neurons it lacks",
         flag="--neuron-layout", metavar="PATH", profile=True, default_text="none: whole experts")
     direct_io: bool = option(True, "read experts through the page cache instead of with O_DIRECT (O_DIRECT avoids "
                                    "caching them twice)", flag="--no-direct-io", negate=True)

@@ -63,10 +63,11 @@ PRESETS: dict[str, Preset] = {
                    "CORM: a selected expert's neurons whose |SiLU(W1 x')| is below 0.25 (its θ for Mixtral, Fig. 10) "
                    "add nothing, x' the previous MoE layer's input (its prediction one layer ahead through the "
                    "layer's own W1, §4.2), the whole expert above 75 % kept (Fig. 9); the next layer's experts "
-                   "predicted by its gate on this layer's input and prefetched (§4.2). Lossy. Not built: "
-                   "neuron-granular reads, the neuron cache and sparse kernels (experts are read and multiplied "
-                   "whole: on a page-read tier a neuron of our models is 1/15 of a page, docs/BENCHMARKS.md, CORM); "
-                   "its expert-granularity mixed quantization is --placed TRACE --low Q2_K (by gate weight, not by "
+                   "predicted by its gate on this layer's input and prefetched (§4.2). Lossy. Experts are read and "
+                   "multiplied whole unless --neuron-layout FILE (`prepare --neuron-layout`) is given too: then "
+                   "neuron by neuron, W1 first (the gate whole, then the kept neurons' rows, exact activations "
+                   "instead of the prediction), into a neuron cache whose budget counts rows (§3.5); its "
+                   "expert-granularity mixed quantization is --placed TRACE --low Q2_K (by gate weight, not by "
                    "frequency)"),
 }
 
