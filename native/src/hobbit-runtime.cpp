@@ -250,6 +250,10 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         // (the low copies of a prompt's least popular experts) is one pool shared by every layer
         std::vector<pool_plan_group> plan = params.shallow_layers >= 0 && l == 0
             ? pool_plan_make_per_layer(li, budgets[l], params.shallow_layers) : pool_plan_make(li, budgets[l]);
+        int64_t planned = 0; // the bytes of the plan's whole slots: what a budget of rows shares out, with the rest
+        for (const pool_plan_group & g : plan) {
+            planned += g.n_slot * g.expert_bytes;
+        }
         for (pool_plan_group & g : plan) {
             const expert_layer_layout & shape = li.layers[g.layers.front()];
             pool_group pg;
@@ -258,7 +262,9 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
             pg.expert_bytes = g.expert_bytes;
             int64_t bytes   = g.n_slot * g.expert_bytes;
             if (neuron_reads) {
-                // the group's bytes, shared by gate slots and the pages of the row cache
+                // the group's bytes, its share of what whole slots left over too (rows are smaller
+                // than experts), shared by gate slots and the pages of the row cache
+                bytes += planned > 0 ? (int64_t) ((double) (budgets[l] - planned) * (double) bytes / (double) planned) : 0;
                 const int n_ff = (int) shape.proj[LLAMA_MOE_PROJ_GATE].ne[1];
                 const uint64_t row_bytes = shape.proj[LLAMA_MOE_PROJ_UP].n_bytes / (2 * n_ff); // up holds down too
                 int64_t n_page = 0;
