@@ -738,7 +738,8 @@ def _add_prepare_parser(sub) -> None:
                         "IQ2_S, IQ1_S, IQ1_M")
     p.add_argument("--neuron-layout", action="store_true",
                    help="write only the layout of CORM's neuron-granular reads instead (MODEL.neurons-Q8_0.gguf: the "
-                        "experts in Q8_0, down transposed, a neuron per row), for run --neurons THETA --neuron-layout")
+                        "experts in Q8_0, down transposed, each neuron's down row after its up row), for run --neurons THETA "
+                        "--neuron-layout")
     p.set_defaults(func=_prepare)
 
 
