@@ -78,16 +78,19 @@ def _with_float_experts(path, out):
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt-oss"])
-def test_theta_zero_reads_every_neuron_and_computes_the_experts(model_dir, arch):
+@pytest.mark.parametrize("arch,budget", [("llama", "half"), ("gpt-oss", "half"), ("llama", "minimum")])
+def test_theta_zero_reads_every_neuron_and_computes_the_experts(model_dir, arch, budget):
     """Every neuron read and kept, down through the runtime's kernel: about as close to the
     experts' exact product (their F32 twin on stock) as stock's own Q8_0 kernels come, which
-    quantize the activations (the layout's re-quantized down adds its own rounding)."""
+    quantize the activations (the layout's re-quantized down adds its own rounding). At the
+    minimum budget the row cache holds one token's experts whole: the prompt runs in waves
+    no larger than that."""
     path = tiny_model(model_dir, arch)
     layout = _layout(model_dir, path)
     ref_scores, _, _, info = reference(path)
     exact_scores = reference(_with_float_experts(path, model_dir / f"{path.stem}-f32-experts.gguf"))[0]
-    config = hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total / 2 / MB, neurons=0.0, neuron_layout=str(layout))
+    cache = info.expert_bytes_total / 2 if budget == "half" else info.min_budget_bytes
+    config = hobbitpy.OffloadConfig(cache_mb=cache / MB, neurons=0.0, neuron_layout=str(layout))
     scores, _, stats, _ = run_logits(path, config)
     assert stats["expert_misses"] > 0 and stats["neuron_reads"] > 0
     assert stats["neuron_selections"] > 0 and stats["neuron_whole"] == stats["neuron_selections"]
