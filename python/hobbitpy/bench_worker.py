@@ -104,6 +104,9 @@ def run(spec: dict) -> dict:
             pools = llm.pool_stats()
             level_bytes = [max((p["expert_bytes"] for p in pools if p["level"] == l), default=0)
                            for l in range(stats["n_level"])]
+            if stats["neuron_reads"] and stats["neuron_selections"]:
+                # neuron reads: a slot holds the gate projection; up and down, its size each, stream their kept rows
+                level_bytes[0] *= 1 + 2 * stats["neuron_kept"] / stats["neuron_selections"]
             r["served_expert_bytes_per_token"] = sum(n * b for n, b in zip(stats["served"], level_bytes)) / n_steps
         # what the decode did not spend waiting for expert loads
         r["compute_ms_per_token"] = (decode_s * 1000.0 - stats["stall_us"] / 1000.0) / n_steps if stats else None
