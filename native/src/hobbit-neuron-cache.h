@@ -25,6 +25,7 @@ struct neuron_bits {
     int  size() const { return n; }
     bool test(int i) const { return (words[i >> 6] >> (i & 63)) & 1; }
     void set(int i) { words[i >> 6] |= uint64_t(1) << (i & 63); }
+    void reset(int i) { words[i >> 6] &= ~(uint64_t(1) << (i & 63)); }
     int  count() const;
     // runs of consecutive set neurons: the read requests a coalescing reader issues
     int  runs() const;

@@ -45,8 +45,8 @@ bool neuron_row_cache::plan_rows(const std::map<int64_t, neuron_bits> & need, ne
         const auto it = entries.find(owner);
         if (it != entries.end()) {
             for (int f = 0; f < n_ff_; ++f) {
-                if (it->second.page[f] >= 0 && missing.test(f)) {
-                    missing.words[f >> 6] &= ~(uint64_t(1) << (f & 63));
+                if (it->second.page[f] >= 0) {
+                    missing.reset(f);
                 }
             }
         }

@@ -1477,7 +1477,7 @@ int64_t hobbit_runtime::used_pool_bytes() const {
     for (const auto & pg : pools) {
         n += pg.pool->n_used() * pg.expert_bytes;
         if (pg.rows) {
-            n += (pg.rows->n_page() - pg.rows->n_free()) * 2 * (int64_t) pg.rows->row_bytes();
+            n += (pg.rows->n_page() - pg.rows->n_free()) * (int64_t) pg.rows->page_bytes();
         }
     }
     return n;

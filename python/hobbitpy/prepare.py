@@ -50,7 +50,7 @@ KEY_FALLBACKS = "hobbitpy.companion.fallbacks"
 """One "tensor=TYPE" string per tensor written in another type than KEY_TYPE; absent if none."""
 KEY_OF_FINGERPRINT = "hobbitpy.companion.of_fingerprint"  # the runtime checks it (hobbit-expert-store.cpp)
 KEY_NEURON_LAYOUT = "hobbitpy.companion.neuron_layout"  # up and down bundled by neuron (expert_index::neuron_layout)
-NEURON_LAYOUT_TYPE = "Q8_0"  # the type the runtime's sparse down kernel reads
+NEURON_LAYOUT_TYPE = "Q8_0"  # the type the runtime's sparse up and down kernels read
 
 # the quantized types ggml_quantize_chunk handles (ggml.c), where this gguf package knows them
 _QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -326,7 +326,7 @@ def _importance_of(imatrix_path, plan) -> dict[str, np.ndarray]:
 
     matrix = load_imatrix(imatrix_path)
     importance = {}
-    for t, shape, row_type in plan:
+    for t, shape, row_type, _ in plan:
         weights = matrix.get(t.name)
         if weights is None:
             if needs_imatrix(row_type):
