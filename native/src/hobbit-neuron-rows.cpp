@@ -131,7 +131,10 @@ void neuron_row_cache::apply_rows(const neuron_rows_plan & plan, std::vector<neu
         }
     }
     for (int64_t owner : plan.used) {
-        entries[owner].last_use = ++tick;
+        const auto it = entries.find(owner); // an owner that needed no rows has none to keep
+        if (it != entries.end()) {
+            it->second.last_use = ++tick;
+        }
     }
 }
 

@@ -823,6 +823,12 @@ static void test_neuron_reads(const std::string & path) {
         gap = bits(10, { 2, 4, 7, 9 });
         rows.bridge_gaps(gap, held.data());
         CHECK(gap.count() == 5 && gap.test(3) && !gap.test(8));
+        // an expert that keeps no neuron reads nothing and holds nothing, now or after
+        CHECK(rows.plan_rows({ { 5, neuron_bits(10) } }, plan) && plan.reads.empty());
+        runs.clear();
+        rows.apply_rows(plan, runs);
+        CHECK(runs.empty() && rows.pages(5) == nullptr);
+        CHECK(rows.plan_rows({ { 5, bits(10, { 4 }) } }, plan) && plan.reads.size() == 1);
         // a pass needing more than the pages: refused, nothing changed
         CHECK(!rows.plan_rows({ { 7, neuron_bits(10, true) }, { 9, neuron_bits(10, true) } }, plan));
         CHECK(rows.n_free() == 2);
