@@ -128,7 +128,8 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
     is never overwritten. source_path: the same model in higher precision to quantize
     from (default: the model itself). threads: Python threads quantizing chunks of rows
     (ggml runs without the GIL). Memory: the largest expert tensor in the new type plus
-    a few MB per thread; the files are memory-mapped. imatrix_path: an importance matrix of
+    a few MB per thread (a neuron layout: twice its bundled up tensor, up and down quantized
+    apart then interleaved); the files are memory-mapped. imatrix_path: an importance matrix of
     the model's experts (needed by IQ2_*/IQ1_* types, used by any type when given).
     Raises ModelFileError (a file is missing, not a GGUF, split, without experts, or the
     source is another model), ValueError (type, threads, output folder), FileExistsError.
