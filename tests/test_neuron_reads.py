@@ -123,8 +123,8 @@ def test_neurons_read_cost_what_the_exact_pricing_says_and_read_fewer_bytes(mode
     assert reads.stats["neuron_reads"] > 0
     assert reads.stats["bytes_read"] < whole.stats["bytes_read"]
     # the budget counts rows, not whole experts: the same bytes hold the gates of more experts
-    # (room for their rows at half their neurons) and never more than the budget
-    assert reads.stats["n_slot"] >= 1.4 * whole.stats["n_slot"]
+    # (gates first, beside the rows of one token's experts whole) and never more than the budget
+    assert reads.stats["n_slot"] >= 2 * whole.stats["n_slot"]
     assert whole.stats["pool_bytes"] <= reads.stats["pool_bytes"] <= budget * MB
 
 

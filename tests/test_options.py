@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ import pytest
 from hobbitpy._native import lib
 from hobbitpy.config import HIT_POLICIES, MAX_IO_THREADS, MODES, OffloadConfig, option_of, options_table
 from hobbitpy.llama import OFFLOAD_KEYWORDS
+from hobbitpy.memory import ROW_READ_BYTES
 from hobbitpy.profile import PROFILE_SETTINGS
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -62,6 +64,12 @@ def test_the_c_defaults_are_the_tables():
     assert bool(c.prefill_popular_first) == (d.prefill_order == "popularity")
     assert c.neuron_threshold < 0 and d.neurons is None and abs(c.neuron_limit - d.neuron_limit) < 1e-6
     assert lib.HOBBIT_MAX_IO_THREADS == MAX_IO_THREADS
+    assert c.n_row_readers == d.row_readers
+    # the row readers' buffers the budget counts are the ones the runtime allocates: the header's
+    # value (what the library is built with), cffi's and memory.py's agree
+    header = (REPO / "native" / "include" / "hobbit.h").read_text()
+    built = re.search(r"#define HOBBIT_ROW_READ_BYTES \((\d+) \* (\d+)\)", header)
+    assert int(built[1]) * int(built[2]) == lib.HOBBIT_ROW_READ_BYTES == ROW_READ_BYTES
     w = c.policy_weights
     assert all(abs(a - b) < 1e-6 for a, b in zip((w.lru, w.lfu, w.lhu, w.fld), d.policy_weights))
 

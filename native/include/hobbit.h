@@ -81,6 +81,9 @@ enum hobbit_policy {
 
 // I/O threads reading experts: more cannot keep a disk busier, and each holds its own buffers
 #define HOBBIT_MAX_IO_THREADS 64
+// a row reader's buffer (n_row_readers): the longest read it makes; a longer run of neuron rows is
+// cut into reads of this size for several readers
+#define HOBBIT_ROW_READ_BYTES (64 * 1024)
 
 // what a hit at another precision than the wanted one does (mixed precision)
 enum hobbit_hit_policy {
@@ -146,6 +149,10 @@ struct hobbit_params {
                               // up and down its activations keep (every MoE layer, the first too); one level
     bool    direct_io;       // read with O_DIRECT (bypassing the page cache) where the file system allows it
     int32_t n_io_threads;    // threads reading experts (2 keeps the disk busy while one copies; 1 = strict queue order)
+    int32_t n_row_readers;   // with neuron_reads: threads reading neuron rows only, each with a buffer of
+                             // HOBBIT_ROW_READ_BYTES per level (0..HOBBIT_MAX_IO_THREADS; 0 = the n_io_threads read
+                             // them): rows are many small reads, which a disk serves at its bandwidth only with
+                             // many in flight, and the whole-slice buffers of n_io_threads are too dear for that
 
     // mixed precision (HOBBIT §3.2); n_level = 1 serves every expert from the model at its own precision
     int32_t n_level;                                // 1..HOBBIT_MAX_LEVELS

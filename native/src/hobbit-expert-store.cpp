@@ -434,13 +434,14 @@ void expert_index::check_companion(const expert_index & companion) const {
     }
 }
 
-expert_store::expert_store(const expert_index & index, bool direct_io, ggml_backend_buffer_type_t pinned)
+expert_store::expert_store(const expert_index & index, bool direct_io, ggml_backend_buffer_type_t pinned,
+                           uint64_t max_read)
         : index(index), pinned(pinned) {
     fd = open(index.path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_IO, index.path + ": cannot open model file: " + errno_text());
     }
-    max_slice = (uint64_t) index.info.max_slice_bytes;
+    max_slice = max_read > 0 ? max_read : (uint64_t) index.info.max_slice_bytes;
     if (direct_io) {
         fd_direct = open(index.path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
         bounce_size = (max_slice + 2*DIRECT_IO_ALIGN + DIRECT_IO_ALIGN - 1) / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN;
@@ -537,7 +538,8 @@ const void * expert_store::read_slice(int il, int e, int proj) {
     const uint64_t offset = pl.offset + (uint64_t) e * pl.n_bytes;
     if (pl.n_bytes > max_slice) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_INTERNAL, index.path + ": projection " + std::to_string(proj) +
-                           " is never read whole (a neuron layout's up), yet it was asked for whole");
+                           " is never read whole by this reader (a neuron layout's up, or a reader of rows), yet "
+                           "it was asked for whole");
     }
     if (fd_direct >= 0) {
         if (const void * src = read_direct(offset, pl.n_bytes)) {

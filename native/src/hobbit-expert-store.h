@@ -69,8 +69,11 @@ class expert_store {
 public:
     // direct_io: try O_DIRECT; falls back to buffered reads where the file system refuses it.
     // pinned: a device's host buffer type (page-locked memory) for the buffers read_slice
-    // returns, when the slices go on to device memory (one DMA each); NULL: plain memory
-    expert_store(const expert_index & index, bool direct_io, ggml_backend_buffer_type_t pinned = nullptr);
+    // returns, when the slices go on to device memory (one DMA each); NULL: plain memory.
+    // max_read: the most its buffer holds (a reader of neuron rows: longer reads go in parts,
+    // read_slice refuses any longer slice); 0: the largest slice read whole (info.max_slice_bytes)
+    expert_store(const expert_index & index, bool direct_io, ggml_backend_buffer_type_t pinned = nullptr,
+                 uint64_t max_read = 0);
     ~expert_store();
     expert_store(const expert_store &) = delete;
     expert_store & operator=(const expert_store &) = delete;
@@ -101,7 +104,7 @@ private:
     void * bounce   = nullptr; // aligned buffer for O_DIRECT reads
     size_t bounce_size = 0;
     std::vector<uint8_t> staging; // read_slice's buffer for buffered reads
-    uint64_t max_slice = 0;       // the largest projection slice read whole (info.max_slice_bytes)
+    uint64_t max_slice = 0;       // the largest projection slice read whole (info.max_slice_bytes, or max_read)
     ggml_backend_buffer_type_t pinned = nullptr;        // page-locked memory, when loads go on to a device
     ggml_backend_buffer_t pinned_bounce_buf  = nullptr; // holds bounce, when pinned
     ggml_backend_buffer_t pinned_staging_buf = nullptr; // read_slice's buffer for buffered reads, when pinned

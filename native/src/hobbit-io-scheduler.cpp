@@ -9,17 +9,20 @@
 #include <system_error>
 
 io_scheduler::io_scheduler(std::vector<const expert_index *> indexes, bool direct_io, int n_threads, done_fn on_done,
-                           ggml_backend_buffer_type_t pinned)
+                           ggml_backend_buffer_type_t pinned, int n_row_threads)
         : indexes(std::move(indexes)), on_done(std::move(on_done)) {
-    stores.resize(std::max(1, n_threads));
-    for (level_stores & ls : stores) {
+    n_expert_readers = std::max(1, n_threads);
+    stores.resize(n_expert_readers + std::max(0, n_row_threads));
+    for (size_t i = 0; i < stores.size(); ++i) {
+        const bool row_reader = (int) i >= n_expert_readers;
         for (const expert_index * index : this->indexes) {
-            ls.push_back(std::make_unique<expert_store>(*index, direct_io, pinned));
+            stores[i].push_back(std::make_unique<expert_store>(*index, direct_io, pinned,
+                                                               row_reader ? HOBBIT_ROW_READ_BYTES : 0));
         }
     }
     try {
-        for (level_stores & ls : stores) {
-            workers.emplace_back([this, s = &ls] { loop(*s); });
+        for (size_t i = 0; i < stores.size(); ++i) {
+            workers.emplace_back([this, s = &stores[i], rows_only = (int) i >= n_expert_readers] { loop(*s, rows_only); });
         }
     } catch (const std::system_error & e) {
         // a thread could not start (address space, thread limits): the ones started must be
@@ -27,7 +30,7 @@ io_scheduler::io_scheduler(std::vector<const expert_index *> indexes, bool direc
         const size_t started = workers.size();
         stop_workers();
         throw hobbit_error(HOBBIT_STATUS_ERROR_INTERNAL, "cannot start I/O thread " + std::to_string(started + 1) +
-            " of " + std::to_string(stores.size()) + " (" + e.what() + "); use fewer io_threads");
+            " of " + std::to_string(stores.size()) + " (" + e.what() + "); use fewer io_threads or row readers");
     }
 }
 
@@ -36,6 +39,7 @@ void io_scheduler::stop_workers() {
         std::lock_guard<std::mutex> lock(mtx);
         closing = true;
         on_demand.clear();
+        rows.clear();
         prefetches.clear();
     }
     cv.notify_all();
@@ -62,15 +66,21 @@ void io_scheduler::submit(const std::vector<load_task> & tasks) {
             n_background += task.prefetch ? 1 : 0;
             std::deque<piece> & q = task.prefetch ? prefetches : on_demand;
             const expert_layer_layout & layer = indexes[task.level]->layers[task.layer];
-            const auto push_range = [&](int p, uint64_t begin, uint64_t end, char * to) {
-                for (uint64_t b = begin; b < end; b += PIECE_BYTES) {
-                    q.push_back({ ld, p, b, std::min(end, b + PIECE_BYTES), to + (b - begin), false });
+            const auto push_range = [&](std::deque<piece> & q, uint64_t piece_bytes, int p, uint64_t begin, uint64_t end,
+                                        char * to) {
+                for (uint64_t b = begin; b < end; b += piece_bytes) {
+                    q.push_back({ ld, p, b, std::min(end, b + piece_bytes), to + (b - begin), false });
                     ld->pieces_left++;
                 }
                 ld->n_bytes += end - begin;
             };
+            const bool to_row_readers = !task.prefetch && (int) stores.size() > n_expert_readers;
             for (const load_range & r : task.ranges) {
-                push_range(r.proj, r.begin, r.end, (char *) r.to);
+                if (to_row_readers) {
+                    push_range(rows, HOBBIT_ROW_READ_BYTES, r.proj, r.begin, r.end, (char *) r.to);
+                } else {
+                    push_range(q, PIECE_BYTES, r.proj, r.begin, r.end, (char *) r.to);
+                }
             }
             for (int p = 0; p < LLAMA_MOE_PROJ_COUNT && task.ranges.empty(); ++p) {
                 if (task.view[p] != nullptr) {
@@ -78,7 +88,7 @@ void io_scheduler::submit(const std::vector<load_task> & tasks) {
                     ld->pieces_left++;
                     ld->n_bytes += layer.proj[p].n_bytes;
                 } else if (layer.proj[p].present && task.dst[p] != nullptr) {
-                    push_range(p, 0, layer.proj[p].n_bytes, (char *) task.dst[p]);
+                    push_range(q, PIECE_BYTES, p, 0, layer.proj[p].n_bytes, (char *) task.dst[p]);
                 }
             }
             if (ld->pieces_left == 0) {
@@ -117,16 +127,21 @@ int io_scheduler::background_in_flight() {
     return n_background;
 }
 
-void io_scheduler::loop(level_stores & stores) {
+void io_scheduler::loop(level_stores & stores, bool rows_only) {
     for (;;) {
         piece pc;
         {
             std::unique_lock<std::mutex> lock(mtx);
-            cv.wait(lock, [this] { return closing || !on_demand.empty() || !prefetches.empty(); });
+            cv.wait(lock, [&] {
+                return closing || !rows.empty() || (!rows_only && (!on_demand.empty() || !prefetches.empty()));
+            });
             if (closing) {
                 return;
             }
-            std::deque<piece> & q = on_demand.empty() ? prefetches : on_demand;
+            // a row reader takes rows only (its buffer is small); an expert reader takes what a layer
+            // waits for first, whole slices before rows (row readers are there for those)
+            std::deque<piece> & q = rows_only || (on_demand.empty() && !rows.empty()) ? rows
+                                  : on_demand.empty() ? prefetches : on_demand;
             pc = q.front();
             q.pop_front();
             if (!pc.ld->started) {

@@ -4,6 +4,10 @@
 // first come first served. Each load is cut into pieces of at most PIECE_BYTES that any
 // thread may read, so even a single missing expert keeps every reader busy (one read in
 // flight per thread, and one thread's bounce-buffer copy overlaps the other's read).
+// Neuron rows (a load's ranges) are many small reads: with row readers they go to a queue of
+// their own, cut into reads of at most HOBBIT_ROW_READ_BYTES that row readers (a small buffer
+// each) take beside the expert readers, so that many are in flight at once (a disk's bandwidth
+// for reads of tens of KB needs a queue 8-16 deep; whole-slice buffers cost too much for that).
 // A load that has started cannot be cancelled; a queued prefetch can be dropped.
 // Completion is reported through a callback on the I/O thread that read the last piece.
 #pragma once
@@ -50,9 +54,11 @@ public:
 
     // n_threads readers, each with its own handles on every level's file (indexes[level];
     // throws hobbit_error if a file cannot be opened). pinned: the host buffer type of the
-    // pools' device when it is not the CPU (slices staged in page-locked memory), or NULL
+    // pools' device when it is not the CPU (slices staged in page-locked memory), or NULL.
+    // n_row_threads: readers of on-demand ranges only (neuron rows), with buffers of
+    // HOBBIT_ROW_READ_BYTES; 0: the n_threads read ranges too, in pieces of PIECE_BYTES
     io_scheduler(std::vector<const expert_index *> indexes, bool direct_io, int n_threads, done_fn on_done,
-                 ggml_backend_buffer_type_t pinned = nullptr);
+                 ggml_backend_buffer_type_t pinned = nullptr, int n_row_threads = 0);
     ~io_scheduler(); // closes: drops queued tasks, finishes the running reads, joins
 
     bool direct_io() const { return stores.front().front()->direct_io(); }
@@ -89,16 +95,18 @@ private:
     };
 
     using level_stores = std::vector<std::unique_ptr<expert_store>>; // [level]
-    void loop(level_stores & stores);
+    void loop(level_stores & stores, bool rows_only);
     void stop_workers(); // closing: drops queued tasks, finishes running reads, joins every started thread
 
-    std::vector<level_stores>          stores;  // one set per thread
+    std::vector<level_stores>          stores;  // one set per thread: the expert readers, then the row readers
+    int                                n_expert_readers = 0;
     std::vector<const expert_index *>  indexes; // [level]
     done_fn              on_done;
 
     std::mutex              mtx;
     std::condition_variable cv;
     std::deque<piece>       on_demand;
+    std::deque<piece>       rows;       // on-demand ranges, with row readers: theirs first, the expert readers' after on_demand
     std::deque<piece>       prefetches;
     int                     n_background = 0; // prefetch-class loads submitted and not yet completed
     bool                    closing = false;

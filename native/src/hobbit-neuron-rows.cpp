@@ -144,10 +144,8 @@ bool neuron_rows_split(int64_t bytes, int64_t gate_bytes, int n_ff, uint64_t row
     if (bytes < (int64_t) n_min * (gate_bytes + rows_bytes)) {
         return false;
     }
-    const double expected = (double) gate_bytes + NEURON_ROWS_EXPECTED_KEPT * (double) rows_bytes;
-    int64_t n_gate = (int64_t) ((double) bytes / expected);
-    // the pages must hold the top-k's rows whole
-    n_gate = std::min(n_gate, (bytes - (int64_t) n_min * rows_bytes) / gate_bytes);
+    // the pages must hold the top-k's rows whole; the gates get the rest
+    int64_t n_gate = (bytes - (int64_t) n_min * rows_bytes) / gate_bytes;
     n_gate = std::max<int64_t>(n_min, std::min<int64_t>(n_gate, n_max));
     n_page = std::min<int64_t>((bytes - n_gate * gate_bytes) / (2 * (int64_t) row_bytes), (int64_t) n_max * n_ff);
     n_gate_slot = (int) n_gate;

@@ -86,12 +86,14 @@ private:
 };
 
 // how a pool's bytes are shared between gate slots (an expert's gate projection each, gate_bytes)
-// and row pages (one neuron's up and down rows, 2 x row_bytes): room for the gates of the experts
-// whose rows the pages hold at NEURON_ROWS_EXPECTED_KEPT of their neurons, at least n_min of each
-// (one token's top-k, whole), at most n_max experts' worth of each. False when bytes hold less
-// than n_min whole experts. The expected share: what the θ within 1 % of perplexity keeps on
-// our reference models (0.51 at θ 0.25) and in CORM's measurements of real ones (35-55 %); a
-// run keeping more drops rows sooner, one keeping less leaves pages idle.
-constexpr double NEURON_ROWS_EXPECTED_KEPT = 0.5;
+// and row pages (one neuron's up and down rows, 2 x row_bytes): gates first, as many as the
+// bytes hold beside the rows of n_min experts whole (one token's top-k: a pass must fit), at most
+// n_max; the pages take the rest (at most n_max experts' rows). False when bytes hold less than
+// n_min whole experts. Why gates first: a cached gate saves its whole read at every reuse, while
+// cached rows save only those of the neurons the next token keeps again, and where neurons fire
+// at random (our reference models: each neuron kept by 35-66 % of tokens at θ 0.25) half the rows
+// held are the wrong ones: per byte a gate saves about twice what rows do. Measured on the tall
+// model at cap 0.55 (one invocation each): rows at half their neurons' room 18 gates, hit 0.33,
+// 42.9 MB per token; a fifth 0.48, 46.8 MB; gates first 0.79, 38.6 MB (docs/BENCHMARKS.md, CORM).
 bool neuron_rows_split(int64_t bytes, int64_t gate_bytes, int n_ff, uint64_t row_bytes, int n_min, int n_max,
                        int & n_gate_slot, int64_t & n_page);

@@ -351,7 +351,7 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         ? ggml_backend_dev_host_buffer_type(pool_dev) : nullptr;
     io = std::make_unique<io_scheduler>(level_indexes, params.direct_io, params.n_io_threads,
         [this](const load_task & t, const std::string & err, uint64_t n, int64_t us) { on_load_done(t, err, n, us); },
-        pinned);
+        pinned, neuron_reads ? params.n_row_readers : 0);
 
     dispatch_uds.resize((size_t) info.n_layer * LLAMA_MOE_MAX_WAVES);
     layers.resize(info.n_layer);

@@ -835,8 +835,11 @@ static void test_neuron_reads(const std::string & path) {
 
         int n_gate = 0;
         int64_t n_page = 0;
-        // 10 experts of a 300-byte gate and 2 x 3 rows of 100: expected kept 0.5 -> 600 bytes each
-        CHECK(neuron_rows_split(10 * 900, 300, 3, 100, 2, 1000, n_gate, n_page) && n_gate == 15 && n_page == 22);
+        // 10 experts of a 300-byte gate and 2 x 3 rows of 100: the rows of 2 whole, the gates the rest
+        CHECK(neuron_rows_split(10 * 900, 300, 3, 100, 2, 1000, n_gate, n_page) && n_gate == 26 && n_page == 6);
+        // every gate held (n_max): the pages take the rest, up to n_max experts' rows
+        CHECK(neuron_rows_split(10 * 900, 300, 3, 100, 2, 20, n_gate, n_page) && n_gate == 20 && n_page == 15);
+        CHECK(neuron_rows_split(100 * 900, 300, 3, 100, 2, 20, n_gate, n_page) && n_gate == 20 && n_page == 60);
         CHECK(!neuron_rows_split(2 * 900 - 1, 300, 3, 100, 2, 1000, n_gate, n_page));
         CHECK(neuron_rows_split(2 * 900, 300, 3, 100, 2, 1000, n_gate, n_page) && n_gate == 2 && n_page == 6);
     }
@@ -895,33 +898,44 @@ static void test_neuron_reads(const std::string & path) {
         CHECK(std::fabs(up[f] - ref) <= 1e-4f * (1.0f + std::fabs(ref)));
     }
 
-    // a load of ranges writes their bytes alone and reports their sum
-    expert_index idx = expert_index::from_file(path);
-    const uint64_t n_up = idx.layers[0].proj[LLAMA_MOE_PROJ_UP].n_bytes;
-    std::vector<uint8_t> buf(n_up, 0xab);
-    std::mutex mtx;
-    std::condition_variable cv;
-    uint64_t reported = 0;
-    bool done = false;
-    {
-        io_scheduler io({ &idx }, /*direct_io*/ true, /*n_threads*/ 2, [&](const load_task &, const std::string & err, uint64_t n, int64_t) {
-            CHECK(err.empty());
-            std::lock_guard<std::mutex> lock(mtx);
-            reported = n;
-            done = true;
-            cv.notify_all();
-        });
-        load_task t = { 0, 0, 0, /*layer*/ 0, /*expert*/ 1, /*prefetch*/ false, {}, {}, {} };
-        t.ranges = { { LLAMA_MOE_PROJ_UP, 0, 256, buf.data() }, { LLAMA_MOE_PROJ_UP, 520, 600, buf.data() + 520 } };
-        io.submit({ t });
-        std::unique_lock<std::mutex> lock(mtx);
-        cv.wait(lock, [&] { return done; });
+    // a load of ranges writes their bytes alone and reports their sum, read by the expert
+    // readers or by row readers (a range longer than a row reader's buffer cut into several
+    // reads: the model of 1024 neurons has 256 KB of up per expert)
+    const std::string wide = write_model(path + ".wide", /*n_ff*/ 1024);
+    for (const std::string & file : { path, wide }) {
+        const expert_index idx = expert_index::from_file(file);
+        const uint64_t n_up = idx.layers[0].proj[LLAMA_MOE_PROJ_UP].n_bytes;
+        for (int n_row_readers : { 0, 3 }) {
+            std::vector<uint8_t> buf(n_up, 0xab);
+            const uint64_t a = 256, b = 520, c = n_up - 300; // [0, a) and [b, c)
+            std::mutex mtx;
+            std::condition_variable cv;
+            uint64_t reported = 0;
+            bool done = false;
+            {
+                io_scheduler io({ &idx }, /*direct_io*/ true, /*n_threads*/ 2,
+                    [&](const load_task &, const std::string & err, uint64_t n, int64_t) {
+                        CHECK(err.empty());
+                        std::lock_guard<std::mutex> lock(mtx);
+                        reported = n;
+                        done = true;
+                        cv.notify_all();
+                    }, nullptr, n_row_readers);
+                load_task t = { 0, 0, 0, /*layer*/ 0, /*expert*/ 1, /*prefetch*/ false, {}, {}, {} };
+                t.ranges = { { LLAMA_MOE_PROJ_UP, 0, a, buf.data() }, { LLAMA_MOE_PROJ_UP, b, c, buf.data() + b } };
+                io.submit({ t });
+                std::unique_lock<std::mutex> lock(mtx);
+                cv.wait(lock, [&] { return done; });
+            }
+            CHECK(reported == a + (c - b));
+            CHECK(file == path || c - b > 2 * HOBBIT_ROW_READ_BYTES);
+            for (uint64_t i = 0; i < n_up; ++i) {
+                const bool in = i < a || (i >= b && i < c);
+                CHECK(buf[i] == (in ? pattern(0, LLAMA_MOE_PROJ_UP, 1, i) : 0xab));
+            }
+        }
     }
-    CHECK(reported == 256 + 80);
-    for (uint64_t b = 0; b < n_up; ++b) {
-        const bool in = b < 256 || (b >= 520 && b < 600);
-        CHECK(buf[b] == (in ? pattern(0, LLAMA_MOE_PROJ_UP, 1, b) : 0xab));
-    }
+    unlink(wide.c_str());
     printf("ok neuron reads\n");
 }
 

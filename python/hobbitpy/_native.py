@@ -67,6 +67,7 @@ struct hobbit_policy_weights {
 
 #define HOBBIT_MAX_LEVELS 3
 #define HOBBIT_MAX_IO_THREADS 64
+#define HOBBIT_ROW_READ_BYTES 65536
 
 struct hobbit_params {
     int64_t budget_bytes;
@@ -84,6 +85,7 @@ struct hobbit_params {
     bool    neuron_reads;
     bool    direct_io;
     int32_t n_io_threads;
+    int32_t n_row_readers;
     int32_t n_level;
     const char * level_paths[HOBBIT_MAX_LEVELS];
     float   level_shares[HOBBIT_MAX_LEVELS];

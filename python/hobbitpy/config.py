@@ -152,6 +152,10 @@ class OffloadConfig:
                                    "caching them twice)", flag="--no-direct-io", negate=True)
     io_threads: int = option(2, "threads reading experts: 2 keeps the disk busy while one copies out of its buffer",
                              flag="--io-threads", metavar="N")
+    row_readers: int = option(16, "with --neuron-layout: threads reading neuron rows beside --io-threads, each with a "
+                                  "64 KB buffer (counted in the budget): rows are many reads of tens of KB, which a "
+                                  "disk serves at its bandwidth only with many in flight (docs/BENCHMARKS.md, CORM); "
+                                  "0: the --io-threads read them", flag="--row-readers", metavar="N")
     policy: str = option("lru", "which cached expert to evict (hobbit: HOBBIT's eq. 3 mix of lru, lfu, lhu and fld; "
                                 "weighted is its old name; arc: adaptive replacement, as Fate evicts; popularity: "
                                 "the least often selected in a profile (--popularity), Fiddler's placement; score: "
@@ -225,6 +229,8 @@ class OffloadConfig:
             raise ValueError(f"cache_mb must be positive and at most {MAX_CACHE_MB} MiB (a PiB), got {self.cache_mb}")
         if not 1 <= self.io_threads <= MAX_IO_THREADS:
             raise ValueError(f"io_threads must be 1..{MAX_IO_THREADS}, got {self.io_threads}")
+        if not 0 <= self.row_readers <= MAX_IO_THREADS:
+            raise ValueError(f"row_readers must be 0..{MAX_IO_THREADS}, got {self.row_readers}")
         if not 0 <= self.prefetch_layers <= MAX_PREFETCH_LAYERS:
             raise ValueError(f"prefetch_layers must be 0..{MAX_PREFETCH_LAYERS}, got {self.prefetch_layers}")
         if self.prefetch_width < PREFETCH_WIDTH_FATE:
@@ -338,6 +344,7 @@ class OffloadConfig:
         params.neuron_reads = self.neuron_layout is not None
         params.direct_io = self.direct_io
         params.n_io_threads = self.io_threads
+        params.n_row_readers = self.row_readers
         params.policy = _NATIVE_POLICY[self.policy]
         params.policy_weights = {"lru": self.policy_weights[0], "lfu": self.policy_weights[1],
                                  "lhu": self.policy_weights[2], "fld": self.policy_weights[3]}

@@ -19,6 +19,8 @@ from .model_file import ModelInfo
 SLACK_BYTES = 24 * MB
 # the O_DIRECT alignment a reader's bounce buffer adds to a slice (hobbit-expert-store.cpp)
 READER_ALIGN_BYTES = 3 * 4096
+# a row reader's buffer (--row-readers): hobbit.h HOBBIT_ROW_READ_BYTES (a test holds them equal)
+ROW_READ_BYTES = 64 * 1024
 # When the experts do not all fit, the widest ubatch's compute buffer (for a MoE, n_ubatch rows
 # of every selected expert's gate, up and activation) may take at most this share of the
 # memory left for it and the expert cache together: on the inflated ref-mixtral under a
@@ -156,8 +158,11 @@ def process_resident_bytes() -> int:
 def io_buffer_bytes(config: OffloadConfig, levels: tuple[ModelInfo, ...]) -> int:
     """The readers' buffers: each I/O thread keeps, per level, one buffer of a projection's
     slice (O_DIRECT's bounce buffer, with an aligned page either side, or the staging buffer of
-    a buffered read that repacks): a third of an expert where the projections are alike."""
-    return config.io_threads * sum(level.max_slice_bytes + READER_ALIGN_BYTES for level in levels)
+    a buffered read that repacks): a third of an expert where the projections are alike. With
+    neuron reads, each row reader keeps one of ROW_READ_BYTES per level too."""
+    row_readers = config.row_readers if config.neuron_layout is not None else 0
+    return sum(config.io_threads * (level.max_slice_bytes + READER_ALIGN_BYTES) +
+               row_readers * (ROW_READ_BYTES + READER_ALIGN_BYTES) for level in levels)
 
 
 def fit_ubatch(info: ModelInfo, shape: ContextShape, config: OffloadConfig, levels: tuple[ModelInfo, ...] = (),
