@@ -93,7 +93,8 @@ private:
 // cached rows save only those of the neurons the next token keeps again, and where neurons fire
 // at random (our reference models: each neuron kept by 35-66 % of tokens at θ 0.25) half the rows
 // held are the wrong ones: per byte a gate saves about twice what rows do. Measured on the tall
-// model at cap 0.55 (one invocation each): rows at half their neurons' room 18 gates, hit 0.33,
-// 42.9 MB per token; a fifth 0.48, 46.8 MB; gates first 0.79, 38.6 MB (docs/BENCHMARKS.md, CORM).
+// model at cap 0.55 (one invocation each, disk MiB per token): room for the rows at half their
+// neurons, 18 gates, hit 0.33, 44.3; at a fifth, hit 0.48, 48.4; gates first, hit 0.79, 40.6
+// (docs/BENCHMARKS.md, CORM's row readers).
 bool neuron_rows_split(int64_t bytes, int64_t gate_bytes, int n_ff, uint64_t row_bytes, int n_min, int n_max,
                        int & n_gate_slot, int64_t & n_page);

@@ -226,6 +226,11 @@ def _summarize(name: str, runs: list[dict], disk_bw: float, stock_compute_s: flo
         "min_decode_tok_s": min((r["decode_tok_s"] for r in ok if r.get("decode_tok_s")), default=None),
         "max_decode_tok_s": max((r["decode_tok_s"] for r in ok if r.get("decode_tok_s")), default=None),
         "budget_mb": ok[0]["budget_bytes"] / MB,
+        # each run's own: a budget derived from the memory a run finds may differ by a slot between
+        # runs, and an LRU whose slots fall one short of a token's experts hits half as often
+        "all_budget_mb": [round(r["budget_bytes"] / MB, 3) for r in ok],
+        "all_slots": [sum(p["n_slot"] for p in r["pools"]) for r in ok],
+        "all_decode_hits": [(r.get("decode_stats") or {}).get("expert_hits") for r in ok],
         "n_ubatch": ok[0].get("n_ubatch"),
         "offloaded": ok[0]["offloaded"],
         "plan": ok[0]["plan"],
