@@ -64,7 +64,7 @@ def test_the_c_defaults_are_the_tables():
     assert bool(c.prefill_popular_first) == (d.prefill_order == "popularity")
     assert c.neuron_threshold < 0 and d.neurons is None and abs(c.neuron_limit - d.neuron_limit) < 1e-6
     assert lib.HOBBIT_MAX_IO_THREADS == MAX_IO_THREADS
-    assert c.n_row_readers == d.row_readers
+    assert c.n_row_readers == d.row_readers and c.neuron_bridge == d.neuron_bridge
     # the row readers' buffers the budget counts are the ones the runtime allocates: the header's
     # value (what the library is built with), cffi's and memory.py's agree
     header = (REPO / "native" / "include" / "hobbit.h").read_text()

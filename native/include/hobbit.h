@@ -153,6 +153,8 @@ struct hobbit_params {
                              // HOBBIT_ROW_READ_BYTES per level (0..HOBBIT_MAX_IO_THREADS; 0 = the n_io_threads read
                              // them): rows are many small reads, which a disk serves at its bandwidth only with
                              // many in flight, and the whole-slice buffers of n_io_threads are too dear for that
+    int32_t neuron_bridge;   // with neuron_reads: a gap of at most this many rows between two runs of missing kept
+                             // neurons is read with them (one request instead of two, for the gap's bytes); 0..n_ff
 
     // mixed precision (HOBBIT §3.2); n_level = 1 serves every expert from the model at its own precision
     int32_t n_level;                                // 1..HOBBIT_MAX_LEVELS

@@ -74,6 +74,7 @@ struct hobbit_params hobbit_default_params(void) {
     p.direct_io       = true;
     p.n_io_threads    = 2;
     p.n_row_readers   = 16;
+    p.neuron_bridge   = 0;
     p.n_level         = 1;
     p.t1              = 0.6f;  // HOBBIT's values for Mixtral-8x7B (§3.2)
     p.t_mid           = 0.75f;
@@ -134,6 +135,9 @@ static std::string invalid_params(const hobbit_params * params) {
     if (params->n_row_readers < 0 || params->n_row_readers > HOBBIT_MAX_IO_THREADS) {
         return "n_row_readers must be 0.." + std::to_string(HOBBIT_MAX_IO_THREADS) + ", got " +
                std::to_string(params->n_row_readers);
+    }
+    if (params->neuron_bridge < 0) {
+        return "neuron_bridge must be 0 or more, got " + std::to_string(params->neuron_bridge);
     }
     if (!(params->substitute_alpha >= 0.0f && params->substitute_alpha <= 1.0f)) { // NaN fails too
         return "substitute_alpha must be in [0, 1], got " + std::to_string(params->substitute_alpha);

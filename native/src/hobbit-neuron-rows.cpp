@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
-neuron_row_cache::neuron_row_cache(int n_ff, uint64_t row_bytes, int64_t n_page)
-        : n_ff_(n_ff), row_bytes_(row_bytes), n_page_(n_page), n_free_(n_page),
+neuron_row_cache::neuron_row_cache(int n_ff, uint64_t row_bytes, int64_t n_page, int bridge)
+        : n_ff_(n_ff), row_bytes_(row_bytes), n_page_(n_page), n_free_(n_page), bridge_(bridge),
           arena(new uint8_t[(size_t) 2 * n_page * row_bytes]), // pages are touched only when read into
           free_words((size_t) (n_page + 63) / 64, ~uint64_t(0)) {
     if (n_page % 64 != 0) {
@@ -23,7 +23,7 @@ void neuron_row_cache::bridge_gaps(neuron_bits & missing, const int32_t * held) 
             continue;
         }
         const int gap = f - last - 1;
-        if (last >= 0 && gap > 0 && gap <= NEURON_ROWS_BRIDGE) {
+        if (last >= 0 && gap > 0 && gap <= bridge_) {
             bool free_gap = true;
             for (int g = last + 1; g < f && held; ++g) {
                 free_gap &= held[g] < 0;

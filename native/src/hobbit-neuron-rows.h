@@ -18,12 +18,6 @@
 #include <unordered_map>
 #include <vector>
 
-// one request for two runs and the row between them costs less than two requests: an
-// O_DIRECT read covers whole 4 KB blocks anyway (a Q8_0 row of n_embd 4096 is 4352 bytes, so
-// each request already reads about a row's worth of its neighbours), and this tier's disks
-// serve small requests at a fraction of their bandwidth (10 KB: 0.2-0.4 GB/s, 2 MB: 1.1)
-constexpr int NEURON_ROWS_BRIDGE = 1;
-
 struct neuron_rows_plan {
     std::vector<std::pair<int64_t, neuron_bits>> reads; // owner -> the needed rows it lacks
     std::vector<int64_t> used;                          // every owner of the pass
@@ -40,7 +34,9 @@ struct neuron_row_run {
 
 class neuron_row_cache {
 public:
-    neuron_row_cache(int n_ff, uint64_t row_bytes, int64_t n_page);
+    // bridge: a gap of at most this many rows between two runs a pass reads is read with them
+    // (hobbit_params.neuron_bridge: fewer, larger requests for more bytes; 0: the kept rows only)
+    neuron_row_cache(int n_ff, uint64_t row_bytes, int64_t n_page, int bridge = 0);
 
     int      n_ff() const { return n_ff_; }
     int64_t  n_page() const { return n_page_; }
@@ -62,8 +58,8 @@ public:
     // neurons lands in a run of pages as often as it can) and marks the pass's owners used
     void apply_rows(const neuron_rows_plan & plan, std::vector<neuron_row_run> & runs);
 
-    // the rows a read of missing bridges: a gap of at most NEURON_ROWS_BRIDGE rows between two
-    // missing ones, none of them held, is read too (held: the owner's pages, or nullptr)
+    // the rows a read of missing bridges: a gap of at most `bridge` rows between two missing
+    // ones, none of them held, is read too (held: the owner's pages, or nullptr)
     void bridge_gaps(neuron_bits & missing, const int32_t * held) const;
 
 private:
@@ -78,6 +74,7 @@ private:
     int      n_ff_;
     uint64_t row_bytes_;
     int64_t  n_page_, n_free_;
+    int      bridge_;
     std::unique_ptr<uint8_t[]> arena;  // n_page pages, each an up row and a down row
     std::vector<uint64_t> free_words;  // bit set: page free
     size_t   free_hint = 0;            // no free page below this word

@@ -273,7 +273,7 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
                                        g.n_slot, n_page)) {
                     throw hobbit_error(HOBBIT_STATUS_ERROR_INTERNAL, "the pool plan left less than one token's experts");
                 }
-                pg.rows = std::make_unique<neuron_row_cache>(n_ff, row_bytes, n_page);
+                pg.rows = std::make_unique<neuron_row_cache>(n_ff, row_bytes, n_page, params.neuron_bridge);
                 pg.expert_bytes = (int64_t) shape.proj[LLAMA_MOE_PROJ_GATE].n_bytes; // a slot's
                 bytes = g.n_slot * pg.expert_bytes + pg.rows->bytes();
             }

@@ -792,7 +792,7 @@ static void test_neuron_reads(const std::string & path) {
     // the row cache: rows read land in the lowest free pages, a run of neurons in a run of pages;
     // a hit reads only what it lacks; room comes from the least recently used owner outside the pass
     {
-        neuron_row_cache rows(10, 100, 12);
+        neuron_row_cache rows(10, 100, 12, /*bridge*/ 1);
         neuron_rows_plan plan;
         std::vector<neuron_row_run> runs;
         CHECK(rows.plan_rows({ { 7, bits(10, { 0, 1, 2, 5 }) } }, plan) && plan.evict.empty());

@@ -86,6 +86,7 @@ struct hobbit_params {
     bool    direct_io;
     int32_t n_io_threads;
     int32_t n_row_readers;
+    int32_t neuron_bridge;
     int32_t n_level;
     const char * level_paths[HOBBIT_MAX_LEVELS];
     float   level_shares[HOBBIT_MAX_LEVELS];

@@ -156,6 +156,10 @@ class OffloadConfig:
                                   "64 KB buffer (counted in the budget): rows are many reads of tens of KB, which a "
                                   "disk serves at its bandwidth only with many in flight (docs/BENCHMARKS.md, CORM); "
                                   "0: the --io-threads read them", flag="--row-readers", metavar="N")
+    neuron_bridge: int = option(0, "with --neuron-layout: read a gap of at most N rows between two runs of kept "
+                                   "neurons with them, one request instead of two for the gap's bytes (for a disk "
+                                   "whose small requests are dear); 0: the kept rows only", flag="--neuron-bridge",
+                                metavar="N")
     policy: str = option("lru", "which cached expert to evict (hobbit: HOBBIT's eq. 3 mix of lru, lfu, lhu and fld; "
                                 "weighted is its old name; arc: adaptive replacement, as Fate evicts; popularity: "
                                 "the least often selected in a profile (--popularity), Fiddler's placement; score: "
@@ -231,6 +235,8 @@ class OffloadConfig:
             raise ValueError(f"io_threads must be 1..{MAX_IO_THREADS}, got {self.io_threads}")
         if not 0 <= self.row_readers <= MAX_IO_THREADS:
             raise ValueError(f"row_readers must be 0..{MAX_IO_THREADS}, got {self.row_readers}")
+        if self.neuron_bridge < 0:
+            raise ValueError(f"neuron_bridge must be 0 or more, got {self.neuron_bridge}")
         if not 0 <= self.prefetch_layers <= MAX_PREFETCH_LAYERS:
             raise ValueError(f"prefetch_layers must be 0..{MAX_PREFETCH_LAYERS}, got {self.prefetch_layers}")
         if self.prefetch_width < PREFETCH_WIDTH_FATE:
@@ -345,6 +351,7 @@ class OffloadConfig:
         params.direct_io = self.direct_io
         params.n_io_threads = self.io_threads
         params.n_row_readers = self.row_readers
+        params.neuron_bridge = self.neuron_bridge
         params.policy = _NATIVE_POLICY[self.policy]
         params.policy_weights = {"lru": self.policy_weights[0], "lfu": self.policy_weights[1],
                                  "lhu": self.policy_weights[2], "fld": self.policy_weights[3]}
