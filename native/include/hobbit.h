@@ -154,7 +154,7 @@ struct hobbit_params {
                              // them): rows are many small reads, which a disk serves at its bandwidth only with
                              // many in flight, and the whole-slice buffers of n_io_threads are too dear for that
     int32_t neuron_bridge;   // with neuron_reads: a gap of at most this many rows between two runs of missing kept
-                             // neurons is read with them (one request instead of two, for the gap's bytes); 0..n_ff
+                             // neurons is read with them (one request instead of two, for the gap's bytes); 0 or more
 
     // mixed precision (HOBBIT §3.2); n_level = 1 serves every expert from the model at its own precision
     int32_t n_level;                                // 1..HOBBIT_MAX_LEVELS
