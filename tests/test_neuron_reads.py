@@ -51,8 +51,12 @@ def test_the_layout_keeps_gate_and_up_and_bundles_down_transposed_with_up(model_
     step = np.abs(original).max() / 127
     assert np.abs(transposed.transpose(0, 2, 1) - original).max() <= step
     assert not np.array_equal(transposed.transpose(0, 2, 1), original)  # re-quantized per neuron: the layout's loss
-    field = gguf.GGUFReader(layout).fields["hobbitpy.companion.neuron_layout"]
+    reader = gguf.GGUFReader(layout)
+    field = reader.fields["hobbitpy.companion.neuron_layout"]
     assert bool(field.parts[field.data[0]][0])
+    # every tensor starts on a page, so that each bundle starts on a disk's 512-byte granule
+    assert reader.alignment == 4096 and gguf.GGUFReader(path).alignment == 32
+    assert all(t.data_offset % 4096 == 0 for t in reader.tensors)
 
 
 def _with_float_experts(path, out):

@@ -91,6 +91,8 @@ public:
     const void * read_slice(int il, int e, int proj);
 
     bool direct_io() const { return fd_direct >= 0; }
+    // O_DIRECT's granule of offsets and sizes for this file: a read covers the whole granules around it
+    uint64_t direct_io_granule() const { return granule; }
 
 private:
     void read_at(uint64_t offset, uint64_t n_bytes, void * dst);
@@ -102,6 +104,7 @@ private:
     int fd          = -1;  // buffered
     int fd_direct   = -1;  // O_DIRECT, or -1
     void * bounce   = nullptr; // aligned buffer for O_DIRECT reads
+    uint64_t granule = 4096;   // O_DIRECT's alignment of offsets and sizes for this file (at most a page)
     size_t bounce_size = 0;
     std::vector<uint8_t> staging; // read_slice's buffer for buffered reads
     uint64_t max_slice = 0;       // the largest projection slice read whole (info.max_slice_bytes, or max_read)

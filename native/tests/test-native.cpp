@@ -21,6 +21,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -121,6 +122,63 @@ static void test_store(const std::string & path, bool direct, bool staged) {
         }
     }
     printf("ok store (direct_io requested=%d, in use=%d, staged=%d)\n", direct, store.direct_io(), staged);
+}
+
+// what this process has read from block devices so far (/proc/self/io: every thread's bios)
+static uint64_t disk_read_bytes() {
+    FILE * f = fopen("/proc/self/io", "r");
+    unsigned long long n = 0;
+    char line[128];
+    while (f != nullptr && fgets(line, sizeof line, f) != nullptr) {
+        if (sscanf(line, "read_bytes: %llu", &n) == 1) {
+            break;
+        }
+    }
+    if (f != nullptr) {
+        fclose(f);
+    }
+    return n;
+}
+
+// an O_DIRECT piece read moves the whole granules around it from the disk and no more: at the
+// file system's granule (statx: 512 bytes on this disk), not at pages, the span a neuron read pays
+static void test_direct_granule(const std::string & path) {
+    expert_index idx = expert_index::from_file(path);
+    expert_store store(idx, /*direct_io*/ true);
+    if (!store.direct_io()) {
+        printf("ok direct granule (no O_DIRECT on this file system: nothing to check)\n");
+        return;
+    }
+    const uint64_t g = store.direct_io_granule();
+    CHECK(g >= 512 && g <= 4096 && (g & (g - 1)) == 0);
+#if defined(__GLIBC__) && defined(STATX_DIOALIGN)
+#if __GLIBC_PREREQ(2, 28)
+    struct statx st;
+    if (statx(AT_FDCWD, path.c_str(), 0, STATX_DIOALIGN, &st) == 0 && (st.stx_mask & STATX_DIOALIGN) != 0) {
+        CHECK(g == std::max<uint64_t>(st.stx_dio_offset_align, 1)); // the file system's, not a page
+    }
+#endif
+#endif
+    const expert_proj_layout & pl = idx.layers[0].proj[LLAMA_MOE_PROJ_UP];
+    const uint64_t base = pl.offset + pl.n_bytes; // expert 1's slice
+    const uint64_t pieces[][2] = { { 0, 1 }, { 100, 1000 }, { 513, 1700 }, { 4000, 4200 } };
+    for (const auto & piece : pieces) {
+        const uint64_t begin = piece[0], end = std::min<uint64_t>(piece[1], pl.n_bytes);
+        if (begin >= end) {
+            continue;
+        }
+        std::vector<uint8_t> got(end - begin), want(end - begin);
+        const uint64_t before = disk_read_bytes();
+        store.read_piece(0, 1, LLAMA_MOE_PROJ_UP, begin, end, got.data());
+        const uint64_t moved = disk_read_bytes() - before;
+        const uint64_t span  = ((base + end + g - 1) / g - (base + begin) / g) * g;
+        CHECK(moved == span);
+        FILE * f = fopen(path.c_str(), "rb");
+        CHECK(f != nullptr && fseek(f, (long) (base + begin), SEEK_SET) == 0 && fread(want.data(), 1, want.size(), f) == want.size());
+        fclose(f);
+        CHECK(got == want);
+    }
+    printf("ok direct granule (%llu bytes)\n", (unsigned long long) g);
 }
 
 static void test_truncated(const std::string & path) {
@@ -972,6 +1030,7 @@ int main(int argc, char ** argv) {
         test_store(path, false, staged);
         test_store(path, true, staged);
     }
+    test_direct_granule(path);
     test_truncated(path);
     test_lru();
     test_lfu_lhu_fld();

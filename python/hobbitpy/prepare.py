@@ -20,6 +20,9 @@ and that row stored right after the neuron's row of W3: the up tensor holds both
 [n_embd, 2 x n_ff, n_expert], row 2f neuron f's up row and row 2f + 1 its down column, and
 there is no down tensor. A run of neurons is then one read of both projections (CORM's
 neuron bundle), half the requests of two tensors; small requests are what disks are slow at.
+Its tensors start on a page (NEURON_LAYOUT_ALIGNMENT), so every bundle starts on a multiple of
+512 bytes (a Q8_0 bundle is 17 x 512 bytes per 4096 values of a row): runs of neurons read with
+O_DIRECT at a disk's 512-byte granule read no byte of their neighbours.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ KEY_FALLBACKS = "hobbitpy.companion.fallbacks"
 KEY_OF_FINGERPRINT = "hobbitpy.companion.of_fingerprint"  # the runtime checks it (hobbit-expert-store.cpp)
 KEY_NEURON_LAYOUT = "hobbitpy.companion.neuron_layout"  # up and down bundled by neuron (expert_index::neuron_layout)
 NEURON_LAYOUT_TYPE = "Q8_0"  # the type the runtime's sparse up and down kernels read
+NEURON_LAYOUT_ALIGNMENT = 4096  # a neuron layout's tensors start on a page (see the module)
 
 # the quantized types ggml_quantize_chunk handles (ggml.c), where this gguf package knows them
 _QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -186,7 +190,7 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
     tmp = pathlib.Path(tmp_name)
     try:
         writer = gguf.GGUFWriter(tmp, _field(model, "general.architecture"))
-        _copy_metadata(model, writer)
+        _copy_metadata(model, writer, min_alignment=NEURON_LAYOUT_ALIGNMENT if neuron_layout else None)
         writer.add_string(KEY_OF, model_path.name)
         writer.add_string(KEY_OF_FINGERPRINT, model_fingerprint(model_path))
         writer.add_string(KEY_SOURCE, source_path.name)
@@ -307,17 +311,23 @@ def _check_same_model(model_path, model, source_path, source) -> None:
                              + "; ".join(differences))
 
 
-def _copy_metadata(model: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
+def _copy_metadata(model: gguf.GGUFReader, writer: gguf.GGUFWriter, min_alignment: int | None = None) -> None:
     """Every field of the model but the split layout (a companion is one file) and the
-    reader's own GGUF.* entries."""
+    reader's own GGUF.* entries; the tensors' alignment raised to min_alignment when given
+    (both are powers of two, so the larger is a multiple of the other)."""
+    alignment = None
     for key, field in model.fields.items():
         if key.startswith(("GGUF.", "split.", "hobbitpy.companion.")) or key == "general.architecture":
             continue
         value, vtype, sub_type = field_value(field)
         if key == "general.alignment":
-            writer.add_custom_alignment(value)  # the tensor offsets must follow it too
+            alignment = int(value)
         else:
             writer.add_key_value(key, value, vtype, sub_type=sub_type)
+    if min_alignment is not None:
+        alignment = max(alignment or gguf.GGUF_DEFAULT_ALIGNMENT, min_alignment)
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)  # the tensor offsets must follow it too
 
 
 def _importance_of(imatrix_path, plan) -> dict[str, np.ndarray]:
