@@ -24,26 +24,27 @@ static const char * proj_tensor_suffix[LLAMA_MOE_PROJ_COUNT] = {
 // O_DIRECT buffers are aligned to a page, and offsets and sizes to at most a page
 static constexpr size_t DIRECT_IO_ALIGN = 4096;
 
-// the granule O_DIRECT needs of this file's offsets and sizes: what its file system says
-// (statx's dio_offset_align, Linux 6.1+: usually the device's logical block, 512 bytes on most
-// disks), else a page. Why it matters: a neuron read is a run of a few 8.5 KB neurons, and
-// rounding each to pages reads ~4 KB more per run (7 % of a missed expert on the tall model);
-// 512-byte granules read only the neurons (the layout aligns them so) for as many requests
-// (docs/BENCHMARKS.md, CORM's reads at the disk's granule)
-static uint64_t file_direct_io_granule(int fd) {
+// the granules O_DIRECT needs of this file's offsets and sizes, and of the memory it reads into:
+// what its file system says (statx's dio_offset_align and dio_mem_align, Linux 6.1+: usually the
+// device's logical block, 512 bytes on most disks), else a page. Why it matters: a neuron read is a
+// run of a few 8.5 KB neurons, and rounding each to pages reads ~4 KB more per run (7 % of a missed
+// expert on the tall model); at 512-byte granules a neuron layout's runs (aligned so) read only the
+// neurons, straight into the row cache's pages (docs/BENCHMARKS.md, CORM's reads at the disk's granule)
+static void file_direct_io_granules(int fd, uint64_t & offset_granule, uint64_t & memory_granule) {
+    offset_granule = memory_granule = DIRECT_IO_ALIGN;
 #if defined(__GLIBC__) && defined(STATX_DIOALIGN)
 #if __GLIBC_PREREQ(2, 28) // statx's wrapper
     struct statx st;
     if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &st) == 0 && (st.stx_mask & STATX_DIOALIGN) != 0) {
-        const uint64_t g = st.stx_dio_offset_align;
-        if (g > 0 && (g & (g - 1)) == 0 && g <= DIRECT_IO_ALIGN && st.stx_dio_mem_align <= DIRECT_IO_ALIGN) {
-            return g;
+        const uint64_t g = st.stx_dio_offset_align, m = st.stx_dio_mem_align;
+        if (g > 0 && (g & (g - 1)) == 0 && g <= DIRECT_IO_ALIGN && m > 0 && (m & (m - 1)) == 0 && m <= DIRECT_IO_ALIGN) {
+            offset_granule = g;
+            memory_granule = m;
         }
     }
 #endif
 #endif
     (void) fd;
-    return DIRECT_IO_ALIGN;
 }
 
 bool expert_layer_layout::has_experts() const {
@@ -467,7 +468,9 @@ expert_store::expert_store(const expert_index & index, bool direct_io, ggml_back
     max_slice = max_read > 0 ? max_read : (uint64_t) index.info.max_slice_bytes;
     if (direct_io) {
         fd_direct = open(index.path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-        granule   = fd_direct >= 0 ? file_direct_io_granule(fd_direct) : DIRECT_IO_ALIGN;
+        if (fd_direct >= 0) {
+            file_direct_io_granules(fd_direct, granule, memory_granule);
+        }
         bounce_size = (max_slice + 2*DIRECT_IO_ALIGN + DIRECT_IO_ALIGN - 1) / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN;
     }
     if (pinned != nullptr && fd_direct >= 0) {
@@ -519,7 +522,7 @@ const void * expert_store::read_direct(uint64_t offset, uint64_t n_bytes) {
             continue;
         }
         if (n < 0 && errno == EINVAL && done == 0 && granule < DIRECT_IO_ALIGN) {
-            granule = DIRECT_IO_ALIGN; // the file system's granule was not enough after all: pages
+            granule = memory_granule = DIRECT_IO_ALIGN; // the file system's granules were not enough after all: pages
             return read_direct(offset, n_bytes);
         }
         if (n < 0 && errno == EINVAL && done == 0) {
@@ -537,9 +540,33 @@ const void * expert_store::read_direct(uint64_t offset, uint64_t n_bytes) {
     return (const char *) bounce + (offset - beg);
 }
 
-void expert_store::read_at(uint64_t offset, uint64_t n_bytes, void * dst) {
-    // the bounce buffer holds max_slice with an aligned block either side: longer reads go in parts
+uint64_t expert_store::read_direct_to(uint64_t offset, uint64_t n_bytes, void * dst) {
     uint64_t done = 0;
+    while (done < n_bytes && done % granule == 0) { // a short read leaving an unaligned rest: the bounce finishes it
+        const ssize_t n = pread(fd_direct, (char *) dst + done, n_bytes - done, offset + done);
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n < 0 && errno == EINVAL) {
+            break; // the granules were not enough after all: the bounce path reads it
+        }
+        if (n <= 0) {
+            throw hobbit_error(HOBBIT_STATUS_ERROR_IO, index.path + ": read of " + std::to_string(n_bytes) + " bytes at offset " +
+                std::to_string(offset) + " failed: " + (n < 0 ? errno_text() : std::string("unexpected end of file")));
+        }
+        done += n;
+    }
+    return done;
+}
+
+void expert_store::read_at(uint64_t offset, uint64_t n_bytes, void * dst) {
+    uint64_t done = 0;
+    // whole granules into memory aligned as O_DIRECT wants it (a neuron layout's runs into the row
+    // cache's pages): straight from the disk, without the bounce buffer's copy
+    if (fd_direct >= 0 && offset % granule == 0 && n_bytes % granule == 0 && (uintptr_t) dst % memory_granule == 0) {
+        done = read_direct_to(offset, n_bytes, dst);
+    }
+    // the bounce buffer holds max_slice with an aligned block either side: longer reads go in parts
     while (fd_direct >= 0 && done < n_bytes) {
         const uint64_t n = std::min<uint64_t>(n_bytes - done, bounce_size - 2 * DIRECT_IO_ALIGN);
         const void * src = read_direct(offset + done, n);

@@ -99,12 +99,16 @@ private:
     // O_DIRECT read of the aligned span around [offset, offset + n_bytes) into bounce;
     // returns where the requested bytes start, or NULL if O_DIRECT turned out unsupported
     const void * read_direct(uint64_t offset, uint64_t n_bytes);
+    // O_DIRECT read of whole granules straight into dst (aligned to memory_granule); returns how
+    // many bytes it read, less than n_bytes where O_DIRECT refused or a short read left an unaligned rest
+    uint64_t read_direct_to(uint64_t offset, uint64_t n_bytes, void * dst);
 
     const expert_index & index;
     int fd          = -1;  // buffered
     int fd_direct   = -1;  // O_DIRECT, or -1
     void * bounce   = nullptr; // aligned buffer for O_DIRECT reads
-    uint64_t granule = 4096;   // O_DIRECT's alignment of offsets and sizes for this file (at most a page)
+    uint64_t granule = 4096;        // O_DIRECT's alignment of offsets and sizes for this file (at most a page)
+    uint64_t memory_granule = 4096; // ... and of the memory it reads into
     size_t bounce_size = 0;
     std::vector<uint8_t> staging; // read_slice's buffer for buffered reads
     uint64_t max_slice = 0;       // the largest projection slice read whole (info.max_slice_bytes, or max_read)

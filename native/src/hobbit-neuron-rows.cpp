@@ -1,10 +1,23 @@
 #include "hobbit-neuron-rows.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <new>
+
+// the pages on a memory page: a run of pages is then aligned as O_DIRECT wants its memory (a
+// neuron layout's pages are multiples of 512 bytes), and the readers read straight into it
+static uint8_t * page_aligned_arena(size_t bytes) {
+    constexpr size_t PAGE = 4096;
+    void * p = std::aligned_alloc(PAGE, (bytes + PAGE - 1) / PAGE * PAGE);
+    if (p == nullptr) {
+        throw std::bad_alloc();
+    }
+    return (uint8_t *) p;
+}
 
 neuron_row_cache::neuron_row_cache(int n_ff, uint64_t row_bytes, int64_t n_page, int bridge)
         : n_ff_(n_ff), row_bytes_(row_bytes), n_page_(n_page), n_free_(n_page), bridge_(bridge),
-          arena(new uint8_t[(size_t) 2 * n_page * row_bytes]), // pages are touched only when read into
+          arena(page_aligned_arena((size_t) 2 * n_page * row_bytes)), // pages are touched only when read into
           free_words((size_t) (n_page + 63) / 64, ~uint64_t(0)) {
     if (n_page % 64 != 0) {
         free_words.back() = (uint64_t(1) << (n_page % 64)) - 1;

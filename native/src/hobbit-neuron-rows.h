@@ -13,6 +13,7 @@
 #include "hobbit-neuron-cache.h"
 
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <unordered_map>
@@ -75,7 +76,8 @@ private:
     uint64_t row_bytes_;
     int64_t  n_page_, n_free_;
     int      bridge_;
-    std::unique_ptr<uint8_t[]> arena;  // n_page pages, each an up row and a down row
+    struct free_arena { void operator()(uint8_t * p) const { std::free(p); } };
+    std::unique_ptr<uint8_t[], free_arena> arena; // n_page pages, each an up row and a down row; on a memory page
     std::vector<uint64_t> free_words;  // bit set: page free
     size_t   free_hint = 0;            // no free page below this word
     std::unordered_map<int64_t, entry> entries;

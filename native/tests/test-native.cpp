@@ -178,6 +178,22 @@ static void test_direct_granule(const std::string & path) {
         fclose(f);
         CHECK(got == want);
     }
+    // whole granules into page-aligned memory (a neuron layout's run into the row cache's pages):
+    // the read goes straight there, and still moves just those granules
+    const uint64_t begin = (g - base % g) % g;
+    if (begin + 2 * g <= pl.n_bytes) {
+        uint8_t * got = (uint8_t *) std::aligned_alloc(4096, 2 * g);
+        CHECK(got != nullptr);
+        const uint64_t before = disk_read_bytes();
+        store.read_piece(0, 1, LLAMA_MOE_PROJ_UP, begin, begin + 2 * g, got);
+        CHECK(disk_read_bytes() - before == 2 * g);
+        std::vector<uint8_t> want(2 * g);
+        FILE * f = fopen(path.c_str(), "rb");
+        CHECK(f != nullptr && fseek(f, (long) (base + begin), SEEK_SET) == 0 && fread(want.data(), 1, want.size(), f) == want.size());
+        fclose(f);
+        CHECK(memcmp(got, want.data(), want.size()) == 0);
+        std::free(got);
+    }
     printf("ok direct granule (%llu bytes)\n", (unsigned long long) g);
 }
 
