@@ -23,11 +23,21 @@ bool neuron_keep(const float * g, int n_ff, float theta, float limit, neuron_bit
     return false;
 }
 
+// the kernels below are plain loops the compiler vectorizes; built for any x86-64 they would use
+// SSE2 alone, so they are cloned for AVX2 + FMA too and the loader picks the clone the CPU runs
+// (ggml's own kernels choose at run time the same way, in the portable build)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+#define HOBBIT_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define HOBBIT_SIMD_CLONES
+#endif
+
 // ggml's block_q8_0: an f16 scale, then 32 signed bytes
 static constexpr int    QK    = 32;
 static constexpr size_t BLOCK = sizeof(ggml_fp16_t) + QK;
 static constexpr int    LANES = 8;
 
+HOBBIT_SIMD_CLONES
 void neuron_up_q8_0(const uint8_t * base, uint64_t page_bytes, const int32_t * pages, int n_embd, const float * x,
                     const float * keep, float * out, int f0, int f1) {
     const int64_t n_block = n_embd / QK;
@@ -62,6 +72,7 @@ void neuron_up_q8_0(const uint8_t * base, uint64_t page_bytes, const int32_t * p
     }
 }
 
+HOBBIT_SIMD_CLONES
 void neuron_down_q8_0(const uint8_t * base, uint64_t page_bytes, const int32_t * pages, int n_ff, const float * act,
                       float * out, int64_t b0, int64_t b1) {
     memset(out + b0 * QK, 0, (size_t) (b1 - b0) * QK * sizeof(float));
