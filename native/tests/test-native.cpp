@@ -182,7 +182,7 @@ static void test_direct_granule(const std::string & path) {
     // the read goes straight there, and still moves just those granules
     const uint64_t begin = (g - base % g) % g;
     if (begin + 2 * g <= pl.n_bytes) {
-        uint8_t * got = (uint8_t *) std::aligned_alloc(4096, 2 * g);
+        uint8_t * got = (uint8_t *) std::aligned_alloc(4096, (2 * g + 4095) / 4096 * 4096); // a multiple of the alignment, as C asks
         CHECK(got != nullptr);
         const uint64_t before = disk_read_bytes();
         store.read_piece(0, 1, LLAMA_MOE_PROJ_UP, begin, begin + 2 * g, got);
