@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import signal
 import sys
 
 import numpy as np
@@ -57,3 +58,10 @@ def run_logits(path, offload: hobbitpy.OffloadConfig, *, n_threads: int = 2):
         return scores, text, stats, llm.model_info
     finally:
         llm.close()
+
+
+def default_sigint() -> None:
+    """preexec_fn of a child a test interrupts with SIGINT: Ctrl-C's default disposition, as in
+    a terminal. A suite started in the background of a non-interactive shell inherits SIGINT
+    ignored, and Python then installs no KeyboardInterrupt handler in its children."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
