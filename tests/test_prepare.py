@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import gguf
 import numpy as np
 import pytest
 
 import hobbitpy
-from hobbitpy import cli, prepare
+from hobbitpy import _ggml, cli, prepare
 from hobbitpy.gguf_fields import field_value
 from hobbitpy.prepare import EXPERT_SUFFIXES, companion_fallbacks, prepare_companion
 from hobbitpy.synthetic_moe import make_synthetic_moe
@@ -175,3 +178,106 @@ def test_cli(tmp_path, capsys):
     assert cli.main(["prepare", str(model), "--low", "Q3_K", "--mid", "Q4_K"]) == 2
     assert f"{mid}: already exists" in capsys.readouterr().err
     assert not (tmp_path / "ref-deepseek-Q8_0.experts-Q3_K.gguf").exists()
+
+
+def _ggml_q2_k(values: np.ndarray) -> np.ndarray:
+    rows, n_per_row = values.shape
+    out = np.empty((rows, _ggml.lib.ggml_row_size(gguf.GGMLQuantizationType.Q2_K, n_per_row)), np.uint8)
+    _ggml.lib.ggml_quantize_chunk(gguf.GGMLQuantizationType.Q2_K, _ggml.ffi.from_buffer("float[]", values),
+                                  _ggml.ffi.from_buffer(out), 0, rows, n_per_row, _ggml.ffi.NULL)
+    return out
+
+
+def test_fast_q2_k_writes_ggml_bytes():
+    """libhobbit's Q2_K quantizer (what prepare uses without an importance matrix) writes
+    exactly the blocks ggml's reference quantizer writes, on weights of every shape of
+    distribution and on sub-blocks that are flat, all zero, all equal, positive, tiny, huge."""
+    rng = np.random.default_rng(7)
+    n = 2048
+    cases = {
+        "normal": rng.standard_normal((64, n)),
+        "heavy tails": rng.standard_t(3, (64, n)) * 0.02,
+        "positive": np.abs(rng.standard_normal((16, n))) + 0.5,
+        "tiny": rng.standard_normal((16, n)) * 1e-7,
+        "huge": rng.standard_normal((16, n)) * 1e5,
+        "few levels": rng.integers(-3, 4, (16, n)) * 0.25,
+    }
+    mixed = rng.standard_normal((16, n))
+    mixed[0] = 0  # whole rows of zeros
+    mixed[1, :256] = -1.5  # a super-block of one negative value: every sub-block flat
+    mixed[2, ::16] = 0  # zeros inside sub-blocks
+    mixed[3] = np.repeat(rng.standard_normal(n // 16), 16)  # each sub-block one value
+    mixed[4, :16] = 3.0  # one flat positive sub-block among normal ones
+    cases["flat and zero sub-blocks"] = mixed
+    for name, values in cases.items():
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        fast = np.empty_like(_ggml_q2_k(values))
+        assert prepare._quantize_rows(values, gguf.GGMLQuantizationType.Q2_K, fast) == fast.nbytes
+        assert np.array_equal(fast, _ggml_q2_k(values)), name
+
+
+def test_ggml_reads_back_what_gguf_reads():
+    # the dequantizer prepare reads its source with: ggml's to_float, against gguf-py's numpy one
+    for path in (DEEPSEEK_Q8, DEEPSEEK_F16):
+        for t in list(tensors(path).values())[:12]:
+            raw = prepare._raw_rows(t)
+            n_per_row = int(t.shape[0])
+            got = _ggml.rows_as_float(raw, int(t.tensor_type), n_per_row)
+            assert np.array_equal(got, values(t).reshape(got.shape).astype(np.float32)), t.name
+
+
+def _partials(folder: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".partial"))
+
+
+def test_sigterm_and_sighup_leave_no_partial_file(tmp_path):
+    # IQ4_XS is ggml's slowest quantizer without a matrix: seconds for this model, time to signal it
+    model = tmp_path / MIXTRAL_Q8.name
+    shutil.copy(MIXTRAL_Q8, model)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        proc = subprocess.Popen([sys.executable, "-m", "hobbitpy", "prepare", str(model), "--low", "IQ4_XS"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not _partials(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # into the quantizing
+        assert proc.poll() is None, "prepare ended before it could be signalled"
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + sig, (proc.returncode, err[-2000:])
+        assert "Traceback" not in err, err[-2000:]
+        assert sorted(p.name for p in tmp_path.iterdir()) == [model.name]
+
+
+def test_partial_files_of_dead_runs_are_removed(tmp_path):
+    out = tmp_path / "c.gguf"
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(finished.stdout)  # a process that has ended (its id not reused this soon)
+    dead = tmp_path / f".c.gguf.{dead_pid}.k2j4abcd.partial"
+    alive = tmp_path / f".c.gguf.{os.getpid()}.zz9_abcd.partial"  # a run still going: kept
+    other = tmp_path / f".d.gguf.{dead_pid}.k2j4abcd.partial"  # another output's: not this run's to judge
+    for p in (dead, alive, other):
+        p.write_bytes(b"x" * 1000)
+    prepare_companion(DEEPSEEK_Q8, "Q2_K", out, progress=False)
+    assert out.is_file() and not dead.exists() and alive.exists() and other.exists()
+
+
+def test_not_enough_disk_is_one_line_before_any_work(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    # a real file system with 1 MB free: the companion needs ~7 MB
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        out = small / "c.gguf"
+        start = time.monotonic()
+        assert cli.main(["prepare", str(DEEPSEEK_Q8), "--out", str(out)]) == 2
+        assert time.monotonic() - start < 10
+        assert list(small.iterdir()) == []
+        proc = subprocess.run([sys.executable, "-m", "hobbitpy", "prepare", str(DEEPSEEK_Q8), "--out", str(out)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(out) in lines[0] and "GB free" in lines[0] and "needs" in lines[0], proc.stderr
+        assert list(small.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=True)

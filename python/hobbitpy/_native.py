@@ -231,6 +231,7 @@ enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, 
                                          uint64_t seed, double low_miss_cost, float substitute_alpha,
                                          struct hobbit_sim_result * result, char * err, size_t err_size);
 bool hobbit_abort_callback(void * rt);
+size_t hobbit_quantize_q2_K(const float * src, void * dst, int64_t nrows, int64_t n_per_row);
 typedef struct hobbit_imatrix hobbit_imatrix;
 struct ggml_tensor;
 hobbit_imatrix * hobbit_imatrix_new(void);

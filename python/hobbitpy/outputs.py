@@ -3,13 +3,25 @@ it is new. An existing name, a symlink included (even a dangling one), is refuse
 before the work starts (`new_output_error`) and again when written (`write_new`), where the
 content goes to a fresh temporary file in the target folder and is linked to its name —
 a link that fails if the name appeared meanwhile, and never follows a symlink.
+
+Large files written for minutes (companions, uniform quants) go through `partial_output`:
+the partial file carries its writer's process id, so the next run removes what a killed
+one left; SIGTERM and SIGHUP end the writer the way Ctrl-C does, removing the partial file;
+and the free space is checked before the first byte (`check_free_space`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import pathlib
+import re
+import shutil
+import signal
 import tempfile
+import threading
+from collections.abc import Iterator
 
 
 class OutputExistsError(FileExistsError):
@@ -45,6 +57,93 @@ def write_new(path: str | os.PathLike, data: str | bytes) -> pathlib.Path:
     finally:
         os.unlink(tmp)
     return path
+
+
+class NotEnoughSpaceError(OSError):
+    pass
+
+
+def check_free_space(folder: str | os.PathLike, need_bytes: int, what: str) -> None:
+    """Raise NotEnoughSpaceError, naming both sizes, if folder's file system has less than
+    need_bytes free for `what` (and a 1 % margin for metadata)."""
+    free = shutil.disk_usage(folder).free
+    if free < need_bytes * 1.01:
+        raise NotEnoughSpaceError(f"{what} needs {need_bytes / 1e9:.2f} GB and {folder} has {free / 1e9:.2f} GB free")
+
+
+@contextlib.contextmanager
+def partial_output(path: str | os.PathLike) -> Iterator[pathlib.Path]:
+    """A new, empty partial file beside path, to be written and then published with
+    `publish(partial, path)`; removed however the block ends (an error, Ctrl-C, SIGTERM,
+    SIGHUP). Partial files of path left by processes that no longer run are removed first."""
+    path = pathlib.Path(path)
+    _remove_dead_partials(path)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".partial")
+    os.close(fd)
+    partial = pathlib.Path(name)
+    try:
+        with _signals_end_the_writer():
+            yield partial
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def publish(partial: pathlib.Path, path: str | os.PathLike) -> pathlib.Path:
+    """Give the written partial file its name: a link, which fails if the name appeared
+    meanwhile (a symlink too), so nothing is overwritten."""
+    os.chmod(partial, 0o666 & ~_umask())  # as open() would create it (mkstemp makes it private)
+    try:
+        os.link(partial, path)
+    except FileExistsError:
+        raise OutputExistsError(new_output_error(path)) from None
+    return pathlib.Path(path)
+
+
+def _remove_dead_partials(path: pathlib.Path) -> None:
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)\.[^.]+\.partial")
+    for entry in path.parent.glob(f".{glob.escape(path.name)}.*.partial"):
+        match = pattern.fullmatch(entry.name)
+        if match and not _process_runs(int(match.group(1))) and not entry.is_symlink():
+            entry.unlink(missing_ok=True)
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+def _process_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+class Terminated(SystemExit):
+    """SIGTERM or SIGHUP while a partial file was being written: exits with 128 + the signal."""
+
+
+@contextlib.contextmanager
+def _signals_end_the_writer() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise Terminated in the main thread (their default kills the process
+    at once, and the partial file would stay); handlers are the main thread's to set, so
+    elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def end(signum, _frame):
+        raise Terminated(128 + signum)
+
+    previous = {sig: signal.signal(sig, end) for sig in (signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(sig) in (signal.SIG_DFL, None)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _umask() -> int:

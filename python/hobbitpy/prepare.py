@@ -5,7 +5,9 @@ instead of the model. `prepare_companion` writes that copy: every metadata field
 model (the native runtime indexes a companion with the same code as a model and checks
 that both agree), then only the routed expert tensors, same names, shapes and order,
 re-quantized by ggml's own quantizer (`ggml_quantize_chunk`, what `llama-quantize`
-runs). The source of the weights is the model itself or, better, the same model in
+runs; for Q2_K without an importance matrix, libhobbit's vectorized copy of it, which writes
+the same bytes several times faster), read back as numbers by ggml's `to_float`, tensor by
+tensor on threads, through a partial file that a failure or a signal removes. The source of the weights is the model itself or, better, the same model in
 F16/BF16/F32. Rows that are not whole blocks of the type fall back as
 `llama-quant.cpp` does; the file records which tensors did. With an importance matrix
 (`hobbitpy imatrix`, or llama-imatrix's file) each expert's rows are quantized weighing
@@ -30,17 +32,18 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 import os
 import pathlib
-import tempfile
 
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 from tqdm import tqdm
 
-from ._ggml import ffi, lib, type_name
+from . import _native
+from ._ggml import can_read_as_float, ffi, lib, rows_as_float, type_name
 from .errors import ModelFileError
 from .gguf_fields import field_value
 from .model_file import inspect_model, model_fingerprint
+from .outputs import check_free_space, partial_output, publish
 
 EXPERT_SUFFIXES = (".ffn_gate_exps.weight", ".ffn_up_exps.weight", ".ffn_down_exps.weight",
                    ".ffn_gate_up_exps.weight")
@@ -183,12 +186,12 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
                 _check_readable(tensor, source_path)
     importance = _importance_of(imatrix_path, plan) if imatrix_path is not None else {}
 
-    # an interrupted run leaves no file under the real name; a fresh name, so that nothing
-    # planted beside the output (a symlink) is written through
-    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = pathlib.Path(tmp_name)
-    try:
+    header_bytes = model.data_offset  # the model's metadata, copied, and its tensor infos (more than ours)
+    data_bytes = sum(lib.ggml_row_size(row_type, shape[0]) * int(np.prod(shape[1:])) for _, shape, row_type, _ in plan)
+    check_free_space(out.parent, header_bytes + data_bytes, f"{out}")
+    # an interrupted run leaves no file under the real name (the partial file is removed, or
+    # by the next run if this process is killed)
+    with partial_output(out) as tmp:
         writer = gguf.GGUFWriter(tmp, _field(model, "general.architecture"))
         _copy_metadata(model, writer, min_alignment=NEURON_LAYOUT_ALIGNMENT if neuron_layout else None)
         writer.add_string(KEY_OF, model_path.name)
@@ -211,25 +214,26 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
         for row_type in {row_type for _, _, row_type, _ in plan}:
             lib.ggml_quantize_init(row_type)
         total = sum(int(t.n_bytes) + (int(down.n_bytes) if down is not None else 0) for t, _, _, down in plan)
-        with (ThreadPoolExecutor(threads) as pool,
-              tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
-                   desc=f"{qtype.name} experts") as bar):
-            for t, shape, row_type, down in plan:
-                if down is not None:
-                    up_rows = _quantize(t, shape[0], row_type, pool, bar.update, source_path)
-                    down_rows = _quantize_transposed(down, shape[0], row_type, pool, bar.update, source_path)
-                    bundled = np.stack([up_rows.reshape(down_rows.shape), down_rows], axis=2)  # [expert, neuron, up|down, row]
-                    writer.write_tensor_data(bundled.reshape(-1, bundled.shape[-1]))
-                else:
-                    writer.write_tensor_data(_quantize(t, shape[0], row_type, pool, bar.update, source_path,
-                                                       importance.get(t.name)))
+        pool = ThreadPoolExecutor(threads)
+        try:
+            with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
+                      desc=f"{qtype.name} experts") as bar:
+                for t, shape, row_type, down in plan:
+                    if down is not None:
+                        up_rows = _quantize(t, shape[0], row_type, pool, bar.update, source_path)
+                        down_rows = _quantize_transposed(down, shape[0], row_type, pool, bar.update, source_path)
+                        bundled = np.stack([up_rows.reshape(down_rows.shape), down_rows], axis=2)  # [expert, neuron, up|down, row]
+                        writer.write_tensor_data(bundled.reshape(-1, bundled.shape[-1]))
+                    else:
+                        writer.write_tensor_data(_quantize(t, shape[0], row_type, pool, bar.update, source_path,
+                                                           importance.get(t.name)))
+        finally:  # on an error or a signal, the chunks not yet started are dropped, not waited for
+            pool.shutdown(wait=True, cancel_futures=True)
         writer.close()
-        try:  # a link fails if the name appeared meanwhile (a symlink too): never overwrites
-            os.link(tmp, out)
+        try:
+            publish(tmp, out)
         except FileExistsError:
             raise FileExistsError(f"{out}: already exists; prepare never overwrites a file") from None
-    finally:
-        tmp.unlink(missing_ok=True)
     return out
 
 
@@ -274,12 +278,10 @@ def _open_model(path: pathlib.Path) -> gguf.GGUFReader:
 
 
 def _check_readable(t, source_path: pathlib.Path) -> None:
-    """Fail now, not after an hour of quantizing, on a tensor gguf cannot dequantize."""
-    try:
-        gguf.quants.dequantize(np.asarray(t.data).reshape(-1, t.data.shape[-1])[:1], QT(t.tensor_type))
-    except NotImplementedError:
-        raise ModelFileError(f"{source_path}: tensor '{t.name}' is {QT(t.tensor_type).name}, which the gguf package "
-                             "cannot read back as numbers; give an F16/BF16/F32 source") from None
+    """Fail now, not after an hour of quantizing, on a tensor ggml cannot read back as numbers."""
+    if not can_read_as_float(int(t.tensor_type)):
+        raise ModelFileError(f"{source_path}: tensor '{t.name}' is {QT(t.tensor_type).name}, which ggml cannot "
+                             "read back as numbers; give an F16/BF16/F32 source")
 
 
 def _field(reader: gguf.GGUFReader, key: str):
@@ -354,22 +356,40 @@ def _is_down(name: str) -> bool:
     return name.endswith(".ffn_down_exps.weight")
 
 
+def _raw_rows(t) -> np.ndarray:
+    """Tensor `t`'s rows as bytes, one ggml row each (the file's pages, mapped)."""
+    raw = np.asarray(t.data)
+    return raw.reshape(-1, raw.shape[-1]).view(np.uint8)
+
+
+def _quantize_rows(values: np.ndarray, row_type: QT, dst: np.ndarray, importance: np.ndarray | None = None) -> int:
+    """values [rows, n_per_row] float32 into dst (row_type's rows of bytes); the bytes written.
+    Q2_K without an importance matrix goes through libhobbit's copy of ggml's quantizer (the
+    same bytes, several times faster: hobbit-quantize.cpp)."""
+    rows, n_per_row = values.shape
+    if row_type == QT.Q2_K and importance is None and n_per_row % 256 == 0:
+        return _native.lib.hobbit_quantize_q2_K(_native.ffi.from_buffer("float[]", values),
+                                                _native.ffi.from_buffer(dst), rows, n_per_row)
+    weights = ffi.NULL if importance is None else ffi.from_buffer("float[]", importance)
+    return lib.ggml_quantize_chunk(row_type, ffi.from_buffer("float[]", values), ffi.from_buffer(dst), 0, rows,
+                                   n_per_row, weights)
+
+
 def _quantize_transposed(t, n_embd: int, row_type: QT, pool: ThreadPoolExecutor, on_bytes_read,
                          source_path) -> np.ndarray:
     """Stacked experts `t` ([n_ff, n_embd, n_expert] in ggml order) with each expert's matrix
     transposed, [n_embd, n_ff]: row f is neuron f's column, quantized by itself in row_type;
     [n_expert, n_ff, row bytes]."""
     n_ff = int(t.shape[0])
-    experts = np.asarray(t.data).reshape(-1, n_embd, t.data.shape[-1])  # one expert's rows each
+    experts = _raw_rows(t).reshape(-1, n_embd, _raw_rows(t).shape[-1])  # one expert's rows each
     row_bytes = lib.ggml_row_size(row_type, n_embd)
     quantized = np.empty((experts.shape[0], n_ff, row_bytes), np.uint8)
 
     def quantize_expert(e: int) -> int:
-        values = gguf.quants.dequantize(experts[e], QT(t.tensor_type)).reshape(n_embd, n_ff)
-        columns = np.ascontiguousarray(values.T, dtype=np.float32)
-        dst = ffi.from_buffer(quantized[e])
-        n_bytes = lib.ggml_quantize_chunk(row_type, ffi.from_buffer("float[]", columns), dst, 0, n_ff, n_embd, ffi.NULL)
-        if not lib.ggml_validate_row_data(row_type, dst, n_bytes):
+        values = rows_as_float(experts[e], int(t.tensor_type), n_ff).reshape(n_embd, n_ff)
+        columns = np.ascontiguousarray(values.T)
+        n_bytes = _quantize_rows(columns, row_type, quantized[e])
+        if not lib.ggml_validate_row_data(row_type, ffi.from_buffer(quantized[e]), n_bytes):
             raise ModelFileError(f"{source_path}: tensor '{t.name}' expert {e} gives invalid {row_type.name} blocks "
                                  "(values that are not finite?)")
         return experts[e].nbytes
@@ -383,7 +403,7 @@ def _quantize(t, n_per_row: int, row_type: QT, pool: ThreadPoolExecutor, on_byte
               importance: np.ndarray | None = None) -> np.ndarray:
     """Tensor `t` in row_type, quantized chunk by chunk of rows on the pool's threads;
     importance: [n_expert, n_per_row] column weights (chunks then stay within one expert)."""
-    rows = np.asarray(t.data).reshape(-1, t.data.shape[-1])  # one ggml row each, in elements or bytes
+    rows = _raw_rows(t)
     row_bytes = lib.ggml_row_size(row_type, n_per_row)
     quantized = np.empty((rows.shape[0], row_bytes), np.uint8)
     step = max(1, _CHUNK_ELEMENTS // n_per_row)
@@ -395,12 +415,10 @@ def _quantize(t, n_per_row: int, row_type: QT, pool: ThreadPoolExecutor, on_byte
     def quantize_chunk(start: tuple[int, int]) -> int:
         matrix, first = start
         part = rows[first: min(first + step, (matrix + 1) * rows_per_matrix)]
-        values = np.ascontiguousarray(gguf.quants.dequantize(part, QT(t.tensor_type)), dtype=np.float32)
-        dst = ffi.from_buffer(quantized[first: first + len(part)])
-        weights = ffi.NULL if importance is None else ffi.from_buffer("float[]", importance[matrix])
-        n_bytes = lib.ggml_quantize_chunk(row_type, ffi.from_buffer("float[]", values), dst, 0, len(part),
-                                          n_per_row, weights)
-        if not lib.ggml_validate_row_data(row_type, dst, n_bytes):
+        values = rows_as_float(part, int(t.tensor_type), n_per_row)
+        dst = quantized[first: first + len(part)]
+        n_bytes = _quantize_rows(values, row_type, dst, None if importance is None else importance[matrix])
+        if not lib.ggml_validate_row_data(row_type, ffi.from_buffer(dst), n_bytes):
             raise ModelFileError(f"{source_path}: tensor '{t.name}' rows {first}..{first + len(part) - 1} give "
                                  f"invalid {row_type.name} blocks (values that are not finite?)")
         return part.nbytes

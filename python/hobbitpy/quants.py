@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 import pathlib
-import tempfile
 
 from .errors import HobbitError
+from .outputs import partial_output, publish
 
 # llama.h enum llama_ftype: the uniform quant presets of llama-quantize, by their usual names
 FTYPES = {
@@ -57,21 +57,18 @@ def make_uniform_quant(model_path: str | os.PathLike, name: str, folder: str | o
     if out.is_file():
         return out, False
     out.parent.mkdir(parents=True, exist_ok=True)
-    # a fresh name nobody can have planted a symlink at (llama.cpp opens it for writing)
-    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial")
-    os.close(fd)
-    tmp = pathlib.Path(tmp_name)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FTYPES[quant_name(name)]
     params.nthread = threads or os.cpu_count() or 1
     params.allow_requantize = True
-    try:
+    # a fresh name nobody can have planted a symlink at (llama.cpp opens it for writing); a
+    # signal during llama.cpp's call takes effect when it returns, a killed run's file is
+    # removed by the next
+    with partial_output(out) as tmp:
         # llama.cpp logs every tensor it quantizes: not for the user's terminal
         with llama_cpp._utils.suppress_stdout_stderr(disable=False):
             status = llama_cpp.llama_model_quantize(os.fsencode(model_path), os.fsencode(tmp), params)
         if status != 0:
             raise HobbitError(f"{model_path}: llama.cpp could not quantize it to {name} (status {status})")
-        os.link(tmp, out)  # fails if a concurrent run made it meanwhile: never overwrite
-    finally:
-        tmp.unlink(missing_ok=True)
+        publish(tmp, out)  # fails if a concurrent run made it meanwhile: never overwrite
     return out, True

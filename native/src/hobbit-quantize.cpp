@@ -1,0 +1,219 @@
+// Q2_K quantization, byte for byte ggml's reference quantizer (quantize_row_q2_K_ref in
+// ggml-quants.c: what ggml_quantize_chunk runs for Q2_K without an importance matrix), made
+// fast enough to prepare a real-size model's low-precision copy in minutes.
+//
+// ggml searches 16 trial scales for each 16-value sub-block one sub-block at a time, in
+// scalar code: about 10-20 M values/s per core here, 25 minutes for a 30B MoE's experts on
+// two cores. The same search done for the 16 sub-blocks of a 256-value super-block at once,
+// one sub-block per vector lane, is the same arithmetic in the same order per sub-block, so
+// every block comes out identical (tests/test_prepare.py compares them), and the compiler
+// turns each step into a few vector instructions: 8 sub-blocks a register with AVX2, 4 with
+// SSE2 or NEON. The file is built with -ffp-contract=off (native/CMakeLists.txt): ggml-base's
+// portable x86-64 build fuses no multiply-add, and a fused one rounds differently (where
+// ggml-base itself is built to fuse them, as on aarch64, the blocks may differ from its in
+// the last bit of a scale: the same search, as good a fit).
+#include "hobbit.h"
+
+#include "ggml.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int QK_K = 256;
+constexpr int SUB = 16;             // values in a Q2_K sub-block
+constexpr int LANES = QK_K / SUB;   // sub-blocks in a super-block: one per lane
+
+struct block_q2_K {                 // ggml-common.h
+    uint8_t scales[QK_K / 16];      // scale and min of each sub-block, 4 bits each
+    uint8_t qs[QK_K / 4];           // the 2-bit values
+    ggml_fp16_t d;
+    ggml_fp16_t dmin;
+};
+static_assert(sizeof(block_q2_K) == 84, "Q2_K block layout");
+
+// ggml's nearest_int: round to nearest, ties to even, for |f| < 2^22
+inline int nearest_int(float f) {
+    float v = f + 12582912.f;
+    int32_t i;
+    std::memcpy(&i, &v, sizeof i);
+    return (i & 0x007fffff) - 0x00400000;
+}
+
+inline int clamp_int(int l, int hi) { return l < 0 ? 0 : (l > hi ? hi : l); }
+
+#define ALWAYS_INLINE __attribute__((always_inline)) inline  // into each ISA's entry point below
+
+// W sub-blocks' values side by side (GCC's vector extensions); W is one register's floats:
+// wider vectors than the ISA has are lowered lane by lane wherever they select
+template <int W> struct lanes;
+#define HOBBIT_LANES(W)                                                                         \
+    template <> struct lanes<W> {                                                               \
+        typedef float f __attribute__((vector_size(W * sizeof(float))));                        \
+        typedef int32_t i __attribute__((vector_size(W * sizeof(int32_t))));                    \
+        static ALWAYS_INLINE f abs(f x) { return (f) ((i) x & 0x7fffffff); }                    \
+        static ALWAYS_INLINE i nearest_int(f x) { /* ggml's nearest_int, lane by lane */        \
+            f v = x + 12582912.f;                                                               \
+            return ((i) v & 0x007fffff) - 0x00400000;                                           \
+        }                                                                                       \
+        static ALWAYS_INLINE i clamp(i l, int hi) {                                             \
+            const i zero = {}, top = zero + hi;                                                 \
+            l = l < zero ? zero : l;                                                            \
+            return l > top ? top : l;                                                           \
+        }                                                                                       \
+        static ALWAYS_INLINE f to_float(i l) { return __builtin_convertvector(l, f); }          \
+    };
+HOBBIT_LANES(4)
+HOBBIT_LANES(8)
+
+// make_qkx2_quants(16, 3, x, |x|, L, &min, Laux, -0.5f, 0.1f, 15, true) for W sub-blocks at
+// once: xt[i] holds value i of each. Writes each sub-block's levels (lt[i], as xt), its scale
+// and its negated min.
+template <int W>
+ALWAYS_INLINE void search_scales(const typename lanes<W>::f (&xt)[SUB], typename lanes<W>::i (&lt)[SUB],
+                                 typename lanes<W>::f & scale, typename lanes<W>::f & the_min) {
+    using V = lanes<W>;
+    typedef typename V::f vfloat;
+    typedef typename V::i vint;
+    constexpr int nmax = 3, nstep = 15;
+    constexpr float rmin = -0.5f, rdelta = 0.1f;
+    const vfloat zero = {};
+    vfloat min = xt[0], max = xt[0];
+    vfloat sum_w = V::abs(xt[0]);
+    vfloat sum_x = sum_w * xt[0];
+    for (int i = 1; i < SUB; ++i) {
+        min = xt[i] < min ? xt[i] : min;
+        max = xt[i] > max ? xt[i] : max;
+        vfloat w = V::abs(xt[i]);
+        sum_w += w;
+        sum_x += w * xt[i];
+    }
+    min = min > 0 ? zero : min;
+    // a flat sub-block (max == min): ggml returns at once with scale 0 and every level 0; its
+    // lane below computes with an infinite iscale, and no trial is taken (its error is never
+    // below the 0 of the first pass)
+    const vint flat = max == min;
+    vfloat iscale = nmax / (max - min);
+    scale = 1 / iscale;
+    vfloat best = zero;
+    for (int i = 0; i < SUB; ++i) {
+        lt[i] = V::clamp(V::nearest_int(iscale * (xt[i] - min)), nmax);
+        vfloat diff = V::abs(scale * V::to_float(lt[i]) + min - xt[i]);
+        best += V::abs(xt[i]) * diff;
+    }
+    vfloat w[SUB];  // each value's weight in every fit below
+    for (int i = 0; i < SUB; ++i) w[i] = V::abs(xt[i]);
+    // as ggml's: each trial measures from the best fit's min so far
+    for (int is = 0; is <= nstep; ++is) {
+        iscale = (rmin + rdelta * is + nmax) / (max - min);
+        vint aux[SUB];
+        vfloat sum_l = zero, sum_l2 = zero, sum_xl = zero;
+        for (int i = 0; i < SUB; ++i) {
+            aux[i] = V::clamp(V::nearest_int(iscale * (xt[i] - min)), nmax);
+            vfloat wl = w[i] * V::to_float(aux[i]);
+            sum_l += wl;
+            sum_l2 += wl * V::to_float(aux[i]);
+            sum_xl += wl * xt[i];
+        }
+        vfloat D = sum_w * sum_l2 - sum_l * sum_l;
+        vfloat this_scale = (sum_w * sum_xl - sum_x * sum_l) / D;
+        vfloat this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D;
+        vint clip = this_min > 0;
+        this_scale = clip ? sum_xl / sum_l2 : this_scale;
+        this_min = clip ? zero : this_min;
+        vfloat error = zero;
+        for (int i = 0; i < SUB; ++i) {
+            vfloat diff = V::abs(this_scale * V::to_float(aux[i]) + this_min - xt[i]);
+            error += w[i] * diff;
+        }
+        vint better = (D > 0) & (error < best);  // ggml skips a trial whose D is not positive
+        best = better ? error : best;
+        scale = better ? this_scale : scale;
+        min = better ? this_min : min;
+        for (int i = 0; i < SUB; ++i) lt[i] = better ? aux[i] : lt[i];
+    }
+    the_min = -min;
+    scale = flat ? zero : scale;
+    for (int i = 0; i < SUB; ++i) lt[i] = flat ? vint{} : lt[i];
+}
+
+template <int W> ALWAYS_INLINE void quantize_super_block(const float * x, block_q2_K & y) {
+    float scales[LANES], mins[LANES];
+    uint8_t lt[SUB][LANES];  // the search's levels, value i of sub-block j at [i][j]
+    for (int group = 0; group < LANES; group += W) {
+        typename lanes<W>::f xt[SUB];
+        for (int j = 0; j < W; ++j)
+            for (int i = 0; i < SUB; ++i) xt[i][j] = x[SUB * (group + j) + i];
+        typename lanes<W>::i levels[SUB];
+        typename lanes<W>::f scale, min;
+        search_scales<W>(xt, levels, scale, min);
+        for (int j = 0; j < W; ++j) {
+            scales[group + j] = scale[j];
+            mins[group + j] = min[j];
+            for (int i = 0; i < SUB; ++i) lt[i][group + j] = (uint8_t) levels[i][j];
+        }
+    }
+
+    const float q4scale = 15.f;
+    float max_scale = 0, max_min = 0;
+    for (int j = 0; j < LANES; ++j) {
+        if (scales[j] > max_scale) max_scale = scales[j];
+        if (mins[j] > max_min) max_min = mins[j];
+    }
+    if (max_scale > 0) {
+        float iscale = q4scale / max_scale;
+        for (int j = 0; j < LANES; ++j) y.scales[j] = (uint8_t) nearest_int(iscale * scales[j]);
+        y.d = ggml_fp32_to_fp16(max_scale / q4scale);
+    } else {
+        for (int j = 0; j < LANES; ++j) y.scales[j] = 0;
+        y.d = ggml_fp32_to_fp16(0.f);
+    }
+    if (max_min > 0) {
+        float iscale = q4scale / max_min;
+        for (int j = 0; j < LANES; ++j) y.scales[j] |= (uint8_t) (nearest_int(iscale * mins[j]) << 4);
+        y.dmin = ggml_fp32_to_fp16(max_min / q4scale);
+    } else {
+        y.dmin = ggml_fp32_to_fp16(0.f);
+    }
+    // the levels again against the 4-bit scales and mins (sub-blocks of scale 0 keep the search's)
+    const float d_all = ggml_fp16_to_fp32(y.d), dmin_all = ggml_fp16_to_fp32(y.dmin);
+    uint8_t L[QK_K];
+    for (int j = 0; j < LANES; ++j) {
+        const float d = d_all * (y.scales[j] & 0xF);
+        const float dm = dmin_all * (y.scales[j] >> 4);
+        for (int i = 0; i < SUB; ++i)
+            L[SUB * j + i] = d != 0 ? (uint8_t) clamp_int(nearest_int((x[SUB * j + i] + dm) / d), 3) : lt[i][j];
+    }
+    for (int j = 0; j < QK_K; j += 128)
+        for (int l = 0; l < 32; ++l)
+            y.qs[j / 4 + l] = L[j + l] | (L[j + l + 32] << 2) | (L[j + l + 64] << 4) | (L[j + l + 96] << 6);
+}
+
+void quantize_blocks(const float * x, block_q2_K * y, int64_t n_blocks) {  // the baseline ISA
+    for (int64_t b = 0; b < n_blocks; ++b) quantize_super_block<4>(x + b * QK_K, y[b]);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2,fma,f16c")))
+void quantize_blocks_avx2(const float * x, block_q2_K * y, int64_t n_blocks) {
+    for (int64_t b = 0; b < n_blocks; ++b) quantize_super_block<8>(x + b * QK_K, y[b]);
+}
+#endif
+
+}  // namespace
+
+extern "C" size_t hobbit_quantize_q2_K(const float * src, void * dst, int64_t nrows, int64_t n_per_row) {
+    if (n_per_row <= 0 || n_per_row % QK_K != 0 || nrows < 0) return 0;
+    auto * y = static_cast<block_q2_K *>(dst);
+    const int64_t n_blocks = nrows * (n_per_row / QK_K);
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        quantize_blocks_avx2(src, y, n_blocks);
+        return (size_t) n_blocks * sizeof(block_q2_K);
+    }
+#endif
+    quantize_blocks(src, y, n_blocks);
+    return (size_t) n_blocks * sizeof(block_q2_K);
+}
