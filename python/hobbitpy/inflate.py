@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from .errors import ModelFileError
 from .gguf_fields import field_value
+from .outputs import check_free_space, partial_output, publish
 
 _WIDENED = (".ffn_gate_exps.weight", ".ffn_up_exps.weight")
 _WIDENED_BIAS = (".ffn_gate_exps.bias", ".ffn_up_exps.bias")
@@ -123,9 +124,10 @@ def _write(reader, arch: str, dst: pathlib.Path, replace: dict, add: dict, plan:
     """Write dst: reader's metadata with the values of `replace` (key: value, the source's type
     kept) and the keys of `add` (key: (value, GGUFValueType)), and the tensors of `plan` ((tensor,
     kind, new ggml shape)) as new_data(tensor, kind) gives their bytes ("copy": the source's);
-    through a temporary file, so a failure leaves nothing."""
-    tmp = dst.with_name(dst.name + ".tmp")
-    try:
+    through a partial file, so a failure or a signal leaves nothing."""
+    sizes = {id(t): _row_bytes(QT(t.tensor_type), shape[0]) * int(np.prod(shape[1:])) for t, _, shape in plan}
+    check_free_space(dst.parent, reader.data_offset + sum(sizes.values()), str(dst))
+    with partial_output(dst) as tmp:
         writer = gguf.GGUFWriter(tmp, arch)
         for key, field in reader.fields.items():
             if key.startswith("GGUF.") or key == "general.architecture":
@@ -136,12 +138,10 @@ def _write(reader, arch: str, dst: pathlib.Path, replace: dict, add: dict, plan:
             writer.add_key_value(key, value, vtype)
         for t, kind, new_shape in plan:
             qtype = QT(t.tensor_type)
-            n_elems = int(np.prod(new_shape))
-            nbytes = n_elems // gguf.GGML_QUANT_SIZES[qtype][0] * gguf.GGML_QUANT_SIZES[qtype][1]
             # numpy order, innermost dimension in bytes (GGUFWriter turns it back into elements)
             byte_shape = list(reversed(new_shape))
             byte_shape[-1] = _row_bytes(qtype, new_shape[0])
-            writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=qtype)
+            writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), sizes[id(t)], raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -151,10 +151,7 @@ def _write(reader, arch: str, dst: pathlib.Path, replace: dict, add: dict, plan:
                 writer.write_tensor_data(np.ascontiguousarray(data).view(np.uint8))
                 bar.update(1)
         writer.close()
-        os.replace(tmp, dst)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        publish(tmp, dst)
     return dst
 
 
