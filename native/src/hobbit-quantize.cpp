@@ -95,26 +95,29 @@ ALWAYS_INLINE void search_scales(const typename lanes<W>::f (&xt)[SUB], typename
     // lane below computes with an infinite iscale, and no trial is taken (its error is never
     // below the 0 of the first pass)
     const vint flat = max == min;
+    // the levels of a fit are those of its iscale measured from its min: rather than copy a
+    // better trial's levels each time, keep the two and compute the best fit's levels once
     vfloat iscale = nmax / (max - min);
+    vfloat fit_iscale = iscale, fit_from = min;
     scale = 1 / iscale;
     vfloat best = zero;
+    vfloat w[SUB];  // each value's weight in every fit
     for (int i = 0; i < SUB; ++i) {
-        lt[i] = V::clamp(V::nearest_int(iscale * (xt[i] - min)), nmax);
-        vfloat diff = V::abs(scale * V::to_float(lt[i]) + min - xt[i]);
-        best += V::abs(xt[i]) * diff;
+        w[i] = V::abs(xt[i]);
+        vfloat l = V::to_float(V::clamp(V::nearest_int(iscale * (xt[i] - min)), nmax));
+        vfloat diff = V::abs(scale * l + min - xt[i]);
+        best += w[i] * diff;
     }
-    vfloat w[SUB];  // each value's weight in every fit below
-    for (int i = 0; i < SUB; ++i) w[i] = V::abs(xt[i]);
     // as ggml's: each trial measures from the best fit's min so far
     for (int is = 0; is <= nstep; ++is) {
         iscale = (rmin + rdelta * is + nmax) / (max - min);
-        vint aux[SUB];
+        vfloat l[SUB];
         vfloat sum_l = zero, sum_l2 = zero, sum_xl = zero;
         for (int i = 0; i < SUB; ++i) {
-            aux[i] = V::clamp(V::nearest_int(iscale * (xt[i] - min)), nmax);
-            vfloat wl = w[i] * V::to_float(aux[i]);
+            l[i] = V::to_float(V::clamp(V::nearest_int(iscale * (xt[i] - min)), nmax));
+            vfloat wl = w[i] * l[i];
             sum_l += wl;
-            sum_l2 += wl * V::to_float(aux[i]);
+            sum_l2 += wl * l[i];
             sum_xl += wl * xt[i];
         }
         vfloat D = sum_w * sum_l2 - sum_l * sum_l;
@@ -125,15 +128,17 @@ ALWAYS_INLINE void search_scales(const typename lanes<W>::f (&xt)[SUB], typename
         this_min = clip ? zero : this_min;
         vfloat error = zero;
         for (int i = 0; i < SUB; ++i) {
-            vfloat diff = V::abs(this_scale * V::to_float(aux[i]) + this_min - xt[i]);
+            vfloat diff = V::abs(this_scale * l[i] + this_min - xt[i]);
             error += w[i] * diff;
         }
         vint better = (D > 0) & (error < best);  // ggml skips a trial whose D is not positive
         best = better ? error : best;
+        fit_iscale = better ? iscale : fit_iscale;
+        fit_from = better ? min : fit_from;
         scale = better ? this_scale : scale;
         min = better ? this_min : min;
-        for (int i = 0; i < SUB; ++i) lt[i] = better ? aux[i] : lt[i];
     }
+    for (int i = 0; i < SUB; ++i) lt[i] = V::clamp(V::nearest_int(fit_iscale * (xt[i] - fit_from)), nmax);
     the_min = -min;
     scale = flat ? zero : scale;
     for (int i = 0; i < SUB; ++i) lt[i] = flat ? vint{} : lt[i];
