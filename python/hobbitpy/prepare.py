@@ -215,20 +215,22 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
             lib.ggml_quantize_init(row_type)
         total = sum(int(t.n_bytes) + (int(down.n_bytes) if down is not None else 0) for t, _, _, down in plan)
         pool = ThreadPoolExecutor(threads)
+        reads = _SourceReads(source_path)
         try:
             with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
                       desc=f"{qtype.name} experts") as bar:
                 for t, shape, row_type, down in plan:
                     if down is not None:
-                        up_rows = _quantize(t, shape[0], row_type, pool, bar.update, source_path)
-                        down_rows = _quantize_transposed(down, shape[0], row_type, pool, bar.update, source_path)
+                        up_rows = _quantize(t, shape[0], row_type, pool, bar.update, reads)
+                        down_rows = _quantize_transposed(down, shape[0], row_type, pool, bar.update, reads)
                         bundled = np.stack([up_rows.reshape(down_rows.shape), down_rows], axis=2)  # [expert, neuron, up|down, row]
                         writer.write_tensor_data(bundled.reshape(-1, bundled.shape[-1]))
                     else:
-                        writer.write_tensor_data(_quantize(t, shape[0], row_type, pool, bar.update, source_path,
+                        writer.write_tensor_data(_quantize(t, shape[0], row_type, pool, bar.update, reads,
                                                            importance.get(t.name)))
         finally:  # on an error or a signal, the chunks not yet started are dropped, not waited for
             pool.shutdown(wait=True, cancel_futures=True)
+            reads.close()
         writer.close()
         try:
             publish(tmp, out)
@@ -356,10 +358,33 @@ def _is_down(name: str) -> bool:
     return name.endswith(".ffn_down_exps.weight")
 
 
-def _raw_rows(t) -> np.ndarray:
-    """Tensor `t`'s rows as bytes, one ggml row each (the file's pages, mapped)."""
-    raw = np.asarray(t.data)
-    return raw.reshape(-1, raw.shape[-1]).view(np.uint8)
+class _SourceReads:
+    """The source's tensors read chunk by chunk with pread (threads read in parallel), each
+    tensor's pages dropped from the page cache once it is quantized: a real-size source
+    passes through without filling memory or pushing out what else the machine caches."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def rows(self, t, first: int, n: int) -> np.ndarray:
+        """Rows first..first+n-1 of tensor t (one ggml row of bytes each)."""
+        row_bytes = int(t.n_bytes) // _n_rows(t)
+        out = np.empty((n, row_bytes), np.uint8)
+        offset = int(t.data_offset) + first * row_bytes
+        if os.preadv(self.fd, [out], offset) != out.nbytes:
+            raise ModelFileError(f"{self.path}: tensor '{t.name}' ends early (the file was truncated?)")
+        return out
+
+    def done(self, t) -> None:
+        os.posix_fadvise(self.fd, int(t.data_offset), int(t.n_bytes), os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _n_rows(t) -> int:
+    return int(np.prod([int(n) for n in t.shape[1:]]))
 
 
 def _quantize_rows(values: np.ndarray, row_type: QT, dst: np.ndarray, importance: np.ndarray | None = None) -> int:
@@ -376,53 +401,57 @@ def _quantize_rows(values: np.ndarray, row_type: QT, dst: np.ndarray, importance
 
 
 def _quantize_transposed(t, n_embd: int, row_type: QT, pool: ThreadPoolExecutor, on_bytes_read,
-                         source_path) -> np.ndarray:
+                         reads: _SourceReads) -> np.ndarray:
     """Stacked experts `t` ([n_ff, n_embd, n_expert] in ggml order) with each expert's matrix
     transposed, [n_embd, n_ff]: row f is neuron f's column, quantized by itself in row_type;
     [n_expert, n_ff, row bytes]."""
     n_ff = int(t.shape[0])
-    experts = _raw_rows(t).reshape(-1, n_embd, _raw_rows(t).shape[-1])  # one expert's rows each
+    n_expert = _n_rows(t) // n_embd
     row_bytes = lib.ggml_row_size(row_type, n_embd)
-    quantized = np.empty((experts.shape[0], n_ff, row_bytes), np.uint8)
+    quantized = np.empty((n_expert, n_ff, row_bytes), np.uint8)
 
     def quantize_expert(e: int) -> int:
-        values = rows_as_float(experts[e], int(t.tensor_type), n_ff).reshape(n_embd, n_ff)
+        raw = reads.rows(t, e * n_embd, n_embd)  # the expert's rows
+        values = rows_as_float(raw, int(t.tensor_type), n_ff).reshape(n_embd, n_ff)
         columns = np.ascontiguousarray(values.T)
         n_bytes = _quantize_rows(columns, row_type, quantized[e])
         if not lib.ggml_validate_row_data(row_type, ffi.from_buffer(quantized[e]), n_bytes):
-            raise ModelFileError(f"{source_path}: tensor '{t.name}' expert {e} gives invalid {row_type.name} blocks "
+            raise ModelFileError(f"{reads.path}: tensor '{t.name}' expert {e} gives invalid {row_type.name} blocks "
                                  "(values that are not finite?)")
-        return experts[e].nbytes
+        return raw.nbytes
 
-    for n_bytes_read in pool.map(quantize_expert, range(experts.shape[0])):
+    for n_bytes_read in pool.map(quantize_expert, range(n_expert)):
         on_bytes_read(n_bytes_read)
+    reads.done(t)
     return quantized
 
 
-def _quantize(t, n_per_row: int, row_type: QT, pool: ThreadPoolExecutor, on_bytes_read, source_path,
+def _quantize(t, n_per_row: int, row_type: QT, pool: ThreadPoolExecutor, on_bytes_read, reads: _SourceReads,
               importance: np.ndarray | None = None) -> np.ndarray:
     """Tensor `t` in row_type, quantized chunk by chunk of rows on the pool's threads;
     importance: [n_expert, n_per_row] column weights (chunks then stay within one expert)."""
-    rows = _raw_rows(t)
+    n_rows = _n_rows(t)
     row_bytes = lib.ggml_row_size(row_type, n_per_row)
-    quantized = np.empty((rows.shape[0], row_bytes), np.uint8)
+    quantized = np.empty((n_rows, row_bytes), np.uint8)
     step = max(1, _CHUNK_ELEMENTS // n_per_row)
     n_matrix = importance.shape[0] if importance is not None else 1
-    rows_per_matrix = rows.shape[0] // n_matrix
+    rows_per_matrix = n_rows // n_matrix
     starts = [(m, first) for m in range(n_matrix)
               for first in range(m * rows_per_matrix, (m + 1) * rows_per_matrix, step)]
 
     def quantize_chunk(start: tuple[int, int]) -> int:
         matrix, first = start
-        part = rows[first: min(first + step, (matrix + 1) * rows_per_matrix)]
+        n = min(step, (matrix + 1) * rows_per_matrix - first)
+        part = reads.rows(t, first, n)
         values = rows_as_float(part, int(t.tensor_type), n_per_row)
-        dst = quantized[first: first + len(part)]
+        dst = quantized[first: first + n]
         n_bytes = _quantize_rows(values, row_type, dst, None if importance is None else importance[matrix])
         if not lib.ggml_validate_row_data(row_type, ffi.from_buffer(dst), n_bytes):
-            raise ModelFileError(f"{source_path}: tensor '{t.name}' rows {first}..{first + len(part) - 1} give "
+            raise ModelFileError(f"{reads.path}: tensor '{t.name}' rows {first}..{first + n - 1} give "
                                  f"invalid {row_type.name} blocks (values that are not finite?)")
         return part.nbytes
 
     for n_bytes_read in pool.map(quantize_chunk, starts):
         on_bytes_read(n_bytes_read)
+    reads.done(t)
     return quantized
