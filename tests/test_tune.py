@@ -195,3 +195,19 @@ def test_a_profile_of_the_fate_preset_loads_as_the_preset(tmp_path):
     settings = load_profile(tmp_path / "p.json", model).settings
     assert OffloadConfig(**settings) == OffloadConfig(**preset_settings("fate"))
     hash(OffloadConfig(**settings))
+
+
+def test_copies_no_smaller_than_the_model_are_neither_made_nor_scored(model_dir, tmp_path):
+    # a model whose experts are Q4_K: a Q6_K copy or a Q4_K_M quant cannot be smaller, and at
+    # real size making them costs minutes and gigabytes for nothing
+    path = tiny_model(model_dir, "llama", n_embd=256, n_ff=256, expert_type="Q4_K")
+    model = tmp_path / path.name
+    model.symlink_to(path)
+    (tmp_path / "tune.txt").write_text(TEXT)
+    p = _tune(model, tmp_path / "p.json", "--memory", "400", "--max-ppl-increase", "0.05",
+              candidates="model,Q6_K,Q4_K_M,Q4_K,Q2_K")
+    assert p.returncode == 0, p.stderr
+    rows = json.loads((tmp_path / "p.json").read_text())["calibration"]["candidates"]
+    assert {r["name"] for r in rows} == {"model", "Q2_K"}
+    made = sorted(f.name for f in tmp_path.rglob("*.gguf") if f.name != model.name)
+    assert made == [f"{model.stem}.experts-Q2_K.gguf"], made

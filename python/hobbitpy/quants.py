@@ -18,6 +18,14 @@ FTYPES = {
 }
 
 
+# each preset's base type (llama-quant.cpp's default type of the ftype): most of a mix's expert
+# blocks are of it, the rest (some down projections) higher, so a mix spends at least its bits
+BASE_TYPES = {
+    "Q8_0": "Q8_0", "Q6_K": "Q6_K", "Q5_K_M": "Q5_K", "Q5_K_S": "Q5_K", "Q4_K_M": "Q4_K", "Q4_K_S": "Q4_K",
+    "Q4_0": "Q4_0", "Q3_K_L": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_S": "Q3_K", "Q2_K": "Q2_K",
+}
+
+
 def is_mix_name(name: str) -> bool:
     """A llama.cpp mix (Q4_K_M, Q3_K_S, ...: a type per tensor kind, its down projections
     higher) rather than one ggml type; bench and the precision levels use both."""

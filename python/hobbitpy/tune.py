@@ -36,6 +36,9 @@ from dataclasses import dataclass
 import math
 import os
 
+from gguf import GGMLQuantizationType as QT
+
+from ._ggml import lib as ggml
 from .config import MB, OffloadConfig
 from .errors import HobbitError
 from .evaluate import Reference, evaluate_against, tokenize_text
@@ -43,6 +46,7 @@ from .memory import ContextShape, context_sizes, fit_ubatch, plan_offload, proce
 from .model_file import ModelInfo, inspect_model
 from .presets import preset_settings
 from .profile import Profile
+from .quants import BASE_TYPES, is_mix_name
 
 # memory streams expert weights to the matmuls about this many times faster than the disk
 # delivers a missed expert (O_DIRECT reads plus the copy into the slot; this machine: 1-1.7
@@ -160,6 +164,19 @@ def _level_file(model: str, spec: str, threads: int, log) -> str:
     return str(path)
 
 
+def _can_be_smaller(info: ModelInfo, spec: str) -> bool:
+    """Whether a level of this type or mix can hold the model's experts in fewer bytes: its
+    (base) type must spend fewer bits a weight than the model's experts do. Decided before a
+    file is made (at real size, a copy made for nothing costs minutes and gigabytes)."""
+    name = BASE_TYPES[spec.upper()] if is_mix_name(spec) or spec.upper() in BASE_TYPES else spec.upper()
+    if name not in QT.__members__:
+        return True  # an unknown name fails later, with its own message
+    qtype = QT[name]
+    bits = 8 * ggml.ggml_type_size(qtype) / ggml.ggml_blck_size(qtype)
+    n_weights = info.n_layer_moe * info.n_expert * 3 * info.n_embd * info.n_ff_expert
+    return n_weights == 0 or bits < 8 * info.expert_bytes_total / n_weights
+
+
 def expert_budget(info: ModelInfo, available_bytes: int | None, shape: ContextShape, levels: tuple[ModelInfo, ...],
                   config: OffloadConfig) -> int | None:
     """The budget `run` would plan with available_bytes left to it (None: the memory available
@@ -208,6 +225,8 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: f
                 log(f"  {cand.name:<{width}} skipped: {unplaced}")
                 continue
             settings["importance"] = importance
+        if any(not _can_be_smaller(info, settings[k]) for k in ("high", "low") if k in settings):
+            continue  # a copy no smaller than the model's experts: not made, not scored
         try:
             files = {k: _level_file(model, settings[k], threads, log) for k in ("high", "low") if k in settings}
         except (HobbitError, ValueError, OSError) as e:
