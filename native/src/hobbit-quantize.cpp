@@ -9,14 +9,13 @@
 // every block comes out identical (tests/test_prepare.py compares them), and the compiler
 // turns each step into a few vector instructions: 8 sub-blocks a register with AVX2, 4 with
 // SSE2 or NEON. The file is built with -ffp-contract=off (native/CMakeLists.txt): ggml-base's
-// portable x86-64 build fuses no multiply-add, and a fused one rounds differently (where
-// ggml-base itself is built to fuse them, as on aarch64, the blocks may differ from its in
-// the last bit of a scale: the same search, as good a fit).
+// portable x86-64 build fuses no multiply-add, and a fused one rounds differently. (Where
+// ggml-base's compiler does fuse them, as GCC's default on aarch64 may, a block can differ
+// from ggml's in the last bit of a scale: the same search, as good a fit; not checked there.)
 #include "hobbit.h"
 
 #include "ggml.h"
 
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -201,7 +200,7 @@ void quantize_blocks(const float * x, block_q2_K * y, int64_t n_blocks) {  // th
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx2,fma,f16c")))
+__attribute__((target("avx2,fma")))
 void quantize_blocks_avx2(const float * x, block_q2_K * y, int64_t n_blocks) {
     for (int64_t b = 0; b < n_blocks; ++b) quantize_super_block<8>(x + b * QK_K, y[b]);
 }

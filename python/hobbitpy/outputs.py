@@ -4,7 +4,7 @@ before the work starts (`new_output_error`) and again when written (`write_new`)
 content goes to a fresh temporary file in the target folder and is linked to its name —
 a link that fails if the name appeared meanwhile, and never follows a symlink.
 
-Large files written for minutes (companions, uniform quants) go through `partial_output`:
+Large files written for minutes (companions, uniform quants, inflated models) go through `partial_output`:
 the partial file carries its writer's process id, so the next run removes what a killed
 one left; SIGTERM and SIGHUP end the writer the way Ctrl-C does, removing the partial file;
 and the free space is checked before the first byte (`check_free_space`).
@@ -105,10 +105,6 @@ def _remove_dead_partials(path: pathlib.Path) -> None:
         match = pattern.fullmatch(entry.name)
         if match and not _process_runs(int(match.group(1))) and not entry.is_symlink():
             entry.unlink(missing_ok=True)
-
-
-def glob_escape(name: str) -> str:
-    return re.sub(r"([*?\[])", r"[\1]", name)
 
 
 def _process_runs(pid: int) -> bool:

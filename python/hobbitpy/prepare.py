@@ -6,9 +6,10 @@ model (the native runtime indexes a companion with the same code as a model and 
 that both agree), then only the routed expert tensors, same names, shapes and order,
 re-quantized by ggml's own quantizer (`ggml_quantize_chunk`, what `llama-quantize`
 runs; for Q2_K without an importance matrix, libhobbit's vectorized copy of it, which writes
-the same bytes several times faster), read back as numbers by ggml's `to_float`, tensor by
-tensor on threads, through a partial file that a failure or a signal removes. The source of the weights is the model itself or, better, the same model in
-F16/BF16/F32. Rows that are not whole blocks of the type fall back as
+the same bytes several times faster). The source is read with pread chunk by chunk and back
+as numbers by ggml's `to_float`, on threads; the file is written through a partial file
+that a failure or a signal removes. The source of the weights is the model itself or,
+better, the same model in F16/BF16/F32. Rows that are not whole blocks of the type fall back as
 `llama-quant.cpp` does; the file records which tensors did. With an importance matrix
 (`hobbitpy imatrix`, or llama-imatrix's file) each expert's rows are quantized weighing
 its columns by it, as llama-quantize does, and the lowest-bit types (IQ2_*, IQ1_*) become
@@ -214,8 +215,8 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
         for row_type in {row_type for _, _, row_type, _ in plan}:
             lib.ggml_quantize_init(row_type)
         total = sum(int(t.n_bytes) + (int(down.n_bytes) if down is not None else 0) for t, _, _, down in plan)
-        pool = ThreadPoolExecutor(threads)
         reads = _SourceReads(source_path)
+        pool = ThreadPoolExecutor(threads)
         try:
             with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
                       desc=f"{qtype.name} experts") as bar:

@@ -46,7 +46,7 @@ from .memory import ContextShape, context_sizes, fit_ubatch, plan_offload, proce
 from .model_file import ModelInfo, inspect_model
 from .presets import preset_settings
 from .profile import Profile
-from .quants import BASE_TYPES, is_mix_name
+from .quants import BASE_TYPES
 
 # memory streams expert weights to the matmuls about this many times faster than the disk
 # delivers a missed expert (O_DIRECT reads plus the copy into the slot; this machine: 1-1.7
@@ -168,7 +168,7 @@ def _can_be_smaller(info: ModelInfo, spec: str) -> bool:
     """Whether a level of this type or mix can hold the model's experts in fewer bytes: its
     (base) type must spend fewer bits a weight than the model's experts do. Decided before a
     file is made (at real size, a copy made for nothing costs minutes and gigabytes)."""
-    name = BASE_TYPES[spec.upper()] if is_mix_name(spec) or spec.upper() in BASE_TYPES else spec.upper()
+    name = BASE_TYPES.get(spec.upper(), spec.upper())
     if name not in QT.__members__:
         return True  # an unknown name fails later, with its own message
     qtype = QT[name]
@@ -225,8 +225,10 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: f
                 log(f"  {cand.name:<{width}} skipped: {unplaced}")
                 continue
             settings["importance"] = importance
-        if any(not _can_be_smaller(info, settings[k]) for k in ("high", "low") if k in settings):
-            continue  # a copy no smaller than the model's experts: not made, not scored
+        larger = [settings[k] for k in ("high", "low") if k in settings and not _can_be_smaller(info, settings[k])]
+        if larger:  # not made, not scored
+            log(f"  {cand.name:<{width}} skipped: a {larger[0]} copy is no smaller than the model's experts")
+            continue
         try:
             files = {k: _level_file(model, settings[k], threads, log) for k in ("high", "low") if k in settings}
         except (HobbitError, ValueError, OSError) as e:
