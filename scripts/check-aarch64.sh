@@ -20,8 +20,11 @@ if [ ${#need[@]} -gt 0 ]; then
         echo "check-aarch64: needs the Debian packages ${need[*]} (run as root to install them)" >&2
         exit 1
     fi
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            "${need[@]}" >/dev/null; }; then
+        echo "check-aarch64: could not install the Debian packages ${need[*]} with apt-get (is a Debian mirror reachable?)" >&2
+        exit 1
+    fi
 fi
 
 # the aarch64 wheels, as a user gets them; their libraries run below
