@@ -60,8 +60,10 @@ def run_logits(path, offload: hobbitpy.OffloadConfig, *, n_threads: int = 2):
         llm.close()
 
 
-def default_sigint() -> None:
-    """preexec_fn of a child a test interrupts with SIGINT: Ctrl-C's default disposition, as in
-    a terminal. A suite started in the background of a non-interactive shell inherits SIGINT
-    ignored, and Python then installs no KeyboardInterrupt handler in its children."""
+def default_signals() -> None:
+    """preexec_fn of a child a test interrupts with a signal: SIGINT's and SIGHUP's default
+    dispositions, as in a terminal. A suite started in the background of a non-interactive
+    shell inherits SIGINT ignored (Python then installs no KeyboardInterrupt handler in its
+    children), and one started with nohup SIGHUP ignored."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)

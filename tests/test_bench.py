@@ -9,7 +9,7 @@ import sys
 
 import hobbitpy
 
-from conftest import MB, default_sigint, tiny_model
+from conftest import MB, default_signals, tiny_model
 
 
 def _bench(args, **kw):
@@ -219,7 +219,7 @@ def _bench_until_a_worker_runs(model, out, parent):
 
     proc = subprocess.Popen([sys.executable, "-m", "hobbitpy", "bench", str(model), "--caps", "none",
                              "--cap-mb", "400", "--repeats", "20", "-n", "16", "--no-progress", "--out", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=default_sigint)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=default_signals)
     cgroup = parent / f"hobbitpy-bench-{proc.pid}"
     deadline = time.time() + 120
     while time.time() < deadline:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import hobbitpy
-from conftest import MB, default_sigint, tiny_model
+from conftest import MB, default_signals, tiny_model
 
 REQUIRED_STATS = ["n_prompt_tokens", "n_tokens", "prefill_ms", "decode_tok_s", "expert_hits",
                   "expert_misses", "bytes_read", "peak_pool_bytes", "budget_bytes"]
@@ -146,7 +146,7 @@ def test_ctrl_c_keeps_the_text_and_exits_130(model_dir):
     path = tiny_model(model_dir, "llama")
     proc = subprocess.Popen([sys.executable, "-m", "hobbitpy", "run", str(path), "--prompt", "Once", "-n", "100000",
                              "--ctx", "8192", "--temp", "0", "--threads", "2", "--no-echo"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
     first = proc.stdout.read(1)  # generation has started
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)

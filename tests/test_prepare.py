@@ -20,6 +20,8 @@ from hobbitpy.gguf_fields import field_value
 from hobbitpy.prepare import EXPERT_SUFFIXES, companion_fallbacks, prepare_companion
 from hobbitpy.synthetic_moe import make_synthetic_moe
 
+from conftest import default_signals
+
 MODELS = pathlib.Path(__file__).resolve().parent.parent / "models"
 DEEPSEEK_Q8 = MODELS / "ref-deepseek-Q8_0.gguf"
 DEEPSEEK_F16 = MODELS / "ref-deepseek-F16.gguf"
@@ -236,7 +238,7 @@ def test_sigterm_and_sighup_leave_no_partial_file(tmp_path):
     shutil.copy(MIXTRAL_Q8, model)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         proc = subprocess.Popen([sys.executable, "-m", "hobbitpy", "prepare", str(model), "--low", "IQ4_XS"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
         deadline = time.monotonic() + 60
         while not _partials(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
