@@ -108,3 +108,18 @@ def test_a_ladder_leaves_the_models_expert_bytes_on_disk_when_checking_its_compa
         n_pages = (end - expert_start) // PAGE
         # the two 4 KB reads of each tensor, at most two pages each (they need not be aligned)
         assert resident_fraction(path, expert_start, end) * n_pages <= 4 * len(experts) + 1
+
+
+def test_stock_without_repacking_keeps_the_weights_mapped(model_dir, capfd):
+    """repack=False is llama.cpp's --no-repack: a capped stock run's best setting (bench), where the
+    CPU backend's repacked copy of Q4_K weights cannot fit beside the mapping."""
+    path = tiny_model(model_dir, "llama", expert_type="Q4_K", n_embd=256, n_ff=512)
+    logs = {}
+    for repack in (True, False):
+        capfd.readouterr()
+        llm = hobbitpy.Llama(path, offload=False, n_ctx=64, verbose=True, repack=repack)
+        llm("Once upon a time", max_tokens=2, temperature=0.0)
+        llm.close()
+        logs[repack] = capfd.readouterr().err
+    assert "CPU_REPACK model buffer" in logs[True]
+    assert "CPU_REPACK model buffer" not in logs[False] and "CPU_Mapped model buffer" in logs[False]

@@ -84,16 +84,17 @@ def test_a_preset_lies_under_the_flags_and_keywords_and_replaces_the_profile(tmp
     assert fate.policy == "arc" and fate.shallow_layers == 1 and fate.prefetch_layers == 1
     p = argparse.ArgumentParser()
     add_offload_args(p)
+    # a preset chooses the configuration: the default's ladder stays out (auto off)
     assert offload_config_from_args(p.parse_args(["--preset", "fate", "--policy", "lru"])) == dataclasses.replace(
-        fate, policy="lru")
+        fate, policy="lru", auto=False)
     # a profile next to the model would apply by itself; a preset replaces it
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")
     (tmp_path / "m.hobbit-profile.json").write_text("not read")
     assert offload_config_from_args(p.parse_args(["--preset", "lru"]), str(model), auto_profile=True) == OffloadConfig(
-        **preset_settings("lru"))
+        **preset_settings("lru"), auto=False)
     assert offload_config_of(str(model), None, None, {"prefetch_layers": 2}, "fate") == dataclasses.replace(
-        fate, prefetch_layers=2)
+        fate, prefetch_layers=2, auto=False)
     with pytest.raises(ValueError, match="no preset is named 'fat'"):
         offload_config_of(str(model), None, None, {}, "fat")
     with pytest.raises(TypeError, match="preset"):

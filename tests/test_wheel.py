@@ -60,6 +60,7 @@ def test_wheel_holds_every_cpu_variant_and_a_manylinux_tag(dist):
     assert {"libggml-cpu-x64.so", "libggml-cpu-haswell.so", "libggml-cpu-skylakex.so"} <= variants, variants
     assert "libggml-cpu.so" not in lib  # no backend built for the building machine only
     assert any("libgomp" in n for n in names), "auditwheel did not bring OpenMP's runtime"
+    assert "hobbitpy/data/calibration.txt" in names  # the default ladder's calibration text
     assert len(list(dist.glob("llama_cpp_python-0.3.36-py3-none-*.whl"))) == 1
 
 

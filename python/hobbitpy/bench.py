@@ -12,6 +12,7 @@ bandwidth measured at the start (expert-sized O_DIRECT reads, as the loader does
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 import json
 import os
@@ -24,12 +25,14 @@ import time
 
 from .companions import resolve_levels
 from .config import MB
+from .default_ladder import LOW_TYPE, applies
 from .disk import drop_from_page_cache, measure_read_bandwidth
 from .errors import HobbitError
 from .memcap import MemoryCap
 from .memory import SLACK_BYTES, ContextShape, context_sizes
 from .frontier import format_frontier, mark_dominated, plot_frontier
 from .model_file import inspect_model
+from .prepare import default_companion_path
 from .quants import default_quant_dir, make_uniform_quant, quant_name
 
 STOCK = "stock"
@@ -56,7 +59,6 @@ class BenchConfig:
     def parse(cls, text: str) -> "BenchConfig":
         """NAME or NAME=FLAGS, FLAGS as for `hobbitpy run` (--cache-mb, --prefetch, --policy, ...)."""
         import argparse
-        import dataclasses
 
         from .cli import add_offload_args, offload_config_from_args
         from .errors import HobbitError
@@ -139,7 +141,10 @@ def config_files(model: str, cfg: BenchConfig) -> set[str]:
         return {cfg.model or model}
     offload = cfg.offload_config(cfg.offload["cache_mb"])
     levels = resolve_levels(model, offload.high_file, offload.mid, offload.low, offload.high_flag)
-    return {cfg.model or model, *(p for p in levels if p is not None)}
+    # the default's low copy, where it chooses one (made before the runs when missing: default_ladder.py)
+    default_low = default_companion_path(model, LOW_TYPE) if applies(offload) else None
+    return {cfg.model or model, *(p for p in levels if p is not None),
+            *([str(default_low)] if default_low is not None and default_low.is_file() else [])}
 
 
 def worker_start_bytes(memcap: MemoryCap | None) -> int:
@@ -176,8 +181,13 @@ def _run_one(model: str, cfg: BenchConfig, cap: Cap, memcap: MemoryCap | None, n
     offload = cfg.offload
     if offload is not None and memcap is None and cap.limit_bytes is not None and offload.get("cache_mb") is None:
         offload = dict(offload, cache_mb=fallback_budget_mb)  # no cgroup: the budget stands in for the cap
-    spec = {"model": cfg.model or model, "offload": offload, "n_predict": n_predict, "threads": threads,
-            "prompt_tokens": list(prompt_tokens), "beams": beams}
+    # stock with its best settings for the memory: under a cap below its file, the CPU backend's
+    # repacked copy of the Q4_0/Q4_K weights cannot fit beside the mapping (killed, or evicting the
+    # pages every token reads), so it runs as a user who knows turns it off (--no-repack)
+    path = cfg.model or model
+    repack = offload is not None or cap.limit_bytes is None or cap.limit_bytes >= 1.25 * os.path.getsize(path)
+    spec = {"model": path, "offload": offload, "n_predict": n_predict, "threads": threads,
+            "prompt_tokens": list(prompt_tokens), "beams": beams, "repack": repack}
     # every file of the benchmark, not only this run's: page cache stays charged to the
     # cgroup after the run that read it has exited
     for path in cold_files:
@@ -234,6 +244,7 @@ def _summarize(name: str, runs: list[dict], disk_bw: float, stock_compute_s: flo
         "n_ubatch": ok[0].get("n_ubatch"),
         "offloaded": ok[0]["offloaded"],
         "plan": ok[0]["plan"],
+        "default_settings": ok[0].get("default_settings") or {},
         "pool_hit_ratio": [round(statistics.median(r["pools"][i]["hit_ratio"] for r in ok), 4)
                            for i in range(len(ok[0]["pools"]))],
         "generated": ok[0]["generated"],
@@ -291,7 +302,6 @@ def tuned_configs(model: str, caps: list[Cap], request: TuneRequest, shape: Cont
     """Per cap label, the configuration `tune` picks for that much memory (a cap where no
     candidate stays within the perplexity budget gets none). process_bytes: what a run's
     process holds before it loads a model (this one holds far more once tune has run)."""
-    import dataclasses
 
     from .config import OffloadConfig
     from .evaluate import Reference, tokenize_text
@@ -369,7 +379,7 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
     all_configs = [BenchConfig(STOCK, None)] + quant_configs + configs
     # each cap's configurations: the same everywhere, but for tune's pick for that cap's memory
     cap_configs = {cap.label: all_configs + ([tuned[cap.label]] if cap.label in tuned else []) for cap in caps}
-    every_file = set().union(*(config_files(model, c) for cs in cap_configs.values() for c in cs))
+    configs_seen = [c for cs in cap_configs.values() for c in cs]
     total = repeats * sum(len(cs) for cs in cap_configs.values())
     bar = None
     if progress:
@@ -396,6 +406,8 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
                 for cfg in this_cap:  # interleaved, so drifts of the machine hit every configuration alike
                     if bar is not None:
                         bar.set_postfix_str(f"cap {cap.label} {cfg.name}")
+                    # every file any run may read, asked anew: the default makes its low copy in its first run
+                    every_file = set().union(*(config_files(model, c) for c in configs_seen))
                     runs[cfg.name].append(_run_one(model, cfg, cap, memcap, n_predict, threads, prompt_tokens, fallback,
                                                    every_file, beams=beams))
                     if bar is not None:
@@ -405,7 +417,7 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
             stock = row["configs"][0]
             for cfg, s in zip(this_cap, row["configs"]):
                 s["settings"] = cfg.offload
-                s["lossy"] = _lossy(cfg)
+                s["lossy"] = _lossy(cfg) or bool(s.get("default_settings"))
                 s["file_mb"] = os.path.getsize(cfg.model or model) / MB
                 s["failed"] = s.get("decode_tok_s") is None  # every run of it failed
                 # a hobbitpy configuration whose every expert fit ran stock's own path: no ratio to claim
@@ -463,11 +475,14 @@ def score_quality(result: BenchResult, model: str, row_configs: list[list[BenchC
     scored = {}  # (settings, budget): the same cache shape under two caps is scored once
     for row, configs in zip(result.rows, row_configs):
         for cfg, s in zip(configs, row["configs"]):
-            key = (json.dumps(cfg.offload, sort_keys=True), s.get("budget_mb"), s.get("offloaded"))
+            key = (json.dumps(cfg.offload, sort_keys=True), json.dumps(s.get("default_settings"), sort_keys=True),
+                   s.get("budget_mb"), s.get("offloaded"))
             score = stock_scores.get(cfg.name) or scored.get(key)
             if score is None and cfg.offload is not None and s.get("decode_tok_s") is not None:
                 # the budget the run got under this cap; a run that kept every expert resident is stock's path
-                offload = cfg.offload_config(s["budget_mb"]) if s["offloaded"] else OffloadConfig(enabled=False)
+                # (with what the default added: the run chose it from the memory it found)
+                offload = (dataclasses.replace(cfg.offload_config(s["budget_mb"]), **s["default_settings"])
+                           if s["offloaded"] else OffloadConfig(enabled=False))
                 r = evaluate_against(model, reference, offload, n_ubatch=1, n_threads=threads, progress=bar)
                 score = scored[key] = {"perplexity": r.perplexity, "mean_kl": r.mean_kl,
                                        "top1_agreement": r.top1_agreement, "ppl_increase_se": r.log_ppl_ratio_se}

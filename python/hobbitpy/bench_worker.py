@@ -10,6 +10,7 @@ Run by ``hobbitpy bench``; a process per run, so every run starts from a cold ca
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -68,11 +69,15 @@ def run(spec: dict) -> dict:
         # not depend on the ubatch (tests/test_memory.py).
         n_ubatch = fit_ubatch(inspect_model(spec["model"]), shape, OffloadConfig())
     llm = Llama(spec["model"], offload=offload, n_ctx=shape.n_ctx, n_batch=shape.n_batch, n_ubatch=n_ubatch,
-                n_seq_max=beams, n_threads=spec["threads"], verbose=False)
+                n_seq_max=beams, n_threads=spec["threads"], verbose=False, repack=spec.get("repack", True))
     load_s = time.perf_counter() - t0
     with llm:
-        r = {"offloaded": llm.offloaded, "plan": llm.offload_plan.reason, "load_s": load_s,
-             "budget_bytes": llm.offload_plan.budget_bytes or 0, "n_ubatch": int(llm.context_params.n_ubatch)}
+        # what the default (default_ladder.py) added to the configuration, which its quality is scored with
+        added = {f.name: getattr(llm.offload_config, f.name) for f in dataclasses.fields(OffloadConfig)
+                 if f.name != "auto" and getattr(llm.offload_config, f.name) != getattr(offload, f.name)}
+        r = {"offloaded": llm.offloaded, "plan": llm.offload_plan.reason, "load_s": load_s, "repack": spec.get("repack", True),
+             "budget_bytes": llm.offload_plan.budget_bytes or 0, "n_ubatch": int(llm.context_params.n_ubatch),
+             "default_settings": added}
         # time to first token per prompt length (JSON keys: strings); the shortest first, from a cold cache
         tok, first_ms = _first_token(llm, _prompt(llm, lengths[0]))
         r["ttft_ms"] = {str(lengths[0]): first_ms}

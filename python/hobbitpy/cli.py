@@ -258,13 +258,14 @@ def offload_config_from_args(args, model_path: str | None = None, *, auto_profil
             and preset is None):
         default = profile_path(model_path)
         profile = str(default) if default.exists() else None
+    # a profile or a preset chooses the configuration: the default ladder stays out (auto)
     if profile is not None:
-        settings.update(load_profile(profile, model_path).settings)
+        settings.update(load_profile(profile, model_path).settings, auto=False)
         log.info(f"settings from {profile}")
     if preset is not None:
         from hobbitpy.presets import preset_settings
 
-        settings.update(preset_settings(preset))
+        settings.update(preset_settings(preset), auto=False)
     for f in dataclasses.fields(OffloadConfig):
         if option_of(f).flag is not None and getattr(args, _dest(f)) is not None:
             settings[f.name] = getattr(args, _dest(f))
@@ -290,7 +291,8 @@ def _add_bench_parser(sub) -> None:
     p.add_argument("--cap-mb", nargs="*", type=float, default=[], metavar="MB", help="further caps in MB")
     p.add_argument("--config", action="append", default=None, metavar="NAME[=FLAGS]",
                    help="a hobbitpy configuration, e.g. 'lru' or 'lru-prefetch=--prefetch' or "
-                        "'lfu=--policy lfu --cache-mb 800' (repeatable; default: lru). Stock always runs.")
+                        "'lfu=--policy lfu --cache-mb 800' (repeatable; default: 'default', what `run` does with no "
+                        "flags). Stock always runs.")
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration and cap (median reported)")
     p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to decode per run (default 32)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -353,7 +355,7 @@ def _bench(args) -> int:
             except ValueError as e:
                 return _fail(str(e))
             tune_request = bench.TuneRequest(tune_text, args.tune_candidates, args.tune_tokens, args.max_ppl_increase)
-        configs = [bench.BenchConfig.parse(c) for c in (args.config or ([] if args.tune else ["lru"]))]
+        configs = [bench.BenchConfig.parse(c) for c in (args.config or ([] if args.tune else ["default"]))]
         if len({c.name for c in configs}) != len(configs):
             return _fail("configuration names must differ")
         if args.tune and any(c.name == bench.TUNED for c in configs):

@@ -99,6 +99,16 @@ class OffloadConfig:
                            flag="--no-offload", negate=True, group="memory")
     cache_mb: float | None = option(None, "expert cache budget in MiB", flag="--cache-mb", group="memory", parse="float",
                                     default_text="sized from the memory available (cgroup limit or MemAvailable)")
+    auto: bool = option(True, "serve the model's own experts only (stock's logits bit for bit), instead of what runs "
+                              "by default when they do not all fit and nothing else is asked for (no --cache-mb, "
+                              "precision level, preset or profile): where memory holds a Q2_K copy of every expert, "
+                              "every expert resident, those the routers weigh most on a calibration text that ships "
+                              "with hobbitpy at the model's precision and the rest at Q2_K (lossy; default_ladder.py)",
+                        flag="--exact", negate=True)
+    prepare: bool = option(True, "do not make the Q2_K copy of the experts that the default ladder needs when it is "
+                                 "missing (it is made next to the model on first use, the disk it needs checked "
+                                 "first): without it, the model's own experts are served",
+                           flag="--no-prepare", negate=True)
     prefetch_layers: int = option(0, "during decode, also prefetch the experts the next P layers' routers pick on the "
                                      "current layer's input, one layer deeper only while those predicted are all "
                                      "cached (HOBBIT's adaptive prefetch, §3.3); 0 loads on demand only",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+from dataclasses import dataclass
 import difflib
 import inspect
 import os
@@ -27,11 +28,13 @@ from .beam_search import beam_search
 from ._native import error_buffer, ffi, lib, to_str
 from .companions import resolve_levels
 from .config import MB, OffloadConfig
+from .default_ladder import CALIBRATION_CTX, CALIBRATION_TOKENS, applies, default_config
 from .devices import say_if_gpu_unusable
 from .errors import BudgetError, ExpertReadError, HobbitError, ModelFileError
-from .memory import ContextShape, OffloadPlan, available_memory_bytes, context_sizes, fit_ubatch, plan_offload
+from .memory import (COMPUTE_SHARE, MIN_UBATCH, ContextShape, OffloadPlan, available_memory_bytes, context_sizes,
+                     fit_ubatch, plan_offload, whole_memory_budget_mb)
 from .model_file import ModelInfo, inspect_model
-from .placement import check_profiles, placement_for
+from .placement import check_profiles, importance_of, placement_for
 from .profile import load_profile, profile_offload
 
 # llama_cpp.Llama's own keywords (it swallows any other one silently)
@@ -60,10 +63,11 @@ def offload_config_of(model_path: str, offload, profile, keywords: dict, preset:
     if offload is not None and not isinstance(offload, OffloadConfig):
         raise TypeError(f"offload must be an OffloadConfig, a dict of its fields or False, not {type(offload).__name__}")
     if offload is None:
+        # a profile or a preset chooses the configuration: the default ladder stays out (auto)
         if profile is not None:
-            offload = OffloadConfig(**load_profile(profile, model_path).settings)
+            offload = OffloadConfig(auto=False, **load_profile(profile, model_path).settings)
         elif preset is not None:
-            offload = OffloadConfig()
+            offload = OffloadConfig(auto=False)
         else:
             offload = profile_offload(model_path)
     if preset is not None:
@@ -71,6 +75,44 @@ def offload_config_of(model_path: str, offload, profile, keywords: dict, preset:
 
         keywords = {**preset_settings(preset), **keywords}
     return dataclasses.replace(offload, **keywords) if keywords else offload
+
+
+_MODEL_PARAMS = threading.Lock()
+
+
+@contextlib.contextmanager
+def _model_params(**fields):
+    """Model parameters llama_cpp.Llama has no keyword for, set on the llama_model_params it
+    makes (from llama_model_default_params, which it calls once per load; the lock keeps two
+    loads in two threads from seeing each other's)."""
+    module = llama_cpp.llama_cpp
+    default = module.llama_model_default_params
+
+    def with_fields():
+        params = default()
+        for name, value in fields.items():
+            setattr(params, name, value)
+        return params
+
+    with _MODEL_PARAMS:
+        module.llama_model_default_params = with_fields
+        try:
+            yield
+        finally:
+            module.llama_model_default_params = default
+
+
+@dataclass
+class Routing:
+    """What the routers chose for each evaluated token (Llama.record_routing; trace.py keeps it as a file)."""
+
+    experts: np.ndarray    # int32 [tokens, moe_layers, k]: the selected experts (-1: none)
+    weights: np.ndarray    # float32 [tokens, moe_layers, k]: their gate weights
+    probs: np.ndarray      # float32 [tokens, moe_layers, n_expert]: the router's full output
+    predicted: np.ndarray  # int32 [tokens, moe_layers, lookahead, k]
+    inputs: np.ndarray     # float32 [tokens, moe_layers, n_embd] with with_inputs, else empty
+    tokens: list[int]      # the tokens evaluated
+    seq_start: list[int]   # 1 at the first token of every prompt
 
 
 class Llama(llama_cpp.Llama):
@@ -81,13 +123,18 @@ class Llama(llama_cpp.Llama):
     (one paper's method, presets.py; keywords win over it). Default: the
     profile next to the model (written by ``hobbitpy tune``), else the built-in defaults.
     A misspelt keyword is a TypeError naming it (llama_cpp.Llama would ignore it).
-    ``n_seq_max=W``: a context of W sequences sharing one KV cache, for ``beam_search``."""
+    ``n_seq_max=W``: a context of W sequences sharing one KV cache, for ``beam_search``.
+    ``repack=False``: llama.cpp's ``--no-repack`` (the CPU backend leaves Q4_0/Q4_K/IQ4_NL weights
+    mapped instead of copying them repacked into its own memory: stock's setting under a cap)."""
 
     def __init__(self, model_path: str | os.PathLike, *, offload: OffloadConfig | dict | bool | None = None,
                  profile: str | os.PathLike | None = None, preset: str | None = None, **kwargs):
         model_path = os.fspath(model_path)
         # sequences decoded side by side (beam_search's beams); llama_cpp.Llama makes a context of one
         n_seq_max = int(kwargs.pop("n_seq_max", 1))
+        # llama.cpp's --no-repack: the CPU backend keeps Q4_0/Q4_K/IQ4_NL weights as mapped instead of
+        # copying them, repacked, into memory of its own (the copy a capped stock run cannot hold)
+        repack = bool(kwargs.pop("repack", True))
         if not 1 <= n_seq_max <= llama_cpp.llama_max_parallel_sequences():
             raise ValueError(f"n_seq_max must be 1..{llama_cpp.llama_max_parallel_sequences()}, got {n_seq_max}")
         keywords = {k: kwargs.pop(k) for k in OFFLOAD_KEYWORDS if k in kwargs}
@@ -104,6 +151,10 @@ class Llama(llama_cpp.Llama):
         self._abort_cb = None
         self._decoding = threading.Lock()
         self.model_info: ModelInfo = inspect_model(model_path)
+        default_reason = None  # what the default chose and why, when the config left it the choice
+        if applies(offload) and self.model_info.is_moe and self.model_info.n_split == 1 and not kwargs.get("vocab_only"):
+            offload, default_reason = self._default_offload(offload, kwargs)
+            self.offload_config = offload
         # the file of each precision level, high to low; None: the model's own experts (the
         # runtime checks that companions hold this model's experts)
         self.level_paths: tuple[str | None, ...] = (
@@ -128,6 +179,8 @@ class Llama(llama_cpp.Llama):
         if self.offload_plan.budget_bytes is not None:
             self.offload_plan = dataclasses.replace(
                 self.offload_plan, reason=f"{self.offload_plan.reason}; ubatches of {shape.n_ubatch} tokens")
+        if default_reason:
+            self.offload_plan = dataclasses.replace(self.offload_plan, reason=f"{default_reason}; {self.offload_plan.reason}")
 
         if offload.enabled:
             check_profiles(self.model_info, offload)
@@ -144,7 +197,8 @@ class Llama(llama_cpp.Llama):
             if lib.hobbit_request_offload(params, err, len(err)) != 0:
                 raise HobbitError(to_str(err))
         try:
-            super().__init__(model_path=model_path, **kwargs)
+            with _model_params(use_extra_bufts=repack):
+                super().__init__(model_path=model_path, **kwargs)
         except ValueError as e:
             why = error_buffer()
             if lib.hobbit_last_attach_error(why, len(why)):
@@ -166,6 +220,24 @@ class Llama(llama_cpp.Llama):
             runtime_ptr = ctypes.c_void_p(int(ffi.cast("uintptr_t", self._runtime)))
             llama_cpp.llama_set_abort_callback(self._ctx.ctx, self._abort_cb, runtime_ptr)
 
+    def _default_offload(self, offload: OffloadConfig, kwargs: dict) -> tuple[OffloadConfig, str | None]:
+        """What the default serves (default_ladder.py) where the experts do not all fit; the
+        config unchanged (and no line) where they do, or where not even one precision fits (its
+        plan says so)."""
+        info = self.model_info
+        shape = ContextShape.of(kwargs)
+        available = available_memory_bytes()
+        one = shape if shape.n_ubatch is not None else dataclasses.replace(
+            shape, n_ubatch=fit_ubatch(info, shape, offload, (), available))
+        try:
+            if plan_offload(info, offload, context_sizes(info, one).total, available_bytes=available).budget_bytes is None:
+                return offload, None
+        except BudgetError:
+            return offload, None
+        threads = kwargs.get("n_threads") or os.cpu_count() or 1
+        return default_config(info, offload, shape, available, lambda text: measure_importance(info.path, text, threads),
+                              threads)
+
     def _reopen_context(self, n_seq_max: int, cb_eval=None, cb_eval_user_data=None) -> None:
         """Replace llama_cpp's context of one sequence by one of n_seq_max sharing one KV cache
         (unified: a sequence copied onto another shares its cells, as beams share the prompt),
@@ -179,6 +251,55 @@ class Llama(llama_cpp.Llama):
         self._ctx.close()
         self._ctx = self._stack.enter_context(contextlib.closing(
             llama_cpp._internals.LlamaContext(model=self._model, params=self.context_params, verbose=self.verbose)))
+
+    def record_routing(self, prompts: list[list[int]], *, n_predict: int = 0, lookahead: int = 0,
+                       with_inputs: bool = False, progress=None) -> "Routing":
+        """Evaluate each prompt (its tokens in batches), then generate greedily up to n_predict
+        tokens in all (or to the end of text or of the context), and return what the routers
+        chose for every evaluated token (the runtime's trace; an offloaded Llama only).
+        lookahead: also record the top-k of the routers 1..lookahead layers ahead applied to
+        each layer's router input; with_inputs: the router inputs themselves."""
+        if self._runtime == ffi.NULL:
+            raise HobbitError(f"{self.model_path}: the expert runtime did not attach; cannot record routing")
+        err = error_buffer()
+        if lib.hobbit_runtime_trace_begin(self._runtime, lookahead, with_inputs, err, len(err)) != 0:
+            raise HobbitError(to_str(err))
+        try:
+            tokens: list[int] = []
+            seq_start: list[int] = []
+            for ids in (progress(prompts) if progress else prompts):
+                room = self.n_ctx() - len(ids)
+                self.reset()
+                evaluated = list(ids)
+                self.eval(ids)
+                for _ in range(min(n_predict, room) - 1 if n_predict > 0 else 0):
+                    nxt = int(np.argmax(self.last_logits()))
+                    if nxt == self.token_eos():
+                        break
+                    self.eval([nxt])
+                    evaluated.append(nxt)
+                seq_start += [1] + [0] * (len(evaluated) - 1)
+                tokens += evaluated
+            n_layer, depth = ffi.new("int32_t *"), ffi.new("int32_t *")
+            n = lib.hobbit_runtime_trace_size(self._runtime, n_layer, depth)
+            if n != len(tokens):
+                raise HobbitError(f"{self.model_path}: the runtime recorded {n} tokens, {len(tokens)} were evaluated")
+            info = self.model_info
+            L, D, k, E = n_layer[0], depth[0], info.n_expert_used, info.n_expert
+            r = Routing(experts=np.empty((n, L, k), np.int32), weights=np.empty((n, L, k), np.float32),
+                        probs=np.empty((n, L, E), np.float32), predicted=np.empty((n, L, D, k), np.int32),
+                        inputs=np.empty((n, L, info.n_embd) if with_inputs else 0, np.float32),
+                        tokens=tokens, seq_start=seq_start)
+
+            def ptr(a, ctype):
+                return ffi.cast(ctype, a.ctypes.data) if a.size else ffi.NULL
+
+            lib.hobbit_runtime_trace_copy(self._runtime, n, ptr(r.experts, "int32_t *"), ptr(r.weights, "float *"),
+                                          ptr(r.probs, "float *"), ptr(r.predicted, "int32_t *"),
+                                          ptr(r.inputs, "float *"))
+            return r
+        finally:
+            lib.hobbit_runtime_trace_end(self._runtime)
 
     def beam_search(self, prompt: list[int], width: int, n_predict: int):
         """A beam search of `width` beams from the prompt's tokens (beam_search.py); the Llama
@@ -283,6 +404,28 @@ class Llama(llama_cpp.Llama):
         self._runtime = ffi.NULL
         if hasattr(self, "_stack"):  # not there when __init__ failed before llama_cpp's part
             super().close()
+
+
+def measure_importance(model_path: str, text: str, n_threads: int) -> tuple[np.ndarray, int]:
+    """How much the routers weigh each expert on the text (placement.importance_of), from
+    batched passes of CALIBRATION_CTX tokens over its first CALIBRATION_TOKENS; and the tokens
+    measured. The outputs do not depend on the cache, so it gets what memory allows."""
+    info = inspect_model(model_path)
+    # logits_all: otherwise llama.cpp drops every row but the last before the last layer. Every
+    # token's logits are then kept twice (llama.cpp's and llama_cpp's copy): 1.2 MB a token with a
+    # 151k vocabulary, so the passes are shorter where memory is short
+    per_token = context_sizes(info, ContextShape(n_ctx=1, n_batch=1, n_ubatch=1, logits_all=True)).logits
+    fit = 1 << max(0, int(COMPUTE_SHARE * available_memory_bytes() / per_token).bit_length() - 1)
+    n = max(MIN_UBATCH, min(CALIBRATION_CTX, info.n_ctx_train or CALIBRATION_CTX, fit))
+    shape = ContextShape(n_ctx=n, n_batch=n, n_ubatch=n, logits_all=True)
+    offload = OffloadConfig(cache_mb=whole_memory_budget_mb(info, shape), auto=False)
+    with Llama(model_path, offload=offload, n_ctx=n, n_batch=n, n_ubatch=n, logits_all=True, n_threads=n_threads,
+               verbose=False) as llm:
+        ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)[:CALIBRATION_TOKENS]
+        bos = llm.tokenize(b"", add_bos=True, special=False)  # [BOS], or nothing for a model without one
+        step = n - len(bos)
+        routing = llm.record_routing([bos + ids[i:i + step] for i in range(0, len(ids), step)])
+    return importance_of(routing.experts, routing.weights, info.n_expert), len(routing.tokens)
 
 
 __all__ = ["Llama"]

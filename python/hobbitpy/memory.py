@@ -189,6 +189,14 @@ def fit_ubatch(info: ModelInfo, shape: ContextShape, config: OffloadConfig, leve
     return min(full, n_ubatch)
 
 
+def whole_memory_budget_mb(info: ModelInfo, shape: ContextShape, available_bytes: int | None = None) -> float:
+    """An expert cache as large as memory allows and never larger than every expert: for a run
+    whose outputs do not depend on the budget (recording routing), which must still offload."""
+    plan = plan_offload(info, OffloadConfig(auto=False), context_sizes(info, shape).total, available_bytes=available_bytes)
+    budget = plan.budget_bytes if plan.budget_bytes is not None else info.expert_bytes_total
+    return max(budget, info.min_budget_bytes) / MB
+
+
 def per_layer_min_bytes(levels: tuple[ModelInfo, ...]) -> int:
     """The smallest budget of a pool per MoE layer (the highest level, levels[0]): one token's
     top-k in each, beside the lower levels' one shared pool each."""

@@ -31,25 +31,31 @@ if TYPE_CHECKING:
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
-def _per_expert_sum(trace: Trace, values: np.ndarray) -> np.ndarray:
-    """[moe_layers, n_expert]: values ([tokens, layers, k], one per selection) summed per expert."""
-    n_tokens, n_layer, k = trace.experts.shape
-    total = np.zeros((n_layer, trace.meta["n_expert"]), np.float64)
-    layer = np.broadcast_to(np.arange(n_layer)[None, :, None], trace.experts.shape)
-    chosen = trace.experts >= 0
-    np.add.at(total, (layer[chosen], trace.experts[chosen]), values[chosen])
+def _per_expert_sum(experts: np.ndarray, values: np.ndarray, n_expert: int) -> np.ndarray:
+    """[moe_layers, n_expert]: values ([tokens, layers, k], one per selection of experts) summed per expert."""
+    n_tokens, n_layer, k = experts.shape
+    total = np.zeros((n_layer, n_expert), np.float64)
+    layer = np.broadcast_to(np.arange(n_layer)[None, :, None], experts.shape)
+    chosen = experts >= 0
+    np.add.at(total, (layer[chosen], experts[chosen]), values[chosen])
     return total
+
+
+def importance_of(experts: np.ndarray, weights: np.ndarray, n_expert: int) -> np.ndarray:
+    """[moe_layers, n_expert]: the sum over the tokens of each expert's squared gate weight
+    (experts, weights: [tokens, moe_layers, k], as a trace or Llama.record_routing holds them)."""
+    return _per_expert_sum(experts, np.square(weights.astype(np.float64)), n_expert)
 
 
 def expert_importance(trace: Trace) -> np.ndarray:
     """[moe_layers, n_expert]: the sum over the trace's tokens of each expert's squared gate weight."""
-    return _per_expert_sum(trace, np.square(trace.weights.astype(np.float64)))
+    return importance_of(trace.experts, trace.weights, trace.meta["n_expert"])
 
 
 def expert_popularity(trace: Trace) -> np.ndarray:
     """[moe_layers, n_expert]: how often the trace's tokens selected each expert (Fiddler's
     profile: the experts selected most are the ones worth keeping resident)."""
-    return _per_expert_sum(trace, np.ones(trace.experts.shape, np.float64))
+    return _per_expert_sum(trace.experts, np.ones(trace.experts.shape, np.float64), trace.meta["n_expert"])
 
 
 def layer_expert_bytes(path: str | os.PathLike, n_expert: int) -> np.ndarray:

@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from . import _native
 from ._ggml import can_read_as_float, ffi, lib, rows_as_float, type_name
+from .disk import drop_from_page_cache
 from .errors import ModelFileError
 from .gguf_fields import field_value
 from .model_file import inspect_model, model_fingerprint
@@ -233,6 +234,9 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
             pool.shutdown(wait=True, cancel_futures=True)
             reads.close()
         writer.close()
+        # written out, then out of the page cache: at real size gigabytes the run that follows
+        # (inside a memory cap, which counts them) would otherwise find taken
+        drop_from_page_cache(tmp)
         try:
             publish(tmp, out)
         except FileExistsError:

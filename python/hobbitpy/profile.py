@@ -44,7 +44,8 @@ def profile_offload(model_path: str | os.PathLike, **overrides):
     """The OffloadConfig the profile next to the model sets (the defaults without one), with
     overrides on top: what `run` and `hobbitpy.Llama` use when not told otherwise."""
     path = profile_path(model_path)
-    settings = load_profile(path, model_path).settings if path.exists() else {}
+    # a profile chooses the configuration: the default ladder stays out (auto)
+    settings = {"auto": False, **load_profile(path, model_path).settings} if path.exists() else {}
     return OffloadConfig(**{**settings, **overrides})
 
 

@@ -29,10 +29,9 @@ import time
 
 import numpy as np
 
-from ._native import error_buffer, ffi, lib, to_str
-from .config import MB, OffloadConfig
+from .config import OffloadConfig
 from .errors import HobbitError
-from .memory import ContextShape, context_sizes, plan_offload
+from .memory import ContextShape, whole_memory_budget_mb
 from .model_file import inspect_model
 from .neurons import GateWeights, NeuronStats, check_arch, neuron_stats
 
@@ -134,10 +133,7 @@ def record_trace(model_path: str | os.PathLike, prompts: list[str], *, n_predict
     # the trace comes from the runtime, so it must attach: as much cache as memory allows,
     # never more than every expert (the outputs are the same at any budget)
     if cache_mb is None:
-        shape = ContextShape(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, logits_all=True)
-        plan = plan_offload(info, OffloadConfig(), context_sizes(info, shape).total)
-        budget = plan.budget_bytes if plan.budget_bytes is not None else info.expert_bytes_total
-        cache_mb = max(budget, info.min_budget_bytes) / MB
+        cache_mb = whole_memory_budget_mb(info, ContextShape(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, logits_all=True))
     # logits_all: otherwise llama.cpp drops every row but the last of a batch before the
     # last layer, whose routing would then be missing for prompt tokens
     # gpu-centric: every miss is loaded, so the runtime's own counts are the pool's (what
@@ -148,47 +144,20 @@ def record_trace(model_path: str | os.PathLike, prompts: list[str], *, n_predict
     try:
         if not llm.offloaded:
             raise HobbitError(f"{model_path}: the expert runtime did not attach; cannot trace")
-        err = error_buffer()
         with_inputs = bool(neuron_thetas) or keep_inputs
-        if lib.hobbit_runtime_trace_begin(llm._runtime, lookahead, with_inputs, err, len(err)) != 0:
-            raise HobbitError(to_str(err))
-        tokens: list[int] = []
-        seq_start: list[int] = []
-        for prompt in (progress(prompts) if progress else prompts):
+        prompt_ids = []
+        for prompt in prompts:
             ids = llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=False)
-            room = n_ctx - len(ids)
-            if room < 1:
+            if n_ctx - len(ids) < 1:
                 raise HobbitError(f"a prompt of {len(ids)} tokens does not fit the context of {n_ctx}: "
                                   f"{prompt[:60]!r}...")
-            llm.reset()
-            evaluated = list(ids)
-            llm.eval(ids)
-            for _ in range(min(n_predict, room) - 1 if n_predict > 0 else 0):
-                nxt = int(np.argmax(llm.last_logits()))
-                if nxt == llm.token_eos():
-                    break
-                llm.eval([nxt])
-                evaluated.append(nxt)
-            seq_start += [1] + [0] * (len(evaluated) - 1)
-            tokens += evaluated
-
-        n_layer, depth = ffi.new("int32_t *"), ffi.new("int32_t *")
-        n = lib.hobbit_runtime_trace_size(llm._runtime, n_layer, depth)
-        if n != len(tokens):
-            raise HobbitError(f"{model_path}: the runtime recorded {n} tokens, {len(tokens)} were evaluated")
-        L, D, k, E = n_layer[0], depth[0], info.n_expert_used, info.n_expert
-        experts = np.empty((n, L, k), np.int32)
-        weights = np.empty((n, L, k), np.float32)
-        probs = np.empty((n, L, E), np.float32)
-        predicted = np.empty((n, L, D, k), np.int32)
-        inputs = np.empty((n, L, info.n_embd), np.float32) if with_inputs else np.empty(0, np.float32)
-
-        def ptr(a, ctype):
-            return ffi.cast(ctype, a.ctypes.data) if a.size else ffi.NULL
-
-        lib.hobbit_runtime_trace_copy(llm._runtime, n, ptr(experts, "int32_t *"), ptr(weights, "float *"),
-                                      ptr(probs, "float *"), ptr(predicted, "int32_t *"), ptr(inputs, "float *"))
-        lib.hobbit_runtime_trace_end(llm._runtime)
+            prompt_ids.append(ids)
+        routing = llm.record_routing(prompt_ids, n_predict=n_predict, lookahead=lookahead, with_inputs=with_inputs,
+                                     progress=progress)
+        experts, weights, probs, predicted, inputs = (routing.experts, routing.weights, routing.probs,
+                                                      routing.predicted, routing.inputs)
+        L, D, k, E = experts.shape[1], predicted.shape[2], info.n_expert_used, info.n_expert
+        tokens, seq_start = routing.tokens, routing.seq_start
         stats = llm.offload_stats()
         runtime = {"cache_mb": cache_mb, "policy": policy, "n_batch": n_batch, "n_slot": stats["n_slot"],
                    "expert_hits": stats["expert_hits"], "expert_misses": stats["expert_misses"]}
