@@ -94,7 +94,8 @@ def test_run_with_a_derived_budget_never_reaches_its_cap(model_dir, tmp_path):
 
 
 def test_a_ubatch_left_open_narrows_only_when_the_experts_do_not_all_fit(model_dir):
-    from hobbitpy.memory import COMPUTE_SHARE, SLACK_BYTES, fit_ubatch, io_buffer_bytes, plan_offload
+    from hobbitpy.memory import (COMPUTE_SHARE, HEADROOM_SHARE, SLACK_BYTES, fit_ubatch, headroom_bytes,
+                                 io_buffer_bytes, plan_offload)
 
     path = tiny_model(model_dir, "llama", n_embd=256, n_ff=1024, n_expert=32)
     info = hobbitpy.inspect_model(path)
@@ -113,7 +114,9 @@ def test_a_ubatch_left_open_narrows_only_when_the_experts_do_not_all_fit(model_d
     # short of memory (room for 12 ubatches of 64 tokens, fewer bytes than the experts'): 64
     # tokens, whose buffer is within its share of the memory beside the rest, 128 would not be
     other = info.resident_bytes + sizes(512).kv + sizes(512).logits + io_buffer_bytes(auto, (info,)) + SLACK_BYTES
-    available = other + 12 * sizes(64).compute
+    # (the headroom a derived budget leaves is a share of the memory)
+    available = int((other + 12 * sizes(64).compute) / (1 - HEADROOM_SHARE)) + 1
+    other += headroom_bytes(available)
     assert 12 * sizes(64).compute < info.expert_bytes_total + sizes(64).compute
     assert fit_ubatch(info, shape, auto, available_bytes=available) == 64
     assert sizes(64).compute <= COMPUTE_SHARE * (available - other) < sizes(128).compute

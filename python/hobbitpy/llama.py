@@ -17,11 +17,13 @@ from dataclasses import dataclass
 import difflib
 import inspect
 import os
+import sys
 import threading
 
 import gguf
 import llama_cpp
 import numpy as np
+from tqdm import tqdm
 
 from . import tokens
 from .beam_search import beam_search
@@ -424,7 +426,10 @@ def measure_importance(model_path: str, text: str, n_threads: int) -> tuple[np.n
         ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)[:CALIBRATION_TOKENS]
         bos = llm.tokenize(b"", add_bos=True, special=False)  # [BOS], or nothing for a model without one
         step = n - len(bos)
-        routing = llm.record_routing([bos + ids[i:i + step] for i in range(0, len(ids), step)])
+        passes = [bos + ids[i:i + step] for i in range(0, len(ids), step)]
+        # at real size each pass reads every expert from the disk: minutes, worth a bar
+        routing = llm.record_routing(passes, progress=lambda xs: tqdm(xs, desc="calibration", unit="pass",
+                                                                        file=sys.stderr, leave=False))
     return importance_of(routing.experts, routing.weights, info.n_expert), len(routing.tokens)
 
 

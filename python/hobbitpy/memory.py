@@ -17,6 +17,18 @@ from .model_file import ModelInfo
 # what the estimate of a context's buffers cannot see: thread stacks and pools, the I/O
 # threads' bounce buffers, allocator slack (measured: tests/test_memory.py)
 SLACK_BYTES = 24 * MB
+# ... and what no estimate should be trusted with: the mapped non-expert weights every token
+# reads stay in the page cache only while nothing crowds them out, and a working set a few
+# MB larger than the page cache is missed whole, token after token, under the kernel's LRU.
+# At real size (Qwen3-30B-A3B's shape, 12 GiB cap) the planned process was 20-40 MB larger
+# than its estimate: 770 MB of page faults a token, 0.18 tok/s against 1.04 at 8 GiB
+# (docs/BENCHMARKS.md). So a budget derived from the memory leaves this share of it free.
+HEADROOM_SHARE = 0.02
+
+
+def headroom_bytes(available: int) -> int:
+    """The memory a budget derived from `available` leaves free beside everything it counts."""
+    return int(HEADROOM_SHARE * max(0, available))
 # the O_DIRECT alignment a reader's bounce buffer adds to a slice (hobbit-expert-store.cpp)
 READER_ALIGN_BYTES = 3 * 4096
 # a row reader's buffer (--row-readers): hobbit.h HOBBIT_ROW_READ_BYTES (a test holds them equal)
@@ -179,7 +191,8 @@ def fit_ubatch(info: ModelInfo, shape: ContextShape, config: OffloadConfig, leve
     levels = levels or (info,)
     sizes = context_sizes(info, dataclasses.replace(shape, n_ubatch=full))
     available = available_bytes if available_bytes is not None else available_memory_bytes()
-    room = available - (info.resident_bytes + sizes.kv + sizes.logits + io_buffer_bytes(config, levels) + SLACK_BYTES)
+    room = available - (info.resident_bytes + sizes.kv + sizes.logits + io_buffer_bytes(config, levels) + SLACK_BYTES
+                        + headroom_bytes(available))
     if room - sizes.compute >= sum(level.expert_bytes_total for level in levels):
         return full
     per_token = sizes.compute / full
@@ -247,6 +260,7 @@ def plan_offload(info: ModelInfo, config: OffloadConfig, context_bytes: int,
                                                 f"of {info.expert_bytes_total / MB:.1f} MB of experts", room)
 
     available = available_bytes if available_bytes is not None else available_memory_bytes()
+    needs += headroom_bytes(available)
     budget = available - needs
     all_bytes = sum(level.expert_bytes_total for level in levels)
     if budget >= all_bytes:
@@ -257,7 +271,8 @@ def plan_offload(info: ModelInfo, config: OffloadConfig, context_bytes: int,
     if budget < min_bytes:
         raise BudgetError(f"{name}: not enough memory: {available / MB:.0f} MB available, the resident weights "
                           f"({info.resident_bytes / MB:.0f} MB), the context's buffers ({context_bytes / MB:.0f} MB), "
-                          f"the readers' buffers ({io_bytes / MB:.0f} MB) and {SLACK_BYTES / MB:.0f} MB of slack need "
+                          f"the readers' buffers ({io_bytes / MB:.0f} MB) and {(SLACK_BYTES + headroom_bytes(available)) / MB:.0f} "
+                          "MB of slack need "
                           f"{needs / MB:.0f} MB and the expert cache at least {min_mb:.1f} MB")
     return OffloadPlan(budget, f"expert cache {budget / MB:.1f} MB (from {available / MB:.0f} MB available; "
                                f"{needs / MB:.0f} MB for the rest) of {all_bytes / MB:.1f} MB of experts",
