@@ -184,9 +184,9 @@ def _run_one(model: str, cfg: BenchConfig, cap: Cap, memcap: MemoryCap | None, n
     # stock with its best settings for the memory: under a cap below its file, the CPU backend's
     # repacked copy of the Q4_0/Q4_K weights cannot fit beside the mapping (killed, or evicting the
     # pages every token reads), so it runs as a user who knows turns it off (--no-repack)
-    path = cfg.model or model
-    repack = offload is not None or cap.limit_bytes is None or cap.limit_bytes >= 1.25 * os.path.getsize(path)
-    spec = {"model": path, "offload": offload, "n_predict": n_predict, "threads": threads,
+    model_file = cfg.model or model
+    repack = offload is not None or cap.limit_bytes is None or cap.limit_bytes >= 1.25 * os.path.getsize(model_file)
+    spec = {"model": model_file, "offload": offload, "n_predict": n_predict, "threads": threads,
             "prompt_tokens": list(prompt_tokens), "beams": beams, "repack": repack}
     # every file of the benchmark, not only this run's: page cache stays charged to the
     # cgroup after the run that read it has exited

@@ -50,10 +50,10 @@ log = logging.getLogger("hobbitpy")
 # the low copy the default ladder makes (the one type `prepare` writes at disk speed)
 LOW_TYPE = "Q2_K"
 # The ladder is chosen only when the experts left at LOW_TYPE carry at most this share of
-# the routers' weight (squared gate weights, on the calibration text). A uniform Q2_K copy
-# of the experts cost +4.0 % perplexity on the inflated ref-mixtral; a quarter of that weight
-# at Q2_K keeps the ladder near the 1 % a user can accept without being asked
-# (docs/BENCHMARKS.md, "The default").
+# the routers' weight (squared gate weights, on the calibration text). On the inflated
+# ref-mixtral every expert at Q2_K cost +4.6 % perplexity, a fifth of the weight left there
+# +0.83 %, a third +1.29 %: a quarter keeps the ladder near the 1 % a user can accept without
+# being asked (docs/BENCHMARKS.md, "The default's ladder").
 MAX_LOW_WEIGHT_SHARE = 0.25
 # ... and only measured where at least this share of the experts can keep the model's
 # precision: on ref-mixtral a quarter of them carried two thirds of the weight (34 % left at Q2_K),

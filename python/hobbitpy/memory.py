@@ -21,14 +21,9 @@ SLACK_BYTES = 24 * MB
 # reads stay in the page cache only while nothing crowds them out, and a working set a few
 # MB larger than the page cache is missed whole, token after token, under the kernel's LRU.
 # At real size (Qwen3-30B-A3B's shape, 12 GiB cap) the planned process was 20-40 MB larger
-# than its estimate: 770 MB of page faults a token, 0.18 tok/s against 1.04 at 8 GiB
+# than its estimate: 770 MB of page faults a token, 0.18-0.24 tok/s against 1.04 at 8 GiB
 # (docs/BENCHMARKS.md). So a budget derived from the memory leaves this share of it free.
 HEADROOM_SHARE = 0.02
-
-
-def headroom_bytes(available: int) -> int:
-    """The memory a budget derived from `available` leaves free beside everything it counts."""
-    return int(HEADROOM_SHARE * max(0, available))
 # the O_DIRECT alignment a reader's bounce buffer adds to a slice (hobbit-expert-store.cpp)
 READER_ALIGN_BYTES = 3 * 4096
 # a row reader's buffer (--row-readers): hobbit.h HOBBIT_ROW_READ_BYTES (a test holds them equal)
@@ -90,6 +85,11 @@ def context_sizes(info: ModelInfo, shape: ContextShape) -> ContextSizes:
     # llama.cpp's output buffer, and the rows of llama_cpp's scores array they are copied to
     logits = 2 * n_outputs * info.n_vocab * f32
     return ContextSizes(kv=kv, compute=compute, logits=logits)
+
+
+def headroom_bytes(available: int) -> int:
+    """The memory a budget derived from `available` leaves free beside everything it counts."""
+    return int(HEADROOM_SHARE * max(0, available))
 
 
 def _read_int(path: pathlib.Path) -> int | None:
