@@ -304,12 +304,12 @@ def tuned_configs(model: str, caps: list[Cap], request: TuneRequest, shape: Cont
     process holds before it loads a model (this one holds far more once tune has run)."""
 
     from .config import OffloadConfig
-    from .evaluate import Reference, tokenize_text
-    from .tune import tune
+    from .tune import SCORING_CTX, measure_text, tune
 
-    # stock on the text once, for every cap
-    reference = Reference.measure(model, tokenize_text(model, request.text, request.max_tokens), n_threads=threads)
-    log(f"tune: stock on {len(reference.ids)} tokens of the tuning text, perplexity {reference.perplexity:.4f}")
+    # the reference and the routing once, for every cap, within the least memory
+    least = min(cap.limit_bytes for cap in caps) - process_bytes
+    measured = measure_text(model, request.text, request.max_tokens, SCORING_CTX, least, threads,
+                            log=lambda m: log("tune: " + m))
     picked = {}
     for cap in caps:
         log(f"tune for cap {cap.label} ({cap.limit_bytes / MB:.1f} MB):")
@@ -317,7 +317,7 @@ def tuned_configs(model: str, caps: list[Cap], request: TuneRequest, shape: Cont
             profile, rows = tune(model, request.text, memory_bytes=cap.limit_bytes,
                                  max_ppl_increase=request.max_ppl_increase, max_tokens=request.max_tokens,
                                  run_shape=shape, threads=threads, log=lambda m: log("  " + m), names=request.candidates,
-                                 process_bytes=process_bytes, reference=reference)
+                                 process_bytes=process_bytes, measured=measured)
         except HobbitError as e:
             log(f"  nothing chosen: {e}")
             result.tuned[cap.label] = {"chosen": None, "why": str(e)}

@@ -29,21 +29,18 @@ import hashlib
 import importlib.resources
 import json
 import logging
-import math
 import os
 import pathlib
 
-from gguf import GGMLQuantizationType as QT
 import numpy as np
 
-from ._ggml import lib as ggml
 from .config import MB, OffloadConfig
 from .errors import BudgetError, HobbitError
 from .memory import ContextShape, context_sizes, fit_ubatch, plan_offload
 from .model_file import ModelInfo
 from .outputs import partial_output
 from .placement import layer_expert_bytes, place_by_importance
-from .prepare import default_companion_path, prepare_companion
+from .prepare import copy_layer_bytes, default_companion_path, estimated_copy, prepare_companion
 
 log = logging.getLogger("hobbitpy")
 
@@ -128,14 +125,8 @@ def save_importance(model_path: str | os.PathLike, info: ModelInfo, text: str, i
 
 
 def low_copy_layer_bytes(info: ModelInfo) -> np.ndarray:
-    """[moe_layers]: one expert's bytes in a LOW_TYPE copy (gate and up rows n_embd long, down
-    rows n_ff long), as `prepare` will write it; 0 where the rows are not whole blocks."""
-    qtype = QT[LOW_TYPE]
-    block, block_bytes = ggml.ggml_blck_size(qtype), ggml.ggml_type_size(qtype)
-    if info.n_embd % block or info.n_ff_expert % block:
-        return np.zeros(info.n_layer_moe, np.int64)
-    one = 3 * info.n_ff_expert * info.n_embd // block * block_bytes  # gate, up and down: n_embd x n_ff each
-    return np.full(info.n_layer_moe, one, np.int64)
+    """[moe_layers]: one expert's bytes in the LOW_TYPE copy `prepare` will write (0: rows not whole blocks)."""
+    return copy_layer_bytes(info, LOW_TYPE)
 
 
 def low_weight_share(importance: np.ndarray, placement: tuple[tuple[int, ...], ...]) -> float:
@@ -182,15 +173,6 @@ def choose(info: ModelInfo, model_layer_bytes: np.ndarray, budget_bytes: int | N
                   "copy (lossy; --exact serves the model's own experts only)")
 
 
-def _low_level_estimate(info: ModelInfo, low: np.ndarray, path: pathlib.Path) -> ModelInfo:
-    """The low copy's file as inspect_model will see it, estimated before it exists (for the plan)."""
-    one = int(low[0])
-    scale = one / info.expert_bytes
-    return dataclasses.replace(info, path=str(path), expert_bytes=one, expert_bytes_total=one * info.n_expert * info.n_layer_moe,
-                               min_budget_bytes=math.ceil(info.min_budget_bytes * scale),
-                               max_slice_bytes=math.ceil(info.max_slice_bytes * scale))
-
-
 def _two_level_budget(info: ModelInfo, config: OffloadConfig, shape: ContextShape, available: int,
                       low_info: ModelInfo) -> int | None:
     """The expert cache a run with the low copy would get (None: not even its minimum)."""
@@ -213,7 +195,7 @@ def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, 
     low_path = default_companion_path(model_path, LOW_TYPE)
     low = low_copy_layer_bytes(info)
     ladder = dataclasses.replace(config, low=LOW_TYPE, hits="found")
-    budget = (_two_level_budget(info, ladder, shape, available, _low_level_estimate(info, low, low_path))
+    budget = (_two_level_budget(info, ladder, shape, available, estimated_copy(info, low, low_path))
               if low.any() else None)
     model_layer_bytes = layer_expert_bytes(model_path, info.n_expert)
     first = choose(info, model_layer_bytes, budget, None)

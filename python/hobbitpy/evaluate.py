@@ -54,7 +54,7 @@ def _window_logits(llm, window: list[int]) -> np.ndarray:
     return np.array(llm.scores[: len(window)], dtype=np.float32)
 
 
-def _windows(ids: list[int], n_ctx: int):
+def scoring_windows(ids: list[int], n_ctx: int):
     """(window, targets) pairs: window w is scored in one pass; every token but the first is a target once."""
     for s in range(0, len(ids) - 1, n_ctx):
         window = ids[s: s + n_ctx]
@@ -67,9 +67,49 @@ def _windows(ids: list[int], n_ctx: int):
 # (tests/test_memory.py)
 REFERENCE_UBATCH = 64
 
-# bytes the scoring of a window holds per logit: its float32 copy and a few float64 arrays
-# (log-probabilities, exponentials, differences) live at once
-SCORING_BYTES_PER_LOGIT = 48
+# the scoring works through a window's rows this many at a time: its float64 temporaries
+# (log-probabilities, exponentials, differences: about 48 bytes a logit) stay small at any
+# vocabulary (16 rows of a 151k one: 117 MB)
+ROWS_AT_ONCE = 16
+
+
+def scoring_bytes(n_ctx: int, n_vocab: int) -> int:
+    """What scoring a window holds beside the model: its logits' float32 copy and one chunk's temporaries."""
+    return 4 * n_ctx * n_vocab + 48 * ROWS_AT_ONCE * n_vocab
+
+
+def _log_softmax_rows(logits: np.ndarray, out: np.ndarray) -> None:
+    """out[:] = log_softmax(logits) as float32, a chunk of rows at a time."""
+    for r in range(0, len(logits), ROWS_AT_ONCE):
+        out[r: r + ROWS_AT_ONCE] = log_softmax(logits[r: r + ROWS_AT_ONCE])
+
+
+def _compare_rows(ref_lp: np.ndarray, logits: np.ndarray, targets: np.ndarray) -> tuple[float, float, int, np.ndarray]:
+    """Against the reference's log-probabilities on a window: the candidate's negative
+    log-likelihood, the sum of KL(reference || candidate), the rows where both rank the same
+    token first, and per token the reference's log-likelihood minus the candidate's."""
+    nll = kl = 0.0
+    agree = 0
+    diffs = []
+    for r in range(0, len(targets), ROWS_AT_ONCE):
+        lp = log_softmax(logits[r: r + ROWS_AT_ONCE])
+        ref = ref_lp[r: r + ROWS_AT_ONCE]
+        at, t = np.arange(len(lp)), targets[r: r + ROWS_AT_ONCE]
+        nll -= float(lp[at, t].sum())
+        # compared at the reference's precision (float32): the reference's own bits give 0
+        ref64, lp64 = ref.astype(np.float64), lp.astype(np.float32).astype(np.float64)
+        diffs.append(ref64[at, t] - lp64[at, t])
+        kl += float((np.exp(ref64) * (ref64 - lp64)).sum())
+        agree += int((ref.argmax(-1) == lp64.argmax(-1)).sum())
+    return nll, kl, agree, np.concatenate(diffs)
+
+
+def _nll_rows(logits: np.ndarray, targets: np.ndarray) -> float:
+    nll = 0.0
+    for r in range(0, len(targets), ROWS_AT_ONCE):
+        lp = log_softmax(logits[r: r + ROWS_AT_ONCE])
+        nll -= float(lp[np.arange(len(lp)), targets[r: r + ROWS_AT_ONCE]].sum())
+    return nll
 
 
 def _n_vocab(model_path: str) -> int:
@@ -132,28 +172,61 @@ class Reference:
     def measure(cls, model_path: str | os.PathLike, ids: list[int], *, n_ctx: int = 256, n_threads: int | None = None,
                 offload: OffloadConfig = OffloadConfig(enabled=False)) -> "Reference":
         llm = _open(os.fspath(model_path), offload, n_ctx, min(n_ctx, REFERENCE_UBATCH), n_threads)
-        # the log-probabilities go to a temporary file, not the heap: a candidate scored after
-        # them sizes its cache from the memory left, and a file's pages are the kernel's to
-        # reclaim (on the heap, n_tokens x n_vocab floats: 64 MB for 4096 tokens of a
-        # 4096-token vocabulary, 6 GB for 50 k tokens of a 32 k one)
-        store = tempfile.TemporaryFile()
-        log_probs, nll, row = [], 0.0, 0
+        table = ReferenceTable(ids, n_ctx, llm.n_vocab())
         try:
-            table = np.memmap(store, dtype=np.float32, mode="w+", shape=(len(ids) - 1, llm.n_vocab()))
-            for window, targets in _windows(ids, n_ctx):
-                lp = log_softmax(_window_logits(llm, window))
-                nll -= float(lp[np.arange(len(targets)), targets].sum())
-                table[row: row + len(targets)] = lp
-                log_probs.append(table[row: row + len(targets)])
-                row += len(targets)
-            table.flush()
-            os.posix_fadvise(store.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # written: read back as scored
+            for window, _ in scoring_windows(ids, n_ctx):
+                table.add(_window_logits(llm, window))
+            return table.finish()
         except BaseException:
-            store.close()
+            table.close()
             raise
         finally:
             llm.close()
-        return cls(ids, n_ctx, log_probs, math.exp(nll / (len(ids) - 1)), store)
+
+    def first_windows(self, n_windows: int) -> "Reference":
+        """The reference on its first n_windows windows only (fewer tokens to score a slow candidate on)."""
+        n_windows = max(1, min(n_windows, len(self.log_probs)))
+        log_probs = self.log_probs[:n_windows]
+        n = sum(len(lp) for lp in log_probs)
+        targets = np.array(self.ids[1: n + 1])
+        nll = -float(np.concatenate(log_probs)[np.arange(n), targets].sum())
+        return Reference(self.ids[: n + 1], self.n_ctx, log_probs, math.exp(nll / n), self.store)
+
+
+class ReferenceTable:
+    """The reference's log-probabilities, window by window as a model computes them, into a
+    temporary file, not the heap: a candidate scored after them sizes its cache from the memory
+    left, and a file's pages are the kernel's to reclaim (on the heap, n_tokens x n_vocab floats:
+    64 MB for 4096 tokens of a 4096-token vocabulary, 6 GB for 50 k tokens of a 32 k one)."""
+
+    def __init__(self, ids: list[int], n_ctx: int, n_vocab: int):
+        self.ids, self.n_ctx = ids, n_ctx
+        self.windows = list(scoring_windows(ids, n_ctx))
+        self.store = tempfile.TemporaryFile()
+        self.table = np.memmap(self.store, dtype=np.float32, mode="w+", shape=(len(ids) - 1, n_vocab))
+        self.log_probs: list[np.ndarray] = []
+        self.nll, self.row = 0.0, 0
+
+    def add(self, logits: np.ndarray) -> None:
+        """The logits of the next window (its tokens' rows)."""
+        _, targets = self.windows[len(self.log_probs)]
+        lp = self.table[self.row: self.row + len(targets)]
+        _log_softmax_rows(logits[: len(targets)], lp)
+        self.nll -= float(lp[np.arange(len(targets)), targets].astype(np.float64).sum())
+        self.log_probs.append(lp)
+        self.row += len(targets)
+
+    def finish(self) -> Reference:
+        """The reference on the windows added (the first ones; at least one)."""
+        if not self.log_probs:
+            raise HobbitError("the reference has none of its windows")
+        self.table.flush()
+        os.posix_fadvise(self.store.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # written: read back as scored
+        return Reference(self.ids[: self.row + 1], self.n_ctx, self.log_probs, math.exp(self.nll / self.row),
+                         self.store)
+
+    def close(self) -> None:
+        self.store.close()
 
 
 def evaluate_against(model_path: str | os.PathLike, reference: Reference, offload: OffloadConfig, *,
@@ -166,24 +239,18 @@ def evaluate_against(model_path: str | os.PathLike, reference: Reference, offloa
     n_ctx = reference.n_ctx
     # the candidate sizes its cache from the memory left when it opens: the scoring's arrays
     # (a window's log-probabilities and their temporaries) are held by then, and freed for it
-    held = np.ones(SCORING_BYTES_PER_LOGIT * n_ctx * reference.n_vocab, np.uint8)
+    held = np.ones(scoring_bytes(n_ctx, reference.n_vocab), np.uint8)
     candidate = _open(model_path, offload, n_ctx, n_ctx if n_ubatch is None else n_ubatch, n_threads, neurons)
     del held
     nll = kl = 0.0
     agree = n = 0
     diffs = []  # per token: candidate's negative log-likelihood minus the reference's
     try:
-        pairs = list(zip(_windows(reference.ids, n_ctx), reference.log_probs))
+        pairs = list(zip(scoring_windows(reference.ids, n_ctx), reference.log_probs))
         for (window, targets), ref_lp in (progress(pairs) if progress else pairs):
-            lp = log_softmax(_window_logits(candidate, window))
-            at = np.arange(len(targets))
-            nll -= float(lp[at, targets].sum())
-            # compared at the reference's precision (float32): the reference's own bits give 0
-            ref64, lp64 = ref_lp.astype(np.float64), lp.astype(np.float32).astype(np.float64)
-            diffs.append(ref64[at, targets] - lp64[at, targets])
-            kl += float((np.exp(ref64) * (ref64 - lp64)).sum())
-            agree += int((ref_lp.argmax(-1) == lp64.argmax(-1)).sum())
-            n += len(targets)
+            w_nll, w_kl, w_agree, w_diffs = _compare_rows(ref_lp, _window_logits(candidate, window), targets)
+            nll, kl, agree, n = nll + w_nll, kl + w_kl, agree + w_agree, n + len(targets)
+            diffs.append(w_diffs)
         offloaded, stats = candidate.offloaded, _stats(candidate, neurons)
     finally:
         candidate.close()
@@ -220,15 +287,14 @@ def evaluate(model_path: str | os.PathLike, text: str, offload: OffloadConfig, *
         drop_from_page_cache(model_path)
         return evaluate_against(model_path, reference, offload, n_ubatch=n_ubatch, n_threads=n_threads,
                                 progress=progress, neurons=neurons)
-    held = np.ones(SCORING_BYTES_PER_LOGIT * n_ctx * _n_vocab(model_path), np.uint8)
+    held = np.ones(scoring_bytes(n_ctx, _n_vocab(model_path)), np.uint8)
     candidate = _open(model_path, offload, n_ctx, n_ubatch, n_threads, neurons)
     del held
     nll, n = 0.0, 0
     try:
-        windows = list(_windows(ids, n_ctx))
+        windows = list(scoring_windows(ids, n_ctx))
         for window, targets in (progress(windows) if progress else windows):
-            lp = log_softmax(_window_logits(candidate, window))
-            nll -= float(lp[np.arange(len(targets)), targets].sum())
+            nll += _nll_rows(_window_logits(candidate, window), targets)
             n += len(targets)
         offloaded, stats = candidate.offloaded, _stats(candidate, neurons)
     finally:

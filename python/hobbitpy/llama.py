@@ -255,12 +255,13 @@ class Llama(llama_cpp.Llama):
             llama_cpp._internals.LlamaContext(model=self._model, params=self.context_params, verbose=self.verbose)))
 
     def record_routing(self, prompts: list[list[int]], *, n_predict: int = 0, lookahead: int = 0,
-                       with_inputs: bool = False, progress=None) -> "Routing":
+                       with_inputs: bool = False, progress=None, after_prompt=None) -> "Routing":
         """Evaluate each prompt (its tokens in batches), then generate greedily up to n_predict
         tokens in all (or to the end of text or of the context), and return what the routers
         chose for every evaluated token (the runtime's trace; an offloaded Llama only).
         lookahead: also record the top-k of the routers 1..lookahead layers ahead applied to
-        each layer's router input; with_inputs: the router inputs themselves."""
+        each layer's router input; with_inputs: the router inputs themselves; after_prompt(i):
+        called once prompt i is evaluated, its logits still in place (one pass serves both)."""
         if self._runtime == ffi.NULL:
             raise HobbitError(f"{self.model_path}: the expert runtime did not attach; cannot record routing")
         err = error_buffer()
@@ -269,11 +270,13 @@ class Llama(llama_cpp.Llama):
         try:
             tokens: list[int] = []
             seq_start: list[int] = []
-            for ids in (progress(prompts) if progress else prompts):
+            for i, ids in enumerate(progress(prompts) if progress else prompts):
                 room = self.n_ctx() - len(ids)
                 self.reset()
                 evaluated = list(ids)
                 self.eval(ids)
+                if after_prompt is not None:
+                    after_prompt(i)
                 for _ in range(min(n_predict, room) - 1 if n_predict > 0 else 0):
                     nxt = int(np.argmax(self.last_logits()))
                     if nxt == self.token_eos():

@@ -31,6 +31,8 @@ O_DIRECT at a disk's 512-byte granule read no byte of their neighbours.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+import dataclasses
+import math
 import os
 import pathlib
 
@@ -44,7 +46,7 @@ from ._ggml import can_read_as_float, ffi, lib, rows_as_float, type_name
 from .disk import drop_from_page_cache
 from .errors import ModelFileError
 from .gguf_fields import field_value
-from .model_file import inspect_model, model_fingerprint
+from .model_file import ModelInfo, inspect_model, model_fingerprint
 from .outputs import check_free_space, partial_output, publish
 
 EXPERT_SUFFIXES = (".ffn_gate_exps.weight", ".ffn_up_exps.weight", ".ffn_down_exps.weight",
@@ -125,6 +127,27 @@ def companion_fallbacks(path: str | os.PathLike) -> dict[str, str]:
         return {}
     entries = [e.decode() for e in field_value(field)[0]]
     return dict(e.split("=", 1) for e in entries)
+
+
+def copy_layer_bytes(info: ModelInfo, type_name: str) -> np.ndarray:
+    """[moe_layers]: one expert's bytes in a copy of this ggml type (gate and up rows n_embd
+    long, down rows n_ff long), as `prepare` writes it; 0 where the rows are not whole blocks."""
+    qtype = QT[type_name]
+    block, block_bytes = lib.ggml_blck_size(qtype), lib.ggml_type_size(qtype)
+    if info.n_embd % block or info.n_ff_expert % block:
+        return np.zeros(info.n_layer_moe, np.int64)
+    one = 3 * info.n_ff_expert * info.n_embd // block * block_bytes  # gate, up and down: n_embd x n_ff each
+    return np.full(info.n_layer_moe, one, np.int64)
+
+
+def estimated_copy(info: ModelInfo, layer_bytes: np.ndarray, path: str | os.PathLike) -> ModelInfo:
+    """A copy's file as inspect_model will see it, estimated before it exists (to plan with it)."""
+    one = int(layer_bytes[0])
+    scale = one / info.expert_bytes
+    return dataclasses.replace(info, path=os.fspath(path), expert_bytes=one,
+                               expert_bytes_total=one * info.n_expert * info.n_layer_moe,
+                               min_budget_bytes=math.ceil(info.min_budget_bytes * scale),
+                               max_slice_bytes=math.ceil(info.max_slice_bytes * scale))
 
 
 def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: str | os.PathLike | None = None,

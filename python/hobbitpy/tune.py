@@ -1,32 +1,33 @@
 """``hobbitpy tune``: the precision ladder, the budget split and the hit policy for a memory
-size and a quality budget, measured rather than guessed.
+size and a quality budget, measured rather than guessed, in minutes at any model size.
 
-1. The expert budget that memory leaves (the same planner `run` uses, for a process
-   capped at that size).
-2. Candidate ladders, high to low: one level (the model's own experts, or the experts of
-   a smaller quant: a ggml type written by `prepare`, or a llama.cpp mix such as Q3_K_M
-   made by its quantizer), or two levels (a low copy under a higher one), each level
-   holding only copies cheaper than the model's own, or two levels placed statically: one
-   copy of every expert, the most weighed by the routers high (placement.py), weighed on
-   the text past the tokens scored (unscored_text()), also with T2's skip on their resident
-   experts (skip_cached). Files missing are made first (never overwriting).
-3. Each candidate is scored on the text token by token at that budget, with the hit
-   behaviour it will really have (`hits` upgrade or found, warm-up, the cache churning):
-   perplexity, KL and top-1 against stock on the model; and the runtime's counters give
-   its cost per token: the expert bytes its matmuls stream, the bytes it loaded in the
-   background, and the bytes it waited for from the disk weighted by the ratio of memory
-   to disk bandwidth (a fixed ratio, so the choice depends on the model, the text and the
-   budget only: it is deterministic).
-4. The cheapest candidate within the perplexity budget becomes the profile next to the
+1. One pass over the text with the model's own experts, exact (the logits stock llama.cpp
+   gives, at any budget), in batches and within the memory tuned for: the reference's
+   next-token log-probabilities on the scored tokens, and the routing of every token, of the
+   text past them too (ROUTED_TOKENS), which placed candidates are placed by (scoring a
+   ladder on the text it was placed by reads low: ref-mixtral at 0.55, bound +1.00 % there,
+   +1.11 % on held-out text).
+2. Candidate ladders, high to low: one level (the model's own experts, or the experts of a
+   smaller quant: a ggml type written by `prepare`, or a llama.cpp mix such as Q3_K_M made by
+   its quantizer), two levels (a low copy under a higher one; upgrade or found hits), two
+   levels placed statically by the routers' weight (placement.py), also with T2's skip on
+   their resident experts, and the presets. Only copies cheaper than the model's own.
+3. Each priced at the expert budget `run` would plan for that memory (candidate_cost.py): a
+   static candidate, whose outputs do not depend on what its cache holds nor on how tokens
+   are batched (one level; a placed ladder), from the routing of the scored tokens, before it
+   runs; a dynamic one by the runtime's counters as it decodes, with only its floor known
+   before.
+4. Scored cheapest first, against the reference: perplexity, KL, top-1. A static candidate in
+   batches (prefill speed: its outputs are those of decoding); a dynamic one token by token,
+   as it decodes, on the first DYNAMIC_SHARE of the tokens. Files a candidate needs are made
+   just before it is scored. Once one is within the budget with 95 % confidence, a candidate
+   that costs more is not scored: it could not be chosen. The time limit stops the scoring
+   where it is, and says what was left.
+5. The cheapest candidate within the perplexity budget becomes the profile next to the
    model, which `run` and `hobbitpy.Llama` apply by themselves. "Within" means with 95 %
-   confidence (one-sided) given the tokens scored: the per-token likelihood differences
-   give the measured increase a standard error, and a candidate's upper bound must meet
-   the budget; only when none does, the choice falls to the candidate closest to the model
-   (the lowest mean KL) among those measured within (with a note to score more tokens).
-   Measured on 1024 tokens of the inflated ref-deepseek: Q3_K +0.48 % with a bound of
-   +1.46 % (and +1.10 % on other text), Q3_K_M +0.53 % and +1.25 %: a confident choice
-   within 1 % there needs several thousand tokens, and neither the cheapest measured within
-   nor the lowest bound is a safe one (choose()).
+   confidence (one-sided) given the tokens scored; only when none is, the choice falls to the
+   candidate closest to the model (the lowest mean KL) among those measured within
+   (choose()).
 """
 
 from __future__ import annotations
@@ -35,30 +36,66 @@ import dataclasses
 from dataclasses import dataclass
 import math
 import os
+import sys
+import time
 
+import numpy as np
 from gguf import GGMLQuantizationType as QT
+from tqdm import tqdm
 
 from ._ggml import lib as ggml
+from .candidate_cost import floor_cost, measured_cost, modeled_cost, routing_trace
+from .companions import resolve_level
 from .config import MB, OffloadConfig
-from .errors import HobbitError
-from .evaluate import Reference, evaluate_against, tokenize_text
-from .memory import ContextShape, context_sizes, fit_ubatch, plan_offload, process_resident_bytes
+from .errors import HobbitError, ModelFileError
+from .evaluate import (REFERENCE_UBATCH, Reference, ReferenceTable, evaluate_against,
+                       scoring_bytes, scoring_windows, tokenize_text)
+from .imatrix import default_imatrix_path
+from .llama import Llama
+from .memory import (ContextShape, available_memory_bytes, context_sizes, fit_ubatch, plan_offload,
+                     process_resident_bytes, whole_memory_budget_mb)
 from .model_file import ModelInfo, inspect_model
+from .placement import importance_of, layer_expert_bytes, place_by_importance
+from .prepare import (companion_type, copy_layer_bytes, default_companion_path, estimated_copy, needs_imatrix,
+                      prepare_companion)
 from .presets import preset_settings
 from .profile import Profile
-from .quants import BASE_TYPES
-
-# memory streams expert weights to the matmuls about this many times faster than the disk
-# delivers a missed expert (O_DIRECT reads plus the copy into the slot; this machine: 1-1.7
-# GB/s against 12-20 GB/s)
-MEMORY_OVER_DISK = 10.0
+from .quants import BASE_TYPES, default_quant_dir, is_mix_name, make_uniform_quant, quant_path
+from .trace import Trace
 
 # one-sided 95 % quantile of the normal: a candidate's perplexity increase is taken at its
 # measured value plus this many standard errors
 CONFIDENCE_Z = 1.645
 
-# a placed ladder's importance is traced on at least this much text past the scored tokens
+# placed ladders are placed by at least this many tokens of the text past the scored ones, and
+# by at most ROUTED_TOKENS of them
 MIN_PLACEMENT_TOKENS = 256
+ROUTED_TOKENS = 1024
+
+# the pass over the text scores at least this many windows, more while it has taken less than
+# PASS_SHARE of the time limit
+MIN_SCORED_WINDOWS = 2
+PASS_SHARE = 0.3
+
+# a dynamic candidate decodes token by token (at real size about a token a second here): it
+# is scored on this share of the scored windows, at least one
+DYNAMIC_SHARE = 0.25
+# a token decoded alone takes about this many times its share of a batched pass (17 GB model
+# under 12 GiB: 0.84 s a token decoding, 0.10 s a token in passes of 256), to tell whether a
+# dynamic candidate can be scored in the time left
+DECODE_OVER_BATCHED = 8.0
+
+# the windows the text is scored in (tokens of context each)
+SCORING_CTX = 256
+
+# how fast the files of levels are made (bytes of the model read a second, on this 2-core
+# machine: `prepare` made a 17 GB model's Q2_K copy in 4.3 minutes, llama.cpp's quantizer its
+# uniform Q2_K in 12), to leave a candidate whose files would not be ready within the time left
+PREPARE_BYTES_PER_S = 60e6
+QUANTIZE_BYTES_PER_S = 24e6
+
+# how long tune scores by default, in minutes
+TIME_LIMIT_MINUTES = 15.0
 
 # levels tune considers, high to low; plain ggml types are `prepare` companions, mixes are
 # llama.cpp's uniform quants (their down projections a step higher)
@@ -67,7 +104,9 @@ TWO_LEVELS = (("Q4_K_M", "Q2_K"), ("Q4_K", "Q2_K"), ("Q3_K_M", "Q2_K"), ("Q4_K_M
 # ladders placed statically by importance (placement.py): a copy of every expert, each at one level
 # (IQ2_XXS: 2.06 bits a weight, a fifth less than Q2_K; made only with the model's importance
 # matrix, `hobbitpy imatrix`, found next to it)
-PLACED_LEVELS = (("Q3_K", "Q2_K"), ("Q3_K_M", "Q2_K"), ("Q4_K", "Q2_K"), ("Q4_K_M", "Q3_K"), ("Q4_K", "IQ2_XXS"))
+# (None: the model's own experts high, the default's ladder where memory holds it, default_ladder.py)
+PLACED_LEVELS = ((None, "Q2_K"), ("Q3_K", "Q2_K"), ("Q3_K_M", "Q2_K"), ("Q4_K", "Q2_K"), ("Q4_K_M", "Q3_K"),
+                 ("Q4_K", "IQ2_XXS"))
 # the presets (presets.py) tune scores as they are, each paper's method at the budget: Fiddler's
 # needs a profile of calibration text, which tune does not trace
 PRESET_CANDIDATES = ("lru", "importance", "fate", "hobbit", "corm")
@@ -87,13 +126,14 @@ def candidates() -> list[Candidate]:
         name = f"{high or 'model'}/{low}"
         for hits in ("upgrade", "found"):
             out.append(Candidate(f"{name} {hits}", {"high": high, "low": low, "hits": hits}))
-    out += [Candidate(f"{high}/{low} placed", {"high": high, "low": low, "hits": "found"}, placed=True)
+    out += [Candidate(f"{high or 'model'}/{low} placed", {"high": high, "low": low, "hits": "found"}, placed=True)
             for high, low in PLACED_LEVELS]
     # ... with T2's skip on resident experts too: every expert of a placed ladder is resident,
     # and a token's compute is what a skip saves (at the default T2 a tenth of the selections,
     # within the standard error of the perplexity measured on ref-mixtral: docs/BENCHMARKS.md)
-    out += [Candidate(f"{high}/{low} placed skip", {"high": high, "low": low, "hits": "found", "skip_cached": True},
-                      placed=True) for high, low in PLACED_LEVELS]
+    out += [Candidate(f"{high or 'model'}/{low} placed skip",
+                      {"high": high, "low": low, "hits": "found", "skip_cached": True}, placed=True)
+            for high, low in PLACED_LEVELS]
     out += [Candidate(f"preset {name}", preset_settings(name)) for name in PRESET_CANDIDATES]
     return out
 
@@ -107,62 +147,340 @@ def check_candidate_names(names: list[str]) -> None:
             raise ValueError(f"no tune candidate is named {name!r}; the candidates are: {', '.join(known)}")
 
 
-def importance_on_text(model: str, text: str, n_ctx: int, threads: int) -> tuple[tuple[float, ...], ...]:
-    """How much the routers weigh each expert on the text (a trace of prompts cut from it),
-    rounded to 6 significant digits: what a placed candidate's profile keeps."""
-    from .calibrate import prompts_from_text
-    from .placement import expert_importance
-    from .trace import record_trace
+def quality_is_static(settings: dict) -> bool:
+    """Whether a candidate's outputs are the same whatever its cache holds and however its tokens
+    are batched: one level (a miss is read at the same precision), or a placed ladder (each
+    expert has one copy, at the level placed), without the rules that decide per token and
+    pass (T2's skip of resident experts, substitution, neuron masks, a prompt's low share)."""
+    if any(settings.get(k) for k in ("skip_cached", "substitute_alpha", "neurons", "prefill_low_share")):
+        return False
+    return "low" not in settings or settings.get("importance") is not None
 
+
+@dataclass
+class TextPass:
+    """What one exact pass over the tuning text gives every candidate."""
+    reference: Reference
+    scored: Trace                        # the routing of the scored tokens, as decoding meets them
+    importance: np.ndarray | None        # [moe_layers, n_expert] on the text past them, or None ...
+    unplaced: str = ""                   # ... and why not
+    seconds_per_window: float = 0.0      # what a scored window's pass took
+
+
+def measure_text(model: str, text: str, max_tokens: int, n_ctx: int, available: int | None,
+                 threads: int, log=print, seconds: float | None = None) -> TextPass:
+    """The routing of up to ROUTED_TOKENS past the first max_tokens of the text (what placed
+    candidates are placed by), then the reference and the routing on windows of n_ctx of those
+    first tokens; each window one pass of the model's own experts through the runtime, exact,
+    with as much cache as the memory (available; None: now) leaves beside the scoring's arrays.
+    seconds: past this long no further window is scored (at least MIN_SCORED_WINDOWS are)."""
+    started = time.monotonic()
+    info = inspect_model(model)
+    every = tokenize_text(model, text)
+    ids, rest = every[:max_tokens], every[max_tokens:][:ROUTED_TOKENS]
+    shape = ContextShape(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True)
+    held = scoring_bytes(n_ctx, info.n_vocab)
+    cache_mb = whole_memory_budget_mb(info, shape, (available_memory_bytes() if available is None else available) - held)
+    windows = [window for window, _ in scoring_windows(ids, n_ctx)]
+    placing = [rest[s: s + n_ctx] for s in range(0, len(rest), n_ctx)] if len(rest) >= MIN_PLACEMENT_TOKENS else []
+    experts, weights = [], []
+    bar = tqdm(total=len(placing) + len(windows), desc="reference", unit="pass", file=sys.stderr, leave=False)
+    with Llama(model, offload=OffloadConfig(cache_mb=cache_mb, auto=False), n_ctx=n_ctx, n_batch=n_ctx,
+               n_ubatch=n_ctx, logits_all=True, n_threads=threads, verbose=False) as llm, bar:
+        importance, unplaced = None, (f"placing the experts needs {MIN_PLACEMENT_TOKENS} tokens of text past the "
+                                      f"{len(ids)} scored, the text has {len(rest)}: give a longer --text or fewer "
+                                      "--max-tokens")
+        if placing:
+            routing = llm.record_routing(placing, after_prompt=lambda i: bar.update())
+            importance, unplaced = importance_of(routing.experts, routing.weights, info.n_expert), ""
+        table = ReferenceTable(ids, n_ctx, llm.n_vocab())
+        scoring = time.monotonic()
+        try:
+            for window in windows:
+                if seconds is not None and len(experts) >= MIN_SCORED_WINDOWS and time.monotonic() - started > seconds:
+                    break
+                routing = llm.record_routing([window], after_prompt=lambda i: table.add(
+                    np.array(llm.scores[: len(window)], dtype=np.float32)))
+                experts.append(routing.experts)
+                weights.append(routing.weights)
+                bar.update()
+            reference = table.finish()
+        except BaseException:
+            table.close()
+            raise
+    per_window = (time.monotonic() - scoring) / len(experts)
+    scored = routing_trace(np.concatenate(experts), np.concatenate(weights), info)
+    elapsed = time.monotonic() - started
+    short = (f", of {len(ids)}: the time the limit leaves the pass has passed" if len(reference.ids) < len(ids)
+             else "")
+    log(f"reference: the model's own experts on {len(reference.ids)} tokens{short}, perplexity "
+        f"{reference.perplexity:.4f}; routed {sum(len(w) for w in placing)} more to place by ({elapsed:.0f} s)")
+    return TextPass(reference, scored, importance, unplaced, per_window)
+
+
+def _check_can_make(model: str, spec: str) -> None:
+    """ModelFileError when a level cannot be made here (a type that needs the model's importance matrix, without it)."""
+    if not is_mix_name(spec) and needs_imatrix(companion_type(spec, with_imatrix=True)) \
+            and not default_imatrix_path(model).is_file():
+        raise ModelFileError(f"{spec} copies need the model's importance matrix; make it with: "
+                             f"hobbitpy imatrix {model} --text FILE (then {default_imatrix_path(model)} is used)")
+
+
+def _level(model: str, info: ModelInfo, spec: str | None) -> tuple[ModelInfo, np.ndarray, bool]:
+    """A level's file as inspect_model sees it, its expert bytes per MoE layer, and whether it
+    exists; a file still to be made is estimated (a mix as its base type)."""
+    if spec is None:
+        return info, layer_expert_bytes(model, info.n_expert), True
     try:
-        prompts = prompts_from_text(text)
-    except ValueError as e:
-        raise HobbitError(f"the experts cannot be placed by the text past the scored tokens: {e}") from None
-    trace = record_trace(model, prompts, n_predict=32, n_ctx=n_ctx, n_threads=threads)
-    return tuple(tuple(float(f"{x:.6g}") for x in row) for row in expert_importance(trace).tolist())
-
-
-def unscored_text(model: str, text: str, n_scored: int) -> str:
-    """The text past its first n_scored tokens, the ones tune scores. A placed ladder's experts
-    are placed by this part: placed by the scored tokens themselves, a ladder is scored on the
-    text it was fitted to and its increase reads low (ref-mixtral at 0.55, placed and scored on
-    one text: bound +1.00 % there, +1.11 % on held-out text). Raises HobbitError when fewer than
-    MIN_PLACEMENT_TOKENS remain."""
-    from .tokens import Vocabulary
-
-    with Vocabulary(model) as vocab:
-        rest = vocab.tokenize(text.encode("utf-8"), add_bos=False, special=False)[n_scored:]
-        if len(rest) < MIN_PLACEMENT_TOKENS:
-            raise HobbitError(f"placing the experts needs {MIN_PLACEMENT_TOKENS} tokens of text past the {n_scored} "
-                              f"scored, the text has {len(rest)}: give a longer --text or fewer --max-tokens")
-        return vocab.detokenize(rest).decode("utf-8", errors="replace")
-
-
-def _level_file(model: str, spec: str, threads: int, log) -> str:
-    """The file of a level, made first when missing (a `prepare` companion, quantized with the
-    model's importance matrix when `hobbitpy imatrix` wrote one next to it, or a uniform quant)."""
-    from .companions import resolve_level
-    from .errors import ModelFileError
-    from .imatrix import default_imatrix_path
-    from .prepare import companion_type, default_companion_path, needs_imatrix, prepare_companion
-    from .quants import default_quant_dir, is_mix_name, make_uniform_quant
-
-    try:
-        return resolve_level(model, spec, "--high")
+        path = resolve_level(model, spec, "--high")
+        return inspect_model(path), layer_expert_bytes(path, info.n_expert), True
     except ModelFileError:
         pass
+    _check_can_make(model, spec)
+    base = BASE_TYPES.get(spec.upper(), spec.upper())
+    layer_bytes = copy_layer_bytes(info, base)
+    if not layer_bytes.any():
+        raise HobbitError(f"the experts' rows are not whole {base} blocks")
+    path = (quant_path(model, spec, default_quant_dir(model)) if is_mix_name(spec)
+            else default_companion_path(model, spec))
+    return estimated_copy(info, layer_bytes, path), layer_bytes, False
+
+
+def _exists(model: str, spec: str) -> bool:
+    try:
+        resolve_level(model, spec, "--high")
+        return True
+    except ModelFileError:
+        return False
+
+
+def _make_level(model: str, spec: str, threads: int, log) -> None:
+    """Make a level's file (a `prepare` companion, quantized with the model's importance matrix
+    when `hobbitpy imatrix` wrote one next to it, or a uniform quant)."""
     if is_mix_name(spec):
         path, _ = make_uniform_quant(model, spec, default_quant_dir(model), threads)
     else:
         matrix = default_imatrix_path(model)
-        if needs_imatrix(companion_type(spec, with_imatrix=True)) and not matrix.is_file():
-            raise ModelFileError(f"{spec} copies need the model's importance matrix; make it with: "
-                                 f"hobbitpy imatrix {model} --text FILE (then {matrix} is used)")
-        path = prepare_companion(model, spec, default_companion_path(model, spec), threads=threads, progress=False,
+        path = prepare_companion(model, spec, default_companion_path(model, spec), threads=threads, progress=True,
                                  imatrix_path=matrix if matrix.is_file() else None)
     log(f"made {path}")
-    return str(path)
 
+
+def expert_budget(info: ModelInfo, available_bytes: int | None, shape: ContextShape, levels: tuple[ModelInfo, ...],
+                  config: OffloadConfig) -> tuple[int | None, int]:
+    """The budget `run` would plan with available_bytes left to it (None: the memory available
+    now), for these levels (None when it would not offload at all), and the ubatch it plans for."""
+    if shape.n_ubatch is None:  # as a run would choose it
+        shape = dataclasses.replace(shape, n_ubatch=fit_ubatch(info, shape, config, levels, available_bytes))
+    plan = plan_offload(info, config, context_sizes(info, shape).total, levels, available_bytes=available_bytes)
+    return plan.budget_bytes, shape.n_ubatch
+
+
+@dataclass
+class _Plan:
+    cand: Candidate
+    settings: dict
+    static: bool
+    specs: tuple                # the level specs, high to low (None: the model's own experts)
+    levels: tuple               # their ModelInfo (estimated while missing)
+    layer_bytes: list
+    missing: tuple              # specs whose files are still to be made
+    budget: int
+    ubatch: int
+    cost: float                 # modelled (static), or the floor (dynamic)
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+def _until(deadline: float, items, desc: str):
+    """The items, with a bar; _OutOfTime once the deadline has passed."""
+    for item in tqdm(items, desc=desc, unit="window", file=sys.stderr, leave=False):
+        if time.monotonic() > deadline:
+            raise _OutOfTime
+        yield item
+
+
+def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: float = 0.01,
+         max_tokens: int = 2048, run_shape: ContextShape = ContextShape(), n_ctx: int = SCORING_CTX,
+         threads: int | None = None, log=print, names: list[str] | None = None,
+         process_bytes: int | None = None, measured: TextPass | None = None,
+         time_limit_s: float | None = None) -> tuple[Profile, list[dict]]:
+    """Score the candidates (or those named) cheapest first and return the profile of the
+    cheapest within the budget, and every measurement. run_shape: the context the runs will
+    have (their buffers come out of the memory); n_ctx: the scoring windows; process_bytes: what
+    a run's process holds before it loads a model (default: this process now); measured: the
+    pass over the text, when the caller has made it already (tuning for several memories);
+    time_limit_s: scoring stops there, the pass over the text and the files made included
+    (default TIME_LIMIT_MINUTES). Raises HobbitError if
+    none is within the budget."""
+    started = time.monotonic()
+    time_limit_s = 60 * TIME_LIMIT_MINUTES if time_limit_s is None else time_limit_s
+    deadline = started + time_limit_s
+    base = process_resident_bytes() if process_bytes is None else process_bytes
+    available = None if memory_bytes is None else memory_bytes - base
+    threads = threads or os.cpu_count() or 1
+    info = inspect_model(model)
+    if not info.is_moe:
+        raise HobbitError(f"{model} is a dense model: there are no experts to tune")
+    if measured is None:
+        measured = measure_text(model, text, max_tokens, n_ctx, available, threads, log, PASS_SHARE * time_limit_s)
+    reference = measured.reference
+    chosen = [cand for cand in candidates() if names is None or cand.name in names]
+    width = max((len(cand.name) for cand in chosen), default=0)  # one column for the longest name ("... placed skip")
+
+    def say(name, what):
+        log(f"  {name:<{width}} {what}")
+
+    plans = []
+    for cand in chosen:
+        settings = {k: v for k, v in cand.settings.items() if v is not None}
+        if cand.placed:
+            if measured.importance is None:
+                say(cand.name, f"skipped: {measured.unplaced}")
+                continue
+            settings["importance"] = tuple(tuple(float(f"{x:.6g}") for x in row) for row in measured.importance.tolist())
+        larger = [settings[k] for k in ("high", "low") if k in settings and not _can_be_smaller(info, settings[k])]
+        if larger:  # not made, not scored
+            say(cand.name, f"skipped: a {larger[0]} copy is no smaller than the model's experts")
+            continue
+        specs = (settings.get("high"),) + ((settings["low"],) if "low" in settings else ())
+        try:
+            found = [_level(model, info, spec) for spec in specs]
+        except (HobbitError, ValueError, OSError) as e:
+            say(cand.name, f"skipped: {e}")
+            continue
+        levels, layer_bytes = tuple(f[0] for f in found), [f[1] for f in found]
+        # only copies cheaper than the model's own experts
+        if any(level is not info and level.expert_bytes_total >= info.expert_bytes_total for level in levels):
+            continue
+        config = OffloadConfig(**settings)
+        try:
+            budget, ubatch = expert_budget(info, available, run_shape, levels, config)
+        except HobbitError as e:
+            say(cand.name, f"does not fit: {e}")
+            continue
+        if budget is None:
+            budget = info.expert_bytes_total  # everything fits: stock would keep it all resident
+        static = quality_is_static(settings)
+        placement = (place_by_importance(np.array(settings["importance"]), layer_bytes, budget)
+                     if "importance" in settings else None)
+        cost = (modeled_cost(measured.scored, layer_bytes, placement, budget, config.policy) if static
+                else floor_cost(info, levels))
+        plans.append(_Plan(cand, settings, static, specs, levels, layer_bytes,
+                           tuple(spec for spec, f in zip(specs, found) if not f[2]), budget, ubatch, cost))
+
+    rows, best = [], None  # best: the cheapest candidate within the budget with confidence
+    left = []  # the candidates not scored, and why
+
+    def leave(plan, why):
+        say(plan.cand.name, f"not scored: {why}")
+        left.append({"name": plan.cand.name, "cost": plan.cost, "static": plan.static, "why": why})
+
+    for plan in sorted(plans, key=lambda p: (p.cost, p.cand.name)):
+        name = plan.cand.name
+        if best is not None and plan.cost > best["cost"]:
+            leave(plan, f"costs {'at least ' if not plan.static else ''}{plan.cost:.3g} MB/token, more than "
+                        f"{best['name']} ({best['cost']:.3g}), within the budget")
+            continue
+        making = [spec for spec in plan.missing if not _exists(model, spec)]
+        # the files to make, and a pass over the scored text (a static candidate's; a dynamic
+        # one's stops where the time runs out)
+        needs = sum(info.file_bytes / QUANTIZE_BYTES_PER_S if is_mix_name(spec) else
+                    info.expert_bytes_total / PREPARE_BYTES_PER_S for spec in making)
+        windows = len(reference.log_probs)
+        needs += measured.seconds_per_window * (windows if plan.static else
+                                                 _dynamic_windows(windows) * DECODE_OVER_BATCHED)
+        if time.monotonic() + needs > deadline:
+            leave(plan, f"the time limit ({time_limit_s / 60:g} min) leaves {max(0, deadline - time.monotonic()):.0f} s, "
+                        f"it needs about {needs:.0f} s{' to make ' + ', '.join(making) + ' and score' if making else ''}")
+            continue
+        try:
+            for spec in making:
+                _make_level(model, spec, threads, log)
+            if plan.missing:  # the files as made: the plan again
+                plan = _replanned(model, info, plan, available, run_shape, measured.scored)
+        except (HobbitError, ValueError, OSError) as e:
+            say(name, f"skipped: {e}")
+            continue
+        say(name, f"scoring ({'in batches' if plan.static else 'token by token'}, "
+                  f"{'' if plan.static else 'at least '}{plan.cost:.3g} MB/token) ...")
+        try:
+            row = _score(model, plan, reference, threads, deadline, info)
+        except _OutOfTime:
+            leave(plan, f"the time limit ({time_limit_s / 60:g} min) passed while it was scored")
+            continue
+        except (HobbitError, ValueError, OSError) as e:
+            say(name, f"skipped: {e}")
+            continue
+        rows.append(row)
+        say(name, f"budget {row['budget_mb']:7.1f} MB  ppl {100 * row['ppl_increase']:+6.2f} % "
+                  f"(95 % bound {100 * row['ppl_increase_upper']:+6.2f} %, {row['n_tokens']} tokens)  "
+                  f"KL {row['mean_kl']:.4f}  cost {row['cost']:.3g} MB/token")
+        if row["ppl_increase_upper"] <= max_ppl_increase and (best is None or row["cost"] < best["cost"]):
+            best = row
+    log(f"  scored {len(rows)} of {len(plans)} candidates in {time.monotonic() - started:.0f} s")
+    pick = choose(rows, max_ppl_increase, len(reference.ids), log)
+    if not rows and left:
+        raise HobbitError(f"{model}: no candidate was scored: {left[0]['why']} (give more --time-limit)")
+    if pick is None:
+        raise HobbitError(f"{model}: no candidate stays within {100 * max_ppl_increase:g} % perplexity at this memory "
+                          f"(best: {min(rows, key=lambda r: r['ppl_increase'])['name'] if rows else 'none fits'})")
+    profile = Profile(model=os.path.basename(model), model_bytes=os.path.getsize(model), settings=pick["settings"],
+                      calibration={"tool": "tune", "memory_mb": None if memory_bytes is None else memory_bytes / MB,
+                                   "run_context": run_shape.n_ctx,
+                                   "max_ppl_increase": max_ppl_increase, "n_tokens": len(reference.ids),
+                                   "reference_perplexity": reference.perplexity, "chosen": pick["name"],
+                                   "candidates": rows, "not_scored": left})
+    return profile, rows
+
+
+def _replanned(model: str, info: ModelInfo, plan: _Plan, available: int | None, run_shape: ContextShape,
+               scored: Trace) -> _Plan:
+    """The plan with the levels' files as they were made (their real sizes)."""
+    found = [_level(model, info, spec) for spec in plan.specs]
+    levels, layer_bytes = tuple(f[0] for f in found), [f[1] for f in found]
+    config = OffloadConfig(**plan.settings)
+    budget, ubatch = expert_budget(info, available, run_shape, levels, config)
+    budget = info.expert_bytes_total if budget is None else budget
+    placement = (place_by_importance(np.array(plan.settings["importance"]), layer_bytes, budget)
+                 if "importance" in plan.settings else None)
+    cost = (modeled_cost(scored, layer_bytes, placement, budget, config.policy) if plan.static
+            else floor_cost(info, levels))
+    return dataclasses.replace(plan, levels=levels, layer_bytes=layer_bytes, missing=(), budget=budget, ubatch=ubatch,
+                               cost=cost)
+
+
+def _dynamic_windows(n_windows: int) -> int:
+    return max(1, math.ceil(DYNAMIC_SHARE * n_windows))
+
+
+def _score(model: str, plan: _Plan, reference: Reference, threads: int, deadline: float, info: ModelInfo) -> dict:
+    """A candidate's row: its quality against the reference and its cost per token."""
+    settings = plan.settings
+    if not settings:  # the model's own experts: the reference itself (the runtime is exact)
+        n = len(reference.ids) - 1
+        return {"name": plan.cand.name, "settings": settings, "budget_mb": plan.budget / MB,
+                "perplexity": reference.perplexity, "ppl_increase": 0.0, "ppl_increase_upper": 0.0, "mean_kl": 0.0,
+                "top1_agreement": 1.0, "cost": plan.cost, "n_tokens": n, "scored": "exact"}
+    config = OffloadConfig(**settings, cache_mb=plan.budget / MB)
+    if plan.static:
+        against = reference
+        ubatch = max(1, min(reference.n_ctx, plan.ubatch or REFERENCE_UBATCH))
+    else:
+        against = reference.first_windows(_dynamic_windows(len(reference.log_probs)))
+        ubatch = 1
+    r = evaluate_against(model, against, config, n_ubatch=ubatch, n_threads=threads,
+                         progress=lambda pairs: _until(deadline, pairs, plan.cand.name))
+    cost = plan.cost if plan.static else measured_cost(r.stats, plan.levels, info, r.n_tokens,
+                                                       predicts_neurons=config.neurons is not None)
+    ratio = r.perplexity / against.perplexity
+    return {"name": plan.cand.name, "settings": settings, "budget_mb": plan.budget / MB, "perplexity": r.perplexity,
+            "ppl_increase": ratio - 1.0,
+            "ppl_increase_upper": math.exp(math.log(ratio) + CONFIDENCE_Z * (r.log_ppl_ratio_se or 0.0)) - 1.0,
+            "mean_kl": r.mean_kl, "top1_agreement": r.top1_agreement, "cost": cost, "n_tokens": r.n_tokens,
+            "scored": "batched" if plan.static else "token by token"}
 
 def _can_be_smaller(info: ModelInfo, spec: str) -> bool:
     """Whether a level of this type or mix can hold the model's experts in fewer bytes: its
@@ -175,102 +493,6 @@ def _can_be_smaller(info: ModelInfo, spec: str) -> bool:
     bits = 8 * ggml.ggml_type_size(qtype) / ggml.ggml_blck_size(qtype)
     n_weights = info.n_layer_moe * info.n_expert * 3 * info.n_embd * info.n_ff_expert
     return n_weights == 0 or bits < 8 * info.expert_bytes_total / n_weights
-
-
-def expert_budget(info: ModelInfo, available_bytes: int | None, shape: ContextShape, levels: tuple[ModelInfo, ...],
-                  config: OffloadConfig) -> int | None:
-    """The budget `run` would plan with available_bytes left to it (None: the memory available
-    now), for these levels; None when it would not offload at all."""
-    if shape.n_ubatch is None:  # as a run would choose it
-        shape = dataclasses.replace(shape, n_ubatch=fit_ubatch(info, shape, config, levels, available_bytes))
-    plan = plan_offload(info, config, context_sizes(info, shape).total, levels, available_bytes=available_bytes)
-    return plan.budget_bytes
-
-
-def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: float = 0.01,
-         max_tokens: int = 2048, run_shape: ContextShape = ContextShape(), n_ctx: int = 256,
-         threads: int | None = None, log=print, names: list[str] | None = None,
-         process_bytes: int | None = None, reference: Reference | None = None) -> tuple[Profile, list[dict]]:
-    """Measure every candidate (or those named) and return the profile of the cheapest within
-    the budget, and every measurement. run_shape: the context the runs will have (their buffers
-    come out of the memory); n_ctx: the scoring windows; process_bytes: what a run's process
-    holds before it loads a model (default: this process now, before the reference; a caller
-    that has loaded models already measures it before); reference: stock on the text, when the
-    caller has measured it already (tuning for several memories). Raises HobbitError if none is
-    within it."""
-    base = process_resident_bytes() if process_bytes is None else process_bytes
-    available = None if memory_bytes is None else memory_bytes - base
-    threads = threads or os.cpu_count() or 1
-    info = inspect_model(model)
-    if not info.is_moe:
-        raise HobbitError(f"{model} is a dense model: there are no experts to tune")
-    if reference is None:
-        reference = Reference.measure(model, tokenize_text(model, text, max_tokens), n_ctx=n_ctx, n_threads=threads)
-        log(f"reference: stock on {model}, {len(reference.ids)} tokens, perplexity {reference.perplexity:.4f}")
-    ids = reference.ids
-    rows = []
-    chosen = [cand for cand in candidates() if names is None or cand.name in names]
-    importance, unplaced = None, ""  # traced once for every placed candidate, or why not
-    if any(cand.placed for cand in chosen):
-        try:
-            importance = importance_on_text(model, unscored_text(model, text, len(ids)), n_ctx, threads)
-            log(f"  expert importance traced on the text past the scored tokens ({len(importance)} MoE layers)")
-        except HobbitError as e:
-            unplaced = str(e)
-    width = max((len(cand.name) for cand in chosen), default=0)  # one column for the longest name ("... placed skip")
-    for cand in chosen:
-        settings = {k: v for k, v in cand.settings.items() if v is not None}
-        if cand.placed:
-            if importance is None:
-                log(f"  {cand.name:<{width}} skipped: {unplaced}")
-                continue
-            settings["importance"] = importance
-        larger = [settings[k] for k in ("high", "low") if k in settings and not _can_be_smaller(info, settings[k])]
-        if larger:  # not made, not scored
-            log(f"  {cand.name:<{width}} skipped: a {larger[0]} copy is no smaller than the model's experts")
-            continue
-        try:
-            files = {k: _level_file(model, settings[k], threads, log) for k in ("high", "low") if k in settings}
-        except (HobbitError, ValueError, OSError) as e:
-            log(f"  {cand.name:<{width}} skipped: {e}")
-            continue
-        levels = (inspect_model(files["high"]) if "high" in files else info,) + (
-            (inspect_model(files["low"]),) if "low" in files else ())
-        # only copies cheaper than the model's own experts
-        if any(level is not info and level.expert_bytes_total >= info.expert_bytes_total for level in levels):
-            continue
-        config = OffloadConfig(**settings)
-        try:
-            budget = expert_budget(info, available, run_shape, levels, config)
-        except HobbitError as e:
-            log(f"  {cand.name:<{width}} does not fit: {e}")
-            continue
-        if budget is None:
-            budget = info.expert_bytes_total  # everything fits: stock would keep it all resident
-        r = evaluate_against(model, reference, OffloadConfig(**settings, cache_mb=budget / MB), n_ubatch=1,
-                             n_threads=threads)
-        cost = _cost(r.stats, levels, info, r.n_tokens, predicts_neurons=config.neurons is not None)
-        row = {"name": cand.name, "settings": settings, "budget_mb": budget / MB, "perplexity": r.perplexity,
-               "ppl_increase": r.perplexity / reference.perplexity - 1.0,
-               "ppl_increase_upper": math.exp(math.log(r.perplexity / reference.perplexity)
-                                              + CONFIDENCE_Z * (r.log_ppl_ratio_se or 0.0)) - 1.0,
-               "mean_kl": r.mean_kl,
-               "top1_agreement": r.top1_agreement, "cost": cost}
-        rows.append(row)
-        log(f"  {cand.name:<{width}} budget {budget / MB:7.1f} MB  ppl {100 * row['ppl_increase']:+6.2f} % "
-            f"(95 % bound {100 * row['ppl_increase_upper']:+6.2f} %)  KL {row['mean_kl']:.4f}  "
-            f"cost {row['cost']:.3g} MB/token")
-    best = choose(rows, max_ppl_increase, len(ids), log)
-    if best is None:
-        raise HobbitError(f"{model}: no candidate stays within {100 * max_ppl_increase:g} % perplexity at this memory "
-                          f"(best: {min(rows, key=lambda r: r['ppl_increase'])['name'] if rows else 'none fits'})")
-    profile = Profile(model=os.path.basename(model), model_bytes=os.path.getsize(model), settings=best["settings"],
-                      calibration={"tool": "tune", "memory_mb": None if memory_bytes is None else memory_bytes / MB,
-                                   "run_context": run_shape.n_ctx,
-                                   "max_ppl_increase": max_ppl_increase, "n_tokens": len(ids),
-                                   "reference_perplexity": reference.perplexity, "chosen": best["name"],
-                                   "candidates": rows})
-    return profile, rows
 
 
 def choose(rows: list[dict], max_ppl_increase: float, n_tokens: int, log=print) -> dict | None:
@@ -293,18 +515,3 @@ def choose(rows: list[dict], max_ppl_increase: float, n_tokens: int, log=print) 
     return min(measured, key=lambda r: (r["mean_kl"], r["cost"], r["name"]))
 
 
-def _cost(stats: dict | None, levels: tuple[ModelInfo, ...], info: ModelInfo, n_tokens: int,
-          predicts_neurons: bool = False) -> float:
-    """Expert megabytes per token: what the matmuls stream (with CORM's neuron prediction, each
-    selection past the first MoE layer streams its gate projection, a third of it, once more:
-    experts are multiplied whole), plus what loaded in the background (warm-up, upgrades: each a
-    copy into a slot that competes with the matmuls for the cores), plus MEMORY_OVER_DISK times
-    what decoding waited for from the disk."""
-    if stats is None:  # stock: every expert resident (the budget held them all)
-        return info.expert_bytes_total / info.n_expert * info.n_expert_used / MB
-    per_expert = [level.expert_bytes_total / (level.n_layer_moe * level.n_expert) for level in levels]
-    served = sum(n * b for n, b in zip(stats["served"], per_expert))
-    if predicts_neurons:
-        served *= 1.0 + (info.n_layer_moe - 1) / info.n_layer_moe / 3.0
-    waited = stats["demand_bytes_read"]
-    return (served + stats["background_bytes_read"] + MEMORY_OVER_DISK * waited) / max(1, n_tokens) / MB
