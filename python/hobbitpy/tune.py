@@ -47,7 +47,7 @@ from ._ggml import lib as ggml
 from .candidate_cost import floor_cost, measured_cost, modeled_cost, routing_trace
 from .companions import resolve_level
 from .config import MB, OffloadConfig
-from .errors import HobbitError, ModelFileError
+from .errors import BudgetError, HobbitError, ModelFileError
 from .evaluate import (REFERENCE_UBATCH, Reference, ReferenceTable, evaluate_against,
                        scoring_bytes, scoring_windows, tokenize_text)
 from .imatrix import default_imatrix_path
@@ -345,31 +345,17 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: f
         if larger:  # not made, not scored
             say(cand.name, f"skipped: a {larger[0]} copy is no smaller than the model's experts")
             continue
-        specs = (settings.get("high"),) + ((settings["low"],) if "low" in settings else ())
         try:
-            found = [_level(model, info, spec) for spec in specs]
+            plan = _plan(model, info, cand, settings, available, run_shape, measured.scored)
+        except _NotCheaper:
+            continue
+        except BudgetError as e:
+            say(cand.name, f"does not fit: {e}")
+            continue
         except (HobbitError, ValueError, OSError) as e:
             say(cand.name, f"skipped: {e}")
             continue
-        levels, layer_bytes = tuple(f[0] for f in found), [f[1] for f in found]
-        # only copies cheaper than the model's own experts
-        if any(level is not info and level.expert_bytes_total >= info.expert_bytes_total for level in levels):
-            continue
-        config = OffloadConfig(**settings)
-        try:
-            budget, ubatch = expert_budget(info, available, run_shape, levels, config)
-        except HobbitError as e:
-            say(cand.name, f"does not fit: {e}")
-            continue
-        if budget is None:
-            budget = info.expert_bytes_total  # everything fits: stock would keep it all resident
-        static = quality_is_static(settings)
-        placement = (place_by_importance(np.array(settings["importance"]), layer_bytes, budget)
-                     if "importance" in settings else None)
-        cost = (modeled_cost(measured.scored, layer_bytes, placement, budget, config.policy) if static
-                else floor_cost(info, levels))
-        plans.append(_Plan(cand, settings, static, specs, levels, layer_bytes,
-                           tuple(spec for spec, f in zip(specs, found) if not f[2]), budget, ubatch, cost))
+        plans.append(plan)
 
     rows, best = [], None  # best: the cheapest candidate within the budget with confidence
     left = []  # the candidates not scored, and why
@@ -390,8 +376,9 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: f
         needs = sum(info.file_bytes / QUANTIZE_BYTES_PER_S if is_mix_name(spec) else
                     info.expert_bytes_total / PREPARE_BYTES_PER_S for spec in making)
         windows = len(reference.log_probs)
-        needs += measured.seconds_per_window * (windows if plan.static else
-                                                 _dynamic_windows(windows) * DECODE_OVER_BATCHED)
+        if plan.settings:  # (the model's own experts are the reference: nothing to score)
+            needs += measured.seconds_per_window * (windows if plan.static else
+                                                     _dynamic_windows(windows) * DECODE_OVER_BATCHED)
         if time.monotonic() + needs > deadline:
             leave(plan, f"the time limit ({time_limit_s / 60:g} min) leaves {max(0, deadline - time.monotonic()):.0f} s, "
                         f"it needs about {needs:.0f} s{' to make ' + ', '.join(making) + ' and score' if making else ''}")
@@ -400,12 +387,16 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: f
             for spec in making:
                 _make_level(model, spec, threads, log)
             if plan.missing:  # the files as made: the plan again
-                plan = _replanned(model, info, plan, available, run_shape, measured.scored)
+                plan = _plan(model, info, plan.cand, plan.settings, available, run_shape, measured.scored)
+        except _NotCheaper:
+            say(name, "skipped: as made, a level is no smaller than the model's experts")
+            continue
         except (HobbitError, ValueError, OSError) as e:
             say(name, f"skipped: {e}")
             continue
-        say(name, f"scoring ({'in batches' if plan.static else 'token by token'}, "
-                  f"{'' if plan.static else 'at least '}{plan.cost:.3g} MB/token) ...")
+        if plan.settings:  # (the model's own experts are the reference itself)
+            say(name, f"scoring ({'in batches' if plan.static else 'token by token'}, "
+                      f"{'' if plan.static else 'at least '}{plan.cost:.3g} MB/token) ...")
         try:
             row = _score(model, plan, reference, threads, deadline, info)
         except _OutOfTime:
@@ -436,20 +427,31 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: f
     return profile, rows
 
 
-def _replanned(model: str, info: ModelInfo, plan: _Plan, available: int | None, run_shape: ContextShape,
-               scored: Trace) -> _Plan:
-    """The plan with the levels' files as they were made (their real sizes)."""
-    found = [_level(model, info, spec) for spec in plan.specs]
+class _NotCheaper(Exception):
+    """A level no cheaper than the model's own experts."""
+
+
+def _plan(model: str, info: ModelInfo, cand: Candidate, settings: dict, available: int | None,
+          run_shape: ContextShape, scored: Trace) -> _Plan:
+    """A candidate priced at the budget a run would get, with its levels' files as they are (or
+    estimated while missing). _NotCheaper for a copy no cheaper than the model's experts;
+    BudgetError when it does not fit."""
+    specs = (settings.get("high"),) + ((settings["low"],) if "low" in settings else ())
+    found = [_level(model, info, spec) for spec in specs]
     levels, layer_bytes = tuple(f[0] for f in found), [f[1] for f in found]
-    config = OffloadConfig(**plan.settings)
+    if any(level is not info and level.expert_bytes_total >= info.expert_bytes_total for level in levels):
+        raise _NotCheaper
+    config = OffloadConfig(**settings)
     budget, ubatch = expert_budget(info, available, run_shape, levels, config)
-    budget = info.expert_bytes_total if budget is None else budget
-    placement = (place_by_importance(np.array(plan.settings["importance"]), layer_bytes, budget)
-                 if "importance" in plan.settings else None)
-    cost = (modeled_cost(scored, layer_bytes, placement, budget, config.policy) if plan.static
+    if budget is None:
+        budget = info.expert_bytes_total  # everything fits: stock would keep it all resident
+    static = quality_is_static(settings)
+    placement = (place_by_importance(np.array(settings["importance"]), layer_bytes, budget)
+                 if "importance" in settings else None)
+    cost = (modeled_cost(scored, layer_bytes, placement, budget, config.policy) if static
             else floor_cost(info, levels))
-    return dataclasses.replace(plan, levels=levels, layer_bytes=layer_bytes, missing=(), budget=budget, ubatch=ubatch,
-                               cost=cost)
+    return _Plan(cand, settings, static, specs, levels, layer_bytes,
+                 tuple(spec for spec, f in zip(specs, found) if not f[2]), budget, ubatch, cost)
 
 
 def _dynamic_windows(n_windows: int) -> int:
