@@ -324,7 +324,8 @@ def tuned_configs(model: str, caps: list[Cap], request: TuneRequest, shape: Cont
             continue
         chosen = profile.calibration["chosen"]
         log(f"  chosen: {chosen}")
-        result.tuned[cap.label] = {"chosen": chosen, "settings": profile.settings, "candidates": rows}
+        result.tuned[cap.label] = {"chosen": chosen, "settings": profile.settings, "candidates": rows,
+                                   "not_scored": profile.calibration["not_scored"]}
         picked[cap.label] = BenchConfig(TUNED, dataclasses.asdict(OffloadConfig(**profile.settings)))
     return picked
 

@@ -78,10 +78,15 @@ def scoring_bytes(n_ctx: int, n_vocab: int) -> int:
     return 4 * n_ctx * n_vocab + 48 * ROWS_AT_ONCE * n_vocab
 
 
-def _log_softmax_rows(logits: np.ndarray, out: np.ndarray) -> None:
-    """out[:] = log_softmax(logits) as float32, a chunk of rows at a time."""
-    for r in range(0, len(logits), ROWS_AT_ONCE):
-        out[r: r + ROWS_AT_ONCE] = log_softmax(logits[r: r + ROWS_AT_ONCE])
+def _store_log_softmax(logits: np.ndarray, targets: np.ndarray, out: np.ndarray) -> float:
+    """out[:] = log_softmax(logits) as float32, a chunk of rows at a time; the negative
+    log-likelihood of the targets (at float64, as a candidate's is computed)."""
+    nll = 0.0
+    for r in range(0, len(targets), ROWS_AT_ONCE):
+        lp = log_softmax(logits[r: r + ROWS_AT_ONCE])
+        nll -= float(lp[np.arange(len(lp)), targets[r: r + ROWS_AT_ONCE]].sum())
+        out[r: r + ROWS_AT_ONCE] = lp
+    return nll
 
 
 def _compare_rows(ref_lp: np.ndarray, logits: np.ndarray, targets: np.ndarray) -> tuple[float, float, int, np.ndarray]:
@@ -163,6 +168,7 @@ class Reference:
     log_probs: list[np.ndarray]   # one [window, n_vocab] array per window (float32)
     perplexity: float
     store: object = field(default=None, repr=False)  # the temporary file log_probs are views of
+    window_nll: list[float] = field(default_factory=list)  # each window's negative log-likelihood
 
     @property
     def n_vocab(self) -> int:
@@ -188,9 +194,8 @@ class Reference:
         n_windows = max(1, min(n_windows, len(self.log_probs)))
         log_probs = self.log_probs[:n_windows]
         n = sum(len(lp) for lp in log_probs)
-        targets = np.array(self.ids[1: n + 1])
-        nll = -float(np.concatenate(log_probs)[np.arange(n), targets].sum())
-        return Reference(self.ids[: n + 1], self.n_ctx, log_probs, math.exp(nll / n), self.store)
+        nll = self.window_nll[:n_windows]
+        return Reference(self.ids[: n + 1], self.n_ctx, log_probs, math.exp(sum(nll) / n), self.store, nll)
 
 
 class ReferenceTable:
@@ -205,14 +210,14 @@ class ReferenceTable:
         self.store = tempfile.TemporaryFile()
         self.table = np.memmap(self.store, dtype=np.float32, mode="w+", shape=(len(ids) - 1, n_vocab))
         self.log_probs: list[np.ndarray] = []
-        self.nll, self.row = 0.0, 0
+        self.window_nll: list[float] = []
+        self.row = 0
 
     def add(self, logits: np.ndarray) -> None:
         """The logits of the next window (its tokens' rows)."""
         _, targets = self.windows[len(self.log_probs)]
         lp = self.table[self.row: self.row + len(targets)]
-        _log_softmax_rows(logits[: len(targets)], lp)
-        self.nll -= float(lp[np.arange(len(targets)), targets].astype(np.float64).sum())
+        self.window_nll.append(_store_log_softmax(logits[: len(targets)], targets, lp))
         self.log_probs.append(lp)
         self.row += len(targets)
 
@@ -222,8 +227,8 @@ class ReferenceTable:
             raise HobbitError("the reference has none of its windows")
         self.table.flush()
         os.posix_fadvise(self.store.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # written: read back as scored
-        return Reference(self.ids[: self.row + 1], self.n_ctx, self.log_probs, math.exp(self.nll / self.row),
-                         self.store)
+        return Reference(self.ids[: self.row + 1], self.n_ctx, self.log_probs,
+                         math.exp(sum(self.window_nll) / self.row), self.store, self.window_nll)
 
     def close(self) -> None:
         self.store.close()
