@@ -120,6 +120,11 @@ def test_run_under_a_cap_makes_the_ladder_once_and_stays_exact_when_asked(model_
         assert "measuring how much the routers weigh" in first.stderr
         assert f"making a {LOW_TYPE} copy" in first.stderr and "every expert in memory" in first.stderr, first.stderr
         assert default_companion_path(model, LOW_TYPE).is_file() and importance_path(model).is_file()
+        # both readable as any file the user makes there (the umask's, not a private temporary's)
+        umask = os.umask(0)
+        os.umask(umask)
+        for made in (default_companion_path(model, LOW_TYPE), importance_path(model)):
+            assert made.stat().st_mode & 0o777 == 0o666 & ~umask, made
 
         again = _run(model, cap)  # made once: found next to the model
         assert again.returncode == 0, again.stderr[-3000:]

@@ -38,7 +38,7 @@ from .config import MB, OffloadConfig
 from .errors import BudgetError, HobbitError
 from .memory import ContextShape, context_sizes, fit_ubatch, plan_offload
 from .model_file import ModelInfo
-from .outputs import partial_output
+from .outputs import partial_output, replace
 from .placement import layer_expert_bytes, place_by_importance
 from .prepare import copy_layer_bytes, default_companion_path, estimated_copy, prepare_companion
 
@@ -120,8 +120,7 @@ def save_importance(model_path: str | os.PathLike, info: ModelInfo, text: str, i
             "importance": [[float(f"{x:.6g}") for x in row] for row in importance.tolist()]}
     with partial_output(path) as partial:
         partial.write_text(json.dumps(data) + "\n")
-        os.replace(partial, path)
-    return path
+        return replace(partial, path)
 
 
 def low_copy_layer_bytes(info: ModelInfo) -> np.ndarray:

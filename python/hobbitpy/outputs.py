@@ -99,6 +99,14 @@ def publish(partial: pathlib.Path, path: str | os.PathLike) -> pathlib.Path:
     return pathlib.Path(path)
 
 
+def replace(partial: pathlib.Path, path: str | os.PathLike) -> pathlib.Path:
+    """Give the written partial file its name, replacing a file of that name: for hobbitpy's
+    own caches (a stale one is replaced), never for a user's output (publish)."""
+    os.chmod(partial, 0o666 & ~_umask())
+    os.replace(partial, path)
+    return pathlib.Path(path)
+
+
 def _remove_dead_partials(path: pathlib.Path) -> None:
     pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)\.[^.]+\.partial")
     for entry in path.parent.glob(f".{glob.escape(path.name)}.*.partial"):
