@@ -9,11 +9,14 @@ For each MoE layer, over held-out text:
           Table 1); uniform: 1/E and k/E;
 - corr:   Pearson correlation between a selected expert's gate weight and the norm of
           its weighted output (HOBBIT Fig. 5a);
-- skew:   popularity skew, the most used expert's share over the mean share (1 = even).
+- skew:   popularity skew, the most used expert's share over the mean share (1 = even);
+- used90: how many experts take 90 % of the layer's selections (uniform: 0.9 E);
+- lru2k:  hit ratio of an LRU cache of 2k of the layer's experts, token after token (uniform:
+          about 2k/E).
 
 The GGUF is read back into the same PyTorch modules the training script uses (weights
 dequantized with gguf), so this works for models written by
-scripts/train_reference_moe.py (llama and qwen2moe archs).
+scripts/train_reference_moe.py (llama, qwen2moe and qwen3moe archs).
 
     python scripts/routing_stats.py models/ref-mixtral-Q8_0.gguf models/ref-deepseek-Q8_0.gguf
 
@@ -44,7 +47,7 @@ def load_model(path: str) -> T.MoELM:
         return field.parts[field.data[0]][0].item()
 
     arch = bytes(f["general.architecture"].parts[f["general.architecture"].data[0]]).decode()
-    kind = "mixtral" if arch == "llama" else "deepseek"
+    kind = {"llama": "mixtral", "qwen2moe": "deepseek", "qwen3moe": "qwen3-30b-a3b"}[arch]
     tensors = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32) for t in r.tensors}
     n_ff_key = f"{arch}.expert_feed_forward_length" if f"{arch}.expert_feed_forward_length" in f else f"{arch}.feed_forward_length"
     c = T.ModelConfig(kind=kind, n_vocab=tensors["token_embd.weight"].shape[0], n_layer=kv(f"{arch}.block_count"),
@@ -52,7 +55,8 @@ def load_model(path: str) -> T.MoELM:
                       n_head_kv=kv(f"{arch}.attention.head_count_kv"), n_expert=kv(f"{arch}.expert_count"),
                       n_expert_used=kv(f"{arch}.expert_used_count"), n_ff=kv(n_ff_key),
                       n_ff_shared=kv(f"{arch}.expert_shared_feed_forward_length") if kind == "deepseek" else 0,
-                      n_ctx=kv(f"{arch}.context_length"))
+                      n_ctx=kv(f"{arch}.context_length"),
+                      head_dim=kv(f"{arch}.attention.key_length") if f"{arch}.attention.key_length" in f else 0)
     m = T.MoELM(c)
     names = {"embd.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "out.weight": "output.weight"}
     for i in range(c.n_layer):
@@ -62,6 +66,9 @@ def load_model(path: str) -> T.MoELM:
                       b + "attn.o.weight": p + "attn_output.weight", b + "ffn_norm.weight": p + "ffn_norm.weight",
                       b + "moe.router.weight": p + "ffn_gate_inp.weight", b + "moe.gate": p + "ffn_gate_exps.weight",
                       b + "moe.up": p + "ffn_up_exps.weight", b + "moe.down": p + "ffn_down_exps.weight"})
+        if c.qk_norm:
+            names.update({b + "attn.q_norm.weight": p + "attn_q_norm.weight",
+                          b + "attn.k_norm.weight": p + "attn_k_norm.weight"})
         if c.n_ff_shared:
             names.update({b + "moe.sh_inp.weight": p + "ffn_gate_inp_shexp.weight",
                           b + "moe.sh_gate.weight": p + "ffn_gate_shexp.weight",
@@ -108,7 +115,9 @@ def routing_stats(model: T.MoELM, ids: np.ndarray) -> list[dict]:
         reuse = float((onehot[:-1] * onehot[1:]).sum() / onehot[:-1].sum())
         corr = float(np.corrcoef(w.flatten().numpy(), norms.flatten().numpy())[0, 1])
         share = onehot.mean(0) / k
-        row = dict(layer=l, reuse=reuse, reuse_uniform=k / E, corr=corr, skew=float(share.max() / share.mean()))
+        row = dict(layer=l, reuse=reuse, reuse_uniform=k / E, corr=corr, skew=float(share.max() / share.mean()),
+                   used90=int(np.searchsorted(np.cumsum(np.sort(share.numpy())[::-1]), 0.9) + 1),
+                   lru2k=lru_hit_ratio(sel.numpy(), 2 * k))
         if l + 1 < c.n_layer:
             nxt = model.blocks[l + 1].moe.router
             pred = torch.softmax(nxt(x), -1).topk(k, -1).indices
@@ -120,16 +129,33 @@ def routing_stats(model: T.MoELM, ids: np.ndarray) -> list[dict]:
     return rows
 
 
+def lru_hit_ratio(selected: np.ndarray, slots: int) -> float:
+    """Hits of an LRU cache of `slots` experts over the selections, token after token."""
+    cache: list[int] = []  # most recent last
+    hits = 0
+    for row in selected:
+        for e in row:
+            e = int(e)
+            if e in cache:
+                hits += 1
+                cache.remove(e)
+            cache.append(e)
+        del cache[:-slots]
+    return hits / selected.size
+
+
 def print_table(path: str, model: T.MoELM, rows: list[dict], n_tokens: int) -> None:
     c = model.c
     print(f"{path}: {c.n_expert} experts, top-{c.n_expert_used}, {n_tokens} held-out tokens "
           f"(uniform next1 = 1/{c.n_expert} = {1 / c.n_expert:.3f})")
-    print(f"{'layer':>5} {'reuse':>7} {'uniform':>8} {'next1':>7} {'nextk':>7} {'uniform':>8} {'corr':>6} {'skew':>6}")
+    print(f"{'layer':>5} {'reuse':>7} {'uniform':>8} {'next1':>7} {'nextk':>7} {'uniform':>8} {'corr':>6} {'skew':>6} "
+          f"{'used90':>6} {'lru2k':>6}")
     for r in rows:
         n1 = f"{r['next1']:.3f}" if "next1" in r else "-"
         nk = f"{r['nextk']:.3f}" if "nextk" in r else "-"
         print(f"{r['layer']:>5} {r['reuse']:>7.3f} {r['reuse_uniform']:>8.3f} {n1:>7} {nk:>7} "
-              f"{c.n_expert_used / c.n_expert:>8.3f} {r['corr']:>6.3f} {r['skew']:>6.2f}")
+              f"{c.n_expert_used / c.n_expert:>8.3f} {r['corr']:>6.3f} {r['skew']:>6.2f} {r['used90']:>6} "
+              f"{r['lru2k']:>6.3f}")
 
 
 def main() -> None:

@@ -7,7 +7,11 @@ decoded with the `bible` program of bible-kjv (apt-get download, nothing install
 Tokenizer: byte-level BPE trained here (tokenizers), stored as a llama.cpp "gpt2" vocab.
 Models: "mixtral" (llama arch: 8 experts, top-2, renormalized softmax gate, NORM rope)
 and "deepseek" (qwen2moe arch: a sigmoid-gated shared expert plus fine-grained routed
-experts, top-4, softmax gate without renormalization, NEOX rope).
+experts, top-4, softmax gate without renormalization, NEOX rope) are the shipped references.
+"qwen3-30b-a3b" (qwen3moe arch: 48 layers, 128 experts top-8, renormalized softmax gate,
+per-head q/k RMSNorm, NEOX rope) and "mixtral-8x7b" (llama arch: 32 layers, 8 experts top-2)
+have the real models' depth, expert count and top-k at a small width; widen_to_real_size.py
+makes them real size (their hidden size and expert width are chosen so it can, exactly).
 
     pip install -e ".[train]"     # torch and tokenizers, for this script only
     python scripts/train_reference_moe.py mixtral models/ref-mixtral --minutes 35
@@ -82,7 +86,7 @@ def train_tokenizer(text: str, vocab_size: int) -> Tokenizer:
 
 @dataclasses.dataclass
 class ModelConfig:
-    kind: str            # "mixtral" | "deepseek"
+    kind: str            # a key of PRESETS
     n_vocab: int
     n_layer: int = 6
     n_embd: int = 256
@@ -92,27 +96,45 @@ class ModelConfig:
     n_expert_used: int = 2
     n_ff: int = 512          # routed expert width
     n_ff_shared: int = 0     # shared expert width (deepseek)
+    head_dim: int = 0        # 0: n_embd // n_head
+    capacity: float = 0.0    # training only: selections an expert computes per step, as a multiple of
+                             # the mean (Switch-style; the rest dropped); 0: every selection
     n_ctx: int = 256
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
 
     @property
     def arch(self) -> str:
-        return "llama" if self.kind == "mixtral" else "qwen2moe"
+        return {"deepseek": "qwen2moe", "qwen3-30b-a3b": "qwen3moe"}.get(self.kind, "llama")
 
     @property
-    def neox_rope(self) -> bool:  # llama.cpp: llama = NORM (adjacent pairs), qwen2moe = NEOX (halves)
-        return self.kind != "mixtral"
+    def neox_rope(self) -> bool:  # llama.cpp: llama = NORM (adjacent pairs), qwen2moe/qwen3moe = NEOX (halves)
+        return self.arch != "llama"
 
     @property
-    def norm_topk(self) -> bool:  # Mixtral renormalizes the top-k weights, Qwen2-MoE does not
-        return self.kind == "mixtral"
+    def norm_topk(self) -> bool:  # Mixtral and Qwen3-MoE renormalize the top-k weights, Qwen2-MoE does not
+        return self.arch != "qwen2moe"
+
+    @property
+    def qk_norm(self) -> bool:  # Qwen3 normalizes each head's q and k (RMSNorm over the head)
+        return self.arch == "qwen3moe"
+
+    @property
+    def n_embd_head(self) -> int:
+        return self.head_dim or self.n_embd // self.n_head
 
 
 PRESETS = {
     "mixtral": dict(n_layer=6, n_embd=256, n_head=8, n_head_kv=4, n_expert=8, n_expert_used=2, n_ff=512),
     "deepseek": dict(n_layer=6, n_embd=256, n_head=8, n_head_kv=4, n_expert=24, n_expert_used=4, n_ff=128,
                      n_ff_shared=512),
+    # the real models' depth, experts and top-k, heads in the real ratios (Qwen3-30B-A3B: 32 q / 4 kv
+    # heads, q twice the hidden size; Mixtral-8x7B: 32 / 8); the width is 1/16 of the real one
+    # (a power of 4, so padding the hidden size keeps RMSNorm exact), the experts' a divisor of theirs
+    "qwen3-30b-a3b": dict(n_layer=48, n_embd=128, n_head=8, n_head_kv=1, head_dim=32, n_expert=128,
+                          n_expert_used=8, n_ff=48, rope_base=1e6, norm_eps=1e-6, capacity=2.0),
+    "mixtral-8x7b": dict(n_layer=32, n_embd=256, n_head=8, n_head_kv=2, n_expert=8, n_expert_used=2, n_ff=256,
+                         rope_base=1e6),
 }
 
 
@@ -143,17 +165,22 @@ class Attention(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.c = c
-        hd = c.n_embd // c.n_head
+        hd = c.n_embd_head
         self.q = nn.Linear(c.n_embd, c.n_head * hd, bias=False)
         self.k = nn.Linear(c.n_embd, c.n_head_kv * hd, bias=False)
         self.v = nn.Linear(c.n_embd, c.n_head_kv * hd, bias=False)
         self.o = nn.Linear(c.n_head * hd, c.n_embd, bias=False)
+        if c.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(hd, c.norm_eps), RMSNorm(hd, c.norm_eps)
 
     def forward(self, x):
         c, (B, T, _) = self.c, x.shape
-        hd = c.n_embd // c.n_head
-        q = self.q(x).view(B, T, c.n_head, hd).transpose(1, 2)
-        k = self.k(x).view(B, T, c.n_head_kv, hd).transpose(1, 2)
+        hd = c.n_embd_head
+        q = self.q(x).view(B, T, c.n_head, hd)
+        k = self.k(x).view(B, T, c.n_head_kv, hd)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v(x).view(B, T, c.n_head_kv, hd).transpose(1, 2)
         pos = torch.arange(T)
         q, k = apply_rope(q, pos, c.rope_base, c.neox_rope), apply_rope(k, pos, c.rope_base, c.neox_rope)
@@ -186,14 +213,7 @@ class MoE(nn.Module):
         w, ids = probs.topk(c.n_expert_used, dim=-1)                # [N, k]
         if c.norm_topk:
             w = w / w.sum(-1, keepdim=True)
-        out = torch.zeros_like(xf)
-        for e in range(c.n_expert):
-            rows, slot = (ids == e).nonzero(as_tuple=True)
-            if rows.numel() == 0:
-                continue
-            h = xf[rows]
-            y = (F.silu(h @ self.gate[e].T) * (h @ self.up[e].T)) @ self.down[e].T
-            out.index_add_(0, rows, y * w[rows, slot, None])
+        out = self._experts(xf, ids, w)
         if c.n_ff_shared:
             sh = self.sh_down(F.silu(self.sh_gate(xf)) * self.sh_up(xf))
             out = out + torch.sigmoid(self.sh_inp(xf)) * sh
@@ -201,6 +221,33 @@ class MoE(nn.Module):
         frac = torch.zeros(c.n_expert).index_add_(0, ids.flatten(), torch.ones(ids.numel())) / ids.numel()
         aux = c.n_expert * (frac * probs.mean(0)).sum()
         return out.view(B, T, d), aux
+
+    def _experts(self, xf, ids, w):
+        """Every token's selected experts, computed per expert in one batched matmul: the
+        selections sorted by expert into [n_expert, capacity, d] (a loop over 128 experts x 48
+        layers would spend the step in Python). In training, an expert past its capacity drops
+        the rest of its selections (their output is 0); in evaluation none is dropped."""
+        E = self.c.n_expert
+        k = ids.shape[1]
+        expert = ids.reshape(-1)
+        order = torch.argsort(expert, stable=True)
+        expert_sorted = expert[order]
+        counts = torch.bincount(expert_sorted, minlength=E)
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(expert.numel()) - starts[expert_sorted]
+        capacity = int(counts.max())
+        if self.training and self.c.capacity:
+            capacity = min(capacity, int(self.c.capacity * expert.numel() / E) + 1)
+            kept = slot < capacity
+            order, expert_sorted, slot = order[kept], expert_sorted[kept], slot[kept]
+        token = order // k
+        h = xf.new_zeros(E, capacity, xf.shape[1])
+        h[expert_sorted, slot] = xf[token]
+        y = torch.bmm(F.silu(torch.bmm(h, self.gate.transpose(1, 2))) * torch.bmm(h, self.up.transpose(1, 2)),
+                      self.down.transpose(1, 2))
+        out = torch.zeros_like(xf)
+        out.index_add_(0, token, y[expert_sorted, slot] * w.reshape(-1)[order, None])
+        return out
 
 
 class Block(nn.Module):
@@ -241,7 +288,7 @@ class MoELM(nn.Module):
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] | trim }}\n{% endfor %}"
 
 def write_gguf(model: MoELM, tok: Tokenizer, path: pathlib.Path, weight_type: str) -> None:
-    """weight_type: "F16" or "Q8_0" for the matrices; norms, routers and gates stay F32."""
+    """weight_type: "F32", "F16" or "Q8_0" for the matrices; norms, routers and gates stay F32."""
     c = model.c
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     w = gguf.GGUFWriter(str(path), c.arch)
@@ -252,15 +299,19 @@ def write_gguf(model: MoELM, tok: Tokenizer, path: pathlib.Path, weight_type: st
     w.add_feed_forward_length(c.n_ff)
     w.add_head_count(c.n_head)
     w.add_head_count_kv(c.n_head_kv)
-    w.add_rope_dimension_count(c.n_embd // c.n_head)
+    w.add_rope_dimension_count(c.n_embd_head)
+    w.add_key_length(c.n_embd_head)
+    w.add_value_length(c.n_embd_head)
     w.add_rope_freq_base(c.rope_base)
     w.add_layer_norm_rms_eps(c.norm_eps)
     w.add_expert_count(c.n_expert)
     w.add_expert_used_count(c.n_expert_used)
-    if c.arch == "qwen2moe":
+    if c.arch != "llama":
         w.add_expert_feed_forward_length(c.n_ff)
+    if c.arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(c.n_ff_shared)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if weight_type == "Q8_0" else gguf.LlamaFileType.MOSTLY_F16)
+    w.add_file_type({"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "F16": gguf.LlamaFileType.MOSTLY_F16,
+                     "F32": gguf.LlamaFileType.ALL_F32}[weight_type])
 
     # tokenizer: byte-level BPE, llama.cpp's "gpt2" model with the GPT-2 pre-tokenizer
     vocab = tok.get_vocab()
@@ -279,7 +330,7 @@ def write_gguf(model: MoELM, tok: Tokenizer, path: pathlib.Path, weight_type: st
     w.add_chat_template(CHAT_TEMPLATE)
 
     def add(name, arr, kind="matrix"):
-        if kind == "f32":
+        if kind == "f32" or weight_type == "F32":
             w.add_tensor(name, arr.astype(np.float32))
         elif weight_type == "Q8_0" and arr.shape[-1] % 32 == 0:
             w.add_tensor(name, gguf.quants.quantize(arr.astype(np.float32), gguf.GGMLQuantizationType.Q8_0),
@@ -295,6 +346,9 @@ def write_gguf(model: MoELM, tok: Tokenizer, path: pathlib.Path, weight_type: st
         add(p + "attn_k.weight", sd[b + "attn.k.weight"])
         add(p + "attn_v.weight", sd[b + "attn.v.weight"])
         add(p + "attn_output.weight", sd[b + "attn.o.weight"])
+        if c.qk_norm:
+            add(p + "attn_q_norm.weight", sd[b + "attn.q_norm.weight"], "f32")
+            add(p + "attn_k_norm.weight", sd[b + "attn.k_norm.weight"], "f32")
         add(p + "ffn_norm.weight", sd[b + "ffn_norm.weight"], "f32")
         add(p + "ffn_gate_inp.weight", sd[b + "moe.router.weight"], "f32")
         add(p + "ffn_gate_exps.weight", sd[b + "moe.gate"])
@@ -383,6 +437,8 @@ def main() -> None:
     ap.add_argument("--aux-weight", type=float, default=0.01, help="load-balancing loss weight")
     ap.add_argument("--cache", default=str(DEFAULT_CACHE))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--types", help="comma-separated weight types to write (F32, F16, Q8_0); default: Q8_0, "
+                                    "and F16 when that stays under ~40 MB")
     a = ap.parse_args()
 
     torch.manual_seed(a.seed)
@@ -426,7 +482,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     checks = {}
     # F16 too when the file stays small enough to ship (~40 MB)
-    for wt in ("Q8_0", "F16") if n_params * 2 < 40e6 else ("Q8_0",):
+    types = a.types.split(",") if a.types else ("Q8_0", "F16") if n_params * 2 < 40e6 else ("Q8_0",)
+    for wt in types:
         path = out.with_name(out.name + f"-{wt}.gguf")
         write_gguf(model, tok, path, wt)
         checks[wt] = check_gguf(path, model, tok, val_ids)

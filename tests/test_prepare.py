@@ -183,11 +183,14 @@ def test_cli(tmp_path, capsys):
 
 
 def _ggml_q2_k(values: np.ndarray) -> np.ndarray:
-    rows, n_per_row = values.shape
-    out = np.empty((rows, _ggml.lib.ggml_row_size(gguf.GGMLQuantizationType.Q2_K, n_per_row)), np.uint8)
-    _ggml.lib.ggml_quantize_chunk(gguf.GGMLQuantizationType.Q2_K, _ggml.ffi.from_buffer("float[]", values),
-                                  _ggml.ffi.from_buffer(out), 0, rows, n_per_row, _ggml.ffi.NULL)
-    return out
+    return _ggml.quantize_rows(values, gguf.GGMLQuantizationType.Q2_K)
+
+
+def test_ggml_quantizes_as_gguf_does():
+    # the binding of ggml's quantizer, against gguf-py's numpy Q8_0 (the same rounding)
+    values = np.random.default_rng(3).standard_normal((8, 512)).astype(np.float32)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    assert np.array_equal(_ggml.quantize_rows(values, q8), gguf.quants.quantize(values, q8))
 
 
 def test_fast_q2_k_writes_ggml_bytes():

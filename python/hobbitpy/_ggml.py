@@ -65,3 +65,15 @@ def rows_as_float(raw: np.ndarray, type_id: int, n_per_row: int) -> np.ndarray:
         raise ValueError(f"ggml cannot read type {type_name(type_id)} back as numbers")
     to_float(ffi.from_buffer(np.ascontiguousarray(raw)), ffi.from_buffer("float[]", out), out.size)
     return out
+
+
+def quantize_rows(values: np.ndarray, type_id: int) -> np.ndarray:
+    """float32 [rows, n_per_row] as rows of bytes of this type, by ggml's own quantizer (what
+    llama-quantize writes without an importance matrix)."""
+    values = np.ascontiguousarray(values, np.float32)
+    rows, n_per_row = values.shape
+    out = np.empty((rows, lib.ggml_row_size(type_id, n_per_row)), np.uint8)
+    lib.ggml_quantize_init(type_id)
+    lib.ggml_quantize_chunk(type_id, ffi.from_buffer("float[]", values), ffi.from_buffer(out), 0, rows, n_per_row,
+                            ffi.NULL)
+    return out
