@@ -31,11 +31,13 @@ def routing_trace(experts: np.ndarray, weights: np.ndarray, info: ModelInfo) -> 
     """A trace of tokens routed in batches (Llama.record_routing), as the simulator replays it:
     one sequence, each token a step, as decoding would meet them."""
     n = len(experts)
+    seq_start = np.zeros(n, np.uint8)
+    seq_start[:1] = 1  # the first token starts the one sequence
     meta = {"model": info.path, "arch": info.arch, "n_expert": info.n_expert, "n_expert_used": info.n_expert_used,
             "expert_bytes": info.expert_bytes, "uniform": info.uniform}
     return Trace(experts=experts, weights=weights, probs=np.zeros((n, 0, 0), np.float16),
                  predicted=np.zeros((n, experts.shape[1], 0, experts.shape[2]), np.int32),
-                 seq_start=np.eye(1, n, dtype=np.uint8)[0], tokens=np.zeros(n, np.int32), meta=meta)
+                 seq_start=seq_start, tokens=np.zeros(n, np.int32), meta=meta)
 
 
 def modeled_cost(trace: Trace, layer_bytes: list[np.ndarray], placement: tuple[tuple[int, ...], ...] | None,
