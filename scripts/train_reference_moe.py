@@ -134,7 +134,7 @@ PRESETS = {
     "qwen3-30b-a3b": dict(n_layer=48, n_embd=128, n_head=8, n_head_kv=1, head_dim=32, n_expert=128,
                           n_expert_used=8, n_ff=48, rope_base=1e6, norm_eps=1e-6, capacity=2.0),
     "mixtral-8x7b": dict(n_layer=32, n_embd=256, n_head=8, n_head_kv=2, n_expert=8, n_expert_used=2, n_ff=256,
-                         rope_base=1e6),
+                         rope_base=1e6, capacity=2.0),
 }
 
 

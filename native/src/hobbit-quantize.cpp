@@ -41,7 +41,6 @@ inline int nearest_int(float f) {
     return (i & 0x007fffff) - 0x00400000;
 }
 
-inline int clamp_int(int l, int hi) { return l < 0 ? 0 : (l > hi ? hi : l); }
 
 #define ALWAYS_INLINE __attribute__((always_inline)) inline  // into each ISA's entry point below
 
@@ -63,6 +62,13 @@ template <int W> struct lanes;
             return l > top ? top : l;                                                           \
         }                                                                                       \
         static ALWAYS_INLINE f to_float(i l) { return __builtin_convertvector(l, f); }          \
+        /* to_float(clamp(nearest_int(x), hi)) in floats: the same numbers for |x| < 2^22 */    \
+        static ALWAYS_INLINE f level(f x, float hi) {                                           \
+            f r = (x + 12582912.f) - 12582912.f; /* ties to even, as nearest_int */             \
+            const f zero = {}, top = zero + hi;                                                 \
+            r = r < zero ? zero : r;                                                            \
+            return r > top ? top : r;                                                           \
+        }                                                                                       \
     };
 HOBBIT_LANES(4)
 HOBBIT_LANES(8)
@@ -103,7 +109,7 @@ ALWAYS_INLINE void search_scales(const typename lanes<W>::f (&xt)[SUB], typename
     vfloat w[SUB];  // each value's weight in every fit
     for (int i = 0; i < SUB; ++i) {
         w[i] = V::abs(xt[i]);
-        vfloat l = V::to_float(V::clamp(V::nearest_int(iscale * (xt[i] - min)), nmax));
+        vfloat l = V::level(iscale * (xt[i] - min), nmax);
         vfloat diff = V::abs(scale * l + min - xt[i]);
         best += w[i] * diff;
     }
@@ -113,7 +119,7 @@ ALWAYS_INLINE void search_scales(const typename lanes<W>::f (&xt)[SUB], typename
         vfloat l[SUB];
         vfloat sum_l = zero, sum_l2 = zero, sum_xl = zero;
         for (int i = 0; i < SUB; ++i) {
-            l[i] = V::to_float(V::clamp(V::nearest_int(iscale * (xt[i] - min)), nmax));
+            l[i] = V::level(iscale * (xt[i] - min), nmax);
             vfloat wl = w[i] * l[i];
             sum_l += wl;
             sum_l2 += wl * l[i];
@@ -182,13 +188,23 @@ template <int W> ALWAYS_INLINE void quantize_super_block(const float * x, block_
         y.dmin = ggml_fp32_to_fp16(0.f);
     }
     // the levels again against the 4-bit scales and mins (sub-blocks of scale 0 keep the search's)
+    // (a sub-block's values W at a time: the divisions were a third of the time, one by one)
+    using V = lanes<W>;
     const float d_all = ggml_fp16_to_fp32(y.d), dmin_all = ggml_fp16_to_fp32(y.dmin);
     uint8_t L[QK_K];
     for (int j = 0; j < LANES; ++j) {
         const float d = d_all * (y.scales[j] & 0xF);
         const float dm = dmin_all * (y.scales[j] >> 4);
-        for (int i = 0; i < SUB; ++i)
-            L[SUB * j + i] = d != 0 ? (uint8_t) clamp_int(nearest_int((x[SUB * j + i] + dm) / d), 3) : lt[i][j];
+        if (d == 0) {
+            for (int i = 0; i < SUB; ++i) L[SUB * j + i] = lt[i][j];
+            continue;
+        }
+        for (int i = 0; i < SUB; i += W) {
+            typename V::f v;
+            std::memcpy(&v, x + SUB * j + i, sizeof v);
+            const typename V::i l = V::clamp(V::nearest_int((v + dm) / d), 3);
+            for (int k = 0; k < W; ++k) L[SUB * j + i + k] = (uint8_t) l[k];
+        }
     }
     for (int j = 0; j < QK_K; j += 128)
         for (int l = 0; l < 32; ++l)

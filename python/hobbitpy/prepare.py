@@ -159,9 +159,9 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
     out_path: default `default_companion_path(model_path, type_name)`; an existing file
     is never overwritten. source_path: the same model in higher precision to quantize
     from (default: the model itself). threads: Python threads quantizing chunks of rows
-    (ggml runs without the GIL). Memory: the largest expert tensor in the new type plus
-    a few MB per thread (a neuron layout: twice its bundled up tensor, up and down quantized
-    apart then interleaved); the files are memory-mapped. imatrix_path: an importance matrix of
+    (ggml runs without the GIL). Memory: the two largest expert tensors in the new type
+    (one written while the next is quantized) plus a few MB per thread (a neuron layout:
+    three times its bundled up tensor, up and down quantized apart then interleaved); the files are memory-mapped. imatrix_path: an importance matrix of
     the model's experts (needed by IQ2_*/IQ1_* types, used by any type when given).
     Raises ModelFileError (a file is missing, not a GGUF, split, without experts, or the
     source is another model), ValueError (type, threads, output folder), FileExistsError.
@@ -241,6 +241,10 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
         total = sum(int(t.n_bytes) + (int(down.n_bytes) if down is not None else 0) for t, _, _, down in plan)
         reads = _SourceReads(source_path)
         pool = ThreadPoolExecutor(threads)
+        # a tensor is written while the next one is quantized (the cores are the bound: they
+        # should not wait for the disk)
+        writes = ThreadPoolExecutor(1)
+        written = None  # the write in flight
         try:
             with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
                       desc=f"{qtype.name} experts") as bar:
@@ -249,12 +253,17 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
                         up_rows = _quantize(t, shape[0], row_type, pool, bar.update, reads)
                         down_rows = _quantize_transposed(down, shape[0], row_type, pool, bar.update, reads)
                         bundled = np.stack([up_rows.reshape(down_rows.shape), down_rows], axis=2)  # [expert, neuron, up|down, row]
-                        writer.write_tensor_data(bundled.reshape(-1, bundled.shape[-1]))
+                        data = bundled.reshape(-1, bundled.shape[-1])
                     else:
-                        writer.write_tensor_data(_quantize(t, shape[0], row_type, pool, bar.update, reads,
-                                                           importance.get(t.name)))
+                        data = _quantize(t, shape[0], row_type, pool, bar.update, reads, importance.get(t.name))
+                    if written is not None:
+                        written.result()
+                    written = writes.submit(writer.write_tensor_data, data)
+                if written is not None:
+                    written.result()
         finally:  # on an error or a signal, the chunks not yet started are dropped, not waited for
             pool.shutdown(wait=True, cancel_futures=True)
+            writes.shutdown(wait=True)
             reads.close()
         writer.close()
         # written out, then out of the page cache: at real size gigabytes the run that follows
