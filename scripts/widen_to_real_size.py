@@ -37,11 +37,10 @@ import sys
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
-from tqdm import tqdm
 
 from hobbitpy._ggml import quantize_rows
 from hobbitpy.gguf_fields import field_value
-from hobbitpy.outputs import check_free_space, partial_output, publish
+from hobbitpy.inflate import write_gguf
 
 
 def use_more_bits(i_layer: int, n_layer: int) -> bool:  # llama-quant.cpp
@@ -158,8 +157,6 @@ def main() -> int:
 
     def new_data(t, kind):
         values = np.asarray(t.data, np.float32)  # numpy order: innermost dimension last
-        if kind == "copy":
-            return values
         if kind == "norm":
             out = np.zeros(a.n_embd, np.float32)
             out[:n_embd] = values / np.float32(2 ** k)
@@ -188,34 +185,14 @@ def main() -> int:
         return shape[0] // block * size * int(np.prod(shape[1:]))
 
     total = sum(n_bytes(shape, qtype) for _, _, shape, qtype in plan)
-    check_free_space(dst.parent, total + (1 << 24), str(dst))
     eps_key = f"{arch}.attention.layer_norm_rms_epsilon"
     replace = {f"{arch}.embedding_length": a.n_embd, f"{arch}.{ff_key}": a.n_ff,
                eps_key: float(np.float32(field_value(reader.fields[eps_key])[0]) / np.float32(4 ** k)),
                "general.file_type": int(gguf.LlamaFileType.ALL_F32 if a.f32 else FTYPES[a.ftype][1])}
     if a.name:
         replace["general.name"] = a.name
-    with partial_output(dst) as tmp:
-        writer = gguf.GGUFWriter(tmp, arch)
-        for key, field in reader.fields.items():
-            if key.startswith("GGUF.") or key == "general.architecture":
-                continue
-            value, vtype, sub = field_value(field)
-            writer.add_key_value(key, replace.get(key, value), vtype, sub_type=sub)
-        for t, _, shape, qtype in plan:
-            byte_shape = list(reversed(shape))
-            byte_shape[-1] = n_bytes(shape[:1], qtype)
-            writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), n_bytes(shape, qtype), raw_dtype=qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"write {dst.name}") as bar:
-            for t, kind, shape, qtype in plan:
-                data = np.ascontiguousarray(new_data(t, kind)).view(np.uint8)
-                writer.write_tensor_data(data)
-                bar.update(data.nbytes)
-        writer.close()
-        publish(tmp, dst)
+    write_gguf(reader, arch, dst, replace, {}, [(t, kind, shape) for t, kind, shape, _ in plan], new_data, True,
+               f"write {dst.name}", types={t.name: qtype for t, _, _, qtype in plan})
     experts = sum(n_bytes(shape, qtype) for t, _, shape, qtype in plan if "_exps." in t.name)
     print(f"{dst}: {total / 1e9:.2f} GB, experts {experts / 1e9:.2f} GB, the rest {(total - experts) / 1e9:.2f} GB")
     return 0

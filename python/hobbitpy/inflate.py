@@ -116,16 +116,18 @@ def inflate(src: str | os.PathLike, dst: str | os.PathLike, n_ff: int, *, progre
             return np.concatenate(out, axis=1)
         raise AssertionError(kind)
 
-    return _write(reader, arch, dst, {ff_key: n_ff}, {}, plan, new_data, progress, f"inflate to n_ff {n_ff}")
+    return write_gguf(reader, arch, dst, {ff_key: n_ff}, {}, plan, new_data, progress, f"inflate to n_ff {n_ff}")
 
 
-def _write(reader, arch: str, dst: pathlib.Path, replace: dict, add: dict, plan: list, new_data, progress: bool,
-           desc: str) -> pathlib.Path:
+def write_gguf(reader, arch: str, dst: pathlib.Path, replace: dict, add: dict, plan: list, new_data, progress: bool,
+               desc: str, types: dict | None = None) -> pathlib.Path:
     """Write dst: reader's metadata with the values of `replace` (key: value, the source's type
     kept) and the keys of `add` (key: (value, GGUFValueType)), and the tensors of `plan` ((tensor,
-    kind, new ggml shape)) as new_data(tensor, kind) gives their bytes ("copy": the source's);
-    through a partial file, so a failure or a signal leaves nothing."""
-    sizes = {id(t): _row_bytes(QT(t.tensor_type), shape[0]) * int(np.prod(shape[1:])) for t, _, shape in plan}
+    kind, new ggml shape)) as new_data(tensor, kind) gives their bytes ("copy": the source's),
+    each in its type in `types` (name: GGMLQuantizationType; default: the source's); through a
+    partial file, so a failure or a signal leaves nothing."""
+    types = {t.name: (types or {}).get(t.name, QT(t.tensor_type)) for t, _, _ in plan}
+    sizes = {t.name: _row_bytes(types[t.name], shape[0]) * int(np.prod(shape[1:])) for t, _, shape in plan}
     check_free_space(dst.parent, reader.data_offset + sum(sizes.values()), str(dst))
     with partial_output(dst) as tmp:
         writer = gguf.GGUFWriter(tmp, arch)
@@ -137,11 +139,11 @@ def _write(reader, arch: str, dst: pathlib.Path, replace: dict, add: dict, plan:
         for key, (value, vtype) in add.items():
             writer.add_key_value(key, value, vtype)
         for t, kind, new_shape in plan:
-            qtype = QT(t.tensor_type)
+            qtype = types[t.name]
             # numpy order, innermost dimension in bytes (GGUFWriter turns it back into elements)
             byte_shape = list(reversed(new_shape))
             byte_shape[-1] = _row_bytes(qtype, new_shape[0])
-            writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), sizes[id(t)], raw_dtype=qtype)
+            writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), sizes[t.name], raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -242,4 +244,4 @@ def pad_embedding(src: str | os.PathLike, dst: str | os.PathLike, n_embd: int, *
                       (f"{arch}.attention.value_length", info.n_embd_head_v)):
         if key not in reader.fields:
             add[key] = (size, gguf.GGUFValueType.UINT32)
-    return _write(reader, arch, dst, replace, add, plan, new_data, progress, f"pad the hidden size to {n_embd}")
+    return write_gguf(reader, arch, dst, replace, add, plan, new_data, progress, f"pad the hidden size to {n_embd}")
