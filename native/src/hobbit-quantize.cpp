@@ -188,7 +188,7 @@ template <int W> ALWAYS_INLINE void quantize_super_block(const float * x, block_
         y.dmin = ggml_fp32_to_fp16(0.f);
     }
     // the levels again against the 4-bit scales and mins (sub-blocks of scale 0 keep the search's)
-    // (a sub-block's values W at a time: the divisions were a third of the time, one by one)
+    // (a sub-block's values W at a time, in vector lanes)
     using V = lanes<W>;
     const float d_all = ggml_fp16_to_fp32(y.d), dmin_all = ggml_fp16_to_fp32(y.dmin);
     uint8_t L[QK_K];
