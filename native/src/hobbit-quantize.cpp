@@ -41,7 +41,6 @@ inline int nearest_int(float f) {
     return (i & 0x007fffff) - 0x00400000;
 }
 
-
 #define ALWAYS_INLINE __attribute__((always_inline)) inline  // into each ISA's entry point below
 
 // W sub-blocks' values side by side (GCC's vector extensions); W is one register's floats:

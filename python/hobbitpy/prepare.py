@@ -161,8 +161,9 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
     from (default: the model itself). threads: Python threads quantizing chunks of rows
     (ggml runs without the GIL). Memory: the two largest expert tensors in the new type
     (one written while the next is quantized) plus a few MB per thread (a neuron layout:
-    three times its bundled up tensor, up and down quantized apart then interleaved); the files are memory-mapped. imatrix_path: an importance matrix of
-    the model's experts (needed by IQ2_*/IQ1_* types, used by any type when given).
+    three times its bundled up tensor, up and down quantized apart then interleaved); the
+    files are memory-mapped. imatrix_path: an importance matrix of the model's experts
+    (needed by IQ2_*/IQ1_* types, used by any type when given).
     Raises ModelFileError (a file is missing, not a GGUF, split, without experts, or the
     source is another model), ValueError (type, threads, output folder), FileExistsError.
     neuron_layout: the layout of CORM's neuron reads (type Q8_0, up and down bundled by neuron; see the module).
