@@ -2,7 +2,7 @@
 """What the default ladder (default_ladder.py) costs in quality, budget by budget: the model's
 experts placed over its Q2_K copy by the routers' weight on the shipped calibration text, scored
 against stock on a held-out text (hobbitpy eval's measure), beside the share of that weight left
-at Q2_K: the figure the default's MAX_LOW_WEIGHT_SHARE is set from.
+at Q2_K: how the perplexity increase goes with the mean KL the default decides by (MAX_MEAN_KL).
 
     python scripts/price_default_ladder.py MODEL HELD_OUT.txt [TOKENS] [EXTRA,...]
 
@@ -16,8 +16,8 @@ import sys
 import numpy as np
 
 from hobbitpy import OffloadConfig, inspect_model
-from hobbitpy.default_ladder import LOW_TYPE, calibration_text, load_importance, low_weight_share
-from hobbitpy.evaluate import Reference, evaluate_against, tokenize_text
+from hobbitpy.default_ladder import LOW_TYPE, calibration_text, load_calibration, low_weight_share
+from hobbitpy.evaluate import evaluate_against, measure_reference, tokenize_text
 from hobbitpy.placement import layer_expert_bytes, place_by_importance
 from hobbitpy.prepare import default_companion_path
 
@@ -29,14 +29,15 @@ def main() -> int:
     n_tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 1024
     extras = [float(x) for x in (sys.argv[4] if len(sys.argv) > 4 else "0,0.1,0.25,0.4,0.6,0.8").split(",")]
     info = inspect_model(model)
-    importance = load_importance(model, info, calibration_text())
+    calibration = load_calibration(model, info, calibration_text())
     low_path = str(default_companion_path(model, LOW_TYPE))
-    if importance is None:
+    if calibration is None:
         sys.exit(f"{model}: no importance of the calibration text next to it (run it under a cap first)")
+    importance = calibration.importance
     high_bytes, low_bytes = layer_expert_bytes(model, info.n_expert), layer_expert_bytes(low_path, info.n_expert)
     low_total = int(low_bytes.sum()) * info.n_expert
     with open(text_path, encoding="utf-8") as f:
-        reference = Reference.measure(model, tokenize_text(model, f.read(), n_tokens), n_ctx=256, n_threads=2)
+        reference = measure_reference(model, tokenize_text(model, f.read(), n_tokens), n_ctx=256, n_threads=2)
     print(f"stock perplexity {reference.perplexity:.4f} on {len(reference.ids)} tokens")
     for extra in extras:
         budget = int(low_total + extra * (info.expert_bytes_total - low_total))

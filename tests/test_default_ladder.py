@@ -5,6 +5,7 @@ reusing it, and staying exact with --exact, a preset or --no-prepare."""
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -14,15 +15,18 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from hobbitpy.default_ladder import (LOW_TYPE, MAX_LOW_WEIGHT_SHARE, MIN_HIGH_EXPERT_SHARE, calibration_text, choose,
-                                     importance_path, low_copy_layer_bytes, low_weight_share)
+from hobbitpy.default_ladder import (LOW_TYPE, MAX_MEAN_KL, Calibration, Priced, calibration_text, importance_path,
+                                     ladder_placement, load_calibration, low_copy_layer_bytes, low_weight_share,
+                                     unfit_reason)
 from hobbitpy.disk import drop_from_page_cache
+from hobbitpy.inflate import inflate
 from hobbitpy.memcap import MemoryCap
 from hobbitpy.prepare import default_companion_path
 
-from conftest import MB, tiny_model
+from conftest import MB
 
 PROMPT = "Once upon a time, in a quiet village by the sea"
+MODEL = pathlib.Path(__file__).resolve().parents[1] / "models" / "ref-mixtral-Q8_0.gguf"
 
 
 def _info(n_layer=4, n_expert=8, n_embd=256, n_ff=1024, bytes_per_weight=34 / 32) -> hobbitpy.ModelInfo:
@@ -34,46 +38,52 @@ def _info(n_layer=4, n_expert=8, n_embd=256, n_ff=1024, bytes_per_weight=34 / 32
                               max_slice_bytes=expert // 3)
 
 
-def test_the_choice_follows_the_memory_and_the_routers_weight():
+def test_what_rules_a_ladder_out_before_anything_is_measured():
+    info = _info()
+    assert unfit_reason(info, 10 ** 9) is None
+    assert "no room" in unfit_reason(info, None) and "exact" in unfit_reason(info, None)
+    # a model whose experts are no larger than the low copy
+    assert "no smaller" in unfit_reason(_info(bytes_per_weight=84 / 256), 10 ** 12)
+    # rows that are not whole blocks of the low type
+    assert "not whole" in unfit_reason(_info(n_ff=1000), 10 ** 12)
+
+
+def test_the_ladder_a_budget_gives_raises_the_most_weighed_experts():
     info = _info()
     model_bytes = np.full(info.n_layer_moe, info.expert_bytes, np.int64)
     low = low_copy_layer_bytes(info)
     low_total = int(low.sum()) * info.n_expert
     assert 0 < low_total < info.expert_bytes_total
-    # no room for a low copy of every expert: the model's own experts
-    c = choose(info, model_bytes, low_total - 1, None)
-    assert c.settings == {} and "does not fit" in c.reason and "exact" in c.reason
-    assert choose(info, model_bytes, None, None).settings == {}
-    # room for the copy but for few experts beside it: not worth measuring the routers
     extra = info.expert_bytes - int(low[0])
-    few = low_total + int(MIN_HIGH_EXPERT_SHARE * 32 - 1) * extra
-    c = choose(info, model_bytes, few, None)
-    assert c.settings == {} and f"at most {int(MIN_HIGH_EXPERT_SHARE * 32 - 1)} of 32 experts" in c.reason
-    # room for more: decided on the bytes alone until the importance is known
-    assert choose(info, model_bytes, low_total + 16 * extra, None).settings["low"] == LOW_TYPE
-    # skewed routers: a few experts carry most of the weight, and fit at the model's precision
     skewed = np.full((info.n_layer_moe, info.n_expert), 0.01)
     skewed[:, :2] = 1.0
-    budget = low_total + 2 * info.n_layer_moe * extra
-    c = choose(info, model_bytes, budget, skewed)
-    assert c.settings["low"] == LOW_TYPE and c.settings["hits"] == "found"
-    assert np.array_equal(np.array(c.settings["importance"]), skewed) and "every expert in memory" in c.reason
-    # even routers: the same budget leaves three quarters of their weight at the low copy
-    even = np.ones((info.n_layer_moe, info.n_expert))
-    c = choose(info, model_bytes, budget, even)
-    assert c.settings == {} and "75 % of the routers' weight" in c.reason
-    # a model whose experts are no larger than the low copy
-    small = _info(bytes_per_weight=84 / 256)
-    assert "no smaller" in choose(small, model_bytes, 10 ** 12, None).reason
-    # rows that are not whole blocks of the low type
-    assert "not whole" in choose(_info(n_ff=1000), model_bytes, 10 ** 12, None).reason
+    placement, n_high = ladder_placement(info, model_bytes, low_total + 2 * info.n_layer_moe * extra, skewed)
+    assert n_high == 8 and all(row[:2] == (0, 0) and set(row[2:]) == {1} for row in placement)
+    # a budget below the copy: every expert at the low level, read through the cache
+    placement, n_high = ladder_placement(info, model_bytes, low_total - 1, skewed)
+    assert n_high == 0 and {x for row in placement for x in row} == {1}
+
+
+def test_a_measured_ladder_settles_the_ladders_it_bounds():
+    c = Calibration(np.ones((2, 4)), 100)
+    assert c.verdict(4) is None
+    four = Priced(4, MAX_MEAN_KL / 2, 0.004)
+    c = c.priced(four)
+    # as many or more experts at the model's precision than a ladder within: within
+    assert c.verdict(4) == four and c.verdict(8) == four and c.verdict(3) is None
+    two = Priced(2, MAX_MEAN_KL * 3, -0.01)  # (the perplexity does not decide: the divergence does)
+    c = c.priced(two)
+    # as few or fewer than a ladder beyond: beyond
+    assert c.verdict(2) == two and c.verdict(1) == two and c.verdict(3) is None and c.verdict(5) == four
+    assert c.ladders == (two, four) and not two.within and four.within
+    # measured again: the new figure replaces the old
+    assert c.priced(Priced(4, 0.0, 0.0)).ladders == (two, Priced(4, 0.0, 0.0))
 
 
 def test_low_weight_share():
     importance = np.array([[3.0, 1.0], [0.0, 4.0]])
     assert low_weight_share(importance, ((0, 1), (1, 0))) == pytest.approx(1 / 8)
     assert low_weight_share(importance, ((0, 0), (0, 0))) == 0.0
-    assert MAX_LOW_WEIGHT_SHARE < 0.5
 
 
 def test_the_calibration_text_ships_with_the_package():
@@ -90,9 +100,15 @@ def _run(model, cap: MemoryCap, *flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, preexec_fn=cap.enter)
 
 
-def test_run_under_a_cap_makes_the_ladder_once_and_stays_exact_when_asked(model_dir, tmp_path):
-    # experts of 3 x 256 x 4096 Q8_0 values: 107 MB in all, a Q2_K copy a third of that
-    src = tiny_model(model_dir, "llama", n_embd=256, n_ff=4096, n_expert=8, n_layer=4)
+def test_run_under_a_cap_measures_the_ladder_once_serves_it_within_the_limit_and_stays_exact_when_asked(tmp_path):
+    # a trained model: on random weights every expert at Q2_K moves the outputs as far as any
+    # (0.06 nats with 28 of 32 at Q8_0), on a trained one those the routers weigh least matter
+    # least. ref-mixtral widened to experts of 2048 neurons (zeros: the same outputs, its
+    # quantized blocks unchanged): experts of 77 MB in Q8_0 and a Q2_K copy of 20 MB, in
+    # proportion to the rest of the run as a real model's
+    src = tmp_path / "src" / "m.gguf"
+    src.parent.mkdir()
+    inflate(MODEL, src, 2048, progress=False)
     model = tmp_path / "m.gguf"
     shutil.copy(src, model)
     info = hobbitpy.inspect_model(model)
@@ -117,7 +133,8 @@ def test_run_under_a_cap_makes_the_ladder_once_and_stays_exact_when_asked(model_
         cap.set_limit(int(probe_limit - available * MB + rest * MB + target))
         first = _run(model, cap)
         assert first.returncode == 0, first.stderr[-3000:]
-        assert "measuring how much the routers weigh" in first.stderr
+        assert "measuring the model on hobbitpy's calibration text" in first.stderr
+        assert "measuring the default ladder" in first.stderr
         assert f"making a {LOW_TYPE} copy" in first.stderr and "every expert in memory" in first.stderr, first.stderr
         assert default_companion_path(model, LOW_TYPE).is_file() and importance_path(model).is_file()
         # both readable as any file the user makes there (the umask's, not a private temporary's)
@@ -139,6 +156,25 @@ def test_run_under_a_cap_makes_the_ladder_once_and_stays_exact_when_asked(model_
             assert "expert cache" in exact.stderr and "every expert in memory" not in exact.stderr, exact.stderr
             assert exact.stdout == stock.stdout
 
+        # a cap whose cache holds little more than the copy: the ladder it allows (Q2_K for nearly
+        # every expert: 0.05 nats from the model) measures beyond the limit, and the model's own
+        # experts serve; the verdict is kept, and the next run takes it without measuring
+        target = low_total + 0.1 * (info.expert_bytes_total - low_total)
+        cap.set_limit(int(probe_limit - available * MB + rest * MB + target))
+        tight = _run(model, cap)
+        assert tight.returncode == 0, tight.stderr[-3000:]
+        assert "measuring the default ladder" in tight.stderr, tight.stderr
+        assert f"(at most {MAX_MEAN_KL:g})" in tight.stderr and "(exact)" in tight.stderr, tight.stderr
+        assert tight.stdout == stock.stdout
+        kept = _run(model, cap)
+        assert kept.returncode == 0 and "measuring" not in kept.stderr and "(exact)" in kept.stderr, kept.stderr
+        assert kept.stdout == stock.stdout
+        calibration = load_calibration(model, info, calibration_text())
+        # every expert at Q2_K measured first (beyond), a ladder within, and the tight cap's beyond
+        ladders = calibration.ladders
+        assert ladders[0].n_high == 0 and not ladders[0].within and ladders[-1].within, ladders
+        assert any(0 < p.n_high < ladders[-1].n_high and not p.within for p in ladders), ladders
+
         other = tmp_path / "other"
         other.mkdir()
         shutil.copy(src, other / "m.gguf")
@@ -147,5 +183,10 @@ def test_run_under_a_cap_makes_the_ladder_once_and_stays_exact_when_asked(model_
         assert "--no-prepare" in refused.stderr and "(exact)" in refused.stderr
         assert not default_companion_path(other / "m.gguf", LOW_TYPE).exists()
         assert refused.stdout == stock.stdout
+        # the copy made for a ladder measured beyond the limit is removed: the disk given back
+        made_for_nothing = _run(other / "m.gguf", cap)
+        assert made_for_nothing.returncode == 0, made_for_nothing.stderr[-3000:]
+        assert f"making a {LOW_TYPE} copy" in made_for_nothing.stderr and "(exact)" in made_for_nothing.stderr
+        assert not default_companion_path(other / "m.gguf", LOW_TYPE).exists()
     finally:
         cap.remove()

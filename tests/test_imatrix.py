@@ -17,7 +17,7 @@ import pytest
 
 import hobbitpy
 from hobbitpy.config import OffloadConfig
-from hobbitpy.evaluate import Reference, evaluate_against, tokenize_text
+from hobbitpy.evaluate import evaluate_against, measure_reference, tokenize_text
 from hobbitpy.imatrix import collect_imatrix, load_imatrix, write_imatrix
 from hobbitpy.prepare import KEY_IMATRIX, prepare_companion
 
@@ -98,7 +98,7 @@ def test_the_matrix_brings_the_lowest_bit_type_closer_to_the_model(calibrated, t
     assert gguf.GGUFReader(weighted).get_field(KEY_IMATRIX).contents() == path.name
     assert {t.tensor_type.name for t in gguf.GGUFReader(weighted).tensors} == {"IQ2_XXS"}
     ids = tokenize_text(model, held_out.read_text(), 512)
-    ref = Reference.measure(model, ids, n_ctx=256, n_threads=2)
+    ref = measure_reference(model, ids, n_ctx=256, n_threads=2)
     total = hobbitpy.inspect_model(weighted).expert_bytes_total
     results = {name: evaluate_against(model, ref, OffloadConfig(high=str(level), cache_mb=2 * total / MB),
                                       n_threads=2)

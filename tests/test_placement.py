@@ -15,7 +15,7 @@ import pytest
 
 import hobbitpy
 from hobbitpy.config import OffloadConfig
-from hobbitpy.evaluate import Reference, evaluate_against, tokenize_text
+from hobbitpy.evaluate import evaluate_against, measure_reference, tokenize_text
 from hobbitpy.placement import expert_importance, layer_expert_bytes, place_by_importance, placement_bytes
 from hobbitpy.prepare import prepare_companion
 from hobbitpy.trace import read_prompts, record_trace
@@ -90,7 +90,7 @@ def test_every_expert_placed_at_the_models_own_level_is_stock_bit_for_bit(placed
 def test_placed_beats_the_uniform_low_copy_at_a_little_more_memory(placed):
     model, importance = placed
     ids = tokenize_text(model, PROMPTS.read_text(), 384)
-    ref = Reference.measure(model, ids, n_ctx=256, n_threads=2)
+    ref = measure_reference(model, ids, n_ctx=256, n_threads=2)
     low_total = hobbitpy.inspect_model(model.with_name(f"{model.stem}.experts-Q2_K.gguf")).expert_bytes_total
     uniform = evaluate_against(model, ref, OffloadConfig(high="Q2_K", cache_mb=low_total / MB), n_ubatch=1, n_threads=2)
     mixed = evaluate_against(model, ref, OffloadConfig(high="Q4_K", low="Q2_K", hits="found",

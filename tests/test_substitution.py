@@ -12,7 +12,7 @@ import pytest
 
 import hobbitpy
 from hobbitpy.config import OffloadConfig
-from hobbitpy.evaluate import Reference, evaluate_against, tokenize_text
+from hobbitpy.evaluate import evaluate_against, measure_reference, tokenize_text
 from hobbitpy.presets import preset_settings
 
 from conftest import ARCHES, MB, PROMPT, tiny_model
@@ -29,7 +29,7 @@ def _hit_ratio(stats: dict) -> float:
 def test_substitution_serves_misses_from_the_cache_at_a_measured_price(model_dir, arch):
     path = tiny_model(model_dir, arch, n_layer=4)
     info = hobbitpy.inspect_model(path)
-    reference = Reference.measure(path, tokenize_text(path, TEXT, 128), n_ctx=64, n_threads=2)
+    reference = measure_reference(path, tokenize_text(path, TEXT, 128), n_ctx=64, n_threads=2)
     # a third of the experts cached, loaded on demand: many misses for substitution to serve
     base = OffloadConfig(cache_mb=info.expert_bytes_total / 3 / MB, mode="gpu-centric")
     # token by token, as decoding meets it (one-row matmuls: not the batch reference's bits,

@@ -12,7 +12,7 @@ import pytest
 
 import hobbitpy
 from hobbitpy.config import OffloadConfig
-from hobbitpy.evaluate import Reference, evaluate_against, tokenize_text
+from hobbitpy.evaluate import evaluate_against, measure_reference, tokenize_text
 from hobbitpy.tune import candidates, choose, measure_text, quality_is_static
 
 from conftest import PROMPT, tiny_model
@@ -59,7 +59,7 @@ def test_tune_meets_its_budget_on_held_out_text_and_is_deterministic(model_dir, 
     held_out = ("The fishermen mended their nets on the quay and talked about the weather, the price of fish "
                 "and the storms of the winter before, while children ran along the harbour wall. ") * 12
     ids = tokenize_text(path, held_out, 192)
-    ref = Reference.measure(path, ids, n_ctx=64, n_threads=2)
+    ref = measure_reference(path, ids, n_ctx=64, n_threads=2)
     settings = dict(a["settings"])
     r = evaluate_against(path, ref, OffloadConfig(**settings, cache_mb=chosen["budget_mb"]), n_ubatch=1, n_threads=2)
     assert r.perplexity / ref.perplexity - 1 <= 0.02
@@ -241,7 +241,7 @@ def test_the_pass_over_the_text_is_stocks_and_static_candidates_score_alike_in_b
     measured = measure_text(str(path), TEXT, 192, 64, None, 2, log=lambda m: None)
     # the exact runtime's pass gives stock's log-probabilities bit for bit, at a budget that
     # does not hold every expert
-    stock = Reference.measure(path, measured.reference.ids, n_ctx=64, n_threads=2)
+    stock = measure_reference(path, measured.reference.ids, n_ctx=64, n_threads=2)
     assert measured.reference.perplexity == stock.perplexity
     assert all(np.array_equal(a, b) for a, b in zip(measured.reference.log_probs, stock.log_probs))
 

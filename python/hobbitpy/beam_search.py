@@ -18,7 +18,7 @@ import numpy as np
 import llama_cpp
 
 from .errors import HobbitError
-from .evaluate import log_softmax
+from .likelihood import log_softmax
 
 MAX_WIDTH = 8  # the range, 2-8; more would only widen the batch
 

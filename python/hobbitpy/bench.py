@@ -459,7 +459,7 @@ def score_quality(result: BenchResult, model: str, row_configs: list[list[BenchC
     configurations token by token with the expert budget each got under each cap.
     row_configs: the configurations of each of result.rows, in its order."""
     from .config import OffloadConfig
-    from .evaluate import Reference, evaluate_against, tokenize_text
+    from .evaluate import evaluate_against, measure_reference, tokenize_text
 
     bar = None
     if progress:
@@ -467,7 +467,7 @@ def score_quality(result: BenchResult, model: str, row_configs: list[list[BenchC
 
         bar = lambda xs: tqdm(xs, desc="quality", unit="window", file=sys.stderr, leave=False)  # noqa: E731
     ids = tokenize_text(model, text, max_tokens)
-    reference = Reference.measure(model, ids, n_threads=threads)
+    reference = measure_reference(model, ids, n_threads=threads)
     log(f"quality: {len(ids)} tokens, stock perplexity {reference.perplexity:.4f}")
     stock_scores = {STOCK: {"perplexity": reference.perplexity, "mean_kl": 0.0, "top1_agreement": 1.0,
                             "ppl_increase_se": 0.0}}

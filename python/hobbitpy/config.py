@@ -7,6 +7,12 @@ import math
 import os
 
 MB = 1024 * 1024
+# the default ladder (default_ladder.py) is served when its mean KL divergence from the
+# model's next-token distributions on the calibration text is at most this many nats a token:
+# the perplexity increase to expect where the model predicts the text well, about the 1 %
+# `tune` and the benchmarks hold a lossy configuration to (on ref-mixtral's held-out text,
+# 0.0116 went with +0.83 %, 0.0139 with +1.29 %: docs/BENCHMARKS.md)
+MAX_MEAN_KL = 0.01
 
 # cache policies of the runtime (hobbit.h enum hobbit_policy), by name; "hobbit" is
 # HOBBIT's multidimensional policy, the weighted mix of eq. 3 ("weighted" is its old name);
@@ -101,9 +107,10 @@ class OffloadConfig:
                                     default_text="sized from the memory available (cgroup limit or MemAvailable)")
     auto: bool = option(True, "serve the model's own experts only (stock's logits bit for bit), instead of what runs "
                               "by default when they do not all fit and nothing else is asked for (no --cache-mb, "
-                              "precision level, preset or profile): where memory holds a Q2_K copy of every expert, "
-                              "every expert resident, those the routers weigh most on a calibration text that ships "
-                              "with hobbitpy at the model's precision and the rest at Q2_K (lossy; default_ladder.py)",
+                              "precision level, preset or profile): the experts the routers weigh most on a "
+                              "calibration text that ships with hobbitpy at the model's precision and the rest from a "
+                              "Q2_K copy (every expert resident where the copy fits), when on that text its next-token "
+                              f"distributions stay within {MAX_MEAN_KL} nats of the model's (lossy; default_ladder.py)",
                         flag="--exact", negate=True)
     prepare: bool = option(True, "do not make the Q2_K copy of the experts that the default ladder needs when it is "
                                  "missing (it is made next to the model on first use, the disk it needs checked "
@@ -226,6 +233,11 @@ class OffloadConfig:
               "mixed-precision model resident in memory (placement.py)",
         flag="--placed", metavar="TRACE", parse="trace_importance", profile=True,
         default_text="none: the thresholds decide per selection")
+    placed_mb: float | None = option(
+        None, "with --placed: place the experts as an expert cache of this many MB would hold them, whatever the "
+              "cache's size (a smaller cache reads the rest as they are wanted, each at its level): the default ladder "
+              "measures the placement a run will serve in less memory", flag="--placed-mb", parse="float",
+        default_text="the expert cache's size")
     popularity: tuple[tuple[float, ...], ...] | None = option(
         None, "Fiddler's profile for the popularity policy: how often each expert is selected (per MoE layer; on the "
               "command line: counted in a `hobbitpy trace` of calibration text). The pools are warmed most popular "
@@ -296,6 +308,10 @@ class OffloadConfig:
                 raise ValueError("importance gives every MoE layer the same number of experts (one weight each)")
             if not all(0.0 <= x < float("inf") for row in rows for x in row):
                 raise ValueError("importance weights must be finite and non-negative")
+        if self.placed_mb is not None and (self.importance is None or not 0 < self.placed_mb < float("inf")):
+            raise ValueError("placed_mb places the experts by importance (--placed) as a budget of that many MB, "
+                             f"a positive number; got {self.placed_mb} without importance" if self.importance is None
+                             else f"placed_mb must be a positive number of MB, got {self.placed_mb}")
         if (self.policy == "popularity") != (self.popularity is not None):
             raise ValueError("the popularity policy needs a popularity profile (--popularity TRACE), and a profile is "
                              "read by that policy only (--policy popularity)")

@@ -3,17 +3,28 @@ model's experts do not all fit in memory and nothing else was asked for.
 
 Served at one precision, the experts that do not fit are read from the disk, token after
 token: exact, and as slow as the disk. The frontier measured on the reference models
-(docs/BENCHMARKS.md) is elsewhere: a copy of every expert in memory, the ones the routers
-weigh most at the model's own precision and the rest from a low-precision copy (placement.py,
-HOBBIT's premise placed once). So, where memory holds a low copy of every expert and the
-experts kept at the model's precision carry enough of the routers' weight, that ladder is
-the default:
+(docs/BENCHMARKS.md) is elsewhere: the experts the routers weigh most at the model's own
+precision and the rest from a low-precision copy (placement.py, HOBBIT's premise placed
+once), every expert in memory where the copy fits, else the copy read through the expert
+cache in fewer bytes than the model's own experts. Whether that ladder costs too much is
+measured, not guessed, on a text that ships with hobbitpy (data/calibration.txt: prose,
+dialogue, code, arithmetic, three languages, scripture):
 
+- one batched run of the model's own experts over the text gives how much the routers weigh
+  each expert (kept next to the model, MODEL.hobbit-importance.json) and its next-token
+  distributions (kept for the run, in a temporary file);
 - the low copy is `prepare`'s Q2_K companion next to the model, made on first use (a
   progress bar; the disk it needs checked and said first; never with `--no-prepare`);
-- how much the routers weigh each expert is measured once, in batched passes over a text
-  that ships with hobbitpy (data/calibration.txt: prose, dialogue, code, arithmetic, three
-  languages, scripture), and kept next to the model (MODEL.hobbit-importance.json).
+- the ladder the memory allows is run over the same text (after the one with every expert at
+  the low copy: within, so is any ladder); it is served when its next-token distributions are
+  within MAX_MEAN_KL of the model's, else the model's own experts are (and a copy made for
+  nothing is removed). The divergence, not the perplexity, decides: it is the
+  perplexity increase to expect on text the model predicts well, and it does not hide behind
+  a text the model predicts badly (on the KJV-trained ref-mixtral, Q2_K for every expert
+  measured -1.1 % perplexity on the calibration text and +4.6 % on held-out scripture; its
+  divergence was 0.038 nats). What was measured is kept with the importance: a later run
+  whose memory allows at least as many experts at the model's precision as a ladder found
+  within reuses the verdict, as does one allowing at most as many as a ladder found beyond.
 
 Otherwise, or with `--exact`, a preset, a profile, an expert cache size (`--cache-mb`) or a
 precision level asked for, the experts are served at the model's own precision: stock's
@@ -29,14 +40,18 @@ import hashlib
 import importlib.resources
 import json
 import logging
+import math
 import os
 import pathlib
 
 import numpy as np
 
-from .config import MB, OffloadConfig
+from .config import MAX_MEAN_KL, MB, OffloadConfig
+from .disk import drop_from_page_cache
 from .errors import BudgetError, HobbitError
-from .memory import ContextShape, context_sizes, fit_ubatch, plan_offload
+from .likelihood import Comparison, Reference, scoring_bytes
+from .memory import (ContextShape, available_memory_bytes, context_sizes, fit_ubatch, plan_offload,
+                     return_freed_memory)
 from .model_file import ModelInfo
 from .outputs import partial_output, replace
 from .placement import layer_expert_bytes, place_by_importance
@@ -46,21 +61,50 @@ log = logging.getLogger("hobbitpy")
 
 # the low copy the default ladder makes (the one type `prepare` writes at disk speed)
 LOW_TYPE = "Q2_K"
-# The ladder is chosen only when the experts left at LOW_TYPE carry at most this share of
-# the routers' weight (squared gate weights, on the calibration text). On the inflated
-# ref-mixtral every expert at Q2_K cost +4.6 % perplexity, a fifth of the weight left there
-# +0.83 %, a third +1.29 %: a quarter keeps the ladder near the 1 % a user can accept without
-# being asked (docs/BENCHMARKS.md, "The default's ladder").
-MAX_LOW_WEIGHT_SHARE = 0.25
-# ... and only measured where at least this share of the experts can keep the model's
-# precision: on ref-mixtral a quarter of them carried two thirds of the weight (34 % left at Q2_K),
-# two fifths of them four fifths (21 %)
-MIN_HIGH_EXPERT_SHARE = 0.2
 # the calibration passes: prompts of at most this many tokens, at most CALIBRATION_TOKENS in
 # all (at real size each pass reads every expert once: two passes of 512 tokens)
 CALIBRATION_CTX = 512
 CALIBRATION_TOKENS = 1024
-IMPORTANCE_VERSION = 1
+# a first run measures the ladder its budget gives for this share of the bytes above the low
+# copy: a later run finding a little less memory (fewer experts at the model's precision)
+# takes the verdict instead of measuring again
+MEASURED_SHARE = 0.9
+IMPORTANCE_VERSION = 2
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A ladder measured on the calibration text."""
+
+    n_high: int           # experts at the model's precision
+    mean_kl: float        # from the model's next-token distributions, nats a token
+    ppl_increase: float   # on the calibration text (shown, not decided on)
+
+    @property
+    def within(self) -> bool:
+        return self.mean_kl <= MAX_MEAN_KL
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the model's own experts measured on the calibration text, and the ladders priced on it."""
+
+    importance: np.ndarray  # [moe_layers][n_expert]: the routers' squared gate weights (placement.importance_of)
+    n_tokens: int           # tokens evaluated
+    ladders: tuple[Priced, ...] = ()  # fewest experts at the model's precision first
+    # the model's next-token distributions, which a ladder is compared with (this process only)
+    reference: Reference | None = dataclasses.field(default=None, compare=False)
+
+    def verdict(self, n_high: int) -> Priced | None:
+        """The measurement that settles a ladder of n_high experts at the model's precision
+        (more of them never diverge more: a placement raises the most weighed first), or None."""
+        within = [p for p in self.ladders if p.n_high <= n_high and p.within]
+        beyond = [p for p in self.ladders if p.n_high >= n_high and not p.within]
+        return within[-1] if within else beyond[0] if beyond else None
+
+    def priced(self, measured: Priced) -> "Calibration":
+        kept = {p.n_high: p for p in self.ladders} | {measured.n_high: measured}
+        return dataclasses.replace(self, ladders=tuple(kept[n] for n in sorted(kept)))
 
 
 @dataclass(frozen=True)
@@ -95,32 +139,54 @@ def _text_digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
-def load_importance(model_path: str | os.PathLike, info: ModelInfo, text: str) -> np.ndarray | None:
-    """The importance kept next to the model, or None when there is none for this model file
-    and this text (another file of the same name, another text: measured again)."""
+def load_calibration(model_path: str | os.PathLike, info: ModelInfo, text: str) -> Calibration | None:
+    """The calibration kept next to the model (without the reference), or None when there is
+    none for this model file and this text (another file of the same name, another text:
+    measured again)."""
     path = importance_path(model_path)
     try:
         data = json.loads(path.read_text())
         if (data.get("version") != IMPORTANCE_VERSION or data.get("model_bytes") != info.file_bytes
                 or data.get("text") != _text_digest(text)):
             return None
-        importance = np.array(data["importance"], np.float64)
+        ladders = tuple(Priced(int(p["n_high"]), float(p["mean_kl"]), float(p["ppl_increase"]))
+                        for p in data["ladders"])
+        calibration = Calibration(np.array(data["importance"], np.float64), int(data["n_tokens"]), ladders)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return importance if importance.shape == (info.n_layer_moe, info.n_expert) else None
+    ok = (calibration.importance.shape == (info.n_layer_moe, info.n_expert)
+          and all(math.isfinite(p.mean_kl) for p in ladders))
+    return calibration if ok else None
 
 
-def save_importance(model_path: str | os.PathLike, info: ModelInfo, text: str, importance: np.ndarray,
-                    n_tokens: int) -> pathlib.Path:
-    """Write the importance next to the model (replacing a stale one: it is hobbitpy's own cache)."""
-
+def save_calibration(model_path: str | os.PathLike, info: ModelInfo, text: str,
+                     calibration: Calibration) -> pathlib.Path:
+    """Write the calibration next to the model (replacing a stale one: it is hobbitpy's own cache)."""
     path = importance_path(model_path)
     data = {"version": IMPORTANCE_VERSION, "model": os.path.basename(model_path), "model_bytes": info.file_bytes,
-            "text": _text_digest(text), "n_tokens": n_tokens,
-            "importance": [[float(f"{x:.6g}") for x in row] for row in importance.tolist()]}
+            "text": _text_digest(text), "n_tokens": calibration.n_tokens,
+            "ladders": [dataclasses.asdict(p) for p in calibration.ladders],
+            "importance": [[float(f"{x:.6g}") for x in row] for row in calibration.importance.tolist()]}
     with partial_output(path) as partial:
         partial.write_text(json.dumps(data) + "\n")
         return replace(partial, path)
+
+
+def _keep(model_path: str | os.PathLike, info: ModelInfo, text: str, calibration: Calibration) -> None:
+    try:
+        save_calibration(model_path, info, text, calibration)
+    except OSError as e:
+        log.info(f"could not keep the calibration next to the model ({e}); it is measured again next time")
+
+
+def _release(*paths: str | os.PathLike) -> None:
+    """Evict what a measuring pass read of these files: the page cache it leaves is counted as
+    used (a cgroup's active file pages), and the run planned after it would get a smaller cache."""
+    for path in paths:
+        try:
+            drop_from_page_cache(path)
+        except OSError:
+            pass
 
 
 def low_copy_layer_bytes(info: ModelInfo) -> np.ndarray:
@@ -135,41 +201,46 @@ def low_weight_share(importance: np.ndarray, placement: tuple[tuple[int, ...], .
     return float(importance[levels == levels.max()].sum() / total) if total > 0 and levels.max() > 0 else 0.0
 
 
-def choose(info: ModelInfo, model_layer_bytes: np.ndarray, budget_bytes: int | None,
-           importance: np.ndarray | None) -> Choice:
-    """Decide, from the budget two levels would get (None: no room even for the low copy's
-    minimum) and the importance (None: not measured yet, decide on the bytes alone)."""
-    exact = "serving the model's own experts (exact)"
+def _exact(why: str) -> str:
+    return f"serving the model's own experts (exact): {why}"
+
+
+def unfit_reason(info: ModelInfo, budget_bytes: int | None) -> str | None:
+    """Why no ladder can be served here, from the bytes alone (None: one can; budget_bytes: what
+    two levels would get, None where not even their minimum fits)."""
     low = low_copy_layer_bytes(info)
     if not low.any():
-        return Choice({}, f"{exact}: its experts' rows are not whole {LOW_TYPE} blocks")
-    low_total = int(low.sum()) * info.n_expert
-    if low_total >= info.expert_bytes_total:
-        return Choice({}, f"{exact}: a {LOW_TYPE} copy would be no smaller than its experts")
-    if budget_bytes is None or budget_bytes < low_total:
-        have = "no room" if budget_bytes is None else f"{budget_bytes / MB:.0f} MB"
-        return Choice({}, f"{exact}: a {LOW_TYPE} copy of every expert ({low_total / MB:.0f} MB) does not fit the "
-                          f"expert cache ({have})")
+        return _exact(f"its experts' rows are not whole {LOW_TYPE} blocks")
+    if int(low.sum()) * info.n_expert >= info.expert_bytes_total:
+        return _exact(f"a {LOW_TYPE} copy would be no smaller than its experts")
+    if budget_bytes is None:
+        return _exact("no room for an expert cache of two precisions")
+    return None
+
+
+def ladder_placement(info: ModelInfo, model_layer_bytes: np.ndarray, budget_bytes: int,
+                     importance: np.ndarray) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """The ladder a budget gives (the level of every expert, 0: the model's precision) and how
+    many experts it keeps at the model's precision."""
+    placement = place_by_importance(importance, [model_layer_bytes, low_copy_layer_bytes(info)], budget_bytes)
+    return placement, sum(level == 0 for row in placement for level in row)
+
+
+def describe(info: ModelInfo, budget_bytes: int, importance: np.ndarray, placement, verdict: Priced) -> str:
+    """The line a served ladder is announced with."""
+    low_total = int(low_copy_layer_bytes(info).sum()) * info.n_expert
     n_experts = info.n_layer_moe * info.n_expert
-    extra = int((model_layer_bytes - low).mean())  # what raising one expert costs
-    n_high_max = min(n_experts, (budget_bytes - low_total) // max(1, extra))
-    if importance is None:
-        if n_high_max < MIN_HIGH_EXPERT_SHARE * n_experts:  # not worth measuring: no router is that skewed
-            return Choice({}, f"{exact}: in {budget_bytes / MB:.0f} MB of expert cache at most {n_high_max} of "
-                              f"{n_experts} experts could keep their precision beside a {LOW_TYPE} copy")
-        return Choice({"low": LOW_TYPE, "hits": "found"}, "")
-    placement = place_by_importance(importance, [model_layer_bytes, low], budget_bytes)
-    share = low_weight_share(importance, placement)
     n_high = sum(level == 0 for row in placement for level in row)
-    if share > MAX_LOW_WEIGHT_SHARE:
-        return Choice({}, f"{exact}: in {budget_bytes / MB:.0f} MB of expert cache only {n_high} of "
-                          f"{n_experts} experts keep their precision beside a {LOW_TYPE} copy, "
-                          f"which would serve {100 * share:.0f} % of the routers' weight (at most "
-                          f"{100 * MAX_LOW_WEIGHT_SHARE:.0f} %)")
-    return Choice({"low": LOW_TYPE, "hits": "found", "importance": tuple(map(tuple, importance.tolist()))},
-                  f"every expert in memory: the {n_high} of {n_experts} the routers weigh most "
-                  f"at the model's precision, the rest ({100 * share:.0f} % of the routers' weight) from a {LOW_TYPE} "
-                  "copy (lossy; --exact serves the model's own experts only)")
+    where = ("every expert in memory" if budget_bytes >= low_total else
+             f"the {LOW_TYPE} copy ({low_total / MB:.0f} MB) read through the expert cache ({budget_bytes / MB:.0f} MB)")
+    return (f"{where}: the {n_high} of {n_experts} experts the routers weigh most at the model's precision, the rest "
+            f"({100 * low_weight_share(importance, placement):.0f} % of the routers' weight) from a {LOW_TYPE} copy; "
+            f"{_measured(verdict)} (lossy; --exact serves the model's own experts only)")
+
+
+def _measured(p: Priced) -> str:
+    return (f"on hobbitpy's calibration text {p.mean_kl:.4f} nats from the model's next-token distributions "
+            f"(at most {MAX_MEAN_KL:g}), perplexity {100 * p.ppl_increase:+.2f} %")
 
 
 def _two_level_budget(info: ModelInfo, config: OffloadConfig, shape: ContextShape, available: int,
@@ -184,46 +255,123 @@ def _two_level_budget(info: ModelInfo, config: OffloadConfig, shape: ContextShap
         return None
 
 
+# measure(text): the model's own experts over the calibration text; score(reference, config):
+# a ladder against them (llama.py runs both)
+Measure = Callable[[str], Calibration]
+Score = Callable[[Reference, OffloadConfig], Comparison]
+
+
 def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, available: int,
-                   measure: Callable[[str], tuple[np.ndarray, int]], threads: int) -> tuple[OffloadConfig, str]:
+                   measure: Measure, score: Score, threads: int) -> tuple[OffloadConfig, str]:
     """The config a run left to the default serves (applies(config) holds, the experts do not
-    all fit), and the line saying what and why. Makes what the ladder needs on first use: the
-    importance (measure(text): importance and tokens, from a run of the model) and the low copy."""
+    all fit), and the line saying what and why. Measures and makes what the ladder needs on
+    first use: the calibration, the low copy, the ladder's divergence."""
     exact = dataclasses.replace(config, auto=False)
     model_path = info.path
     low_path = default_companion_path(model_path, LOW_TYPE)
     low = low_copy_layer_bytes(info)
-    ladder = dataclasses.replace(config, low=LOW_TYPE, hits="found")
+    ladder = dataclasses.replace(config, low=LOW_TYPE, hits="found", auto=False)
     budget = (_two_level_budget(info, ladder, shape, available, estimated_copy(info, low, low_path))
               if low.any() else None)
-    model_layer_bytes = layer_expert_bytes(model_path, info.n_expert)
-    first = choose(info, model_layer_bytes, budget, None)
-    if not first.settings:
-        return exact, first.reason
+    why_not = unfit_reason(info, budget)
+    if why_not is not None:
+        return exact, why_not
 
     text = calibration_text()
-    importance = load_importance(model_path, info, text)
-    if importance is None:
-        log.info(f"measuring how much the routers weigh each expert on hobbitpy's calibration text (once; kept in "
-                 f"{importance_path(model_path)})")
-        importance, n_tokens = measure(text)
+    calibration = load_calibration(model_path, info, text)
+    if calibration is None:
+        calibration = _measure(model_path, info, text, measure, calibration)
+    model_layer_bytes = layer_expert_bytes(model_path, info.n_expert)
+    placement, n_high = ladder_placement(info, model_layer_bytes, budget, calibration.importance)
+    verdict = calibration.verdict(n_high)
+    made = False
+    if verdict is None or verdict.within:
+        if not low_path.is_file():
+            if not config.prepare:
+                return exact, _exact(f"the default ladder needs a {LOW_TYPE} copy of the experts, {low_path} does not "
+                                     "exist and --no-prepare was given")
+            need = int(low.sum()) * info.n_expert
+            log.info(f"making a {LOW_TYPE} copy of the experts for the default ladder ({need / 1e9:.2f} GB, once): "
+                     f"{low_path}")
+            try:
+                prepare_companion(model_path, LOW_TYPE, low_path, threads=threads)
+            except (OSError, ValueError, HobbitError) as e:  # the disk full, the folder read-only, ...
+                return exact, _exact(f"the {LOW_TYPE} copy could not be made ({e})")
+            finally:
+                return_freed_memory()  # its buffers: the run planned next in this process is given them
+            made = True
+    # placed as measured: the run's own cache may come out a little different from this plan's
+    served = dataclasses.replace(ladder, low=str(low_path), importance=tuple(map(tuple, calibration.importance.tolist())),
+                                 placed_mb=budget / MB)
+    if verdict is None:
+        if calibration.reference is None:  # kept from an earlier run: its distributions are not
+            calibration = _measure(model_path, info, text, measure, calibration)
+        measured = None
         try:
-            save_importance(model_path, info, text, importance, n_tokens)
-        except OSError as e:
-            log.info(f"could not keep the importance next to the model ({e}); it is measured again next time")
-    choice = choose(info, model_layer_bytes, budget, importance)
-    if not choice.settings:
-        return exact, choice.reason
+            for placed_bytes in _ladders_to_measure(info, budget):
+                _, n_measured = ladder_placement(info, model_layer_bytes, placed_bytes, calibration.importance)
+                if any(p.n_high == n_measured for p in calibration.ladders):
+                    continue
+                measured = _price(info, calibration, dataclasses.replace(served, placed_mb=placed_bytes / MB),
+                                  n_measured, budget, score)
+                calibration = calibration.priced(measured)
+                _keep(model_path, info, text, calibration)
+                verdict = calibration.verdict(n_high)
+                if verdict is not None:
+                    break
+        except BudgetError as e:  # the passes' context leaves no room for the ladder's minimum
+            if made:
+                low_path.unlink(missing_ok=True)
+            return exact, _exact(f"the ladder could not be measured ({e})")
+        finally:
+            _release(model_path, low_path)
+        verdict = verdict or measured  # (beyond with fewer experts at the model's precision: no risk taken)
+    if verdict is None:  # (every ladder to measure was measured, none settles this one: not seen)
+        return exact, _exact("no measurement settles the ladder memory allows")
+    if not verdict.within:
+        if made:  # made for nothing: the disk it takes is given back (the verdict is kept)
+            low_path.unlink(missing_ok=True)
+        return exact, _exact(f"the ladder memory allows ({n_high} experts at the model's precision, the rest at "
+                             f"{LOW_TYPE}) measured {_measured(verdict)}")
+    return served, describe(info, budget, calibration.importance, placement, verdict)
 
-    if not low_path.is_file():
-        if not config.prepare:
-            return exact, (f"serving the model's own experts (exact): the default ladder needs a {LOW_TYPE} copy of "
-                           f"the experts, {low_path} does not exist and --no-prepare was given")
-        need = int(low.sum()) * info.n_expert
-        log.info(f"making a {LOW_TYPE} copy of the experts for the default ladder ({need / 1e9:.2f} GB, once): "
-                 f"{low_path}")
-        try:
-            prepare_companion(model_path, LOW_TYPE, low_path, threads=threads)
-        except (OSError, ValueError, HobbitError) as e:  # the disk full, the folder read-only, ...
-            return exact, f"serving the model's own experts (exact): the {LOW_TYPE} copy could not be made ({e})"
-    return dataclasses.replace(ladder, low=str(low_path), importance=choice.settings["importance"]), choice.reason
+
+def _measure(model_path: str | os.PathLike, info: ModelInfo, text: str, measure: Measure,
+             kept: Calibration | None) -> Calibration:
+    """The model's own experts on the calibration text (the ladders kept priced stay priced)."""
+    log.info(f"measuring the model on hobbitpy's calibration text (kept in {importance_path(model_path)})")
+    calibration = measure(text)
+    if kept is not None:
+        calibration = dataclasses.replace(calibration, ladders=kept.ladders)
+    _keep(model_path, info, text, calibration)
+    _release(model_path)
+    return calibration
+
+
+def _ladders_to_measure(info: ModelInfo, budget: int) -> list[int]:
+    """The placements (as budgets) a run measures, until one settles the budget's ladder: every
+    expert at the low copy first (within: so is any ladder, and no later run measures); then
+    the budget's for MEASURED_SHARE of the bytes it gives above the copy (within: a later run
+    that finds a little less memory takes the verdict); then the budget's own."""
+    low_total = int(low_copy_layer_bytes(info).sum()) * info.n_expert
+    extra = budget - low_total
+    return [low_total] + ([low_total + int(MEASURED_SHARE * extra), budget] if extra > 0 else [])
+
+
+def _price(info: ModelInfo, calibration: Calibration, ladder: OffloadConfig, n_high: int, budget: int,
+           score: Score) -> Priced:
+    """A ladder (placed as ladder.placed_mb holds it, n_high experts at the model's precision)
+    measured against the model on the calibration windows, through the cache the memory leaves
+    now beside the measurement's arrays (every token's logits: a smaller cache than the run's
+    budget, and its misses read as they come)."""
+    reference = calibration.reference
+    n = reference.n_ctx
+    passes = ContextShape(n_ctx=n, n_batch=n, n_ubatch=n, logits_all=True)
+    low_info = estimated_copy(info, low_copy_layer_bytes(info), ladder.low)
+    room = _two_level_budget(info, ladder, passes, available_memory_bytes() - scoring_bytes(n, reference.n_vocab),
+                             low_info)
+    if room is None:
+        raise BudgetError("no room for the two precisions' minimum beside the measurement's arrays")
+    log.info(f"measuring the default ladder on hobbitpy's calibration text ({n_high} experts at the model's precision)")
+    c = score(reference, dataclasses.replace(ladder, cache_mb=min(budget, room) / MB))
+    return Priced(n_high, c.mean_kl, c.ppl_increase)

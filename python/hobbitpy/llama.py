@@ -30,11 +30,12 @@ from .beam_search import beam_search
 from ._native import error_buffer, ffi, lib, to_str
 from .companions import resolve_levels
 from .config import MB, OffloadConfig
-from .default_ladder import CALIBRATION_CTX, CALIBRATION_TOKENS, applies, default_config
+from .default_ladder import CALIBRATION_CTX, CALIBRATION_TOKENS, Calibration, applies, default_config
 from .devices import say_if_gpu_unusable
 from .errors import BudgetError, ExpertReadError, HobbitError, ModelFileError
+from .likelihood import Comparison, Reference, ReferenceTable, compare_to_reference, scoring_windows
 from .memory import (COMPUTE_SHARE, MIN_UBATCH, ContextShape, OffloadPlan, available_memory_bytes, context_sizes,
-                     fit_ubatch, plan_offload, whole_memory_budget_mb)
+                     fit_ubatch, plan_offload, return_freed_memory, whole_memory_budget_mb)
 from .model_file import ModelInfo, inspect_model
 from .placement import check_profiles, importance_of, placement_for
 from .profile import load_profile, profile_offload
@@ -237,8 +238,9 @@ class Llama(llama_cpp.Llama):
         except BudgetError:
             return offload, None
         threads = kwargs.get("n_threads") or os.cpu_count() or 1
-        return default_config(info, offload, shape, available, lambda text: measure_importance(info.path, text, threads),
-                              threads)
+        return default_config(info, offload, shape, available,
+                              lambda text: measure_calibration(info.path, text, threads),
+                              lambda reference, config: compare_ladder(info.path, reference, config, threads), threads)
 
     def _reopen_context(self, n_seq_max: int, cb_eval=None, cb_eval_user_data=None) -> None:
         """Replace llama_cpp's context of one sequence by one of n_seq_max sharing one KV cache
@@ -411,10 +413,16 @@ class Llama(llama_cpp.Llama):
             super().close()
 
 
-def measure_importance(model_path: str, text: str, n_threads: int) -> tuple[np.ndarray, int]:
-    """How much the routers weigh each expert on the text (placement.importance_of), from
-    batched passes of CALIBRATION_CTX tokens over its first CALIBRATION_TOKENS; and the tokens
-    measured. The outputs do not depend on the cache, so it gets what memory allows."""
+def _bar(what: str):
+    # at real size each pass reads every expert from the disk: minutes, worth a bar
+    return lambda xs: tqdm(xs, desc=what, unit="pass", file=sys.stderr, leave=False)
+
+
+def measure_calibration(model_path: str, text: str, n_threads: int) -> Calibration:
+    """The model's own experts on the calibration text's first CALIBRATION_TOKENS tokens, in
+    windows of CALIBRATION_CTX (likelihood.py's), one batched pass each: how much the routers
+    weigh each expert (placement.importance_of) and the next-token distributions a ladder is
+    compared with. The outputs do not depend on the cache, so it gets what memory allows."""
     info = inspect_model(model_path)
     # logits_all: otherwise llama.cpp drops every row but the last before the last layer. Every
     # token's logits are then kept twice (llama.cpp's and llama_cpp's copy): 1.2 MB a token with a
@@ -427,13 +435,28 @@ def measure_importance(model_path: str, text: str, n_threads: int) -> tuple[np.n
     with Llama(model_path, offload=offload, n_ctx=n, n_batch=n, n_ubatch=n, logits_all=True, n_threads=n_threads,
                verbose=False) as llm:
         ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)[:CALIBRATION_TOKENS]
-        bos = llm.tokenize(b"", add_bos=True, special=False)  # [BOS], or nothing for a model without one
-        step = n - len(bos)
-        passes = [bos + ids[i:i + step] for i in range(0, len(ids), step)]
-        # at real size each pass reads every expert from the disk: minutes, worth a bar
-        routing = llm.record_routing(passes, progress=lambda xs: tqdm(xs, desc="calibration", unit="pass",
-                                                                        file=sys.stderr, leave=False))
-    return importance_of(routing.experts, routing.weights, info.n_expert), len(routing.tokens)
+        windows = [window for window, _ in scoring_windows(ids, n)]
+        table = ReferenceTable(ids, n, llm.n_vocab())
+        try:
+            routing = llm.record_routing(windows, progress=_bar("calibration"), after_prompt=lambda i: table.add(
+                np.array(llm.scores[:len(windows[i])], dtype=np.float32)))
+            reference = table.finish()
+        except BaseException:
+            table.close()
+            raise
+    return_freed_memory()
+    return Calibration(importance_of(routing.experts, routing.weights, info.n_expert), len(routing.tokens),
+                       reference=reference)
+
+
+def compare_ladder(model_path: str, reference: Reference, offload: OffloadConfig, n_threads: int) -> Comparison:
+    """A configuration against the model's own next-token distributions on the calibration windows."""
+    n = reference.n_ctx
+    with Llama(model_path, offload=offload, n_ctx=n, n_batch=n, n_ubatch=n, logits_all=True, n_threads=n_threads,
+               verbose=False) as llm:
+        comparison = compare_to_reference(llm, reference, _bar("the ladder"))
+    return_freed_memory()
+    return comparison
 
 
 __all__ = ["Llama"]

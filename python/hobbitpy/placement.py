@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .config import MB, OffloadConfig
 from .errors import HobbitError
 
 if TYPE_CHECKING:
-    from .config import OffloadConfig
     from .model_file import ModelInfo
     from .trace import Trace
 
@@ -116,4 +116,5 @@ def placement_for(info: ModelInfo, config: OffloadConfig, level_paths: tuple[str
         return None
     importance = np.array(config.importance, np.float64)
     level_bytes = [layer_expert_bytes(path or info.path, info.n_expert) for path in level_paths]
-    return place_by_importance(importance, level_bytes, budget_bytes)
+    placed_bytes = budget_bytes if config.placed_mb is None else int(config.placed_mb * MB)
+    return place_by_importance(importance, level_bytes, placed_bytes)

@@ -48,9 +48,9 @@ from .candidate_cost import floor_cost, measured_cost, modeled_cost, routing_tra
 from .companions import resolve_level
 from .config import MB, OffloadConfig
 from .errors import BudgetError, HobbitError, ModelFileError
-from .evaluate import (REFERENCE_UBATCH, Reference, ReferenceTable, evaluate_against,
-                       scoring_bytes, scoring_windows, tokenize_text)
+from .evaluate import REFERENCE_UBATCH, evaluate_against, tokenize_text
 from .imatrix import default_imatrix_path
+from .likelihood import Reference, ReferenceTable, scoring_bytes, scoring_windows
 from .llama import Llama
 from .memory import (ContextShape, available_memory_bytes, context_sizes, fit_ubatch, plan_offload,
                      process_resident_bytes, whole_memory_budget_mb)
