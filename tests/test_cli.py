@@ -97,6 +97,12 @@ def test_version_and_one_line_errors(model_dir):
     assert len(p.stderr.strip().splitlines()) == 1
     p = _cli("run", path, "--prompt", "Hi", "--top-p", "1.5")
     assert p.returncode == 2 and "sampling flags" in p.stderr
+    # more threads than ggml has room for (SIGSEGV in libgomp at 100000), NaN sampling parameters
+    for flags, why in ((["--threads", "100000"], "--threads: must be 1..512"), (["--threads", "0"], "must be 1..512"),
+                       (["--temp", "nan"], "--temp: must be a finite number"),
+                       (["--repeat-penalty", "nan"], "--repeat-penalty: must be a finite number")):
+        p = _cli("run", path, "--prompt", "Hi", *flags)
+        assert p.returncode == 2 and why in p.stderr and "Traceback" not in p.stderr, (flags, p.stderr)
 
 
 def test_echo_sampling_flags_and_seeds(model_dir):

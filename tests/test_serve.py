@@ -4,12 +4,14 @@ and streamed chat from the offloaded model, the same text as `hobbitpy run` at t
 
 from __future__ import annotations
 
+import http.client
 import json
 import pathlib
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import openai
@@ -42,12 +44,12 @@ def _metrics(base: str) -> dict[str, float]:
     return out
 
 
-@pytest.fixture(scope="module")
-def server():
+def _start(*flags: str):
+    """A server of the shipped model on a free port: its process and base URL, once /health answers."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "hobbitpy", "serve", str(MODEL), "--cache-mb", "8", "--port", str(port),
-                             "--threads", "2", "--alias", "ref-mixtral"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                             "--threads", "2", "--alias", "ref-mixtral", *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while True:
@@ -62,12 +64,22 @@ def server():
             proc.kill()
             pytest.fail("the server did not answer /health within 120 s")
         time.sleep(0.3)
-    yield base
+    return proc, base
+
+
+def _stop(proc) -> None:
     proc.terminate()
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, base = _start()
+    yield base
+    _stop(proc)
 
 
 def test_completion_matches_run_and_is_offloaded(server):
@@ -111,3 +123,97 @@ def test_streamed_chat(server):
     assert after["hobbitpy_generated_tokens_total"] > before["hobbitpy_generated_tokens_total"]
     assert after["hobbitpy_expert_hits_total"] + after["hobbitpy_expert_misses_total"] > \
         before["hobbitpy_expert_hits_total"] + before["hobbitpy_expert_misses_total"]
+
+
+def _post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def _still_answers(server: str) -> str:
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+    r = client.completions.create(model="ref-mixtral", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert r.choices[0].text
+    return r.choices[0].text
+
+
+def test_a_bad_grammar_or_an_oversized_body_is_refused_and_the_server_stays_up(server):
+    # a grammar llama.cpp cannot parse: llama-cpp-python used the sampler it did not get (SIGSEGV)
+    status, body = _post(server + "/v1/completions",
+                         json.dumps({"prompt": "x", "max_tokens": 2, "grammar": "root ::= ("}).encode())
+    assert status == 400 and "grammar" in body["error"]["message"], body
+    # a good one still works
+    status, body = _post(server + "/v1/completions",
+                         json.dumps({"prompt": "x", "max_tokens": 2, "grammar": 'root ::= "yes" | "no"'}).encode())
+    assert status == 200 and body["choices"][0]["text"] in ("yes", "no", "y", "n", "ye"), body
+    # a body over the limit (a 50 MB prompt held 3 GB): refused on its announced length, before
+    # a byte of it is read (the client never sends it here)
+    host, port = server.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.putrequest("POST", "/v1/completions")
+    connection.putheader("Content-Type", "application/json")
+    connection.putheader("Content-Length", str(5 * 1024 * 1024))
+    connection.endheaders()
+    response = connection.getresponse()
+    assert response.status == 413 and "bytes" in json.loads(response.read())["error"]["message"]
+    connection.close()
+    _still_answers(server)
+
+
+def test_concurrent_streams_take_turns_and_every_one_ends_with_a_reason(server):
+    # llama-cpp-python's default ends a running stream, without a finish_reason, when another
+    # request comes: each of four streams got one token
+    import concurrent.futures
+
+    def stream(i: int):
+        client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+        chunks = list(client.completions.create(model="ref-mixtral", prompt=PROMPT, max_tokens=12, temperature=0,
+                                                stream=True, extra_body={"repeat_penalty": 1.0}))
+        return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(stream, range(4)))
+    texts = {text for text, _ in results}
+    assert all(reason in ("length", "stop") for _, reason in results), results
+    assert len(texts) == 1 and len(next(iter(texts))) > 0, results  # temperature 0: the same text, whole
+
+
+def test_closed_to_web_pages_and_health_names_no_file(server):
+    request = urllib.request.Request(server + "/v1/models", headers={"Origin": "http://evil.example"})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        assert "access-control-allow-origin" not in {k.lower() for k in r.headers.keys()}
+    preflight = urllib.request.Request(server + "/v1/completions", method="OPTIONS",
+                                       headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    try:
+        with urllib.request.urlopen(preflight, timeout=10) as r:
+            headers = {k.lower() for k in r.headers.keys()}
+    except urllib.error.HTTPError as e:
+        headers = {k.lower() for k in e.headers.keys()}
+    assert "access-control-allow-origin" not in headers
+    _, body = _get(server + "/health")
+    assert str(MODEL.parent) not in body and json.loads(body)["model"] == "ref-mixtral"
+
+
+def test_with_a_key_every_route_but_a_bare_health_needs_it(tmp_path):
+    key = tmp_path / "key"
+    key.write_text("s3cret-key\n")
+    proc, base = _start("--api-key-file", str(key))
+    try:
+        for path in ("/metrics", "/docs", "/openapi.json", "/v1/models"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                _get(base + path)
+            assert refused.value.code == 401, path
+        assert json.loads(_get(base + "/health")[1]) == {"status": "ok"}  # up or not, nothing more
+        request = urllib.request.Request(base + "/metrics", headers={"Authorization": "Bearer s3cret-key"})
+        with urllib.request.urlopen(request, timeout=10) as r:
+            assert r.status == 200 and b"hobbitpy_expert_cache_budget_bytes" in r.read()
+        client = openai.OpenAI(base_url=base + "/v1", api_key="s3cret-key")
+        assert [m.id for m in client.models.list().data] == ["ref-mixtral"]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="wrong").models.list()
+    finally:
+        _stop(proc)

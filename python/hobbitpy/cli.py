@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -13,6 +14,24 @@ MB = 1024 * 1024
 log = logging.getLogger("hobbitpy")
 DEFAULT_MODEL = "ref-mixtral-Q8_0.gguf"  # models/README.md
 DEFAULT_LOW = "Q2_K"  # the low level prepare writes and calibrate reads when none is named
+# ggml's GGML_MAX_N_THREADS: more threads overran its arrays (SIGSEGV in libgomp at 100000)
+MAX_THREADS = 512
+
+
+def _threads(text: str) -> int:
+    """--threads: 1..MAX_THREADS (argparse says which flag, in one line)."""
+    n = int(text)
+    if not 1 <= n <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"must be 1..{MAX_THREADS}, got {n}")
+    return n
+
+
+def _finite(text: str) -> float:
+    """A sampling parameter: a finite number (NaN slipped through every comparison)."""
+    x = float(text)
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return x
 
 
 def _add_run_parser(sub) -> None:
@@ -25,7 +44,7 @@ def _add_run_parser(sub) -> None:
     what.add_argument("--chat", action="store_true", help="an interactive chat with history (Ctrl-D or Ctrl-C ends it)")
     p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (per reply with --chat; default 64)")
     _add_sampling_args(p)
-    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="CPU threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=_threads, default=os.cpu_count() or 1, help="CPU threads (default: all cores)")
     p.add_argument("-c", "--ctx", type=int, default=None, help="context length in tokens (default: the model's training context)")
     _add_gpu_layers_arg(p)
     p.add_argument("--no-echo", action="store_true", help="print only the generated text, not the prompt before it")
@@ -49,11 +68,11 @@ def _gpu_layers(args) -> int:
 
 def _add_sampling_args(p) -> None:
     g = p.add_argument_group("sampling (llama.cpp's names and defaults)")
-    g.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy and deterministic (default 0.8)")
+    g.add_argument("--temp", type=_finite, default=0.8, help="temperature; 0 = greedy and deterministic (default 0.8)")
     g.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens; 0 = all (default 40)")
-    g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold (default 0.95)")
-    g.add_argument("--min-p", type=float, default=0.05, help="drop tokens below this share of the best one's probability (default 0.05)")
-    g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalty for repeated tokens; 1 = none (default 1.0)")
+    g.add_argument("--top-p", type=_finite, default=0.95, help="nucleus sampling threshold (default 0.95)")
+    g.add_argument("--min-p", type=_finite, default=0.05, help="drop tokens below this share of the best one's probability (default 0.05)")
+    g.add_argument("--repeat-penalty", type=_finite, default=1.0, help="penalty for repeated tokens; 1 = none (default 1.0)")
     g.add_argument("-r", "--stop", action="append", default=None, metavar="TEXT", help="stop at this text (repeatable)")
     g.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (default: a random one each run)")
 
@@ -89,11 +108,21 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("--ctx", type=int, default=None, help="context length in tokens (default: the model's training context)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads (default: all cores)")
+    p.add_argument("--threads", type=_threads, default=os.cpu_count() or 1, help="CPU threads (default: all cores)")
     _add_gpu_layers_arg(p)
     p.add_argument("--alias", help="the model's name in the API (default: the file path)")
     p.add_argument("--chat-format", help="llama-cpp-python chat format (default: the model's template)")
-    p.add_argument("--api-key", help="require this bearer token")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key", help="require this bearer token on every route but /health (visible to `ps`: "
+                                       "prefer --api-key-file or HOBBITPY_API_KEY)")
+    key.add_argument("--api-key-file", metavar="PATH", help="require the bearer token this file holds (its first line)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a browser origin allowed to call the server, e.g. http://localhost:3000 (repeatable; "
+                        "default none: no web page can)")
+    from hobbitpy.config import MAX_BODY_MB
+
+    p.add_argument("--max-body-mb", type=float, default=MAX_BODY_MB,
+                   help=f"refuse a request body larger than this many MB (413; default {MAX_BODY_MB:g})")
     add_offload_args(p)
     _add_verbosity_args(p)
     p.set_defaults(func=_serve)
@@ -109,6 +138,18 @@ def _serve(args) -> int:
             return _fail("no model given and no default model installed")
     if not 0 < args.port < 65536:
         return _fail(f"--port must be 1..65535, got {args.port}")
+    api_key = args.api_key or os.environ.get("HOBBITPY_API_KEY") or None
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                api_key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            return _fail(f"{args.api_key_file}: cannot read the API key ({e})")
+        if not api_key:
+            return _fail(f"{args.api_key_file}: its first line is empty, not an API key")
+    max_body_mb = args.max_body_mb
+    if not 0 < max_body_mb < float("inf"):
+        return _fail(f"--max-body-mb must be a positive number, got {args.max_body_mb}")
     try:
         info = inspect_model(args.model)
         n_ctx = args.ctx or info.n_ctx_train or 2048
@@ -117,8 +158,8 @@ def _serve(args) -> int:
         offload = offload_config_from_args(args, args.model, auto_profile=True)
         log.info(f"serving {args.model} on http://{args.host}:{args.port} (OpenAI API under /v1, /health, /metrics)")
         serve(args.model, offload, host=args.host, port=args.port, n_ctx=n_ctx, n_threads=args.threads,
-              n_gpu_layers=_gpu_layers(args), alias=args.alias, chat_format=args.chat_format, api_key=args.api_key,
-              verbose=args.verbose)
+              n_gpu_layers=_gpu_layers(args), alias=args.alias, chat_format=args.chat_format, api_key=api_key,
+              verbose=args.verbose, cors_origins=tuple(args.cors_origin), max_body_mb=max_body_mb)
     except (ValueError, HobbitError, OSError) as e:
         return _fail(str(e))
     except KeyboardInterrupt:
@@ -295,7 +336,7 @@ def _add_bench_parser(sub) -> None:
                         "flags). Stock always runs.")
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration and cap (median reported)")
     p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to decode per run (default 32)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--threads", type=_threads, default=os.cpu_count() or 1)
     p.add_argument("--quants", type=lambda t: [q for q in t.split(",") if q], default=[], metavar="Q6_K,Q4_K_M,...",
                    help="also run stock llama.cpp on these uniform quants of the model (made by llama.cpp's "
                         "quantizer into --quant-dir, or reused from there): what a user would download instead")
@@ -409,7 +450,7 @@ def _add_trace_parser(sub) -> None:
     p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate per prompt (default 32)")
     p.add_argument("--lookahead", type=int, default=4, help="layers ahead to record router predictions for (0-4)")
     p.add_argument("--ctx", type=int, default=512)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--threads", type=_threads, default=os.cpu_count() or 1)
     p.add_argument("--neurons", metavar="THETA[,THETA...]", default=None,
                    help="also measure CORM's neuron sparsity at these thresholds (e.g. 0.1,0.175,0.25,0.35): per "
                         "selection, the share of the expert's neurons with |SiLU(W1 x)| > THETA and how well the "
@@ -630,7 +671,7 @@ def _add_eval_parser(sub) -> None:
                    help="tokens per forward pass (default: the window); 1 scores mixed precision as token-by-token "
                         "decoding uses it")
     p.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--threads", type=_threads, default=os.cpu_count() or 1)
     p.add_argument("--no-reference", action="store_true", help="perplexity only, no stock run to compare with")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--neuron-oracle", action="store_true",
@@ -733,7 +774,7 @@ def _add_prepare_parser(sub) -> None:
     p.add_argument("--out", help="output file (only when one copy is written)")
     p.add_argument("--source", metavar="GGUF",
                    help="the same model in higher precision (F16/BF16/F32) to quantize from (default: the model)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="quantizing threads (default: all cores)")
+    p.add_argument("--threads", type=_threads, default=os.cpu_count() or 1, help="quantizing threads (default: all cores)")
     p.add_argument("--imatrix", metavar="GGUF",
                    help="importance matrix of the model's experts (`hobbitpy imatrix`, or llama-imatrix's GGUF file): "
                         "weighs each column's rounding error as llama-quantize does; needed by IQ2_XXS, IQ2_XS, "
@@ -757,7 +798,7 @@ def _add_imatrix_parser(sub) -> None:
     p.add_argument("--ctx", type=int, default=None,
                    help="window length in tokens (default: 512, at most the model's training context)")
     p.add_argument("--max-tokens", type=int, default=None, help="use at most this many tokens of the text")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=_threads, default=None)
     p.set_defaults(func=_imatrix)
 
 
@@ -855,7 +896,7 @@ def _add_calibrate_parser(sub) -> None:
     p.add_argument("--max-ppl-increase", type=float, default=0.01,
                    help="perplexity budget relative to all-high precision (default 0.01 = 1%%)")
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens of the text scored per setting (default 2048)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--threads", type=_threads, default=os.cpu_count() or 1)
     p.add_argument("--out", help="profile file (default: next to the model; never overwritten)")
     p.set_defaults(func=_calibrate)
 
@@ -910,7 +951,7 @@ def _add_tune_parser(sub) -> None:
     p.add_argument("--time-limit", type=float, default=None, metavar="MINUTES",
                    help="stop scoring after this long, the pass over the text and the files made included, and "
                         "choose among the candidates scored (default: tune.TIME_LIMIT_MINUTES, 15)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--threads", type=_threads, default=os.cpu_count() or 1)
     p.add_argument("--out", help="profile file (default: next to the model; never overwritten)")
     p.set_defaults(func=_tune)
 

@@ -13,6 +13,9 @@ MB = 1024 * 1024
 # `tune` and the benchmarks hold a lossy configuration to (on ref-mixtral's held-out text,
 # 0.0116 went with +0.83 %, 0.0139 with +1.29 %: docs/BENCHMARKS.md)
 MAX_MEAN_KL = 0.01
+# `serve` refuses a request body larger than this (413) before reading it whole: a 50 MB prompt
+# held 3 GB while llama-cpp-python tokenized it, in a process whose point is a memory budget
+MAX_BODY_MB = 4.0
 
 # cache policies of the runtime (hobbit.h enum hobbit_policy), by name; "hobbit" is
 # HOBBIT's multidimensional policy, the weighted mix of eq. 3 ("weighted" is its old name);

@@ -4,13 +4,21 @@ the expert cache.
 It is llama-cpp-python's own server (its ``[server]`` extra: FastAPI, uvicorn, the same
 routes, streaming and chat formats as ``python -m llama_cpp.server``), with the model
 loaded as a ``hobbitpy.Llama``, and two more routes: ``/health`` and Prometheus
-``/metrics`` (the expert cache's counters and llama.cpp's token counts).
+``/metrics`` (the expert cache's counters and llama.cpp's token counts). What it changes
+so that no client can hurt another or the server: requests take turns on the model (a
+stream is never cut by the next request), a body is at most a few MB, a grammar is parsed
+before the request reaches llama.cpp (a bad one is a 400, not a crash), no browser origin
+may call it unless named, and /health names no file.
 """
 
 from __future__ import annotations
 
+import hmac
+import json
+import os
+
 from . import __version__
-from .config import OffloadConfig
+from .config import MAX_BODY_MB, OffloadConfig
 from .errors import HobbitError
 from .llama import Llama
 
@@ -97,11 +105,91 @@ class ExpertCacheCollector:
                                 value=stats["budget_bytes"])
 
 
+def grammar_error(llm: Llama, grammar: str) -> str | None:
+    """Why llama.cpp cannot parse a GBNF grammar (None: it can). Its sampler is made and freed
+    here, before the request's own: llama-cpp-python uses the sampler llama.cpp returns for a
+    bad grammar (none) and the process dies (SIGSEGV)."""
+    import llama_cpp
+
+    vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
+    sampler = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode("utf-8", "replace"), b"root")
+    if not sampler:
+        return "the grammar does not parse (GBNF, with a root rule; llama.cpp's log says where)"
+    llama_cpp.llama_sampler_free(sampler)
+    return None
+
+
+class RequestGuard:
+    """ASGI middleware before every route: with an API key, refuses a request without it (401;
+    /health alone is open, and says nothing but whether the model is up); refuses a body over
+    max_body_bytes (413) and a grammar llama.cpp cannot parse (400); then passes the request
+    on as it came."""
+
+    def __init__(self, app, proxy, max_body_bytes: int, api_key: str | None):
+        self.app, self.proxy, self.max_body_bytes = app, proxy, max_body_bytes
+        self.authorization = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if (self.authorization is not None and scope["path"] != "/health" and scope["method"] != "OPTIONS"
+                and not hmac.compare_digest(headers.get(b"authorization", b""), self.authorization)):
+            return await _refuse(send, 401, "this server needs its API key (Authorization: Bearer KEY)")
+        if scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return await _refuse(send, 413, f"the request body is {int(length)} bytes; at most {self.max_body_bytes}")
+        body = b""
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body_bytes:
+                return await _refuse(send, 413, f"the request body is over {self.max_body_bytes} bytes")
+        why = self._check(body)
+        if why is not None:
+            return await _refuse(send, 400, why)
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if sent:
+                return await receive()  # the body was read: what comes next is the disconnect
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return await self.app(scope, replay, send)
+
+    def _check(self, body: bytes) -> str | None:
+        try:
+            request = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            return None  # the route's own validation answers (422)
+        grammar = request.get("grammar") if isinstance(request, dict) else None
+        llm = self.proxy.current
+        if isinstance(grammar, str) and llm is not None:
+            return grammar_error(llm, grammar)
+        return None
+
+
+async def _refuse(send, status: int, message: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error"}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
 def create_app(model_path: str, offload: OffloadConfig, *, n_ctx: int, n_threads: int, n_gpu_layers: int = 0,
                alias: str | None = None, chat_format: str | None = None, api_key: str | None = None,
-               verbose: bool = False):
+               verbose: bool = False, cors_origins: tuple[str, ...] = (), max_body_mb: float = MAX_BODY_MB):
     """The ASGI app: llama-cpp-python's routes (/v1/completions, /v1/chat/completions,
-    /v1/models, ...) on a hobbitpy.Llama, plus /health and /metrics. Loads the model."""
+    /v1/models, ...) on a hobbitpy.Llama, plus /health and /metrics. Loads the model.
+    cors_origins: the browser origins allowed to call it (none by default)."""
     try:
         from fastapi import FastAPI
         from fastapi.middleware.cors import CORSMiddleware
@@ -119,7 +207,9 @@ def create_app(model_path: str, offload: OffloadConfig, *, n_ctx: int, n_threads
     model_settings = ModelSettings(model=model_path, model_alias=alias, n_ctx=n_ctx, n_threads=n_threads,
                                    n_threads_batch=n_threads, n_gpu_layers=n_gpu_layers, chat_format=chat_format,
                                    verbose=verbose)
-    server_settings = ServerSettings(api_key=api_key)
+    # interrupt_requests off: a request waits for the one decoding instead of cutting its stream
+    # (llama-cpp-python's default ends the running stream, without a finish_reason, for any other)
+    server_settings = ServerSettings(api_key=api_key, interrupt_requests=False)
     proxy = _proxy_class()([model_settings], offload)
 
     # as llama_cpp.server.app.create_app builds it, with this proxy in place of one that
@@ -127,8 +217,9 @@ def create_app(model_path: str, offload: OffloadConfig, *, n_ctx: int, n_threads
     server_app.set_server_settings(server_settings)
     app = FastAPI(middleware=[Middleware(RawContextMiddleware, plugins=(RequestIdPlugin(),))],
                   title="hobbitpy", version=__version__)
-    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=True, allow_methods=["*"],
-                       allow_headers=["*"])
+    if cors_origins:  # else none: any web page open in a local browser could drive the server
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(RequestGuard, proxy=proxy, max_body_bytes=int(max_body_mb * 1024 * 1024), api_key=api_key)
     app.include_router(server_app.router)
     server_app._llama_proxy = proxy  # the model every route of the router uses (set_llama_proxy takes settings)
 
@@ -139,18 +230,22 @@ def create_app(model_path: str, offload: OffloadConfig, *, n_ctx: int, n_threads
     @app.get("/health")
     def health():
         llm = proxy.current
-        return JSONResponse({"status": "ok" if llm is not None else "loading", "model": model_path,
-                             "offloaded": bool(llm is not None and llm.offloaded)})
+        status = {"status": "ok" if llm is not None else "loading"}
+        if api_key is None:  # with a key, open to anyone: whether it is up, nothing more
+            status |= {"model": alias or os.path.basename(model_path),  # its name, not where it lives
+                       "offloaded": bool(llm is not None and llm.offloaded)}
+        return JSONResponse(status)
 
     return app
 
 
 def serve(model_path: str, offload: OffloadConfig, *, host: str, port: int, n_ctx: int, n_threads: int,
           n_gpu_layers: int = 0, alias: str | None = None, chat_format: str | None = None, api_key: str | None = None,
-          verbose: bool = False) -> None:
+          verbose: bool = False, cors_origins: tuple[str, ...] = (), max_body_mb: float = MAX_BODY_MB) -> None:
     """Load the model and serve it until interrupted."""
     import uvicorn
 
     app = create_app(model_path, offload, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, alias=alias,
-                     chat_format=chat_format, api_key=api_key, verbose=verbose)
+                     chat_format=chat_format, api_key=api_key, verbose=verbose, cors_origins=cors_origins,
+                     max_body_mb=max_body_mb)
     uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning")
