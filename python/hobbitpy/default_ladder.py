@@ -107,15 +107,6 @@ class Calibration:
         return dataclasses.replace(self, ladders=tuple(kept[n] for n in sorted(kept)))
 
 
-@dataclass(frozen=True)
-class Choice:
-    """What the default serves: settings to add to the config ({}: the model's own experts
-    at one precision) and the line that says why."""
-
-    settings: dict
-    reason: str
-
-
 def applies(config: OffloadConfig) -> bool:
     """Whether the config leaves the choice to the default: offload on, no `--exact`, no
     cache size and nothing that chooses precisions or placement (a preset or a profile
