@@ -311,10 +311,11 @@ class OffloadConfig:
                 raise ValueError("importance gives every MoE layer the same number of experts (one weight each)")
             if not all(0.0 <= x < float("inf") for row in rows for x in row):
                 raise ValueError("importance weights must be finite and non-negative")
-        if self.placed_mb is not None and (self.importance is None or not 0 < self.placed_mb < float("inf")):
-            raise ValueError("placed_mb places the experts by importance (--placed) as a budget of that many MB, "
-                             f"a positive number; got {self.placed_mb} without importance" if self.importance is None
-                             else f"placed_mb must be a positive number of MB, got {self.placed_mb}")
+        if self.placed_mb is not None:
+            if self.importance is None:
+                raise ValueError("placed_mb places the experts by importance: it needs --placed")
+            if not 0 < self.placed_mb < float("inf"):
+                raise ValueError(f"placed_mb must be a positive number of MB, got {self.placed_mb}")
         if (self.policy == "popularity") != (self.popularity is not None):
             raise ValueError("the popularity policy needs a popularity profile (--popularity TRACE), and a profile is "
                              "read by that policy only (--policy popularity)")

@@ -32,12 +32,15 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def nll_of_rows(logits: np.ndarray, targets: np.ndarray) -> float:
-    """The summed negative log-likelihood of targets[i] under row i of the logits."""
+def nll_of_rows(logits: np.ndarray, targets: np.ndarray, out: np.ndarray | None = None) -> float:
+    """The summed negative log-likelihood of targets[i] under row i of the logits (at float64);
+    out: also store the log-probabilities there (as its type, float32 for a reference)."""
     nll = 0.0
     for r in range(0, len(targets), ROWS_AT_ONCE):
         lp = log_softmax(logits[r: r + ROWS_AT_ONCE])
         nll -= float(lp[np.arange(len(lp)), targets[r: r + ROWS_AT_ONCE]].sum())
+        if out is not None:
+            out[r: r + ROWS_AT_ONCE] = lp
     return nll
 
 
@@ -59,17 +62,6 @@ def scoring_windows(ids: list[int], n_ctx: int):
 def scoring_bytes(n_ctx: int, n_vocab: int) -> int:
     """What scoring a window holds beside the model: its logits' float32 copy and one chunk's temporaries."""
     return 4 * n_ctx * n_vocab + 48 * ROWS_AT_ONCE * n_vocab
-
-
-def store_log_softmax(logits: np.ndarray, targets: np.ndarray, out: np.ndarray) -> float:
-    """out[:] = log_softmax(logits) as float32, a chunk of rows at a time; the negative
-    log-likelihood of the targets (at float64, as a candidate's is computed)."""
-    nll = 0.0
-    for r in range(0, len(targets), ROWS_AT_ONCE):
-        lp = log_softmax(logits[r: r + ROWS_AT_ONCE])
-        nll -= float(lp[np.arange(len(lp)), targets[r: r + ROWS_AT_ONCE]].sum())
-        out[r: r + ROWS_AT_ONCE] = lp
-    return nll
 
 
 def compare_rows(ref_lp: np.ndarray, logits: np.ndarray, targets: np.ndarray) -> tuple[float, float, int, np.ndarray]:
@@ -135,7 +127,7 @@ class ReferenceTable:
         """The logits of the next window (its tokens' rows)."""
         _, targets = self.windows[len(self.log_probs)]
         lp = self.table[self.row: self.row + len(targets)]
-        self.window_nll.append(store_log_softmax(logits[: len(targets)], targets, lp))
+        self.window_nll.append(nll_of_rows(logits[: len(targets)], targets, out=lp))
         self.log_probs.append(lp)
         self.row += len(targets)
 

@@ -7,7 +7,6 @@ The budget must hold where the process actually runs: inside a memory cgroup
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import dataclasses
 from dataclasses import dataclass
 import pathlib
@@ -168,8 +167,7 @@ def return_freed_memory() -> None:
     """Give the heap a closed model freed back to the system (glibc keeps it otherwise: 87 MB of
     a small model's expert cache stayed charged to the process, and a model loaded next in the
     same process planned its cache without them). Nothing where the C library has no malloc_trim."""
-    name = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own symbols: glibc's, if it is glibc
     if trim is not None:
         trim(0)
 

@@ -141,7 +141,7 @@ class RequestGuard:
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return await _refuse(send, 413, f"the request body is {int(length)} bytes; at most {self.max_body_bytes}")
-        body = b""
+        body = bytearray()
         more = True
         while more:
             message = await receive()
@@ -161,7 +161,7 @@ class RequestGuard:
             if sent:
                 return await receive()  # the body was read: what comes next is the disconnect
             sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
 
         return await self.app(scope, replay, send)
 
