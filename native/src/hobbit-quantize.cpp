@@ -72,97 +72,125 @@ template <int W> struct lanes;
 HOBBIT_LANES(4)
 HOBBIT_LANES(8)
 
-// make_qkx2_quants(16, 3, x, |x|, L, &min, Laux, -0.5f, 0.1f, 15, true) for W sub-blocks at
-// once: xt[i] holds value i of each. Writes each sub-block's levels (lt[i], as xt), its scale
-// and its negated min.
-template <int W>
-ALWAYS_INLINE void search_scales(const typename lanes<W>::f (&xt)[SUB], typename lanes<W>::i (&lt)[SUB],
-                                 typename lanes<W>::f & scale, typename lanes<W>::f & the_min) {
+// make_qkx2_quants(16, 3, x, |x|, L, &min, Laux, -0.5f, 0.1f, 15, true) for G groups of W
+// sub-blocks at once: xt[g][i] holds value i of each sub-block of group g. Writes each
+// sub-block's levels (lt, as xt), its scale and its negated min.
+//
+// Each trial measures from the best fit so far, so a group's 16 trials form one chain of
+// dependent additions (ggml's order, kept for its bits): one group alone leaves the core
+// waiting on latency. The G groups' chains are independent, and every step below is written
+// for all of them before the next, so the core runs them side by side.
+template <int W, int G>
+ALWAYS_INLINE void search_scales(const typename lanes<W>::f (&xt)[G][SUB], typename lanes<W>::i (&lt)[G][SUB],
+                                 typename lanes<W>::f (&scale)[G], typename lanes<W>::f (&the_min)[G]) {
     using V = lanes<W>;
     typedef typename V::f vfloat;
     typedef typename V::i vint;
     constexpr int nmax = 3, nstep = 15;
     constexpr float rmin = -0.5f, rdelta = 0.1f;
     const vfloat zero = {};
-    vfloat min = xt[0], max = xt[0];
-    vfloat sum_w = V::abs(xt[0]);
-    vfloat sum_x = sum_w * xt[0];
-    for (int i = 1; i < SUB; ++i) {
-        min = xt[i] < min ? xt[i] : min;
-        max = xt[i] > max ? xt[i] : max;
-        vfloat w = V::abs(xt[i]);
-        sum_w += w;
-        sum_x += w * xt[i];
+    vfloat min[G], max[G], sum_w[G], sum_x[G];
+    for (int g = 0; g < G; ++g) {
+        min[g] = max[g] = xt[g][0];
+        sum_w[g] = V::abs(xt[g][0]);
+        sum_x[g] = sum_w[g] * xt[g][0];
     }
-    min = min > 0 ? zero : min;
+    for (int i = 1; i < SUB; ++i)
+        for (int g = 0; g < G; ++g) {
+            min[g] = xt[g][i] < min[g] ? xt[g][i] : min[g];
+            max[g] = xt[g][i] > max[g] ? xt[g][i] : max[g];
+            vfloat w = V::abs(xt[g][i]);
+            sum_w[g] += w;
+            sum_x[g] += w * xt[g][i];
+        }
     // a flat sub-block (max == min): ggml returns at once with scale 0 and every level 0; its
     // lane below computes with an infinite iscale, and no trial is taken (its error is never
     // below the 0 of the first pass)
-    const vint flat = max == min;
+    vint flat[G];
     // the levels of a fit are those of its iscale measured from its min: rather than copy a
     // better trial's levels each time, keep the two and compute the best fit's levels once
-    vfloat iscale = nmax / (max - min);
-    vfloat fit_iscale = iscale, fit_from = min;
-    scale = 1 / iscale;
-    vfloat best = zero;
-    vfloat w[SUB];  // each value's weight in every fit
-    for (int i = 0; i < SUB; ++i) {
-        w[i] = V::abs(xt[i]);
-        vfloat l = V::level(iscale * (xt[i] - min), nmax);
-        vfloat diff = V::abs(scale * l + min - xt[i]);
-        best += w[i] * diff;
+    vfloat fit_iscale[G], fit_from[G], best[G];
+    vfloat w[G][SUB];  // each value's weight in every fit
+    for (int g = 0; g < G; ++g) {
+        min[g] = min[g] > 0 ? zero : min[g];
+        flat[g] = max[g] == min[g];
+        vfloat iscale = nmax / (max[g] - min[g]);
+        fit_iscale[g] = iscale;
+        fit_from[g] = min[g];
+        scale[g] = 1 / iscale;
+        best[g] = zero;
     }
-    // as ggml's: each trial measures from the best fit's min so far
+    for (int i = 0; i < SUB; ++i)
+        for (int g = 0; g < G; ++g) {
+            w[g][i] = V::abs(xt[g][i]);
+            vfloat l = V::level(fit_iscale[g] * (xt[g][i] - min[g]), nmax);
+            vfloat diff = V::abs(scale[g] * l + min[g] - xt[g][i]);
+            best[g] += w[g][i] * diff;
+        }
     for (int is = 0; is <= nstep; ++is) {
-        iscale = (rmin + rdelta * is + nmax) / (max - min);
-        vfloat l[SUB];
-        vfloat sum_l = zero, sum_l2 = zero, sum_xl = zero;
-        for (int i = 0; i < SUB; ++i) {
-            l[i] = V::level(iscale * (xt[i] - min), nmax);
-            vfloat wl = w[i] * l[i];
-            sum_l += wl;
-            sum_l2 += wl * l[i];
-            sum_xl += wl * xt[i];
+        vfloat iscale[G], l[G][SUB], sum_l[G], sum_l2[G], sum_xl[G];
+        for (int g = 0; g < G; ++g) {
+            iscale[g] = (rmin + rdelta * is + nmax) / (max[g] - min[g]);
+            sum_l[g] = sum_l2[g] = sum_xl[g] = zero;
         }
-        vfloat D = sum_w * sum_l2 - sum_l * sum_l;
-        vfloat this_scale = (sum_w * sum_xl - sum_x * sum_l) / D;
-        vfloat this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D;
-        vint clip = this_min > 0;
-        this_scale = clip ? sum_xl / sum_l2 : this_scale;
-        this_min = clip ? zero : this_min;
-        vfloat error = zero;
-        for (int i = 0; i < SUB; ++i) {
-            vfloat diff = V::abs(this_scale * l[i] + this_min - xt[i]);
-            error += w[i] * diff;
+        for (int i = 0; i < SUB; ++i)
+            for (int g = 0; g < G; ++g) {
+                l[g][i] = V::level(iscale[g] * (xt[g][i] - min[g]), nmax);
+                vfloat wl = w[g][i] * l[g][i];
+                sum_l[g] += wl;
+                sum_l2[g] += wl * l[g][i];
+                sum_xl[g] += wl * xt[g][i];
+            }
+        vfloat this_scale[G], this_min[G], D[G], error[G];
+        for (int g = 0; g < G; ++g) {
+            D[g] = sum_w[g] * sum_l2[g] - sum_l[g] * sum_l[g];
+            this_scale[g] = (sum_w[g] * sum_xl[g] - sum_x[g] * sum_l[g]) / D[g];
+            this_min[g] = (sum_l2[g] * sum_x[g] - sum_l[g] * sum_xl[g]) / D[g];
+            vint clip = this_min[g] > 0;
+            this_scale[g] = clip ? sum_xl[g] / sum_l2[g] : this_scale[g];
+            this_min[g] = clip ? zero : this_min[g];
+            error[g] = zero;
         }
-        vint better = (D > 0) & (error < best);  // ggml skips a trial whose D is not positive
-        best = better ? error : best;
-        fit_iscale = better ? iscale : fit_iscale;
-        fit_from = better ? min : fit_from;
-        scale = better ? this_scale : scale;
-        min = better ? this_min : min;
+        for (int i = 0; i < SUB; ++i)
+            for (int g = 0; g < G; ++g) {
+                vfloat diff = V::abs(this_scale[g] * l[g][i] + this_min[g] - xt[g][i]);
+                error[g] += w[g][i] * diff;
+            }
+        for (int g = 0; g < G; ++g) {
+            vint better = (D[g] > 0) & (error[g] < best[g]);  // ggml skips a trial whose D is not positive
+            best[g] = better ? error[g] : best[g];
+            fit_iscale[g] = better ? iscale[g] : fit_iscale[g];
+            fit_from[g] = better ? min[g] : fit_from[g];
+            scale[g] = better ? this_scale[g] : scale[g];
+            min[g] = better ? this_min[g] : min[g];
+        }
     }
-    for (int i = 0; i < SUB; ++i) lt[i] = V::clamp(V::nearest_int(fit_iscale * (xt[i] - fit_from)), nmax);
-    the_min = -min;
-    scale = flat ? zero : scale;
-    for (int i = 0; i < SUB; ++i) lt[i] = flat ? vint{} : lt[i];
+    for (int g = 0; g < G; ++g) {
+        for (int i = 0; i < SUB; ++i)
+            lt[g][i] = flat[g] ? vint{} : V::clamp(V::nearest_int(fit_iscale[g] * (xt[g][i] - fit_from[g])), nmax);
+        the_min[g] = -min[g];
+        scale[g] = flat[g] ? zero : scale[g];
+    }
 }
 
 template <int W> ALWAYS_INLINE void quantize_super_block(const float * x, block_q2_K & y) {
+    constexpr int G = LANES / W;  // every sub-block of the super-block searched at once
     float scales[LANES], mins[LANES];
     uint8_t lt[SUB][LANES];  // the search's levels, value i of sub-block j at [i][j]
-    for (int group = 0; group < LANES; group += W) {
-        typename lanes<W>::f xt[SUB];
-        for (int j = 0; j < W; ++j)
-            for (int i = 0; i < SUB; ++i) xt[i][j] = x[SUB * (group + j) + i];
-        typename lanes<W>::i levels[SUB];
-        typename lanes<W>::f scale, min;
-        search_scales<W>(xt, levels, scale, min);
-        for (int j = 0; j < W; ++j) {
-            scales[group + j] = scale[j];
-            mins[group + j] = min[j];
-            for (int i = 0; i < SUB; ++i) lt[i][group + j] = (uint8_t) levels[i][j];
-        }
+    {
+        typename lanes<W>::f xt[G][SUB];
+        for (int g = 0; g < G; ++g)
+            for (int j = 0; j < W; ++j)
+                for (int i = 0; i < SUB; ++i) xt[g][i][j] = x[SUB * (W * g + j) + i];
+        typename lanes<W>::i levels[G][SUB];
+        typename lanes<W>::f scale[G], min[G];
+        search_scales<W, G>(xt, levels, scale, min);
+        for (int g = 0; g < G; ++g)
+            for (int j = 0; j < W; ++j) {
+                scales[W * g + j] = scale[g][j];
+                mins[W * g + j] = min[g][j];
+                for (int i = 0; i < SUB; ++i) lt[i][W * g + j] = (uint8_t) levels[g][i][j];
+            }
     }
 
     const float q4scale = 15.f;
