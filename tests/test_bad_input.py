@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import gguf
+import numpy as np
 import pytest
 
 import hobbitpy
@@ -177,6 +178,40 @@ def test_read_error_mid_run_is_an_error_not_a_hang(model_dir, tmp_path, mode, wh
     assert proc.returncode == 0, proc.stderr
     assert "ERROR: an expert could not be read during decode:" in proc.stdout, proc.stdout + proc.stderr
     assert str(path) in proc.stdout and why in proc.stdout
+
+
+@pytest.mark.parametrize("change", ["renamed over", "removed"])
+def test_a_model_replaced_or_removed_while_running_serves_the_file_it_opened(model_dir, tmp_path, change):
+    """The safe way to update a model (write a new file, rename it over the old) and `rm` leave
+    the file a running process opened and maps intact: it decodes on, with the bits of a run
+    nothing disturbed (computed in place, the runtime asks the open file its size, not the path)."""
+    path = tmp_path / "model.gguf"
+    shutil.copy(tiny_model(model_dir, "llama"), path)
+    info = hobbitpy.inspect_model(path)
+    offload = hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total / 2 / MB, mode="cooperative")
+
+    def decode(disturb: bool):
+        llm = hobbitpy.Llama(str(path), n_ctx=256, verbose=False, logits_all=True, offload=offload)
+        try:
+            llm.eval(llm.tokenize(b"Once upon a time"))
+            in_place_before = llm.offload_stats()["expert_inplace"]
+            if disturb and change == "removed":
+                os.remove(path)
+            elif disturb:
+                new = tmp_path / "model.gguf.new"
+                new.write_bytes(path.read_bytes()[:1024])  # another file: a rename makes the path name it
+                os.replace(new, path)
+            for t in range(24):
+                llm.eval([1000 + 37 * t])
+            in_place_after = llm.offload_stats()["expert_inplace"] - in_place_before
+            return np.array(llm.scores[: llm.n_tokens], np.float32), in_place_after
+        finally:
+            llm.close()
+
+    undisturbed, _ = decode(False)
+    scores, in_place_after = decode(True)
+    assert in_place_after > 0  # experts really ran on the mapping after the change
+    assert np.array_equal(scores.view(np.uint32), undisturbed.view(np.uint32))
 
 
 def test_lora_with_offload_is_refused_clearly(model_dir, tmp_path):

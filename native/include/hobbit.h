@@ -206,7 +206,7 @@ struct hobbit_model_info {
     int64_t expert_bytes;          // bytes of one expert of the first MoE block, all projections (the size of its slot)
     int64_t expert_bytes_total;    // bytes of every routed expert in the file
     int64_t min_budget_bytes;      // smallest budget: one token's top-k in every pool (one pool per expert signature)
-    int64_t file_bytes;            // size of the GGUF file
+    int64_t file_bytes;            // size of the GGUF file (of all its parts, split)
     bool    uniform;               // every MoE block has the same expert shapes and types (else one pool per signature)
     int32_t n_split;               // files the model is split into (split.count; 1 = one file)
     // what sizes a context's buffers (KV cache, compute buffer, logits), read from the metadata and tensor shapes
@@ -306,6 +306,10 @@ HOBBIT_API enum hobbit_status hobbit_inspect_model(const char * path, struct hob
 // the fingerprint of a model's experts (16 hex digits and a NUL into out, out_size >= 17): what a
 // companion records of the model it was made of, checked when the companion is used
 HOBBIT_API enum hobbit_status hobbit_model_fingerprint(const char * path, char * out, size_t out_size, char * err, size_t err_size);
+
+// the files a model is made of (its one file, or the parts of a split model named as llama.cpp
+// finds them from the first), each followed by a NUL, into out; ERROR_INVALID if out is too small
+HOBBIT_API enum hobbit_status hobbit_model_parts(const char * path, char * out, size_t out_size, char * err, size_t err_size);
 
 // llama_tokenize, with what llama.cpp's tokenizer throws (a vocabulary without the byte
 // tokens its fallback looks up) turned into a status and a message instead of an abort.

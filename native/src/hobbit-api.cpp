@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -106,6 +107,25 @@ enum hobbit_status hobbit_model_fingerprint(const char * path, char * out, size_
     }
     return guarded([&] { snprintf(out, out_size, "%s", expert_index::from_file(path).fingerprint().c_str()); },
                    err, err_size, std::string(path) + ": ");
+}
+
+enum hobbit_status hobbit_model_parts(const char * path, char * out, size_t out_size, char * err, size_t err_size) {
+    if (path == nullptr || out == nullptr) {
+        write_error(err, err_size, "hobbit_model_parts: path and out are required");
+        return HOBBIT_STATUS_ERROR_INVALID;
+    }
+    return guarded([&] {
+        std::string all;
+        for (const std::string & part : expert_index::from_file(path).parts) {
+            all += part;
+            all += '\0';
+        }
+        if (all.size() > out_size) {
+            throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "the names of its files need " + std::to_string(all.size()) +
+                               " bytes, the buffer has " + std::to_string(out_size));
+        }
+        memcpy(out, all.data(), all.size());
+    }, err, err_size, std::string(path) + ": ");
 }
 
 // what is wrong with params, or "" (checked before anything is copied or armed)

@@ -111,7 +111,7 @@ executor_choice executor_choice_make(const expert_index & index, enum hobbit_mod
             }
         }
     }
-    const int fd = open(index.path.c_str(), O_RDONLY | O_CLOEXEC);
+    const int fd = probe == nullptr ? -1 : open(index.parts[probe->part].c_str(), O_RDONLY | O_CLOEXEC);
     if (probe == nullptr || fd < 0) {
         if (fd >= 0) {
             close(fd);

@@ -207,11 +207,12 @@ static void check_llama_hparams(const gguf_context * ctx, const std::string & ar
     }
 }
 
-expert_index expert_index::from_file(const std::string & path) {
-    expert_index idx;
-    idx.path = path;
-    hobbit_model_info & info = idx.info;
+namespace {
 
+using gguf_ptr = std::unique_ptr<gguf_context, decltype(&gguf_free)>;
+
+// one file's GGUF header, checked: a regular file, a GGUF, every tensor's data inside it
+gguf_ptr open_header(const std::string & path, int64_t & file_bytes) {
     struct stat st;
     if (stat(path.c_str(), &st) != 0) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_IO, path + ": cannot open model file: " + errno_text());
@@ -223,8 +224,7 @@ expert_index expert_index::from_file(const std::string & path) {
         // a FIFO would block open() until a writer comes; a device is no model file either
         throw hobbit_error(HOBBIT_STATUS_ERROR_IO, path + ": is not a regular file (a FIFO, socket or device), not a GGUF model file");
     }
-    info.file_bytes = st.st_size;
-
+    file_bytes = st.st_size;
     {
         const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
         if (fd < 0) {
@@ -237,22 +237,104 @@ expert_index expert_index::from_file(const std::string & path) {
             throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, path + ": not a GGUF file (it does not start with the GGUF magic)");
         }
     }
-
     gguf_init_params gparams = { /*no_alloc*/ true, /*ctx*/ nullptr };
-    std::unique_ptr<gguf_context, decltype(&gguf_free)> ctx(gguf_init_from_file(path.c_str(), gparams), gguf_free);
+    gguf_ptr ctx(gguf_init_from_file(path.c_str(), gparams), gguf_free);
     if (!ctx) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, path + ": the GGUF header is corrupt or truncated");
     }
-
     // every tensor's data must lie inside the file: a truncated download fails here, not mid-run
     const uint64_t data_offset = gguf_get_data_offset(ctx.get());
     for (int64_t t = 0; t < gguf_get_n_tensors(ctx.get()); ++t) {
         const uint64_t end = data_offset + gguf_get_tensor_offset(ctx.get(), t) + gguf_get_tensor_size(ctx.get(), t);
-        if (end > (uint64_t) info.file_bytes) {
+        if (end > (uint64_t) file_bytes) {
             throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, path + ": truncated: tensor '" + gguf_get_tensor_name(ctx.get(), t) +
-                "' ends at byte " + std::to_string(end) + " but the file has " + std::to_string(info.file_bytes) + " bytes");
+                "' ends at byte " + std::to_string(end) + " but the file has " + std::to_string(file_bytes) + " bytes");
         }
     }
+    return ctx;
+}
+
+// a split model's part number (split.no, from 0) and count (split.count); 0 and 1 for one file
+std::pair<int64_t, int64_t> split_of(const gguf_context * ctx) {
+    return { std::max<int64_t>(0, gguf_get_int(ctx, "split.no")), std::max<int64_t>(1, gguf_get_int(ctx, "split.count")) };
+}
+
+// a split model's file names, llama.cpp's (llama_split_prefix, llama_split_path), from its first
+std::vector<std::string> split_part_paths(const std::string & first, int n_split) {
+    std::vector<char> buf(first.size() + 64);
+    const int32_t n = llama_split_prefix(buf.data(), buf.size(), first.c_str(), 0, n_split);
+    if (n <= 0) {
+        char name[64];
+        snprintf(name, sizeof(name), "NAME-00001-of-%05d.gguf", n_split);
+        throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, first + ": the first of a model split into " + std::to_string(n_split) +
+            " files, but not named as llama.cpp finds the others (" + name + ")");
+    }
+    const std::string prefix(buf.data(), n);
+    std::vector<std::string> paths;
+    for (int i = 0; i < n_split; ++i) {
+        const int32_t m = llama_split_path(buf.data(), buf.size(), prefix.c_str(), i, n_split);
+        paths.emplace_back(buf.data(), m);
+    }
+    return paths;
+}
+
+}  // namespace
+
+expert_index expert_index::from_file(const std::string & path) {
+    expert_index idx;
+    idx.path = path;
+    idx.parts = { path };
+    hobbit_model_info & info = idx.info;
+
+    std::vector<gguf_ptr> headers;
+    headers.push_back(open_header(path, info.file_bytes));
+    const auto [split_no, n_split] = split_of(headers[0].get());
+    if (n_split > 1 && split_no != 0) {
+        std::vector<char> prefix(path.size() + 1);
+        const int32_t n = llama_split_prefix(prefix.data(), prefix.size(), path.c_str(), (int) split_no, (int) n_split);
+        std::vector<char> first(path.size() + 64);
+        const std::string hint = n > 0 && llama_split_path(first.data(), first.size(), prefix.data(), 0, (int) n_split) > 0
+            ? std::string(" (") + first.data() + ")" : std::string();
+        throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, path + ": part " + std::to_string(split_no + 1) + " of a model split into " +
+            std::to_string(n_split) + " files; give its first part" + hint);
+    }
+    if (n_split > 1) {
+        idx.parts = split_part_paths(path, (int) n_split);
+        idx.parts[0] = path;  // as given (llama_split_path spells the same file)
+        for (int i = 1; i < n_split; ++i) {
+            int64_t bytes = 0;
+            try {
+                headers.push_back(open_header(idx.parts[i], bytes));
+            } catch (const hobbit_error & e) {
+                throw hobbit_error(e.status, path + ": part " + std::to_string(i + 1) + " of " + std::to_string(n_split) +
+                                   " of this split model: " + e.what());
+            }
+            const auto [no, count] = split_of(headers.back().get());
+            if (no != i || count != n_split) {
+                throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, idx.parts[i] + ": says it is part " + std::to_string(no + 1) + " of " +
+                    std::to_string(count) + ", but its name makes it part " + std::to_string(i + 1) + " of " +
+                    std::to_string(n_split) + " of " + path);
+            }
+            info.file_bytes += bytes;
+        }
+    }
+    // every tensor, by name: the part it is in and its index there (llama.cpp refuses a name twice)
+    std::unordered_map<std::string, std::pair<int, int64_t>> tensors;
+    for (int i = 0; i < (int) headers.size(); ++i) {
+        for (int64_t t = 0; t < gguf_get_n_tensors(headers[i].get()); ++t) {
+            const std::string name = gguf_get_tensor_name(headers[i].get(), t);
+            if (!tensors.emplace(name, std::make_pair(i, t)).second) {
+                throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, idx.parts[i] + ": tensor '" + name + "' is in an earlier part too");
+            }
+        }
+    }
+    const int64_t n_tensors_expected = n_split > 1 ? gguf_get_int(headers[0].get(), "split.tensors.count") : -1;
+    if (n_tensors_expected >= 0 && n_tensors_expected != (int64_t) tensors.size()) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, path + ": split.tensors.count says " + std::to_string(n_tensors_expected) +
+            " tensors, its " + std::to_string(n_split) + " parts hold " + std::to_string(tensors.size()));
+    }
+    // the model's metadata is in its first file
+    const gguf_ptr & ctx = headers[0];
 
     const int64_t arch_id = gguf_find_key(ctx.get(), "general.architecture");
     if (arch_id < 0 || gguf_get_kv_type(ctx.get(), arch_id) != GGUF_TYPE_STRING) {
@@ -277,7 +359,7 @@ expert_index expert_index::from_file(const std::string & path) {
     info.n_expert      = (int32_t) std::max<int64_t>(0, gguf_get_int(ctx.get(), arch + ".expert_count"));
     info.n_expert_used = (int32_t) std::max<int64_t>(0, gguf_get_int(ctx.get(), arch + ".expert_used_count"));
     info.n_embd        = (int32_t) std::max<int64_t>(0, gguf_get_int(ctx.get(), arch + ".embedding_length"));
-    info.n_split       = (int32_t) std::max<int64_t>(1, gguf_get_int(ctx.get(), "split.count"));
+    info.n_split       = (int32_t) n_split;
     info.uniform       = true;
     info.n_head        = (int32_t) std::max<int64_t>(1, gguf_get_int_max(ctx.get(), arch + ".attention.head_count"));
     info.n_head_kv     = (int32_t) std::max<int64_t>(1, gguf_get_int_max(ctx.get(), arch + ".attention.head_count_kv"));
@@ -289,9 +371,8 @@ expert_index expert_index::from_file(const std::string & path) {
     info.n_embd_head_k = (int32_t) (head_k > 0 ? head_k : info.n_embd / info.n_head);
     info.n_embd_head_v = (int32_t) (head_v > 0 ? head_v : info.n_embd_head_k);
     info.n_ctx_train   = (int32_t) std::max<int64_t>(0, gguf_get_int(ctx.get(), arch + ".context_length"));
-    for (int64_t t = 0; t < gguf_get_n_tensors(ctx.get()); ++t) {
-        const std::string name = gguf_get_tensor_name(ctx.get(), t);
-        const int64_t * ne = gguf_get_tensor_ne(ctx.get(), t);
+    for (const auto & [name, where] : tensors) {
+        const int64_t * ne = gguf_get_tensor_ne(headers[where.first].get(), where.second);
         const auto ends_with = [&](const char * suffix) {
             const size_t n = strlen(suffix);
             return name.size() >= n && name.compare(name.size() - n, n, suffix) == 0;
@@ -311,14 +392,17 @@ expert_index expert_index::from_file(const std::string & path) {
         expert_layer_layout & layer = idx.layers[il];
         for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
             const std::string name = "blk." + std::to_string(il) + "." + proj_tensor_suffix[p];
-            const int64_t t = gguf_find_tensor(ctx.get(), name.c_str());
-            if (t < 0) {
+            const auto found = tensors.find(name);
+            if (found == tensors.end()) {
                 continue;
             }
+            const gguf_context * part = headers[found->second.first].get();
+            const int64_t t = found->second.second;
             expert_proj_layout & pl = layer.proj[p];
-            const int64_t * ne = gguf_get_tensor_ne(ctx.get(), t);
+            const int64_t * ne = gguf_get_tensor_ne(part, t);
             pl.present = true;
-            pl.type    = gguf_get_tensor_type(ctx.get(), t);
+            pl.part    = found->second.first;
+            pl.type    = gguf_get_tensor_type(part, t);
             pl.ne[0]   = ne[0];
             pl.ne[1]   = ne[1];
             pl.ne[2]   = ne[2];
@@ -327,7 +411,7 @@ expert_index expert_index::from_file(const std::string & path) {
                     " experts but the metadata says " + std::to_string(info.n_expert));
             }
             pl.n_bytes = ggml_row_size((ggml_type) pl.type, ne[0]) * ne[1];
-            pl.offset  = data_offset + gguf_get_tensor_offset(ctx.get(), t);
+            pl.offset  = gguf_get_data_offset(part) + gguf_get_tensor_offset(part, t);
         }
         // a neuron layout's up holds down too (prepare --neuron-layout): down is not there
         const bool has_down = idx.neuron_layout ? layer.proj[LLAMA_MOE_PROJ_UP].present : layer.proj[LLAMA_MOE_PROJ_DOWN].present;
@@ -369,28 +453,31 @@ std::string expert_index::fingerprint() const {
     if (!fingerprint_cache.empty()) {
         return fingerprint_cache;
     }
-    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        throw hobbit_error(HOBBIT_STATUS_ERROR_IO, path + ": cannot open model file: " + errno_text());
+    std::vector<int> fds(parts.size(), -1);
+    std::string error;
+    for (size_t i = 0; i < parts.size() && error.empty(); ++i) {
+        fds[i] = open(parts[i].c_str(), O_RDONLY | O_CLOEXEC);
+        if (fds[i] < 0) {
+            error = parts[i] + ": cannot open model file: " + errno_text();
+        }
+        // no readahead: the kernel's would read up to read_ahead_kb around each 4 KB read, megabytes
+        // of experts in the page cache (charged to a memory cap, counted by no budget) that a
+        // ladder never reads again
+        posix_fadvise(fds[i], 0, 0, POSIX_FADV_RANDOM);
     }
-    // no readahead: the kernel's would read up to read_ahead_kb around each 4 KB read, megabytes
-    // of experts in the page cache (charged to a memory cap, counted by no budget) that a
-    // ladder never reads again
-    posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM);
     uint64_t h = 0xcbf29ce484222325ull; // FNV-1a 64
     std::vector<uint8_t> buf;
-    std::string error;
     for (const expert_layer_layout & layer : layers) {
         for (const expert_proj_layout & p : layer.proj) {
-            if (!p.present) {
+            if (!p.present || !error.empty()) {
                 continue;
             }
             const uint64_t size = p.n_bytes * (uint64_t) p.ne[2];
             const uint64_t n = std::min<uint64_t>(4096, size);
             for (const uint64_t at : { p.offset, p.offset + size - n }) {
                 buf.resize(n);
-                if (error.empty() && pread(fd, buf.data(), n, (off_t) at) != (ssize_t) n) {
-                    error = path + ": cannot read the experts to fingerprint them: " + errno_text();
+                if (error.empty() && pread(fds[p.part], buf.data(), n, (off_t) at) != (ssize_t) n) {
+                    error = parts[p.part] + ": cannot read the experts to fingerprint them: " + errno_text();
                 }
                 for (uint8_t b : buf) {
                     h = (h ^ b) * 0x100000001b3ull;
@@ -398,7 +485,11 @@ std::string expert_index::fingerprint() const {
             }
         }
     }
-    close(fd);
+    for (const int fd : fds) {
+        if (fd >= 0) {
+            close(fd);
+        }
+    }
     if (!error.empty()) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_IO, error);
     }
@@ -461,44 +552,57 @@ void expert_index::check_companion(const expert_index & companion) const {
 expert_store::expert_store(const expert_index & index, bool direct_io, ggml_backend_buffer_type_t pinned,
                            uint64_t max_read)
         : index(index), pinned(pinned) {
-    fd = open(index.path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        throw hobbit_error(HOBBIT_STATUS_ERROR_IO, index.path + ": cannot open model file: " + errno_text());
+    const auto close_all = [&] {
+        for (const int f : fd) close(f);
+        for (const int f : fd_direct) close(f);
+    };
+    for (const std::string & part : index.parts) {
+        fd.push_back(open(part.c_str(), O_RDONLY | O_CLOEXEC));
+        if (fd.back() < 0) {
+            const std::string why = errno_text();
+            fd.pop_back();
+            close_all();
+            throw hobbit_error(HOBBIT_STATUS_ERROR_IO, part + ": cannot open model file: " + why);
+        }
     }
     max_slice = max_read > 0 ? max_read : (uint64_t) index.info.max_slice_bytes;
     if (direct_io) {
-        fd_direct = open(index.path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-        if (fd_direct >= 0) {
-            file_direct_io_granules(fd_direct, granule, memory_granule);
+        for (const std::string & part : index.parts) {
+            fd_direct.push_back(open(part.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT));
+            if (fd_direct.back() < 0) {
+                close_direct();  // one part refuses it: all buffered (the parts share a folder)
+                break;
+            }
+            // the parts' granules: the coarsest (they are on one file system, so the same)
+            uint64_t g = 0, m = 0;
+            file_direct_io_granules(fd_direct.back(), g, m);
+            granule = fd_direct.size() == 1 ? g : std::max(granule, g);
+            memory_granule = fd_direct.size() == 1 ? m : std::max(memory_granule, m);
         }
         bounce_size = (max_slice + 2*DIRECT_IO_ALIGN + DIRECT_IO_ALIGN - 1) / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN;
     }
-    if (pinned != nullptr && fd_direct >= 0) {
+    if (pinned != nullptr && !fd_direct.empty()) {
         // the O_DIRECT bounce buffer in page-locked memory (aligned inside it): read_slice
         // returns it, and the copy to the device is one DMA
         pinned_bounce_buf = ggml_backend_buft_alloc_buffer(pinned, bounce_size + DIRECT_IO_ALIGN);
         if (pinned_bounce_buf == nullptr) {
-            close(fd);
-            close(fd_direct);
+            close_all();
             throw hobbit_error(HOBBIT_STATUS_ERROR_BUDGET, "cannot allocate " + std::to_string(bounce_size >> 20) +
                                " MB of page-locked memory to stage expert loads");
         }
         const uintptr_t base = (uintptr_t) ggml_backend_buffer_get_base(pinned_bounce_buf);
         bounce = (void *) ((base + DIRECT_IO_ALIGN - 1) / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN);
-    } else if (fd_direct >= 0 && posix_memalign(&bounce, DIRECT_IO_ALIGN, bounce_size) != 0) {
+    } else if (!fd_direct.empty() && posix_memalign(&bounce, DIRECT_IO_ALIGN, bounce_size) != 0) {
         bounce = nullptr;
-        close(fd_direct);
-        fd_direct = -1;
+        close_direct();
     }
 }
 
 expert_store::~expert_store() {
-    if (fd >= 0) {
-        close(fd);
+    for (const int f : fd) {
+        close(f);
     }
-    if (fd_direct >= 0) {
-        close(fd_direct);
-    }
+    close_direct();
     if (pinned_bounce_buf != nullptr) {
         ggml_backend_buffer_free(pinned_bounce_buf); // bounce lives inside it
     } else {
@@ -509,7 +613,19 @@ expert_store::~expert_store() {
     }
 }
 
-const void * expert_store::read_direct(uint64_t offset, uint64_t n_bytes) {
+void expert_store::close_direct() {
+    for (const int f : fd_direct) {
+        close(f);
+    }
+    fd_direct.clear();
+}
+
+void expert_store::read_failed(int part, uint64_t offset, uint64_t n_bytes, ssize_t n) const {
+    throw hobbit_error(HOBBIT_STATUS_ERROR_IO, index.parts[part] + ": read of " + std::to_string(n_bytes) + " bytes at offset " +
+        std::to_string(offset) + " failed: " + (n < 0 ? errno_text() : std::string("unexpected end of file")));
+}
+
+const void * expert_store::read_direct(int part, uint64_t offset, uint64_t n_bytes) {
     // O_DIRECT wants aligned offsets, sizes and buffers: read the span of whole granules
     // around the slice into the bounce buffer (a page-aligned buffer with a page either side
     // holds it: the granule is at most a page)
@@ -517,33 +633,31 @@ const void * expert_store::read_direct(uint64_t offset, uint64_t n_bytes) {
     const uint64_t end = (offset + n_bytes + granule - 1) / granule * granule;
     uint64_t done = 0;
     while (beg + done < offset + n_bytes) {
-        const ssize_t n = pread(fd_direct, (char *) bounce + done, end - beg - done, beg + done);
+        const ssize_t n = pread(fd_direct[part], (char *) bounce + done, end - beg - done, beg + done);
         if (n < 0 && errno == EINTR) {
             continue;
         }
         if (n < 0 && errno == EINVAL && done == 0 && granule < DIRECT_IO_ALIGN) {
             granule = memory_granule = DIRECT_IO_ALIGN; // the file system's granules were not enough after all: pages
-            return read_direct(offset, n_bytes);
+            return read_direct(part, offset, n_bytes);
         }
         if (n < 0 && errno == EINVAL && done == 0) {
             // this file system does not do O_DIRECT after all: stay buffered
-            close(fd_direct);
-            fd_direct = -1;
+            close_direct();
             return nullptr;
         }
         if (n <= 0) {
-            throw hobbit_error(HOBBIT_STATUS_ERROR_IO, index.path + ": read of " + std::to_string(n_bytes) + " bytes at offset " +
-                std::to_string(offset) + " failed: " + (n < 0 ? errno_text() : std::string("unexpected end of file")));
+            read_failed(part, offset, n_bytes, n);
         }
         done += n;
     }
     return (const char *) bounce + (offset - beg);
 }
 
-uint64_t expert_store::read_direct_to(uint64_t offset, uint64_t n_bytes, void * dst) {
+uint64_t expert_store::read_direct_to(int part, uint64_t offset, uint64_t n_bytes, void * dst) {
     uint64_t done = 0;
     while (done < n_bytes && done % granule == 0) { // a short read leaving an unaligned rest: the bounce finishes it
-        const ssize_t n = pread(fd_direct, (char *) dst + done, n_bytes - done, offset + done);
+        const ssize_t n = pread(fd_direct[part], (char *) dst + done, n_bytes - done, offset + done);
         if (n < 0 && errno == EINTR) {
             continue;
         }
@@ -551,25 +665,24 @@ uint64_t expert_store::read_direct_to(uint64_t offset, uint64_t n_bytes, void * 
             break; // the granules were not enough after all: the bounce path reads it
         }
         if (n <= 0) {
-            throw hobbit_error(HOBBIT_STATUS_ERROR_IO, index.path + ": read of " + std::to_string(n_bytes) + " bytes at offset " +
-                std::to_string(offset) + " failed: " + (n < 0 ? errno_text() : std::string("unexpected end of file")));
+            read_failed(part, offset, n_bytes, n);
         }
         done += n;
     }
     return done;
 }
 
-void expert_store::read_at(uint64_t offset, uint64_t n_bytes, void * dst) {
+void expert_store::read_at(int part, uint64_t offset, uint64_t n_bytes, void * dst) {
     uint64_t done = 0;
     // whole granules into memory aligned as O_DIRECT wants it (a neuron layout's runs into the row
     // cache's pages): straight from the disk, without the bounce buffer's copy
-    if (fd_direct >= 0 && offset % granule == 0 && n_bytes % granule == 0 && (uintptr_t) dst % memory_granule == 0) {
-        done = read_direct_to(offset, n_bytes, dst);
+    if (!fd_direct.empty() && offset % granule == 0 && n_bytes % granule == 0 && (uintptr_t) dst % memory_granule == 0) {
+        done = read_direct_to(part, offset, n_bytes, dst);
     }
     // the bounce buffer holds max_slice with an aligned block either side: longer reads go in parts
-    while (fd_direct >= 0 && done < n_bytes) {
+    while (!fd_direct.empty() && done < n_bytes) {
         const uint64_t n = std::min<uint64_t>(n_bytes - done, bounce_size - 2 * DIRECT_IO_ALIGN);
-        const void * src = read_direct(offset + done, n);
+        const void * src = read_direct(part, offset + done, n);
         if (src == nullptr) {
             break; // no O_DIRECT here after all: the rest buffered
         }
@@ -577,13 +690,12 @@ void expert_store::read_at(uint64_t offset, uint64_t n_bytes, void * dst) {
         done += n;
     }
     while (done < n_bytes) {
-        const ssize_t n = pread(fd, (char *) dst + done, n_bytes - done, offset + done);
+        const ssize_t n = pread(fd[part], (char *) dst + done, n_bytes - done, offset + done);
         if (n < 0 && errno == EINTR) {
             continue;
         }
         if (n <= 0) {
-            throw hobbit_error(HOBBIT_STATUS_ERROR_IO, index.path + ": read of " + std::to_string(n_bytes) + " bytes at offset " +
-                std::to_string(offset) + " failed: " + (n < 0 ? errno_text() : std::string("unexpected end of file")));
+            read_failed(part, offset, n_bytes, n);
         }
         done += n;
     }
@@ -597,8 +709,8 @@ const void * expert_store::read_slice(int il, int e, int proj) {
                            " is never read whole by this reader (a neuron layout's up, or a reader of rows), yet "
                            "it was asked for whole");
     }
-    if (fd_direct >= 0) {
-        if (const void * src = read_direct(offset, pl.n_bytes)) {
+    if (!fd_direct.empty()) {
+        if (const void * src = read_direct(pl.part, offset, pl.n_bytes)) {
             return src;
         }
     }
@@ -612,11 +724,11 @@ const void * expert_store::read_slice(int il, int e, int proj) {
             }
         }
         void * dst = ggml_backend_buffer_get_base(pinned_staging_buf);
-        read_at(offset, pl.n_bytes, dst);
+        read_at(pl.part, offset, pl.n_bytes, dst);
         return dst;
     }
     staging.resize(pl.n_bytes);
-    read_at(offset, pl.n_bytes, staging.data());
+    read_at(pl.part, offset, pl.n_bytes, staging.data());
     return staging.data();
 }
 
@@ -627,11 +739,11 @@ void expert_store::read_expert(int il, int e, void * const dst[LLAMA_MOE_PROJ_CO
         if (!pl.present || dst[p] == nullptr) {
             continue;
         }
-        read_at(pl.offset + (uint64_t) e * pl.n_bytes, pl.n_bytes, dst[p]);
+        read_at(pl.part, pl.offset + (uint64_t) e * pl.n_bytes, pl.n_bytes, dst[p]);
     }
 }
 
 void expert_store::read_piece(int il, int e, int proj, uint64_t begin, uint64_t end, void * dst) {
     const expert_proj_layout & pl = index.layers.at(il).proj[proj];
-    read_at(pl.offset + (uint64_t) e * pl.n_bytes + begin, end - begin, dst);
+    read_at(pl.part, pl.offset + (uint64_t) e * pl.n_bytes + begin, end - begin, dst);
 }

@@ -1,15 +1,18 @@
-// hobbit-expert-store.h - where every routed expert lives in the GGUF file, and
-// reading one into memory.
+// hobbit-expert-store.h - where every routed expert lives in the GGUF file (or the files of a
+// split model), and reading one into memory.
 //
 // Experts are stacked per projection (blk.N.ffn_{gate,up,down,gate_up}_exps.weight,
 // [n_in, n_out, n_expert]); expert e of layer N is one contiguous slice of each, so a
-// load is one read per projection.
+// load is one read per projection. A split model (llama.cpp's gguf-split, NAME-00001-of-0000N.gguf)
+// is indexed from its first file: the metadata is there, the tensors anywhere among the parts.
 #pragma once
 
 #include "hobbit.h"
 
 #include "ggml-backend.h"
 #include "llama.h"
+
+#include <sys/types.h>
 
 #include <cstdint>
 #include <string>
@@ -19,7 +22,8 @@ struct expert_proj_layout {
     bool     present = false;
     int      type    = -1;      // ggml_type
     int64_t  ne[3]   = {0, 0, 0}; // n_in, n_out, n_expert
-    uint64_t offset  = 0;       // file offset of expert 0
+    int      part    = 0;       // the file it lives in (expert_index::parts)
+    uint64_t offset  = 0;       // offset of expert 0 in that file
     uint64_t n_bytes = 0;       // bytes of one expert's slice
 };
 
@@ -32,7 +36,8 @@ struct expert_layer_layout {
 
 // the index of a model's experts, built from the GGUF header only
 struct expert_index {
-    std::string path;
+    std::string path;               // the model as given: its only file, or the first part of a split model
+    std::vector<std::string> parts; // every file, parts[0] == path (info.n_split of them)
     hobbit_model_info info = {};
     std::vector<expert_layer_layout> layers; // [n_layer]
 
@@ -90,22 +95,25 @@ public:
     // the next read. Blocking; throws like read_expert.
     const void * read_slice(int il, int e, int proj);
 
-    bool direct_io() const { return fd_direct >= 0; }
+    bool direct_io() const { return !fd_direct.empty(); }
     // O_DIRECT's granule of offsets and sizes for this file: a read covers the whole granules around it
     uint64_t direct_io_granule() const { return granule; }
 
 private:
-    void read_at(uint64_t offset, uint64_t n_bytes, void * dst);
+    void read_at(int part, uint64_t offset, uint64_t n_bytes, void * dst);
     // O_DIRECT read of the aligned span around [offset, offset + n_bytes) into bounce;
     // returns where the requested bytes start, or NULL if O_DIRECT turned out unsupported
-    const void * read_direct(uint64_t offset, uint64_t n_bytes);
+    const void * read_direct(int part, uint64_t offset, uint64_t n_bytes);
     // O_DIRECT read of whole granules straight into dst (aligned to memory_granule); returns how
     // many bytes it read, less than n_bytes where O_DIRECT refused or a short read left an unaligned rest
-    uint64_t read_direct_to(uint64_t offset, uint64_t n_bytes, void * dst);
+    uint64_t read_direct_to(int part, uint64_t offset, uint64_t n_bytes, void * dst);
+    // a failed or short read of a part, as an error naming its file
+    [[noreturn]] void read_failed(int part, uint64_t offset, uint64_t n_bytes, ssize_t n) const;
+    void close_direct();  // O_DIRECT turned out unsupported: every part buffered from here
 
     const expert_index & index;
-    int fd          = -1;  // buffered
-    int fd_direct   = -1;  // O_DIRECT, or -1
+    std::vector<int> fd;         // buffered, one per part
+    std::vector<int> fd_direct;  // O_DIRECT, one per part; empty when not in use
     void * bounce   = nullptr; // aligned buffer for O_DIRECT reads
     uint64_t granule = 4096;        // O_DIRECT's alignment of offsets and sizes for this file (at most a page)
     uint64_t memory_granule = 4096; // ... and of the memory it reads into

@@ -4,6 +4,7 @@
 #include "hobbit-neuron-reads.h"
 #include "hobbit-substitution.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -64,10 +65,6 @@ static std::vector<router_weights> load_routers(const llama_model * model, const
 hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & path, const hobbit_params & params)
         : index(expert_index::from_file(path)), params(params), model(model) {
     const hobbit_model_info & info = index.info;
-    if (info.n_split > 1) {
-        throw hobbit_error(HOBBIT_STATUS_ERROR_FORMAT, path + ": split GGUF files (" + std::to_string(info.n_split) +
-            " parts) cannot be offloaded yet; the index covers one file");
-    }
     if (info.n_layer_moe == 0) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_NOT_MOE, path + ": the model has no routed experts (a dense model); nothing to offload");
     }
@@ -315,19 +312,29 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         advise_mapping_random();
     }
     if (any_inplace) {
-        uintptr_t begin = UINTPTR_MAX, end = 0;
+        for (const std::string & part : index.parts) {
+            part_fds.push_back(open(part.c_str(), O_RDONLY | O_CLOEXEC));
+            if (part_fds.back() < 0) {
+                throw hobbit_error(HOBBIT_STATUS_ERROR_IO, part + ": cannot open model file: " + strerror(errno));
+            }
+        }
+        // each part is its own mapping: a guard over each one's expert tensors, none over what lies between
+        std::vector<uintptr_t> begin(index.parts.size(), UINTPTR_MAX), end(index.parts.size(), 0);
         for (int il : moe_layers) {
             for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
                 const ggml_tensor * t = llama_model_get_expert_tensor(model, il, (llama_moe_proj) p);
+                const int part = index.layers[il].proj[p].part;
                 if (t != nullptr && t->data != nullptr) {
-                    begin = std::min(begin, (uintptr_t) t->data);
-                    end   = std::max(end, (uintptr_t) t->data + ggml_nbytes(t));
+                    begin[part] = std::min(begin[part], (uintptr_t) t->data);
+                    end[part]   = std::max(end[part], (uintptr_t) t->data + ggml_nbytes(t));
                 }
             }
         }
-        if (end > begin) {
-            // the file cut after mapped_expert_present's check: SIGBUS becomes this run's error
-            map_guard = std::make_unique<mapping_guard>((const void *) begin, end - begin);
+        for (size_t part = 0; part < index.parts.size(); ++part) {
+            if (end[part] > begin[part]) {
+                // the file cut after mapped_expert_present's check: SIGBUS becomes this run's error
+                map_guards.push_back(std::make_unique<mapping_guard>((const void *) begin[part], end[part] - begin[part]));
+            }
         }
     }
     stats_.mode             = any_inplace ? params.mode : HOBBIT_MODE_GPU_CENTRIC;
@@ -503,6 +510,9 @@ void hobbit_runtime::warm_pools() {
 
 hobbit_runtime::~hobbit_runtime() {
     io.reset(); // stop the I/O thread before the pool it writes into goes away
+    for (const int fd : part_fds) {
+        close(fd);
+    }
 }
 
 void hobbit_runtime::dispatch_op(ggml_tensor * dst, int ith, int nth, void * ud) {
@@ -848,9 +858,9 @@ void hobbit_runtime::advise_mapping_random() {
     // the page cache after one token, outside every budget (a capped soak reached its cap
     // thousands of times). The resident weights were read ahead at load (MADV_WILLNEED);
     // from here a fault reads its page only, and in place reads exactly its slices ahead
-    // (read_ahead_in_place). The mapping covers the whole file from offset 0: its start is
-    // any expert tensor's address less that tensor's file offset.
-    uintptr_t base = 0;
+    // (read_ahead_in_place). Each part's mapping covers its whole file from offset 0: its start
+    // is any of its expert tensors' address less that tensor's file offset.
+    std::vector<uintptr_t> base(index.parts.size(), 0);
     for (int il : moe_layers) {
         for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
             const ggml_tensor * t = llama_model_get_expert_tensor(model, il, (llama_moe_proj) p);
@@ -859,15 +869,17 @@ void hobbit_runtime::advise_mapping_random() {
                 continue;
             }
             const uintptr_t b = (uintptr_t) t->data - (uintptr_t) pl.offset;
-            if ((base != 0 && b != base) || b % (uintptr_t) sysconf(_SC_PAGESIZE) != 0) {
+            if ((base[pl.part] != 0 && b != base[pl.part]) || b % (uintptr_t) sysconf(_SC_PAGESIZE) != 0) {
                 return; // not one mapping of the file (not mapped at all): nothing to advise
             }
-            base = b;
+            base[pl.part] = b;
         }
     }
-    struct stat st;
-    if (base != 0 && stat(index.path.c_str(), &st) == 0) {
-        map_advise_random((const void *) base, (size_t) st.st_size);
+    for (size_t part = 0; part < index.parts.size(); ++part) {
+        struct stat st;
+        if (base[part] != 0 && stat(index.parts[part].c_str(), &st) == 0) {
+            map_advise_random((const void *) base[part], (size_t) st.st_size);
+        }
     }
 }
 
@@ -1456,20 +1468,33 @@ void hobbit_runtime::fail(const std::string & msg) {
 }
 
 bool hobbit_runtime::mapped_expert_present(int il, int e) {
-    struct stat st;
-    if (stat(index.path.c_str(), &st) != 0) {
-        fail(index.path + ": cannot stat the model file while running: " + strerror(errno));
-        return false;
-    }
     for (const expert_proj_layout & p : index.layers[il].proj) {
+        if (!p.present) {
+            continue;
+        }
+        const std::string & path = index.parts[p.part];
+        struct stat st;
+        if (p.part >= (int) part_fds.size() || fstat(part_fds[p.part], &st) != 0) {
+            fail(path + ": cannot stat the model file while running: " + strerror(p.part < (int) part_fds.size() ? errno : EBADF));
+            return false;
+        }
         const uint64_t end = p.offset + (uint64_t) (e + 1) * p.n_bytes;
-        if (p.present && end > (uint64_t) st.st_size) {
-            fail(index.path + ": truncated while running: expert " + std::to_string(e) + " of layer " + std::to_string(il) +
+        if (end > (uint64_t) st.st_size) {
+            fail(path + ": truncated while running: expert " + std::to_string(e) + " of layer " + std::to_string(il) +
                  " ends at byte " + std::to_string(end) + ", the file now has " + std::to_string((int64_t) st.st_size));
             return false;
         }
     }
     return true;
+}
+
+bool hobbit_runtime::mapping_faulted() const {
+    for (const auto & guard : map_guards) {
+        if (guard->faulted()) {
+            return true;
+        }
+    }
+    return false;
 }
 
 int64_t hobbit_runtime::used_pool_bytes() const {
@@ -1509,7 +1534,7 @@ void hobbit_runtime::reset_stats() {
 bool hobbit_runtime::error(std::string & msg) const {
     std::lock_guard<std::mutex> lock(mtx);
     msg = error_msg;
-    if (!has_error.load() && map_guard && map_guard->faulted()) {
+    if (!has_error.load() && mapping_faulted()) {
         msg = index.path + ": truncated while running: an expert computed in place read past the end of the file";
         return true;
     }

@@ -55,7 +55,7 @@ struct hobbit_runtime {
     bool error(std::string & msg) const;
     void clear_error();
     const char * pool_device_name() const { return ggml_backend_dev_name(pool_dev); }
-    bool failed() const { return has_error.load(std::memory_order_acquire) || (map_guard && map_guard->faulted()); }
+    bool failed() const { return has_error.load(std::memory_order_acquire) || mapping_faulted(); }
 
 private:
     struct dispatch_ud {
@@ -159,6 +159,7 @@ private:
     // whether the model file still holds expert e of layer il; if not the run fails: computing
     // it in place would fault on pages past the end of the file (SIGBUS); needs mtx
     bool mapped_expert_present(int il, int e);
+    bool mapping_faulted() const; // a guard caught a SIGBUS in the mapped experts
     void fail(const std::string & msg); // the first failure sticks; needs mtx
     void on_load_done(const load_task & task, const std::string & error, uint64_t n_bytes, int64_t us);
 
@@ -194,7 +195,10 @@ private:
     std::vector<bool>               inplace_ok; // [n_layer]: the layer's experts may run on the mapped model
     std::unique_ptr<trace_recorder> recorder;     // while a trace is recorded
     const llama_model *             model = nullptr;
-    std::unique_ptr<mapping_guard>  map_guard;  // the mapped experts, while any may run in place
+    std::vector<std::unique_ptr<mapping_guard>> map_guards; // each part's mapped experts, while any may run in place
+    // each file of the model, open: mapped_expert_present asks the files this process maps for
+    // their size (fstat), whatever their paths name now (a model replaced by rename is intact here)
+    std::vector<int>                part_fds;
     std::vector<int>                moe_layers;
     std::vector<int>                moe_rank;   // [n_layer]: a layer's index among moe_layers (-1: dense)
     std::unique_ptr<io_scheduler>   io;   // last: its threads stop before the rest goes

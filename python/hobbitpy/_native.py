@@ -203,6 +203,7 @@ struct hobbit_sim_result {
 struct hobbit_params hobbit_default_params(void);
 enum hobbit_status hobbit_inspect_model(const char * path, struct hobbit_model_info * info, char * err, size_t err_size);
 enum hobbit_status hobbit_model_fingerprint(const char * path, char * out, size_t out_size, char * err, size_t err_size);
+enum hobbit_status hobbit_model_parts(const char * path, char * out, size_t out_size, char * err, size_t err_size);
 enum hobbit_status hobbit_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len,
                                    int32_t * tokens, int32_t n_tokens_max, bool add_special,
                                    bool parse_special, int32_t * n_tokens, char * err, size_t err_size);

@@ -31,7 +31,7 @@ from .errors import HobbitError
 from .memcap import MemoryCap
 from .memory import SLACK_BYTES, ContextShape, context_sizes
 from .frontier import format_frontier, mark_dominated, plot_frontier
-from .model_file import inspect_model
+from .model_file import inspect_model, model_parts
 from .prepare import default_companion_path
 from .quants import default_quant_dir, make_uniform_quant, quant_name
 
@@ -138,12 +138,12 @@ def _machine() -> dict:
 def config_files(model: str, cfg: BenchConfig) -> set[str]:
     """Every file a run of this configuration may read."""
     if cfg.offload is None:
-        return {cfg.model or model}
+        return set(model_parts(cfg.model or model))
     offload = cfg.offload_config(cfg.offload["cache_mb"])
     levels = resolve_levels(model, offload.high_file, offload.mid, offload.low, offload.high_flag)
     # the default's low copy, where it chooses one (made before the runs when missing: default_ladder.py)
     default_low = default_companion_path(model, LOW_TYPE) if applies(offload) else None
-    return {cfg.model or model, *(p for p in levels if p is not None),
+    return {*model_parts(cfg.model or model), *(p for p in levels if p is not None),
             *([str(default_low)] if default_low is not None and default_low.is_file() else [])}
 
 
@@ -185,7 +185,7 @@ def _run_one(model: str, cfg: BenchConfig, cap: Cap, memcap: MemoryCap | None, n
     # repacked copy of the Q4_0/Q4_K weights cannot fit beside the mapping (killed, or evicting the
     # pages every token reads), so it runs as a user who knows turns it off (--no-repack)
     model_file = cfg.model or model
-    repack = offload is not None or cap.limit_bytes is None or cap.limit_bytes >= 1.25 * os.path.getsize(model_file)
+    repack = offload is not None or cap.limit_bytes is None or cap.limit_bytes >= 1.25 * inspect_model(model_file).file_bytes
     spec = {"model": model_file, "offload": offload, "n_predict": n_predict, "threads": threads,
             "prompt_tokens": list(prompt_tokens), "beams": beams, "repack": repack}
     # every file of the benchmark, not only this run's: page cache stays charged to the
@@ -419,7 +419,7 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
             for cfg, s in zip(this_cap, row["configs"]):
                 s["settings"] = cfg.offload
                 s["lossy"] = _lossy(cfg) or bool(s.get("default_settings"))
-                s["file_mb"] = os.path.getsize(cfg.model or model) / MB
+                s["file_mb"] = inspect_model(cfg.model or model).file_bytes / MB
                 s["failed"] = s.get("decode_tok_s") is None  # every run of it failed
                 # a hobbitpy configuration whose every expert fit ran stock's own path: no ratio to claim
                 s["stock_path"] = cfg.offload is not None and not s["failed"] and not s["offloaded"]
@@ -552,7 +552,7 @@ def plot(result: BenchResult, path: pathlib.Path) -> bool:
     capped = [r for r in result.rows if r["cap_mb"]]
     if not capped:
         return False
-    model_mb = os.path.getsize(result.model) / MB
+    model_mb = inspect_model(result.model).file_bytes / MB
     lines = {}  # configuration: (caps, median, min, max) of the caps where it decoded
     for r in capped:
         for s in r["configs"]:

@@ -405,7 +405,7 @@ def _bench(args) -> int:
         # surface after an hour of measuring the first
         plans = []
         for model in args.models:
-            caps = bench.parse_caps(args.caps, args.cap_mb, os.path.getsize(model))
+            caps = bench.parse_caps(args.caps, args.cap_mb, bench.inspect_model(model).file_bytes)
             if not caps:
                 return _fail("no caps given")
             if args.tune and any(c.limit_bytes is None for c in caps):

@@ -48,11 +48,11 @@ import numpy as np
 
 from .config import MAX_MEAN_KL, MB, OffloadConfig
 from .disk import drop_from_page_cache
-from .errors import BudgetError, HobbitError
+from .errors import BudgetError, HobbitError, ModelFileError
 from .likelihood import Comparison, Reference, scoring_bytes
 from .memory import (ContextShape, available_memory_bytes, context_sizes, fit_ubatch, plan_offload,
                      return_freed_memory)
-from .model_file import ModelInfo
+from .model_file import ModelInfo, model_parts
 from .outputs import partial_output, replace
 from .placement import layer_expert_bytes, place_by_importance
 from .prepare import copy_layer_bytes, default_companion_path, estimated_copy, prepare_companion
@@ -175,8 +175,9 @@ def _release(*paths: str | os.PathLike) -> None:
     used (a cgroup's active file pages), and the run planned after it would get a smaller cache."""
     for path in paths:
         try:
-            drop_from_page_cache(path)
-        except OSError:
+            for part in model_parts(path):
+                drop_from_page_cache(part)
+        except (OSError, ModelFileError):
             pass
 
 

@@ -17,7 +17,7 @@ from .disk import drop_from_page_cache
 from .errors import HobbitError
 from .likelihood import (Reference, ReferenceTable, compare_to_reference, nll_of_rows, scoring_bytes, scoring_windows,
                          window_logits)
-from .model_file import inspect_model
+from .model_file import inspect_model, model_parts
 from .neurons import NEURONS_ON_STOCK, NeuronMaskSpec, attach_neuron_mask, check_arch, neuron_mask_stats
 
 
@@ -46,7 +46,7 @@ REFERENCE_UBATCH = 64
 
 
 def _n_vocab(model_path: str) -> int:
-    from .model_file import inspect_model
+    from .model_file import inspect_model, model_parts
 
     return inspect_model(model_path).n_vocab
 
@@ -149,7 +149,8 @@ def evaluate(model_path: str | os.PathLike, text: str, offload: OffloadConfig, *
         # the process OOM-killed; its mapped weights left the candidate nothing). Its weights
         # leave the page cache after it, where they would count against the candidate's plan
         reference = measure_reference(model_path, ids, n_ctx=n_ctx, n_threads=n_threads)
-        drop_from_page_cache(model_path)
+        for part in model_parts(model_path):
+            drop_from_page_cache(part)
         return evaluate_against(model_path, reference, offload, n_ubatch=n_ubatch, n_threads=n_threads,
                                 progress=progress, neurons=neurons)
     held = np.ones(scoring_bytes(n_ctx, _n_vocab(model_path)), np.uint8)

@@ -155,7 +155,7 @@ class Llama(llama_cpp.Llama):
         self._decoding = threading.Lock()
         self.model_info: ModelInfo = inspect_model(model_path)
         default_reason = None  # what the default chose and why, when the config left it the choice
-        if applies(offload) and self.model_info.is_moe and self.model_info.n_split == 1 and not kwargs.get("vocab_only"):
+        if applies(offload) and self.model_info.is_moe and not kwargs.get("vocab_only"):
             offload, default_reason = self._default_offload(offload, kwargs)
             self.offload_config = offload
         # the file of each precision level, high to low; None: the model's own experts (the

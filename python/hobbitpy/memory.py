@@ -237,9 +237,6 @@ def plan_offload(info: ModelInfo, config: OffloadConfig, context_bytes: int,
     name = info.path
     if not config.enabled:
         return OffloadPlan(None, "offload off: stock llama.cpp path")
-    if info.n_split > 1:
-        return OffloadPlan(None, f"{name} is split into {info.n_split} files, which offload does not handle yet: "
-                                 "running it without offload")
     if not info.is_moe:
         return OffloadPlan(None, f"{name} is a dense model (no routed experts): running it without offload")
     levels = levels or (info,)

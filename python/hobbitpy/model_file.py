@@ -28,7 +28,7 @@ class ModelInfo:
     uniform: bool
     """Every MoE block has the same expert shapes and types (else several pools)."""
     n_split: int = 1
-    """Files the model is split into; offload needs one file for now."""
+    """Files the model is split into (llama.cpp's gguf-split); the path is the first."""
     # what sizes a context's buffers (memory.context_sizes)
     n_vocab: int = 0
     n_head: int = 1
@@ -85,6 +85,19 @@ def inspect_model(path: str | os.PathLike) -> ModelInfo:
         n_ctx_train=info.n_ctx_train,
         max_slice_bytes=info.max_slice_bytes,
     )
+
+
+def model_parts(path: str | os.PathLike) -> list[str]:
+    """The files the model is made of: its one file, or every part of a split model (named as
+    llama.cpp finds them from the first). Raises ModelFileError as inspect_model does."""
+    path = os.fspath(path)
+    n_split = inspect_model(path).n_split
+    size = n_split * (len(os.fsencode(path)) + 1) + 64  # every part's name is as long as the first's
+    out = ffi.new("char[]", size)
+    err = error_buffer()
+    if lib.hobbit_model_parts(path.encode(), out, size, err, len(err)) != lib.HOBBIT_STATUS_OK:
+        raise ModelFileError(to_str(err))
+    return [os.fsdecode(name) for name in ffi.buffer(out)[:].split(b"\0")[:n_split]]
 
 
 def model_fingerprint(path: str | os.PathLike) -> str:

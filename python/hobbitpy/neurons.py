@@ -28,6 +28,7 @@ import numpy as np
 
 from .config import NEURON_LIMIT_CORM
 from .errors import HobbitError
+from .model_file import model_parts
 
 if TYPE_CHECKING:
     from .trace import Trace
@@ -140,7 +141,7 @@ class GateWeights:
         from gguf import GGUFReader
 
         by_layer = {}
-        for t in GGUFReader(os.fspath(model_path)).tensors:
+        for t in (t for part in model_parts(model_path) for t in GGUFReader(part).tensors):
             parts = t.name.split(".")
             if len(parts) == 4 and parts[0] == "blk" and parts[2] == "ffn_gate_exps":
                 by_layer[int(parts[1])] = t

@@ -23,6 +23,7 @@ import numpy as np
 
 from .config import MB, OffloadConfig
 from .errors import HobbitError
+from .model_file import model_parts
 
 if TYPE_CHECKING:
     from .model_file import ModelInfo
@@ -64,7 +65,7 @@ def layer_expert_bytes(path: str | os.PathLike, n_expert: int) -> np.ndarray:
     from gguf import GGUFReader
 
     per_layer: dict[int, int] = {}
-    for t in GGUFReader(os.fspath(path)).tensors:
+    for t in (t for part in model_parts(path) for t in GGUFReader(part).tensors):
         parts = t.name.split(".")
         if len(parts) == 4 and parts[0] == "blk" and parts[2] in EXPERT_TENSORS:
             per_layer[int(parts[1])] = per_layer.get(int(parts[1]), 0) + int(t.n_bytes) // n_expert

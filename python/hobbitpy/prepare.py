@@ -46,7 +46,7 @@ from ._ggml import can_read_as_float, ffi, lib, rows_as_float, type_name
 from .disk import drop_from_page_cache
 from .errors import ModelFileError
 from .gguf_fields import field_value
-from .model_file import ModelInfo, inspect_model, model_fingerprint
+from .model_file import ModelInfo, inspect_model, model_fingerprint, model_parts
 from .outputs import check_free_space, partial_output, publish
 
 EXPERT_SUFFIXES = (".ffn_gate_exps.weight", ".ffn_up_exps.weight", ".ffn_down_exps.weight",
@@ -164,8 +164,8 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
     three times its bundled up tensor, up and down quantized apart then interleaved); the
     files are memory-mapped. imatrix_path: an importance matrix of the model's experts
     (needed by IQ2_*/IQ1_* types, used by any type when given).
-    Raises ModelFileError (a file is missing, not a GGUF, split, without experts, or the
-    source is another model), ValueError (type, threads, output folder), FileExistsError.
+    Raises ModelFileError (a file is missing, not a GGUF, without experts, or the source is
+    another model), ValueError (type, threads, output folder), FileExistsError.
     neuron_layout: the layout of CORM's neuron reads (type Q8_0, up and down bundled by neuron; see the module).
     """
     if neuron_layout and (type_name.upper() != NEURON_LAYOUT_TYPE or imatrix_path is not None):
@@ -182,9 +182,9 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
     if not out.parent.is_dir():
         raise ValueError(f"{out}: cannot write it, {out.parent} is not a folder")
 
-    model = source = _open_model(model_path)
+    model = source = _Model(model_path)
     if source_path != model_path:
-        source = _open_model(source_path)
+        source = _Model(source_path)
         _check_same_model(model_path, model, source_path, source)
     source_tensors = {t.name: t for t in source.tensors}
     plan = []  # (source tensor, ggml shape written, type written, the down tensor bundled with it or None)
@@ -212,7 +212,7 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
                 _check_readable(tensor, source_path)
     importance = _importance_of(imatrix_path, plan) if imatrix_path is not None else {}
 
-    header_bytes = model.data_offset  # the model's metadata, copied, and its tensor infos (more than ours)
+    header_bytes = model.header_bytes  # the model's metadata, copied, and its tensor infos (more than ours)
     data_bytes = sum(lib.ggml_row_size(row_type, shape[0]) * int(np.prod(shape[1:])) for _, shape, row_type, _ in plan)
     check_free_space(out.parent, header_bytes + data_bytes, f"{out}")
     # an interrupted run leaves no file under the real name (the partial file is removed, or
@@ -240,7 +240,7 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
         for row_type in {row_type for _, _, row_type, _ in plan}:
             lib.ggml_quantize_init(row_type)
         total = sum(int(t.n_bytes) + (int(down.n_bytes) if down is not None else 0) for t, _, _, down in plan)
-        reads = _SourceReads(source_path)
+        reads = _SourceReads(source)
         pool = ThreadPoolExecutor(threads)
         # a tensor is written while the next one is quantized (the cores are the bound: they
         # should not wait for the disk)
@@ -304,17 +304,23 @@ def _row_type(target: QT, n_per_row: int, tensor: str, model_path: pathlib.Path)
     return fallback
 
 
-def _open_model(path: pathlib.Path) -> gguf.GGUFReader:
-    info = inspect_model(path)  # the native indexer's errors: missing, not a GGUF, truncated, inconsistent
-    if info.n_split > 1:
-        raise ModelFileError(f"{path}: part of a model split into {info.n_split} files; merge it first "
-                             "(llama-gguf-split --merge)")
-    if not info.is_moe:
-        raise ModelFileError(f"{path}: no routed expert tensors (ffn_*_exps); a dense model has no experts to prepare")
-    try:
-        return gguf.GGUFReader(path)
-    except ValueError as e:  # e.g. a tensor type newer than the gguf package
-        raise ModelFileError(f"{path}: the gguf package cannot read it ({e})") from e
+class _Model:
+    """A model's GGUF files as gguf reads them: the metadata of the first, the tensors of every
+    part (a split model's, llama.cpp's gguf-split), and which file holds each."""
+
+    def __init__(self, path: pathlib.Path):
+        info = inspect_model(path)  # the native indexer's errors: missing, not a GGUF, truncated, inconsistent
+        if not info.is_moe:
+            raise ModelFileError(f"{path}: no routed expert tensors (ffn_*_exps); a dense model has no experts to prepare")
+        self.parts = [pathlib.Path(p) for p in model_parts(path)]
+        try:
+            readers = [gguf.GGUFReader(p) for p in self.parts]
+        except ValueError as e:  # e.g. a tensor type newer than the gguf package
+            raise ModelFileError(f"{path}: the gguf package cannot read it ({e})") from e
+        self.fields = readers[0].fields
+        self.tensors = [t for r in readers for t in r.tensors]
+        self.file_of = {t.name: part for part, r in zip(self.parts, readers) for t in r.tensors}
+        self.header_bytes = sum(r.data_offset for r in readers)  # metadata and tensor infos
 
 
 def _check_readable(t, source_path: pathlib.Path) -> None:
@@ -324,7 +330,7 @@ def _check_readable(t, source_path: pathlib.Path) -> None:
                              "read back as numbers; give an F16/BF16/F32 source")
 
 
-def _field(reader: gguf.GGUFReader, key: str):
+def _field(reader: gguf.GGUFReader | _Model, key: str):
     if key not in reader.fields:
         return None
     value = field_value(reader.fields[key])[0]
@@ -353,7 +359,7 @@ def _check_same_model(model_path, model, source_path, source) -> None:
                              + "; ".join(differences))
 
 
-def _copy_metadata(model: gguf.GGUFReader, writer: gguf.GGUFWriter, min_alignment: int | None = None) -> None:
+def _copy_metadata(model: _Model, writer: gguf.GGUFWriter, min_alignment: int | None = None) -> None:
     """Every field of the model but the split layout (a companion is one file) and the
     reader's own GGUF.* entries; the tensors' alignment raised to min_alignment when given
     (both are powers of two, so the larger is a multiple of the other)."""
@@ -401,24 +407,35 @@ class _SourceReads:
     tensor's pages dropped from the page cache once it is quantized: a real-size source
     passes through without filling memory or pushing out what else the machine caches."""
 
-    def __init__(self, path: pathlib.Path):
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
+    def __init__(self, source: _Model):
+        self.file_of = source.file_of
+        self.fds = {}
+        try:
+            for part in source.parts:
+                self.fds[part] = os.open(part, os.O_RDONLY)
+        except OSError:
+            self.close()
+            raise
+
+    def path(self, t) -> pathlib.Path:
+        return self.file_of[t.name]
 
     def rows(self, t, first: int, n: int) -> np.ndarray:
         """Rows first..first+n-1 of tensor t (one ggml row of bytes each)."""
         row_bytes = int(t.n_bytes) // _n_rows(t)
         out = np.empty((n, row_bytes), np.uint8)
         offset = int(t.data_offset) + first * row_bytes
-        if os.preadv(self.fd, [out], offset) != out.nbytes:
-            raise ModelFileError(f"{self.path}: tensor '{t.name}' ends early (the file was truncated?)")
+        if os.preadv(self.fds[self.path(t)], [out], offset) != out.nbytes:
+            raise ModelFileError(f"{self.path(t)}: tensor '{t.name}' ends early (the file was truncated?)")
         return out
 
     def done(self, t) -> None:
-        os.posix_fadvise(self.fd, int(t.data_offset), int(t.n_bytes), os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(self.fds[self.path(t)], int(t.data_offset), int(t.n_bytes), os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
-        os.close(self.fd)
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
 
 
 def _n_rows(t) -> int:
@@ -454,7 +471,7 @@ def _quantize_transposed(t, n_embd: int, row_type: QT, pool: ThreadPoolExecutor,
         columns = np.ascontiguousarray(values.T)
         n_bytes = _quantize_rows(columns, row_type, quantized[e])
         if not lib.ggml_validate_row_data(row_type, ffi.from_buffer(quantized[e]), n_bytes):
-            raise ModelFileError(f"{reads.path}: tensor '{t.name}' expert {e} gives invalid {row_type.name} blocks "
+            raise ModelFileError(f"{reads.path(t)}: tensor '{t.name}' expert {e} gives invalid {row_type.name} blocks "
                                  "(values that are not finite?)")
         return raw.nbytes
 
@@ -485,7 +502,7 @@ def _quantize(t, n_per_row: int, row_type: QT, pool: ThreadPoolExecutor, on_byte
         dst = quantized[first: first + n]
         n_bytes = _quantize_rows(values, row_type, dst, None if importance is None else importance[matrix])
         if not lib.ggml_validate_row_data(row_type, ffi.from_buffer(dst), n_bytes):
-            raise ModelFileError(f"{reads.path}: tensor '{t.name}' rows {first}..{first + n - 1} give "
+            raise ModelFileError(f"{reads.path(t)}: tensor '{t.name}' rows {first}..{first + n - 1} give "
                                  f"invalid {row_type.name} blocks (values that are not finite?)")
         return part.nbytes
 
