@@ -46,8 +46,6 @@ REFERENCE_UBATCH = 64
 
 
 def _n_vocab(model_path: str) -> int:
-    from .model_file import inspect_model, model_parts
-
     return inspect_model(model_path).n_vocab
 
 
