@@ -17,7 +17,7 @@ import pytest
 import hobbitpy
 from hobbitpy.default_ladder import (LOW_TYPE, MAX_MEAN_KL, Calibration, Priced, calibration_text, importance_path,
                                      ladder_placement, load_calibration, low_copy_layer_bytes, low_weight_share,
-                                     unfit_reason)
+                                     placed_bytes, unfit_reason)
 from hobbitpy.disk import drop_from_page_cache
 from hobbitpy.inflate import inflate
 from hobbitpy.memcap import MemoryCap
@@ -78,6 +78,23 @@ def test_a_measured_ladder_settles_the_ladders_it_bounds():
     assert c.ladders == (two, four) and not two.within and four.within
     # measured again: the new figure replaces the old
     assert c.priced(Priced(4, 0.0, 0.0)).ladders == (two, Priced(4, 0.0, 0.0))
+
+
+def test_a_ladder_keeps_no_more_experts_at_the_model_precision_than_the_limit_needs():
+    """Every expert at the low copy within the limit: placed for the copy's bytes alone, whatever
+    the budget (the fewest bytes a token: more memory never decodes slower); measured beyond, or
+    not measured: placed for the budget."""
+    info = _info()
+    low_total = int(low_copy_layer_bytes(info).sum()) * info.n_expert
+    budget = low_total + (info.expert_bytes_total - low_total) // 2
+    c = Calibration(np.ones((info.n_layer_moe, info.n_expert)), 100)
+    assert placed_bytes(info, budget, c) == budget
+    assert placed_bytes(info, budget, c.priced(Priced(0, MAX_MEAN_KL * 2, 0.01))) == budget
+    within = c.priced(Priced(0, MAX_MEAN_KL / 2, 0.001))
+    assert placed_bytes(info, budget, within) == low_total
+    assert placed_bytes(info, low_total - 1, within) == low_total - 1  # the copy through the cache
+    model_bytes = np.full(info.n_layer_moe, info.expert_bytes, np.int64)
+    assert ladder_placement(info, model_bytes, placed_bytes(info, budget, within), within.importance)[1] == 0
 
 
 def test_low_weight_share():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import pathlib
 import socket
 import subprocess
@@ -14,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 
+import gguf
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -44,10 +46,11 @@ def _metrics(base: str) -> dict[str, float]:
     return out
 
 
-def _start(*flags: str):
-    """A server of the shipped model on a free port: its process and base URL, once /health answers."""
+def _start(*flags: str, model: pathlib.Path = MODEL):
+    """A server of the shipped model (or `model`) on a free port: its process and base URL,
+    once /health answers."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "hobbitpy", "serve", str(MODEL), "--cache-mb", "8", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "hobbitpy", "serve", str(model), "--cache-mb", "8", "--port", str(port),
                              "--threads", "2", "--alias", "ref-mixtral", *flags], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
@@ -215,5 +218,66 @@ def test_with_a_key_every_route_but_a_bare_health_needs_it(tmp_path):
         assert [m.id for m in client.models.list().data] == ["ref-mixtral"]
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base + "/v1", api_key="wrong").models.list()
+    finally:
+        _stop(proc)
+
+
+BAD_REQUESTS = [  # path, body, what the 400's message says (llama-cpp-python: a 500 with the server's paths, or silence)
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 2', "not JSON"),
+    ("/v1/completions", b'[1, 2]', "not a JSON object"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": -1}', "max_tokens"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": "hot"}', "temperature"),
+    ("/v1/completions", b'{"prompt": 7}', "prompt"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', "NaN is not a number"),
+    ("/v1/completions", b'{"prompt": "\\ud800 x", "max_tokens": 2}', "lone surrogate"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 2, "n": 3}', "one choice per request"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 2, "logprobs": 2}', "logprobs are not served"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}', "logprobs"),
+    ("/v1/chat/completions", b'{"messages": "hi"}', "messages"),
+    ("/v1/embeddings", b'{"input": "hi"}', "embeddings are not served"),
+    ("/extras/tokenize", b'{"input": 5}', "input"),
+]
+
+
+@pytest.mark.parametrize("path, body, why", BAD_REQUESTS)
+def test_a_bad_request_is_a_400_that_says_what_is_wrong_and_names_no_file(server, path, body, why):
+    status, answer = _post(server + path, body)
+    assert status == 400, answer
+    message = answer["error"]["message"]
+    assert why in message, message
+    assert str(REPO) not in json.dumps(answer) and "site-packages" not in json.dumps(answer)
+
+
+def test_bad_requests_leave_the_server_answering(server):
+    for path, body, _ in BAD_REQUESTS:
+        _post(server + path, body)
+    _still_answers(server)
+
+
+def test_a_failed_expert_read_is_a_503_and_the_server_recovers_with_its_file(tmp_path):
+    """The model's experts cut off under a running server: the request that needs them is a 503
+    naming no file, /health says 503 too; with the file whole again the next request is served
+    (the same text as before) and /health is 200."""
+    model = tmp_path / "model.gguf"
+    model.write_bytes(MODEL.read_bytes())
+    reader = gguf.GGUFReader(model)
+    expert_start = min(int(t.data_offset) for t in reader.tensors if "_exps." in t.name)
+    del reader
+    proc, base = _start(model=model)
+    try:
+        before = _still_answers(base)
+        whole = model.read_bytes()
+        os.truncate(model, expert_start)  # the same file, cut: what a running process reads from
+        status, answer = _post(base + "/v1/completions", json.dumps(
+            {"prompt": "And the earth was without form", "max_tokens": 24, "temperature": 0}).encode())
+        assert status == 503, answer
+        assert "could not be read" in answer["error"]["message"] and str(tmp_path) not in json.dumps(answer)
+        with pytest.raises(urllib.error.HTTPError) as unhealthy:
+            _get(base + "/health")
+        assert unhealthy.value.code == 503 and json.loads(unhealthy.value.read())["status"] == "error"
+        with open(model, "r+b") as f:  # whole again, in place
+            f.write(whole)
+        assert _still_answers(base) == before
+        assert json.loads(_get(base + "/health")[1])["status"] == "ok"
     finally:
         _stop(proc)

@@ -87,3 +87,17 @@ mapping_guard::~mapping_guard() {
 bool mapping_guard::faulted() const {
     return g_slots[slot].faulted.load(std::memory_order_acquire);
 }
+
+bool mapping_guard::restore(int fd, uint64_t file_offset) {
+    const uintptr_t page  = (uintptr_t) sysconf(_SC_PAGESIZE);
+    const uintptr_t begin = g_slots[slot].begin.load(), end = g_slots[slot].end.load();
+    const uintptr_t at    = begin & ~(page - 1);
+    if (file_offset < begin - at) {
+        return false;
+    }
+    if (mmap((void *) at, end - at, PROT_READ, MAP_SHARED | MAP_FIXED, fd, (off_t) (file_offset - (begin - at))) == MAP_FAILED) {
+        return false;
+    }
+    g_slots[slot].faulted.store(false, std::memory_order_release);
+    return true;
+}

@@ -5,11 +5,13 @@
 // (the runtime checks the size before computing, but the file can shrink after the check).
 // While a guard lives, a SIGBUS inside its region maps a page of zeros over the faulting
 // page, so the computation finishes (on zeros), and marks the guard faulted; the runtime
-// then fails the run (ExpertReadError) before anything uses the result. A SIGBUS anywhere
-// else goes to the handler that was there before.
+// then fails the run (ExpertReadError) before anything uses the result; restore() maps the
+// file back over the region once the run's error is cleared. A SIGBUS anywhere else goes to
+// the handler that was there before.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 class mapping_guard {
 public:
@@ -20,6 +22,12 @@ public:
     mapping_guard & operator=(const mapping_guard &) = delete;
 
     bool faulted() const;
+
+    // a faulted guard's region mapped again from the file (read-only, shared, as llama.cpp maps
+    // it): the zero pages go, the file's pages come back. fd: the file; file_offset: where the
+    // region's first byte lies in it. Returns false (still faulted) if the mapping fails. Call it
+    // only while nothing reads the region.
+    bool restore(int fd, uint64_t file_offset);
 
 private:
     int slot;

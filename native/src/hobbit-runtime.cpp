@@ -333,7 +333,9 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
         for (size_t part = 0; part < index.parts.size(); ++part) {
             if (end[part] > begin[part]) {
                 // the file cut after mapped_expert_present's check: SIGBUS becomes this run's error
-                map_guards.push_back(std::make_unique<mapping_guard>((const void *) begin[part], end[part] - begin[part]));
+                const bool known = part < part_base.size() && part_base[part] != 0;
+                map_guards.push_back({ std::make_unique<mapping_guard>((const void *) begin[part], end[part] - begin[part]),
+                                       (int) part, known ? begin[part] - part_base[part] : 0, known });
             }
         }
     }
@@ -861,6 +863,7 @@ void hobbit_runtime::advise_mapping_random() {
     // (read_ahead_in_place). Each part's mapping covers its whole file from offset 0: its start
     // is any of its expert tensors' address less that tensor's file offset.
     std::vector<uintptr_t> base(index.parts.size(), 0);
+    part_base.assign(index.parts.size(), 0);
     for (int il : moe_layers) {
         for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
             const ggml_tensor * t = llama_model_get_expert_tensor(model, il, (llama_moe_proj) p);
@@ -870,11 +873,12 @@ void hobbit_runtime::advise_mapping_random() {
             }
             const uintptr_t b = (uintptr_t) t->data - (uintptr_t) pl.offset;
             if ((base[pl.part] != 0 && b != base[pl.part]) || b % (uintptr_t) sysconf(_SC_PAGESIZE) != 0) {
-                return; // not one mapping of the file (not mapped at all): nothing to advise
+                return; // not one mapping of the file (not mapped at all): nothing to advise, no base known
             }
             base[pl.part] = b;
         }
     }
+    part_base = base;
     for (size_t part = 0; part < index.parts.size(); ++part) {
         struct stat st;
         if (base[part] != 0 && stat(index.parts[part].c_str(), &st) == 0) {
@@ -1489,8 +1493,8 @@ bool hobbit_runtime::mapped_expert_present(int il, int e) {
 }
 
 bool hobbit_runtime::mapping_faulted() const {
-    for (const auto & guard : map_guards) {
-        if (guard->faulted()) {
+    for (const part_guard & g : map_guards) {
+        if (g.guard->faulted()) {
             return true;
         }
     }
@@ -1545,6 +1549,13 @@ void hobbit_runtime::clear_error() {
     std::lock_guard<std::mutex> lock(mtx);
     error_msg.clear();
     has_error.store(false);
+    // a fault left zero pages in the mapping: the file's own pages again (where it is whole now,
+    // the next run reads the model; where it is still cut, the size check or the guard fails it)
+    for (part_guard & g : map_guards) {
+        if (g.guard->faulted() && g.offset_known) {
+            g.guard->restore(part_fds[g.part], g.file_offset);
+        }
+    }
 }
 
 bool hobbit_runtime::pool_stats(int pool, hobbit_pool_stats & out) const {

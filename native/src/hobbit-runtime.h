@@ -195,7 +195,15 @@ private:
     std::vector<bool>               inplace_ok; // [n_layer]: the layer's experts may run on the mapped model
     std::unique_ptr<trace_recorder> recorder;     // while a trace is recorded
     const llama_model *             model = nullptr;
-    std::vector<std::unique_ptr<mapping_guard>> map_guards; // each part's mapped experts, while any may run in place
+    // each part's mapped experts, while any may run in place: the guard, the part, its region's file offset
+    struct part_guard {
+        std::unique_ptr<mapping_guard> guard;
+        int      part = 0;
+        uint64_t file_offset = 0;
+        bool     offset_known = false; // the part is one mapping of its file (advise_mapping_random found its base)
+    };
+    std::vector<part_guard>         map_guards;
+    std::vector<uintptr_t>          part_base;  // where each part's mapping starts (0: not one mapping of the file)
     // each file of the model, open: mapped_expert_present asks the files this process maps for
     // their size (fstat), whatever their paths name now (a model replaced by rename is intact here)
     std::vector<int>                part_fds;

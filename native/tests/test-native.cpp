@@ -1034,6 +1034,10 @@ static void test_mapping_guard(const std::string & dir) {
         CHECK(map[0] == 1 && !guard.faulted());  // still in the file
         CHECK(map[2 * page + 5] == 0);           // past the end: zeros, no signal
         CHECK(guard.faulted());
+        // the file whole again: restore maps it back over the zero page
+        CHECK(pwrite(fd, ones.data(), ones.size(), 0) == (ssize_t) ones.size());
+        CHECK(guard.restore(fd, 0) && !guard.faulted());
+        CHECK(map[2 * page + 5] == 1 && map[0] == 1 && !guard.faulted());
     }
     munmap((void *) map, 3 * page);
     close(fd);

@@ -28,7 +28,7 @@ if "llama_cpp.llama_cpp" in _sys.modules:
                           f"patched library in {_LIB_DIR}. Unset LLAMA_CPP_LIB_PATH, or import hobbitpy first.")
 
 from .config import OffloadConfig  # noqa: E402
-from .errors import BudgetError, ExpertReadError, HobbitError, ModelFileError, TokenizeError  # noqa: E402
+from .errors import BudgetError, ChatTemplateError, ExpertReadError, HobbitError, ModelFileError, TokenizeError  # noqa: E402
 from .llama import Llama  # noqa: E402
 from .memory import OffloadPlan, available_memory_bytes, plan_offload  # noqa: E402
 from .model_file import ModelInfo, inspect_model  # noqa: E402
@@ -45,5 +45,6 @@ __all__ = [
     "ModelFileError",
     "BudgetError",
     "ExpertReadError",
+    "ChatTemplateError",
     "TokenizeError",
 ]

@@ -1108,6 +1108,8 @@ def _run(args) -> int:
 
 def _chat(llm, args) -> int:
     """An interactive chat with history: a line from the user, the reply streamed."""
+    from hobbitpy import HobbitError
+
     messages = []
     try:
         while True:
@@ -1130,6 +1132,8 @@ def _chat(llm, args) -> int:
     except KeyboardInterrupt:
         sys.stdout.write("\n")
         return 130
+    except HobbitError as e:  # the model's chat template failed, an expert could not be read
+        return _fail(f"{args.model}: {e}")
 
 
 def _run_stats(llm, model: str) -> dict:

@@ -59,6 +59,12 @@ from .prepare import copy_layer_bytes, default_companion_path, estimated_copy, p
 
 log = logging.getLogger("hobbitpy")
 
+
+def quiet() -> bool:
+    """Notes' progress bars off: the notes' logger set to errors only (-q)."""
+    return log.level >= logging.ERROR
+
+
 # the low copy the default ladder makes (the one type `prepare` writes at disk speed)
 LOW_TYPE = "Q2_K"
 # the calibration passes: prompts of at most this many tokens, at most CALIBRATION_TOKENS in
@@ -225,9 +231,10 @@ def describe(info: ModelInfo, budget_bytes: int, importance: np.ndarray, placeme
     n_high = sum(level == 0 for row in placement for level in row)
     where = ("every expert in memory" if budget_bytes >= low_total else
              f"the {LOW_TYPE} copy ({low_total / MB:.0f} MB) read through the expert cache ({budget_bytes / MB:.0f} MB)")
-    return (f"{where}: the {n_high} of {n_experts} experts the routers weigh most at the model's precision, the rest "
-            f"({100 * low_weight_share(importance, placement):.0f} % of the routers' weight) from a {LOW_TYPE} copy; "
-            f"{_measured(verdict)} (lossy; --exact serves the model's own experts only)")
+    what = (f"every expert from a {LOW_TYPE} copy (the fewest bytes a token within the limit)" if n_high == 0 else
+            f"the {n_high} of {n_experts} experts the routers weigh most at the model's precision, the rest "
+            f"({100 * low_weight_share(importance, placement):.0f} % of the routers' weight) from a {LOW_TYPE} copy")
+    return f"{where}: {what}; {_measured(verdict)} (lossy; --exact serves the model's own experts only)"
 
 
 def _measured(p: Priced) -> str:
@@ -274,7 +281,8 @@ def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, 
     if calibration is None:
         calibration = _measure(model_path, info, text, measure, calibration)
     model_layer_bytes = layer_expert_bytes(model_path, info.n_expert)
-    placement, n_high = ladder_placement(info, model_layer_bytes, budget, calibration.importance)
+    placed = placed_bytes(info, budget, calibration)
+    placement, n_high = ladder_placement(info, model_layer_bytes, placed, calibration.importance)
     verdict = calibration.verdict(n_high)
     made = False
     if verdict is None or verdict.within:
@@ -286,7 +294,8 @@ def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, 
             log.info(f"making a {LOW_TYPE} copy of the experts for the default ladder ({need / 1e9:.2f} GB, once): "
                      f"{low_path}")
             try:
-                prepare_companion(model_path, LOW_TYPE, low_path, threads=threads)
+                prepare_companion(model_path, LOW_TYPE, low_path, threads=threads,
+                                  progress=not quiet())
             except (OSError, ValueError, HobbitError) as e:  # the disk full, the folder read-only, ...
                 return exact, _exact(f"the {LOW_TYPE} copy could not be made ({e})")
             finally:
@@ -294,17 +303,17 @@ def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, 
             made = True
     # placed as measured: the run's own cache may come out a little different from this plan's
     served = dataclasses.replace(ladder, low=str(low_path), importance=tuple(map(tuple, calibration.importance.tolist())),
-                                 placed_mb=budget / MB)
+                                 placed_mb=placed / MB)
     if verdict is None:
         if calibration.reference is None:  # kept from an earlier run: its distributions are not
             calibration = _measure(model_path, info, text, measure, calibration)
         measured = None
         try:
-            for placed_bytes in _ladders_to_measure(info, budget):
-                _, n_measured = ladder_placement(info, model_layer_bytes, placed_bytes, calibration.importance)
+            for trial_bytes in _ladders_to_measure(info, budget):
+                _, n_measured = ladder_placement(info, model_layer_bytes, trial_bytes, calibration.importance)
                 if any(p.n_high == n_measured for p in calibration.ladders):
                     continue
-                measured = _price(info, calibration, dataclasses.replace(served, placed_mb=placed_bytes / MB),
+                measured = _price(info, calibration, dataclasses.replace(served, placed_mb=trial_bytes / MB),
                                   n_measured, budget, score)
                 calibration = calibration.priced(measured)
                 _keep(model_path, info, text, calibration)
@@ -318,6 +327,11 @@ def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, 
         finally:
             _release(model_path, low_path)
         verdict = verdict or measured  # (beyond with fewer experts at the model's precision: no risk taken)
+        if verdict is not None and verdict.within:  # what was measured may allow fewer at the model's precision
+            placed = placed_bytes(info, budget, calibration)
+            placement, n_high = ladder_placement(info, model_layer_bytes, placed, calibration.importance)
+            served = dataclasses.replace(served, placed_mb=placed / MB)
+            verdict = calibration.verdict(n_high)
     if verdict is None:  # (every ladder to measure was measured, none settles this one: not seen)
         return exact, _exact("no measurement settles the ladder memory allows")
     if not verdict.within:
@@ -326,6 +340,17 @@ def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, 
         return exact, _exact(f"the ladder memory allows ({n_high} experts at the model's precision, the rest at "
                              f"{LOW_TYPE}) measured {_measured(verdict)}")
     return served, describe(info, budget, calibration.importance, placement, verdict)
+
+
+def placed_bytes(info: ModelInfo, budget: int, calibration: Calibration) -> int:
+    """The bytes a budget's ladder is placed for: the budget's, or only the low copy's where every
+    expert at the low copy measured within the limit. An expert at the model's precision streams
+    more bytes a token through the matmuls than its copy (Q4_K against Q2_K on the Qwen3-shaped
+    model: 102 against 76 ms a token of compute at 12 and 10 GiB), so a ladder keeps no more of
+    them than the limit needs: more memory then never decodes slower."""
+    low_total = int(low_copy_layer_bytes(info).sum()) * info.n_expert
+    every_low = calibration.verdict(0)
+    return min(budget, low_total) if every_low is not None and every_low.within else budget
 
 
 def _measure(model_path: str | os.PathLike, info: ModelInfo, text: str, measure: Measure,

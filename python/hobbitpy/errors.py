@@ -20,3 +20,10 @@ class TokenizeError(HobbitError, ValueError):
 
 class ExpertReadError(HobbitError):
     """Reading an expert from disk failed during a run."""
+
+
+class ChatTemplateError(HobbitError):
+    """The model's chat template could not render a conversation (it does not parse, raised,
+    or ran past its deadline). Its message starts with PREFIX: the server answers it as a 400."""
+
+    PREFIX = "the model's chat template"

@@ -54,7 +54,11 @@ def _source_and_new_output(src, dst):
     if dst.resolve() == src.resolve():
         raise ValueError(f"{dst}: the output must be a new file")
     from .model_file import inspect_model
-    return src, dst, inspect_model(src)
+    info = inspect_model(src)
+    if info.n_split > 1:  # a research tool on small models: one file
+        raise ModelFileError(f"{src}: part of a model split into {info.n_split} files; inflate reads one file "
+                             "(merge it first: llama-gguf-split --merge)")
+    return src, dst, info
 
 
 def inflate(src: str | os.PathLike, dst: str | os.PathLike, n_ff: int, *, progress: bool = True) -> pathlib.Path:

@@ -27,10 +27,11 @@ from tqdm import tqdm
 
 from . import tokens
 from .beam_search import beam_search
+from .chat_template import bounded_templates
 from ._native import error_buffer, ffi, lib, to_str
 from .companions import resolve_levels
 from .config import MB, OffloadConfig
-from .default_ladder import CALIBRATION_CTX, CALIBRATION_TOKENS, Calibration, applies, default_config
+from .default_ladder import CALIBRATION_CTX, CALIBRATION_TOKENS, Calibration, applies, default_config, quiet
 from .devices import say_if_gpu_unusable
 from .errors import BudgetError, ExpertReadError, HobbitError, ModelFileError
 from .likelihood import Comparison, Reference, ReferenceTable, compare_to_reference, scoring_windows
@@ -152,6 +153,7 @@ class Llama(llama_cpp.Llama):
         self.offload_config: OffloadConfig = offload  # what the experts are served with
         self._runtime = ffi.NULL
         self._abort_cb = None
+        self.read_error: str | None = None  # the last decode's failed expert read, until a decode succeeds
         self._decoding = threading.Lock()
         self.model_info: ModelInfo = inspect_model(model_path)
         default_reason = None  # what the default chose and why, when the config left it the choice
@@ -200,7 +202,7 @@ class Llama(llama_cpp.Llama):
             if lib.hobbit_request_offload(params, err, len(err)) != 0:
                 raise HobbitError(to_str(err))
         try:
-            with _model_params(use_extra_bufts=repack):
+            with _model_params(use_extra_bufts=repack), bounded_templates():
                 super().__init__(model_path=model_path, **kwargs)
         except ValueError as e:
             why = error_buffer()
@@ -340,6 +342,7 @@ class Llama(llama_cpp.Llama):
                               "around its calls")
         try:
             super().eval(tokens)
+            self.read_error = None
         except RuntimeError as e:
             self._raise_read_error(e)
             raise
@@ -352,7 +355,8 @@ class Llama(llama_cpp.Llama):
         msg = error_buffer()
         if lib.hobbit_runtime_get_error(self._runtime, msg, len(msg)):
             lib.hobbit_runtime_clear_error(self._runtime)
-            raise ExpertReadError(f"an expert could not be read during decode: {to_str(msg)}") from cause
+            self.read_error = to_str(msg)
+            raise ExpertReadError(f"an expert could not be read during decode: {self.read_error}") from cause
 
     def offload_stats(self) -> dict | None:
         """Counters of the expert cache since load (or the last reset); None without offload."""
@@ -414,8 +418,9 @@ class Llama(llama_cpp.Llama):
 
 
 def _bar(what: str):
-    # at real size each pass reads every expert from the disk: minutes, worth a bar
-    return lambda xs: tqdm(xs, desc=what, unit="pass", file=sys.stderr, leave=False)
+    # at real size each pass reads every expert from the disk: minutes, worth a bar (not where
+    # the notes' logger was set to errors only: -q)
+    return lambda xs: tqdm(xs, desc=what, unit="pass", file=sys.stderr, leave=False, disable=quiet())
 
 
 def measure_calibration(model_path: str, text: str, n_threads: int) -> Calibration:

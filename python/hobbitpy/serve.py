@@ -6,9 +6,10 @@ routes, streaming and chat formats as ``python -m llama_cpp.server``), with the 
 loaded as a ``hobbitpy.Llama``, and two more routes: ``/health`` and Prometheus
 ``/metrics`` (the expert cache's counters and llama.cpp's token counts). What it changes
 so that no client can hurt another or the server: requests take turns on the model (a
-stream is never cut by the next request), a body is at most a few MB, a grammar is parsed
-before the request reaches llama.cpp (a bad one is a 400, not a crash), no browser origin
-may call it unless named, and /health names no file.
+stream is never cut by the next request), a body is at most a few MB, a body is checked
+before it reaches llama-cpp-python (a bad one, or a grammar llama.cpp cannot parse, is a 400
+that says what is wrong, not a 500 or a crash), no browser origin may call it unless named,
+no answer names a file, and /health says 503 while the model cannot read its experts.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 
 from . import __version__
 from .config import MAX_BODY_MB, OffloadConfig
-from .errors import HobbitError
+from .errors import ChatTemplateError, HobbitError
 from .llama import Llama
 
 
@@ -119,11 +120,82 @@ def grammar_error(llm: Llama, grammar: str) -> str | None:
     return None
 
 
+# the routes whose bodies are checked here, by the request model of llama-cpp-python's server
+# that the route itself parses them with
+_REQUEST_MODELS = {"/v1/completions": "CreateCompletionRequest", "/v1/chat/completions": "CreateChatCompletionRequest",
+                   "/extras/tokenize": "TokenizeInputRequest", "/extras/tokenize/count": "TokenizeInputRequest",
+                   "/extras/detokenize": "DetokenizeInputRequest"}
+_NOT_SERVED = {"/v1/embeddings": "embeddings are not served: the model is loaded to generate text"}
+
+
+class _NotANumber(ValueError):
+    pass
+
+
+def _refuse_constant(name: str):
+    raise _NotANumber(f"{name} is not a number JSON allows")
+
+
+def _has_lone_surrogate(value) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
+
+
+def request_error(path: str, body: bytes, llm: Llama | None) -> str | None:
+    """Why a request to `path` with this body cannot be served (a 400's message), or None.
+    Checked here, before the route: llama-cpp-python answers a body it cannot parse, a value
+    out of range, text that is no text or a parameter it ignores with a 500 carrying the server's
+    file paths, or silently (n > 1 returns one choice), or not at all (a grammar llama.cpp
+    cannot parse crashed the process)."""
+    if path in _NOT_SERVED:
+        return _NOT_SERVED[path]
+    if path not in _REQUEST_MODELS:
+        return None
+    from llama_cpp.server import types
+    from pydantic import ValidationError
+
+    try:
+        request = json.loads(body, parse_constant=_refuse_constant)
+    except _NotANumber as e:
+        return str(e)
+    except UnicodeDecodeError:
+        return "the body is not UTF-8 text"
+    except json.JSONDecodeError as e:
+        return f"the body is not JSON ({e.msg} at character {e.pos})"
+    if not isinstance(request, dict):
+        return "the body is not a JSON object"
+    if _has_lone_surrogate(request):
+        return "a string holds a lone surrogate (\\ud800-\\udfff), which is no text"
+    try:
+        getattr(types, _REQUEST_MODELS[path]).model_validate(request)
+    except ValidationError as e:
+        problems = [f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()]
+        return "; ".join(problems[:3]) + (f"; {len(problems) - 3} more" if len(problems) > 3 else "")
+    if request.get("n") not in (None, 1) or request.get("best_of") not in (None, 1):
+        return "one choice per request: n and best_of must be 1 (send several requests)"
+    if request.get("logprobs") not in (None, False) or request.get("top_logprobs") is not None:
+        return "logprobs are not served: the model keeps the last token's logits only"
+    grammar = request.get("grammar")
+    if isinstance(grammar, str) and llm is not None:
+        return grammar_error(llm, grammar)
+    return None
+
+
 class RequestGuard:
     """ASGI middleware before every route: with an API key, refuses a request without it (401;
     /health alone is open, and says nothing but whether the model is up); refuses a body over
-    max_body_bytes (413) and a grammar llama.cpp cannot parse (400); then passes the request
-    on as it came."""
+    max_body_bytes (413) and one request_error finds wrong (400); then passes the request on as
+    it came. A route's failure (5xx) is told without the server's internals: 503 while the
+    model cannot read its experts (/health says the same), else 500; the log has the details."""
 
     def __init__(self, app, proxy, max_body_bytes: int, api_key: str | None):
         self.app, self.proxy, self.max_body_bytes = app, proxy, max_body_bytes
@@ -136,6 +208,8 @@ class RequestGuard:
         if (self.authorization is not None and scope["path"] != "/health" and scope["method"] != "OPTIONS"
                 and not hmac.compare_digest(headers.get(b"authorization", b""), self.authorization)):
             return await _refuse(send, 401, "this server needs its API key (Authorization: Bearer KEY)")
+        if scope["path"] != "/health":  # its 503 is its own answer
+            send = self._failures_told_plainly(send)
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
         length = headers.get(b"content-length")
@@ -151,7 +225,7 @@ class RequestGuard:
             more = message.get("more_body", False)
             if len(body) > self.max_body_bytes:
                 return await _refuse(send, 413, f"the request body is over {self.max_body_bytes} bytes")
-        why = self._check(body)
+        why = request_error(scope["path"], bytes(body), self.proxy.current)
         if why is not None:
             return await _refuse(send, 400, why)
         sent = False
@@ -165,20 +239,49 @@ class RequestGuard:
 
         return await self.app(scope, replay, send)
 
-    def _check(self, body: bytes) -> str | None:
-        try:
-            request = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            return None  # the route's own validation answers (422)
-        grammar = request.get("grammar") if isinstance(request, dict) else None
-        llm = self.proxy.current
-        if isinstance(grammar, str) and llm is not None:
-            return grammar_error(llm, grammar)
-        return None
+    def _failures_told_plainly(self, send):
+        """send, with a 5xx response's body replaced: llama-cpp-python's carries the exception's
+        text (the model's path among it). A chat template that failed on the request's
+        conversation is the request's: a 400 with the template's error."""
+        failed = False
+        body = bytearray()
+
+        async def told_plainly(message):
+            nonlocal failed
+            if message["type"] == "http.response.start" and message["status"] >= 500:
+                failed = True
+                return
+            if not failed:
+                return await send(message)
+            if message["type"] != "http.response.body":
+                return
+            body.extend(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            llm = self.proxy.current
+            said = _error_message(bytes(body))
+            if said.startswith(ChatTemplateError.PREFIX):
+                await _refuse(send, 400, said)
+            elif llm is not None and llm.read_error is not None:
+                await _refuse(send, 503, "an expert could not be read (the model file changed, or the disk failed); "
+                                         "GET /health says when the model serves again", "server_error")
+            else:
+                await _refuse(send, 500, "the server could not complete this request (its log says why)", "server_error")
+
+        return told_plainly
 
 
-async def _refuse(send, status: int, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error"}}).encode()
+def _error_message(body: bytes) -> str:
+    """The message of an OpenAI-style error body, or ""."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return ""
+    return message if isinstance(message, str) else ""
+
+
+async def _refuse(send, status: int, message: str, kind: str = "invalid_request_error") -> None:
+    body = json.dumps({"error": {"message": message, "type": kind}}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
@@ -230,11 +333,13 @@ def create_app(model_path: str, offload: OffloadConfig, *, n_ctx: int, n_threads
     @app.get("/health")
     def health():
         llm = proxy.current
-        status = {"status": "ok" if llm is not None else "loading"}
+        # a failed expert read: unhealthy until a decode succeeds (the file back, the disk well)
+        failing = llm is not None and llm.read_error is not None
+        status = {"status": "loading" if llm is None else "error" if failing else "ok"}
         if api_key is None:  # with a key, open to anyone: whether it is up, nothing more
             status |= {"model": alias or os.path.basename(model_path),  # its name, not where it lives
                        "offloaded": bool(llm is not None and llm.offloaded)}
-        return JSONResponse(status)
+        return JSONResponse(status, status_code=503 if failing else 200)
 
     return app
 
