@@ -345,9 +345,9 @@ def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, 
 def placed_bytes(info: ModelInfo, budget: int, calibration: Calibration) -> int:
     """The bytes a budget's ladder is placed for: the budget's, or only the low copy's where every
     expert at the low copy measured within the limit. An expert at the model's precision streams
-    more bytes a token through the matmuls than its copy (Q4_K against Q2_K on the Qwen3-shaped
-    model: 102 against 76 ms a token of compute at 12 and 10 GiB), so a ladder keeps no more of
-    them than the limit needs: more memory then never decodes slower."""
+    more bytes a token through the matmuls than its copy, so a ladder keeps no more of them than
+    the limit needs: more memory then never decodes slower (docs/BENCHMARKS.md, the default's
+    ladder)."""
     low_total = int(low_copy_layer_bytes(info).sum()) * info.n_expert
     every_low = calibration.verdict(0)
     return min(budget, low_total) if every_low is not None and every_low.within else budget
