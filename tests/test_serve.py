@@ -236,6 +236,7 @@ BAD_REQUESTS = [  # path, body, what the 400's message says (llama-cpp-python: a
     ("/v1/chat/completions", b'{"messages": "hi"}', "messages"),
     ("/v1/embeddings", b'{"input": "hi"}', "embeddings are not served"),
     ("/extras/tokenize", b'{"input": 5}', "input"),
+    ("/v1/completions", b'{"prompt": ' + b'[' * 100000 + b']' * 100000 + b'}', "nests too deep"),
 ]
 
 

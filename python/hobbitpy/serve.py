@@ -171,6 +171,8 @@ def request_error(path: str, body: bytes, llm: Llama | None) -> str | None:
         return "the body is not UTF-8 text"
     except json.JSONDecodeError as e:
         return f"the body is not JSON ({e.msg} at character {e.pos})"
+    except RecursionError:
+        return "the body nests too deep"
     if not isinstance(request, dict):
         return "the body is not a JSON object"
     if _has_lone_surrogate(request):
