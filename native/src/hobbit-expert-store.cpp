@@ -465,24 +465,11 @@ std::string expert_index::fingerprint() const {
         // ladder never reads again
         posix_fadvise(fds[i], 0, 0, POSIX_FADV_RANDOM);
     }
-    uint64_t h = 0xcbf29ce484222325ull; // FNV-1a 64
-    std::vector<uint8_t> buf;
-    for (const expert_layer_layout & layer : layers) {
-        for (const expert_proj_layout & p : layer.proj) {
-            if (!p.present || !error.empty()) {
-                continue;
-            }
-            const uint64_t size = p.n_bytes * (uint64_t) p.ne[2];
-            const uint64_t n = std::min<uint64_t>(4096, size);
-            for (const uint64_t at : { p.offset, p.offset + size - n }) {
-                buf.resize(n);
-                if (error.empty() && pread(fds[p.part], buf.data(), n, (off_t) at) != (ssize_t) n) {
-                    error = parts[p.part] + ": cannot read the experts to fingerprint them: " + errno_text();
-                }
-                for (uint8_t b : buf) {
-                    h = (h ^ b) * 0x100000001b3ull;
-                }
-            }
+    if (error.empty()) {
+        try {
+            fingerprint_cache = fingerprint_of(fds);
+        } catch (const hobbit_error & e) {
+            error = e.what();
         }
     }
     for (const int fd : fds) {
@@ -493,10 +480,35 @@ std::string expert_index::fingerprint() const {
     if (!error.empty()) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_IO, error);
     }
+    return fingerprint_cache;
+}
+
+std::string expert_index::fingerprint_of(const std::vector<int> & fds) const {
+    uint64_t h = 0xcbf29ce484222325ull; // FNV-1a 64
+    std::vector<uint8_t> buf;
+    for (const expert_layer_layout & layer : layers) {
+        for (const expert_proj_layout & p : layer.proj) {
+            if (!p.present) {
+                continue;
+            }
+            const uint64_t size = p.n_bytes * (uint64_t) p.ne[2];
+            const uint64_t n = std::min<uint64_t>(4096, size);
+            for (const uint64_t at : { p.offset, p.offset + size - n }) {
+                buf.resize(n);
+                const ssize_t got = pread(fds[p.part], buf.data(), n, (off_t) at);
+                if (got != (ssize_t) n) {
+                    throw hobbit_error(HOBBIT_STATUS_ERROR_IO, parts[p.part] + ": cannot read the experts to fingerprint them: " +
+                                       (got < 0 ? errno_text() : std::string("unexpected end of file")));
+                }
+                for (uint8_t b : buf) {
+                    h = (h ^ b) * 0x100000001b3ull;
+                }
+            }
+        }
+    }
     char hex[17];
     snprintf(hex, sizeof(hex), "%016llx", (unsigned long long) h);
-    fingerprint_cache = hex;
-    return fingerprint_cache;
+    return hex;
 }
 
 void expert_index::check_companion(const expert_index & companion) const {

@@ -59,6 +59,8 @@ struct expert_index {
     // 4 KB of every expert tensor, as 16 hex digits (a few reads; two models of the same
     // shapes differ in it). Throws hobbit_error on a failed read.
     std::string fingerprint() const;
+    // the same of the files open as fds (one per part, in order): what they hold now
+    std::string fingerprint_of(const std::vector<int> & fds) const;
 
     // a companion file (the same experts at another precision) must describe the same
     // model: architecture, sizes, and every expert tensor with the same name and shape

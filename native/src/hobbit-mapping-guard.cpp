@@ -13,12 +13,15 @@ namespace {
 
 // the handler may run on any thread at any time: a fixed table of atomics, no allocation,
 // no lock (only mmap, which Linux does not mind in a handler)
-constexpr int HOBBIT_MAX_GUARDS = 64;
+constexpr int HOBBIT_MAX_GUARDS = 256;
 
 struct guard_slot {
     std::atomic<uintptr_t> begin{0};
     std::atomic<uintptr_t> end{0};  // 0: free
     std::atomic<bool>      faulted{false};
+    // the pages replaced by zeros lie in [lo, hi): restore maps back only those
+    std::atomic<uintptr_t> lo{UINTPTR_MAX};
+    std::atomic<uintptr_t> hi{0};
 };
 
 guard_slot       g_slots[HOBBIT_MAX_GUARDS];
@@ -34,6 +37,11 @@ void on_sigbus(int sig, siginfo_t * info, void * uctx) {
             const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
             void * at = (void *) (addr & ~(page - 1));
             if (mmap(at, page, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) != MAP_FAILED) {
+                // lock-free atomics: safe in a handler, and two threads may fault at once
+                uintptr_t lo = s.lo.load(std::memory_order_relaxed);
+                while ((uintptr_t) at < lo && !s.lo.compare_exchange_weak(lo, (uintptr_t) at)) {}
+                uintptr_t hi = s.hi.load(std::memory_order_relaxed);
+                while ((uintptr_t) at + page > hi && !s.hi.compare_exchange_weak(hi, (uintptr_t) at + page)) {}
                 s.faulted.store(true, std::memory_order_release);
                 return; // the faulting read runs again, on zeros
             }
@@ -69,6 +77,8 @@ mapping_guard::mapping_guard(const void * begin, size_t size) : slot(-1) {
         if (g_slots[i].end.load() == 0) {
             slot = i;
             g_slots[i].faulted.store(false);
+            g_slots[i].lo.store(UINTPTR_MAX);
+            g_slots[i].hi.store(0);
             g_slots[i].begin.store((uintptr_t) begin);
             g_slots[i].end.store((uintptr_t) begin + size, std::memory_order_release);
             return;
@@ -88,16 +98,24 @@ bool mapping_guard::faulted() const {
     return g_slots[slot].faulted.load(std::memory_order_acquire);
 }
 
-bool mapping_guard::restore(int fd, uint64_t file_offset) {
-    const uintptr_t page  = (uintptr_t) sysconf(_SC_PAGESIZE);
-    const uintptr_t begin = g_slots[slot].begin.load(), end = g_slots[slot].end.load();
-    const uintptr_t at    = begin & ~(page - 1);
-    if (file_offset < begin - at) {
+bool mapping_guard::restore(int fd, uint64_t file_offset, int advice) {
+    guard_slot & s = g_slots[slot];
+    const uintptr_t begin = s.begin.load(), lo = s.lo.load(), hi = s.hi.load();
+    if (!s.faulted.load(std::memory_order_acquire) || lo >= hi) {
+        return true;
+    }
+    // only the zeroed pages: the rest of the region is the file's already (and parts of a
+    // region may not be mapped at all: llama.cpp unmaps a file's pages no tensor uses)
+    if (lo < begin && file_offset < begin - lo) {
+        return false; // the first zeroed page would start before the file
+    }
+    const uint64_t at = file_offset + lo - begin; // the file offset of the first zeroed page (wraps back when lo < begin)
+    if (mmap((void *) lo, hi - lo, PROT_READ, MAP_SHARED | MAP_FIXED, fd, (off_t) at) == MAP_FAILED) {
         return false;
     }
-    if (mmap((void *) at, end - at, PROT_READ, MAP_SHARED | MAP_FIXED, fd, (off_t) (file_offset - (begin - at))) == MAP_FAILED) {
-        return false;
-    }
-    g_slots[slot].faulted.store(false, std::memory_order_release);
+    madvise((void *) lo, hi - lo, advice);
+    s.lo.store(UINTPTR_MAX);
+    s.hi.store(0);
+    s.faulted.store(false, std::memory_order_release);
     return true;
 }

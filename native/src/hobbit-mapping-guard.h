@@ -1,8 +1,9 @@
 // hobbit-mapping-guard.h - a SIGBUS in the mapped model file becomes an error, not a crash.
 //
-// Experts computed in place read llama.cpp's mapping of the model file. If the file is cut
-// while the process runs, a read past its new end raises SIGBUS, which kills the process
-// (the runtime checks the size before computing, but the file can shrink after the check).
+// llama.cpp maps the model file: its resident weights, and the experts computed in place, are
+// read from the mapping. If the file is cut while the process runs, a read past its new end
+// raises SIGBUS, which kills the process (the runtime checks the size before each ubatch and
+// before an expert runs in place, but the file can shrink after the check).
 // While a guard lives, a SIGBUS inside its region maps a page of zeros over the faulting
 // page, so the computation finishes (on zeros), and marks the guard faulted; the runtime
 // then fails the run (ExpertReadError) before anything uses the result; restore() maps the
@@ -23,11 +24,11 @@ public:
 
     bool faulted() const;
 
-    // a faulted guard's region mapped again from the file (read-only, shared, as llama.cpp maps
-    // it): the zero pages go, the file's pages come back. fd: the file; file_offset: where the
-    // region's first byte lies in it. Returns false (still faulted) if the mapping fails. Call it
-    // only while nothing reads the region.
-    bool restore(int fd, uint64_t file_offset);
+    // the pages a fault replaced by zeros mapped again from the file (read-only, shared, as
+    // llama.cpp maps it, advised with advice): the file's pages come back. fd: the file;
+    // file_offset: where the region's first byte lies in it. Returns false (still faulted) if
+    // the mapping fails. Call it only while nothing reads the region.
+    bool restore(int fd, uint64_t file_offset, int advice);
 
 private:
     int slot;

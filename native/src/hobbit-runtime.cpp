@@ -5,6 +5,7 @@
 #include "hobbit-substitution.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -310,34 +311,7 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     executor = executor_choice_make(index, params.mode, any_inplace, params.direct_io);
     if (model != nullptr) {
         advise_mapping_random();
-    }
-    if (any_inplace) {
-        for (const std::string & part : index.parts) {
-            part_fds.push_back(open(part.c_str(), O_RDONLY | O_CLOEXEC));
-            if (part_fds.back() < 0) {
-                throw hobbit_error(HOBBIT_STATUS_ERROR_IO, part + ": cannot open model file: " + strerror(errno));
-            }
-        }
-        // each part is its own mapping: a guard over each one's expert tensors, none over what lies between
-        std::vector<uintptr_t> begin(index.parts.size(), UINTPTR_MAX), end(index.parts.size(), 0);
-        for (int il : moe_layers) {
-            for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
-                const ggml_tensor * t = llama_model_get_expert_tensor(model, il, (llama_moe_proj) p);
-                const int part = index.layers[il].proj[p].part;
-                if (t != nullptr && t->data != nullptr) {
-                    begin[part] = std::min(begin[part], (uintptr_t) t->data);
-                    end[part]   = std::max(end[part], (uintptr_t) t->data + ggml_nbytes(t));
-                }
-            }
-        }
-        for (size_t part = 0; part < index.parts.size(); ++part) {
-            if (end[part] > begin[part]) {
-                // the file cut after mapped_expert_present's check: SIGBUS becomes this run's error
-                const bool known = part < part_base.size() && part_base[part] != 0;
-                map_guards.push_back({ std::make_unique<mapping_guard>((const void *) begin[part], end[part] - begin[part]),
-                                       (int) part, known ? begin[part] - part_base[part] : 0, known });
-            }
-        }
+        open_and_guard_parts();
     }
     stats_.mode             = any_inplace ? params.mode : HOBBIT_MODE_GPU_CENTRIC;
     stats_.load_bytes_per_s = executor.load_bytes_per_s;
@@ -512,8 +486,10 @@ void hobbit_runtime::warm_pools() {
 
 hobbit_runtime::~hobbit_runtime() {
     io.reset(); // stop the I/O thread before the pool it writes into goes away
-    for (const int fd : part_fds) {
-        close(fd);
+    for (const part_file & f : part_files) {
+        if (f.fd >= 0) {
+            close(f.fd);
+        }
     }
 }
 
@@ -884,6 +860,68 @@ void hobbit_runtime::advise_mapping_random() {
         if (base[part] != 0 && stat(index.parts[part].c_str(), &st) == 0) {
             map_advise_random((const void *) base[part], (size_t) st.st_size);
         }
+    }
+}
+
+void hobbit_runtime::open_and_guard_parts() {
+    // The model's files stay open for the run: their size and identity are asked of what this
+    // process maps, not of the paths (a model renamed over or removed is intact here). Every
+    // part's whole mapping is guarded, the resident weights too: a file cut while running is
+    // this run's error, never a SIGBUS in the compute threads.
+    part_files.resize(index.parts.size());
+    for (size_t part = 0; part < index.parts.size(); ++part) {
+        part_file & f = part_files[part];
+        f.fd = open(index.parts[part].c_str(), O_RDONLY | O_CLOEXEC);
+        struct stat st;
+        if (f.fd < 0 || fstat(f.fd, &st) != 0) {
+            throw hobbit_error(HOBBIT_STATUS_ERROR_IO, index.parts[part] + ": cannot open model file: " + strerror(errno));
+        }
+        f.size  = st.st_size;
+        f.mtime = st.st_mtim;
+        if (part < part_base.size() && part_base[part] != 0) {
+            f.guard = std::make_unique<mapping_guard>((const void *) part_base[part], (size_t) st.st_size);
+        }
+    }
+    loaded_fingerprint = index.fingerprint();
+}
+
+void hobbit_runtime::check_files_unchanged() {
+    for (size_t part = 0; part < part_files.size(); ++part) {
+        part_file & f = part_files[part];
+        const std::string & path = index.parts[part];
+        struct stat st;
+        if (fstat(f.fd, &st) != 0) {
+            fail(path + ": cannot stat the model file while running: " + strerror(errno));
+            return;
+        }
+        if (st.st_size == f.size && st.st_mtim.tv_sec == f.mtime.tv_sec && st.st_mtim.tv_nsec == f.mtime.tv_nsec) {
+            continue;
+        }
+        if (st.st_size < f.size) {
+            fail(path + ": truncated while running: the file now has " + std::to_string((int64_t) st.st_size) +
+                 " bytes, it had " + std::to_string((int64_t) f.size) + " when loaded");
+            return;
+        }
+        // written to: the same experts (a file restored, or touched) serve on; others would be
+        // computed as if they were the loaded model's
+        std::vector<int> fds;
+        for (const part_file & pf : part_files) {
+            fds.push_back(pf.fd);
+        }
+        std::string now;
+        try {
+            now = index.fingerprint_of(fds);
+        } catch (const hobbit_error & e) {
+            fail(e.what());
+            return;
+        }
+        if (now != loaded_fingerprint) {
+            fail(path + ": overwritten while running: its experts are not those loaded (fingerprint " + now +
+                 ", loaded " + loaded_fingerprint + "); load the model again to run the new file");
+            return;
+        }
+        f.size  = st.st_size;
+        f.mtime = st.st_mtim;
     }
 }
 
@@ -1381,6 +1419,9 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
     int32_t * out_inplace = out + (size_t) (n_plane - 1) * n_pair;
 
     std::unique_lock<std::mutex> lock(mtx);
+    if (wave == 0 && il == moe_layers.front() && !failed()) {
+        check_files_unchanged(); // once a ubatch: an fstat of each part
+    }
     wave_assignment a(n_expert);
     if (!failed()) {
         begin_wave(il, wave, sel, dst);
@@ -1478,8 +1519,8 @@ bool hobbit_runtime::mapped_expert_present(int il, int e) {
         }
         const std::string & path = index.parts[p.part];
         struct stat st;
-        if (p.part >= (int) part_fds.size() || fstat(part_fds[p.part], &st) != 0) {
-            fail(path + ": cannot stat the model file while running: " + strerror(p.part < (int) part_fds.size() ? errno : EBADF));
+        if (p.part >= (int) part_files.size() || fstat(part_files[p.part].fd, &st) != 0) {
+            fail(path + ": cannot stat the model file while running: " + strerror(p.part < (int) part_files.size() ? errno : EBADF));
             return false;
         }
         const uint64_t end = p.offset + (uint64_t) (e + 1) * p.n_bytes;
@@ -1493,8 +1534,8 @@ bool hobbit_runtime::mapped_expert_present(int il, int e) {
 }
 
 bool hobbit_runtime::mapping_faulted() const {
-    for (const part_guard & g : map_guards) {
-        if (g.guard->faulted()) {
+    for (const part_file & f : part_files) {
+        if (f.guard && f.guard->faulted()) {
             return true;
         }
     }
@@ -1538,9 +1579,13 @@ void hobbit_runtime::reset_stats() {
 bool hobbit_runtime::error(std::string & msg) const {
     std::lock_guard<std::mutex> lock(mtx);
     msg = error_msg;
-    if (!has_error.load() && mapping_faulted()) {
-        msg = index.path + ": truncated while running: an expert computed in place read past the end of the file";
-        return true;
+    if (!has_error.load()) {
+        for (size_t part = 0; part < part_files.size(); ++part) {
+            if (part_files[part].guard && part_files[part].guard->faulted()) {
+                msg = index.parts[part] + ": truncated while running: a read of its mapped weights past the file's new end";
+                return true;
+            }
+        }
     }
     return has_error.load();
 }
@@ -1551,9 +1596,9 @@ void hobbit_runtime::clear_error() {
     has_error.store(false);
     // a fault left zero pages in the mapping: the file's own pages again (where it is whole now,
     // the next run reads the model; where it is still cut, the size check or the guard fails it)
-    for (part_guard & g : map_guards) {
-        if (g.guard->faulted() && g.offset_known) {
-            g.guard->restore(part_fds[g.part], g.file_offset);
+    for (part_file & f : part_files) {
+        if (f.guard) {
+            f.guard->restore(f.fd, 0, MADV_RANDOM);
         }
     }
 }

@@ -24,6 +24,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <ctime>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -134,6 +135,7 @@ private:
     void read_ahead_in_place(int il, int e);
     // no fault on the model's mapping reads ahead beyond its page (at start-up)
     void advise_mapping_random();
+    void open_and_guard_parts(); // part_files: open, stat, guard each part's mapping; the loaded fingerprint
     // predicted experts stay pinned until their layer runs (or a new graph starts); needs mtx
     void pin_predicted(int p, int s, int il);
     void release_predicted(const std::function<bool(int p, int s, int il)> & pred);
@@ -159,7 +161,9 @@ private:
     // whether the model file still holds expert e of layer il; if not the run fails: computing
     // it in place would fault on pages past the end of the file (SIGBUS); needs mtx
     bool mapped_expert_present(int il, int e);
-    bool mapping_faulted() const; // a guard caught a SIGBUS in the mapped experts
+    bool mapping_faulted() const; // a guard caught a SIGBUS in a mapped part
+    // before a ubatch: the files as loaded (not cut, not written over); fails the run otherwise
+    void check_files_unchanged();
     void fail(const std::string & msg); // the first failure sticks; needs mtx
     void on_load_done(const load_task & task, const std::string & error, uint64_t n_bytes, int64_t us);
 
@@ -195,18 +199,17 @@ private:
     std::vector<bool>               inplace_ok; // [n_layer]: the layer's experts may run on the mapped model
     std::unique_ptr<trace_recorder> recorder;     // while a trace is recorded
     const llama_model *             model = nullptr;
-    // each part's mapped experts, while any may run in place: the guard, the part, its region's file offset
-    struct part_guard {
-        std::unique_ptr<mapping_guard> guard;
-        int      part = 0;
-        uint64_t file_offset = 0;
-        bool     offset_known = false; // the part is one mapping of its file (advise_mapping_random found its base)
+    // each file of the model, open: the size and identity checks ask the files this process
+    // maps (fstat), whatever their paths name now (a model replaced by rename is intact here)
+    struct part_file {
+        int             fd = -1;
+        off_t           size = 0;     // when last found unchanged
+        struct timespec mtime = {};
+        std::unique_ptr<mapping_guard> guard; // over the part's whole mapping (none when it is not mapped)
     };
-    std::vector<part_guard>         map_guards;
+    std::vector<part_file>          part_files;
     std::vector<uintptr_t>          part_base;  // where each part's mapping starts (0: not one mapping of the file)
-    // each file of the model, open: mapped_expert_present asks the files this process maps for
-    // their size (fstat), whatever their paths name now (a model replaced by rename is intact here)
-    std::vector<int>                part_fds;
+    std::string                     loaded_fingerprint; // of the experts as loaded (expert_index::fingerprint)
     std::vector<int>                moe_layers;
     std::vector<int>                moe_rank;   // [n_layer]: a layer's index among moe_layers (-1: dense)
     std::unique_ptr<io_scheduler>   io;   // last: its threads stop before the rest goes

@@ -1036,8 +1036,14 @@ static void test_mapping_guard(const std::string & dir) {
         CHECK(guard.faulted());
         // the file whole again: restore maps it back over the zero page
         CHECK(pwrite(fd, ones.data(), ones.size(), 0) == (ssize_t) ones.size());
-        CHECK(guard.restore(fd, 0) && !guard.faulted());
+        CHECK(guard.restore(fd, 0, MADV_RANDOM) && !guard.faulted());
         CHECK(map[2 * page + 5] == 1 && map[0] == 1 && !guard.faulted());
+        // and again, on another page: each restore maps back the pages of its own faults
+        CHECK(ftruncate(fd, 0) == 0);
+        CHECK(map[page] == 0 && guard.faulted());
+        CHECK(pwrite(fd, ones.data(), ones.size(), 0) == (ssize_t) ones.size());
+        CHECK(guard.restore(fd, 0, MADV_RANDOM) && !guard.faulted());
+        CHECK(map[page] == 1 && map[2 * page] == 1 && !guard.faulted());
     }
     munmap((void *) map, 3 * page);
     close(fd);
