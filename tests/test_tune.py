@@ -280,3 +280,28 @@ def test_tune_stops_at_its_time_limit(model_dir, tmp_path):
     assert p.returncode == 2 and "time limit" in p.stderr and "Traceback" not in p.stderr
     assert "not scored: the time limit" in p.stdout
     assert not (tmp_path / "p.json").exists() and not list(tmp_path.glob("m.experts-*"))
+
+
+def test_a_model_whose_layers_mix_expert_types_is_priced_not_skipped():
+    """A Q4_K_M file's layers mix types (some down projections Q6_K): its trace is not
+    uniform, and a level that misses is priced with every expert as the largest, no lower
+    than the same trace priced as uniform at that size."""
+    import numpy as np
+
+    from hobbitpy.candidate_cost import modeled_cost
+    from hobbitpy.trace import Trace
+
+    rng = np.random.default_rng(0)
+    n_tokens, n_layer, n_expert, k = 64, 3, 8, 2
+    experts = np.stack([np.stack([rng.choice(n_expert, k, replace=False) for _ in range(n_layer)])
+                        for _ in range(n_tokens)]).astype(np.int32)
+    meta = {"model": "m.gguf", "n_expert": n_expert, "n_expert_used": k, "expert_bytes": 1000, "uniform": False}
+    trace = Trace(experts=experts, weights=np.full(experts.shape, 0.5, np.float32),
+                  probs=np.full((n_tokens, n_layer, n_expert), 1 / n_expert, np.float16),
+                  predicted=np.full((n_tokens, n_layer, 1, k), -1, np.int32), seq_start=np.eye(1, n_tokens, dtype=np.uint8)[0],
+                  tokens=np.arange(n_tokens, dtype=np.int32), meta=meta)
+    mixed = [np.array([1000, 1400, 1000])]  # the middle layer's experts larger
+    budget = 4 * 1400 * n_layer  # holds half of them: it misses
+    cost = modeled_cost(trace, mixed, None, budget, "lru")
+    uniform = Trace(**{**trace.__dict__, "meta": {**meta, "uniform": True}})
+    assert cost >= modeled_cost(uniform, [np.array([1000, 1000, 1000])], None, budget, "lru") > 0

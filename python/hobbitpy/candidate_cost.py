@@ -53,7 +53,9 @@ def modeled_cost(trace: Trace, layer_bytes: list[np.ndarray], placement: tuple[t
     waited = 0.0
     per_expert = int(layer_bytes[0].max())
     if placement is None and budget_bytes < int(layer_bytes[0].sum()) * trace.meta["n_expert"]:
-        priced = dataclasses.replace(trace, meta={**trace.meta, "expert_bytes": per_expert})
+        # every expert priced as the largest (a model whose layers mix types, as a Q4_K_M file's
+        # down projections do): fewer slots and dearer misses than the run's, a cost no lower
+        priced = dataclasses.replace(trace, meta={**trace.meta, "expert_bytes": per_expert, "uniform": True})
         waited = float(simulate(priced, budget_bytes / MB, policy).bytes_read)
     return (served + MEMORY_OVER_DISK * waited) / trace.n_tokens / MB
 
