@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+import json
 import math
 import os
+import types
+import typing
 
 MB = 1024 * 1024
 # the default ladder (default_ladder.py) is served when its mean KL divergence from the
@@ -97,6 +100,60 @@ def options_table() -> str:
         cells = (f"`{f.name}`", flag, default, "yes" if opt.profile else "", what)
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows) + "\n"
+
+
+def settings_of_json(settings: dict) -> dict:
+    """OffloadConfig keywords from values as JSON gives them (a profile's settings): each
+    checked against its field's type (OffloadConfig's checks compare numbers, and a string or a
+    list there is a TypeError), lists made tuples; a ValueError names the field and its type."""
+    hints = typing.get_type_hints(OffloadConfig)
+    out = {}
+    for name, value in settings.items():
+        if name not in hints:
+            raise ValueError(f"{name} is not a setting")
+        out[name] = _of_json(hints[name], value)
+        if out[name] is _NOT_OF_TYPE:
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise ValueError(f"{name} must be {_json_type_name(hints[name])}, got {shown}")
+    return out
+
+
+_NOT_OF_TYPE = object()
+
+
+def _of_json(hint, value):
+    """value as a value of the type hint (JSON's list as a tuple, an integer as a float), or
+    _NOT_OF_TYPE."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return next((v for v in (_of_json(a, value) for a in args) if v is not _NOT_OF_TYPE), _NOT_OF_TYPE)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or (args[-1] is not Ellipsis and len(value) != len(args)):
+            return _NOT_OF_TYPE
+        kinds = (args[0],) * len(value) if args[-1] is Ellipsis else args
+        items = tuple(_of_json(kind, v) for kind, v in zip(kinds, value))
+        return _NOT_OF_TYPE if any(item is _NOT_OF_TYPE for item in items) else items
+    if isinstance(value, bool) and hint is not bool:  # JSON's true is no number
+        return _NOT_OF_TYPE
+    if hint is float and isinstance(value, (int, float)):
+        try:
+            return float(value)
+        except OverflowError:  # an integer of 400 digits
+            return _NOT_OF_TYPE
+    return value if isinstance(value, hint) else _NOT_OF_TYPE
+
+
+def _json_type_name(hint, plural: bool = False) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_json_type_name(a, plural) for a in args)
+    if origin is tuple:
+        count = "" if args[-1] is Ellipsis else f"{len(args)} "
+        return ("lists of " if plural else "a list of ") + count + _json_type_name(args[0], True)
+    names = {type(None): ("null", "nulls"), bool: ("true or false", "booleans"), int: ("an integer", "integers"),
+             float: ("a number", "numbers"), str: ("a string", "strings")}
+    return names[hint][plural]
 
 
 @dataclass(frozen=True)

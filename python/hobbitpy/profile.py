@@ -13,7 +13,7 @@ import json
 import os
 import pathlib
 
-from .config import OffloadConfig, option_of
+from .config import OffloadConfig, option_of, settings_of_json
 from .errors import HobbitError
 
 PROFILE_VERSION = 1
@@ -70,11 +70,14 @@ def load_profile(path: str | os.PathLike, model_path: str | os.PathLike | None) 
                           calibration=dict(data.get("calibration", {})))
     except (KeyError, TypeError, ValueError) as e:
         raise HobbitError(f"{path}: incomplete profile ({e})") from None
-    if "policy_weights" in profile.settings:  # a JSON list; OffloadConfig keeps a tuple
-        profile.settings["policy_weights"] = tuple(profile.settings["policy_weights"])
     unknown = set(profile.settings) - set(PROFILE_SETTINGS)
     if unknown:
         raise HobbitError(f"{path}: unknown settings {', '.join(sorted(unknown))}")
+    try:
+        profile.settings = settings_of_json(profile.settings)
+        OffloadConfig(auto=False, **profile.settings)  # the values' ranges, and how they go together
+    except ValueError as e:
+        raise HobbitError(f"{path}: {e}") from None
     size = os.path.getsize(model_path) if model_path is not None else profile.model_bytes
     if profile.model_bytes != size:
         raise HobbitError(f"{path}: calibrated for {profile.model} of {profile.model_bytes} bytes, but {model_path} "
