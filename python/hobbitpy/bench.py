@@ -32,6 +32,7 @@ from .memcap import MemoryCap
 from .memory import SLACK_BYTES, ContextShape, context_sizes
 from .frontier import format_frontier, mark_dominated, plot_frontier
 from .model_file import inspect_model, model_parts
+from .outputs import write_new
 from .prepare import default_companion_path
 from .quants import default_quant_dir, make_uniform_quant, quant_name
 
@@ -584,9 +585,8 @@ def plot(result: BenchResult, path: pathlib.Path) -> bool:
 def write_outputs(result: BenchResult, out_dir: pathlib.Path) -> list[pathlib.Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    j = out_dir / "bench.json"
-    j.write_text(json.dumps(result.as_dict(), indent=2) + "\n")
-    written.append(j)
+    # a new file (never through a symlink planted there, nothing left of a failed write)
+    written.append(write_new(out_dir / "bench.json", json.dumps(result.as_dict(), indent=2) + "\n"))
     png = out_dir / "bench.png"
     if plot(result, png):
         written.append(png)

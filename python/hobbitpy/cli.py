@@ -428,10 +428,10 @@ def _bench(args) -> int:
             target = out if len(plans) == 1 else out / pathlib.Path(model).stem
             for path in bench.write_outputs(result, target):
                 print(f"wrote {path}")
+    except (HobbitError, ValueError) as e:  # first: a failed write is an OSError that names its file
+        return _fail(str(e))
     except OSError as e:
         return _fail(f"{model}: {e.strerror or e}")
-    except (HobbitError, ValueError) as e:
-        return _fail(str(e))
     return 0
 
 

@@ -8,11 +8,15 @@ Large files written for minutes (companions, uniform quants, inflated models) go
 the partial file carries its writer's process id, so the next run removes what a killed
 one left; SIGTERM and SIGHUP end the writer the way Ctrl-C does, removing the partial file;
 and the free space is checked before the first byte (`check_free_space`).
+
+A write that fails either way (a full disk, an I/O error) is an `OutputWriteError` whose
+message names the file and the cause, and leaves no file behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import os
 import pathlib
@@ -23,9 +27,53 @@ import tempfile
 import threading
 from collections.abc import Iterator
 
+from .errors import HobbitError
+
 
 class OutputExistsError(FileExistsError):
     pass
+
+
+class OutputWriteError(HobbitError, OSError):
+    """A file could not be written (a full disk, an I/O error, a read-only folder): the message
+    names the file and the cause, and nothing of the file is left. An OSError too, with the
+    cause's errno."""
+
+
+# the errors of a write that failed, rather than of whatever else a long writer does (a
+# missing input file keeps its own message)
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+
+
+@contextlib.contextmanager
+def _naming_the_output(path: str | os.PathLike, errnos: frozenset[int] | None = None,
+                       partial: pathlib.Path | None = None) -> Iterator[None]:
+    """An OSError raised inside (of errnos; None: any but an existing name) as an
+    OutputWriteError naming path: the caller's one line, where the OSError names a temporary
+    file or nothing. partial: the file being written, to find the cause of a short write."""
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, (FileExistsError, HobbitError)):
+            raise
+        cause = (_cause_of_short_write(partial) if e.errno is None and partial is not None else None) or e
+        if errnos is not None and cause.errno not in errnos:
+            raise
+        error = OutputWriteError(f"{os.fspath(path)}: cannot write it ({cause.strerror or cause})")
+        error.errno = cause.errno
+        raise error from e
+
+
+def _cause_of_short_write(partial: pathlib.Path) -> OSError | None:
+    """Why writing partial stopped, when the error did not say: numpy's tofile (gguf's writer
+    of tensors) reports a short write as "N requested and M written", without the errno (a
+    full disk, an I/O error) that stopped it. Writing on at the end meets it again."""
+    try:
+        with open(partial, "ab") as f:
+            f.write(bytes(1 << 20))
+    except OSError as e:
+        return e if e.errno is not None else None
+    return None
 
 
 def new_output_error(path: str | os.PathLike) -> str | None:
@@ -40,26 +88,27 @@ def new_output_error(path: str | os.PathLike) -> str | None:
 
 
 def write_new(path: str | os.PathLike, data: str | bytes) -> pathlib.Path:
-    """Write data to a new file at path; raises OutputExistsError if the name exists, OSError
-    (a full disk, a read-only folder) with nothing left behind."""
+    """Write data to a new file at path; raises OutputExistsError if the name exists,
+    OutputWriteError (a full disk, a read-only folder) with nothing left behind."""
     path = pathlib.Path(path)
     if os.path.lexists(path):
         raise OutputExistsError(new_output_error(path))
     raw = data.encode() if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # as open() would create it (mkstemp makes it private)
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
-        os.link(tmp, path)
-    except FileExistsError:
-        raise OutputExistsError(new_output_error(path)) from None
-    finally:
-        os.unlink(tmp)
+    with _naming_the_output(path):
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+        try:
+            os.fchmod(fd, 0o666 & ~_umask())  # as open() would create it (mkstemp makes it private)
+            with os.fdopen(fd, "wb") as f:
+                f.write(raw)
+            os.link(tmp, path)
+        except FileExistsError:
+            raise OutputExistsError(new_output_error(path)) from None
+        finally:
+            os.unlink(tmp)
     return path
 
 
-class NotEnoughSpaceError(OSError):
+class NotEnoughSpaceError(OutputWriteError):
     pass
 
 
@@ -75,14 +124,16 @@ def check_free_space(folder: str | os.PathLike, need_bytes: int, what: str) -> N
 def partial_output(path: str | os.PathLike) -> Iterator[pathlib.Path]:
     """A new, empty partial file beside path, to be written and then published with
     `publish(partial, path)`; removed however the block ends (an error, Ctrl-C, SIGTERM,
-    SIGHUP). Partial files of path left by processes that no longer run are removed first."""
+    SIGHUP). Partial files of path left by processes that no longer run are removed first. A
+    write that fails inside (WRITE_ERRNOS) is an OutputWriteError naming path."""
     path = pathlib.Path(path)
     _remove_dead_partials(path)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".partial")
+    with _naming_the_output(path):
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".partial")
     os.close(fd)
     partial = pathlib.Path(name)
     try:
-        with _signals_end_the_writer():
+        with _naming_the_output(path, WRITE_ERRNOS, partial), _signals_end_the_writer():
             yield partial
     finally:
         partial.unlink(missing_ok=True)
