@@ -263,3 +263,39 @@ def test_exact_hits_serve_the_wanted_level_at_any_budget(model_dir):
     assert every_stats["served"][0] > 0 and every_stats["served"][1] > 0, every_stats["served"]
     assert small == every
     assert small_stats["served"] == every_stats["served"] and small_stats["n_skipped"] == every_stats["n_skipped"]
+
+
+@pytest.mark.parametrize("mode,hits", [("cooperative", "upgrade"), ("gpu-centric", "upgrade"), ("gpu-centric", "found")])
+def test_the_same_text_gives_the_same_logits_whatever_the_disks_timing(model_dir, mode, hits):
+    """At temperature 0 the same prompt gives the same logits, bit for bit, with a low copy
+    that serves hits (and upgrades them) and prefetch on: what the cache holds is decided by
+    the text, not by when the disk delivers. The reader threads change the timing from run to
+    run (one reader, or four); with upgrades gated on the disk being idle and slots still
+    loading counted as unavailable, two runs of the shipped model gave different text."""
+    from hobbitpy.prepare import prepare_companion
+
+    path = tiny_model(model_dir, "llama", n_embd=256, n_ff=1024, n_expert=32)
+    low = model_dir / f"{path.stem}.q2_k.gguf"
+    if not low.exists():
+        prepare_companion(path, "Q2_K", out_path=low, progress=False)
+    info, low_info = hobbitpy.inspect_model(path), hobbitpy.inspect_model(low)
+    high_expert = info.expert_bytes_total / (info.n_layer_moe * info.n_expert)
+    cache_mb = (low_info.expert_bytes_total / 2 + 8 * high_expert) / MB  # both levels miss
+    runs = []
+    for io_threads in (1, 4, 1, 2):
+        with hobbitpy.Llama(path, low=str(low), hits=hits, mode=mode, prefetch_layers=1, cache_mb=cache_mb,
+                            io_threads=io_threads, n_ctx=256, n_threads=2, logits_all=True, verbose=False) as llm:
+            llm.eval(llm.tokenize(b"Once upon a time"))
+            for _ in range(96):
+                llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+            runs.append((np.array(llm.scores[: llm.n_tokens], np.float32), llm.offload_stats()))
+    first, stats = runs[0]
+    assert stats["served"][0] > 0 and stats["served"][1] > 0, stats
+    if mode == "gpu-centric":
+        assert stats["expert_misses"] > 0, stats
+    if hits == "upgrade":
+        assert stats["upgrades"] > 0, stats
+    for scores, other in runs[1:]:
+        differ = np.flatnonzero((scores.view(np.uint32) != first.view(np.uint32)).any(axis=1))
+        assert differ.size == 0, f"the runs' logits differ from token {differ[0]} of {len(first)}"
+        assert other["served"] == stats["served"] and other["expert_misses"] == stats["expert_misses"]

@@ -18,8 +18,9 @@
 
 enum class slot_state {
     empty,   // holds nothing
-    loading, // a read into it is queued or running; not evictable
+    loading, // a read into it is queued or running
     ready,   // holds (layer, expert)
+    unread,  // holds (layer, expert) but its queued background read was dropped: read when first used
 };
 
 struct pool_slot {
@@ -28,6 +29,10 @@ struct pool_slot {
     slot_state state      = slot_state::empty;
     int        pins       = 0;     // users that need the data to stay (the layer being computed)
     bool       prefetched = false; // loaded by a prefetch and not selected since
+    // the graph a background load (prefetch, upgrade) was queued into this slot in (-1: none
+    // since it was cleared): the slot is busy for the rest of that graph, however soon its
+    // bytes arrive, so that what a plan may take does not depend on the disk's timing
+    int64_t    background_graph = -1;
 };
 
 // where the pools live: the first GPU ggml has a backend for (HOBBIT §4's GPU-centric

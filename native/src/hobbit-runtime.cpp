@@ -30,12 +30,6 @@ static int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// how a pool slot may be used by a new expert (the rule of cache_take_slot)
-static slot_use use_of(const pool_slot & s) {
-    return s.state == slot_state::empty ? slot_use::empty :
-           s.state == slot_state::ready && s.pins == 0 ? slot_use::evictable : slot_use::busy;
-}
-
 // every MoE layer's router as floats, whatever its type and wherever it lives
 static std::vector<router_weights> load_routers(const llama_model * model, const std::vector<int> & moe_layers) {
     std::vector<router_weights> routers;
@@ -476,7 +470,7 @@ void hobbit_runtime::warm_pools() {
             const expert_pool & pool = *pools[p].pool;
             const bool has_free = std::any_of(pool.slots.begin(), pool.slots.end(),
                                               [](const pool_slot & s) { return s.state == slot_state::empty; });
-            if (has_free && pool.find(il, e) < 0 && queue_background_load(p, il, e, /*prefetch*/ false, loads) >= 0) {
+            if (has_free && pool.find(il, e) < 0 && queue_background_load(p, il, e, /*prefetch*/ false, loads, nullptr) >= 0) {
                 stats_.warm_loads++;
             }
         }
@@ -704,7 +698,27 @@ int hobbit_runtime::n_waves(int il, int n_tokens) const {
     return (int) std::min<int64_t>(LLAMA_MOE_MAX_WAVES, (distinct + capacity - 1) / capacity);
 }
 
-int hobbit_runtime::take_slot(int p) {
+slot_use hobbit_runtime::use_of(const pool_slot & s) const {
+    if (s.pins > 0 || s.background_graph == graph_seq) {
+        return slot_use::busy;
+    }
+    return s.state == slot_state::empty ? slot_use::empty : slot_use::evictable;
+}
+
+void hobbit_runtime::settle(int p, int s, std::unique_lock<std::mutex> * lock) {
+    if (pools[p].pool->slots[s].state != slot_state::loading) {
+        return;
+    }
+    if (!io->drop_prefetches([&](const load_task & t) { return t.group == p && t.slot == s; }).empty()) {
+        pools[p].pool->slots[s].state = slot_state::unread;
+        return;
+    }
+    if (lock != nullptr) {
+        cv_loaded.wait(*lock, [&] { return failed() || pools[p].pool->slots[s].state != slot_state::loading; });
+    }
+}
+
+int hobbit_runtime::take_slot(int p, std::unique_lock<std::mutex> * lock) {
     const expert_pool & pool = *pools[p].pool;
     cache_policy_i & policy = *pools[p].policy;
     std::vector<int> candidates;
@@ -717,6 +731,9 @@ int hobbit_runtime::take_slot(int p) {
                         candidates);
     if (s >= 0 && pool.slots[s].prefetched) {
         stats_.prefetch_wasted++; // evicted before any layer asked for it
+    }
+    if (s >= 0) {
+        settle(p, s, lock);
     }
     return s;
 }
@@ -743,9 +760,10 @@ static int first_level(int want, int n_level, bool exact, bool allow_lower, cons
     return -1;
 }
 
-int hobbit_runtime::take_slot_near(int il, int want, bool exact, bool allow_lower, int & level) {
+int hobbit_runtime::take_slot_near(int il, int want, bool exact, bool allow_lower, int & level,
+                                   std::unique_lock<std::mutex> & lock) {
     int s = -1;
-    level = first_level(want, n_level, exact, allow_lower, [&](int l) { return (s = take_slot(pool_of[l][il])) >= 0; });
+    level = first_level(want, n_level, exact, allow_lower, [&](int l) { return (s = take_slot(pool_of[l][il], &lock)) >= 0; });
     return level >= 0 ? s : -1;
 }
 
@@ -766,20 +784,25 @@ load_task hobbit_runtime::slot_load(int p, int s, int il, int e, bool prefetch) 
     return task; // with neuron reads the pool holds the gate alone: the rows follow once its activations say which
 }
 
-int hobbit_runtime::queue_background_load(int p, int il, int e, bool prefetch, std::vector<load_task> & loads) {
+int hobbit_runtime::queue_background_load(int p, int il, int e, bool prefetch, std::vector<load_task> & loads,
+                                          std::unique_lock<std::mutex> * lock) {
     expert_pool & pool = *pools[p].pool;
-    const int s = take_slot(p);
+    const int s = take_slot(p, lock);
     if (s < 0) {
         return -1;
     }
     pool.assign(s, il, e);
     pool.slots[s].prefetched = prefetch;
+    // busy for the rest of this graph; the warm-up's (no lock: before any graph) are the
+    // pools' first contents, taken like any other once their layer has passed
+    pool.slots[s].background_graph = lock != nullptr ? graph_seq : -1;
     pools[p].policy->on_insert(s, il, e);
     loads.push_back(slot_load(p, s, il, e, /*prefetch*/ true));
     return s;
 }
 
-void hobbit_runtime::prefetch_next_layer_whole(int il, const ggml_tensor * x, std::vector<load_task> & loads) {
+void hobbit_runtime::prefetch_next_layer_whole(int il, const ggml_tensor * x, std::vector<load_task> & loads,
+                                               std::unique_lock<std::mutex> & lock) {
     const auto it = std::find(moe_layers.begin(), moe_layers.end(), il);
     if (it == moe_layers.end() || it + 1 == moe_layers.end()) {
         return;
@@ -807,7 +830,7 @@ void hobbit_runtime::prefetch_next_layer_whole(int il, const ggml_tensor * x, st
     std::vector<int> room(n_level, 0);
     for (int l = 0; l < n_level; ++l) {
         for (const pool_slot & slot : pools[pool_of[l][next]].pool->slots) {
-            room[l] += slot.pins == 0 && slot.state != slot_state::loading;
+            room[l] += use_of(slot) != slot_use::busy;
         }
     }
     for (int e : order) {
@@ -817,7 +840,7 @@ void hobbit_runtime::prefetch_next_layer_whole(int il, const ggml_tensor * x, st
             continue;
         }
         const int p = pool_of[l][next];
-        const int s = queue_background_load(p, next, e, /*prefetch*/ true, loads);
+        const int s = queue_background_load(p, next, e, /*prefetch*/ true, loads, &lock);
         if (s < 0) {
             room[l] = 0;
             continue;
@@ -971,7 +994,8 @@ void hobbit_runtime::release_predicted(const std::function<bool(int p, int s, in
     predicted_pins.erase(keep, predicted_pins.end());
 }
 
-void hobbit_runtime::prefetch_next_layers(int il, const float * x, std::vector<load_task> & loads) {
+void hobbit_runtime::prefetch_next_layers(int il, const float * x, std::vector<load_task> & loads,
+                                          std::unique_lock<std::mutex> & lock) {
     std::vector<layer_prediction> predictions;
     predictor->predict(il, x, params.prefetch_layers, predictions);
     std::vector<int> want;
@@ -1013,7 +1037,7 @@ void hobbit_runtime::prefetch_next_layers(int il, const float * x, std::vector<l
                 }
                 all_cached = false;
                 level = want[i];
-                s = queue_background_load(pool_of[level][lp.il], lp.il, e, /*prefetch*/ true, loads);
+                s = queue_background_load(pool_of[level][lp.il], lp.il, e, /*prefetch*/ true, loads, &lock);
                 if (s < 0) {
                     continue; // every slot of that pool is pinned
                 }
@@ -1051,6 +1075,7 @@ void hobbit_runtime::begin_wave(int il, int wave, const wave_selection & sel, co
     pinned.clear();
     if (wave == 0 && il <= last_dispatch_il) {
         graph_seq++;
+        upgrades_this_graph = 0;
     }
     // predictions for this layer have served their purpose (its selection pins what it
     // uses); those of an earlier graph are stale
@@ -1063,17 +1088,14 @@ void hobbit_runtime::begin_wave(int il, int wave, const wave_selection & sel, co
         pools[pp.pool].pool->slots[pp.slot].pins--;
         return true;
     }), predicted_pins.end());
-    // a queued prefetch for this layer whose expert was not selected was a wrong guess; the
-    // warm-up's and upgrades' loads (background, not guesses) stay queued: dropping a warm
-    // load left its expert to a demand miss later (a placement read one expert twice when
-    // its prompt overtook the warm-up)
+    // a prefetch for this layer whose expert was not selected was a wrong guess: its read is
+    // dropped if still queued (the slot keeps the expert, unread, as if the read had run: what
+    // the cache holds is the same whatever the disk's timing). The warm-up's and upgrades'
+    // reads are not guesses: they stay
     if (wave == 0) {
         for (const load_task & t : io->drop_prefetches([&](const load_task & t) {
-                 return t.prefetch && t.layer == il && sel.n_pairs[t.expert] == 0; })) {
-            if (pools[t.group].pool->slots[t.slot].prefetched) {
-                stats_.prefetch_wasted++;
-            }
-            pools[t.group].pool->clear(t.slot);
+                 return t.layer == il && pools[t.group].pool->slots[t.slot].prefetched && sel.n_pairs[t.expert] == 0; })) {
+            pools[t.group].pool->slots[t.slot].state = slot_state::unread;
         }
     }
     for (pool_group & pg : pools) {
@@ -1207,53 +1229,28 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
 
 int hobbit_runtime::wait_for_slot(int il, int want, bool exact, const wave_selection & sel, std::unique_lock<std::mutex> & lock,
                                   int & level) {
-    int s = -1;
-    while (!failed()) {
-        // prefetches stand in the way: unpin the predicted experts, drop the queued loads,
-        // wait for a running one
-        release_predicted([](int, int, int) { return true; });
-        for (int l = 0; l < n_level; ++l) {
-            const int p = pool_of[l][il];
-            // (not the loads of slots this wave pinned: it waits for them after the plan)
-            const expert_pool & pool = *pools[p].pool;
-            for (const load_task & t : io->drop_prefetches([&](const load_task & t) {
-                     return t.group == p && pool.slots[t.slot].pins == 0; })) {
-                if (pools[t.group].pool->slots[t.slot].prefetched) {
-                    stats_.prefetch_wasted++;
-                }
-                pools[t.group].pool->clear(t.slot);
+    // what stands in the way besides this ubatch's own experts: the predictions (unpinned) and
+    // the background loads of this graph into the layer's pools (made evictable: the policy
+    // then chooses among them as among the rest)
+    release_predicted([](int, int, int) { return true; });
+    for (int l = 0; l < n_level; ++l) {
+        for (pool_slot & ps : pools[pool_of[l][il]].pool->slots) {
+            if (ps.pins == 0) {
+                ps.background_graph = -1;
             }
         }
-        s = take_slot_near(il, want, exact, true, level);
-        if (s >= 0) {
-            break;
-        }
-        bool prefetch_running = false;
-        for (int l = 0; l < n_level; ++l) {
-            const expert_pool & lp = *pools[pool_of[l][il]].pool;
-            prefetch_running = prefetch_running || std::any_of(lp.slots.begin(), lp.slots.end(),
-                [](const pool_slot & ps) { return ps.state == slot_state::loading && ps.pins == 0; });
-        }
-        if (!prefetch_running && exact) {
-            // every slot of the wanted level is taken by this very ubatch: exactness as far
-            // as the pools allow, another level rather than a failed run
-            s = take_slot_near(il, want, false, true, level);
-            if (s >= 0) {
-                break;
-            }
-        }
-        if (!prefetch_running) {
-            // every slot is taken by this very ubatch: it is wider than the pools
-            fail("layer " + std::to_string(il) + " selects " + std::to_string(sel.order.size()) +
-                 " experts in one ubatch but its pools hold " + std::to_string(layer_capacity(il)) +
-                 "; use a smaller n_ubatch or a larger expert cache");
-            break;
-        }
-        cv_loaded.wait(lock);
-        s = take_slot_near(il, want, exact, true, level);
-        if (s >= 0) {
-            break;
-        }
+    }
+    int s = failed() ? -1 : take_slot_near(il, want, exact, true, level, lock);
+    if (s < 0 && exact && !failed()) {
+        // every slot of the wanted level is taken by this very ubatch: exactness as far
+        // as the pools allow, another level rather than a failed run
+        s = take_slot_near(il, want, false, true, level, lock);
+    }
+    if (s < 0 && !failed()) {
+        // every slot is taken by this very ubatch: it is wider than the pools
+        fail("layer " + std::to_string(il) + " selects " + std::to_string(sel.order.size()) +
+             " experts in one ubatch but its pools hold " + std::to_string(layer_capacity(il)) +
+             "; use a smaller n_ubatch or a larger expert cache");
     }
     return s;
 }
@@ -1299,13 +1296,17 @@ wave_assignment hobbit_runtime::apply_wave(int il, const wave_plan & plan, const
                 pg.pool->slots[s].prefetched = false;
             }
             pg.policy->on_access(s, /*high*/ level == 0);
+            if (pg.pool->slots[s].state == slot_state::unread) { // its dropped read, now needed
+                pg.pool->slots[s].state = slot_state::loading;
+                loads.push_back(slot_load(pool_of[level][il], s, il, e, /*prefetch*/ false));
+            }
             if (c.upgrade) {
                 upgrade.emplace_back(e, sel.want[e]);
             }
         } else {
             // load or wait: the plan counted a free or evictable slot for each load, and only
             // waits (which drop prefetches and free slots) change the pools in between
-            s = c.how == serve_as::load ? take_slot(pool_of[level][il]) : -1;
+            s = c.how == serve_as::load ? take_slot(pool_of[level][il], &lock) : -1;
             if (s < 0 && (plan.must_fit || c.how == serve_as::wait)) {
                 s = wait_for_slot(il, sel.want[e], exact_for(sel, e), sel, lock, level);
             }
@@ -1332,16 +1333,18 @@ wave_assignment hobbit_runtime::apply_wave(int il, const wave_plan & plan, const
         served[e]     = true;
         stats_.served[level] += sel.n_pairs[e];
     }
-    // the wanted precision of a lower-precision hit loads in the background, one at a
-    // time, so upgrades use the disk's idle time and never queue up ahead of what the
-    // next layers will need
+    // the wanted precision of a lower-precision hit loads in the background: one a graph, from
+    // a wave that loads nothing, so upgrades use the disk's idle time and never queue up ahead
+    // of what the next layers will need (a rule of the plan, not of the disk's timing: the
+    // same text upgrades the same experts)
     for (const auto & [e, level] : upgrade) {
-        if (io->background_in_flight() + (int) loads.size() > 0) {
+        if (upgrades_this_graph > 0 || !loads.empty()) {
             break;
         }
         if (pools[pool_of[level][il]].pool->find(il, e) < 0 &&
-            queue_background_load(pool_of[level][il], il, e, /*prefetch*/ false, loads) >= 0) {
+            queue_background_load(pool_of[level][il], il, e, /*prefetch*/ false, loads, &lock) >= 0) {
             stats_.upgrades++;
+            upgrades_this_graph++;
         }
     }
     return a;
@@ -1435,11 +1438,11 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
         const bool x_rows = x->type == GGML_TYPE_F32 && x->ne[0] == index.info.n_embd && x->ne[1] == n_tokens &&
                             x->nb[0] == sizeof(float);
         if (predictor && wave == 0 && n_tokens == 1 && x_rows) {
-            prefetch_next_layers(il, (const float *) x->data, loads);
+            prefetch_next_layers(il, (const float *) x->data, loads, lock);
         }
         if (wave == 0 && prompt) {
             if (!a.any_inplace) {
-                prefetch_next_layer_whole(il, x_rows ? x : nullptr, loads);
+                prefetch_next_layer_whole(il, x_rows ? x : nullptr, loads, lock);
             } else {
                 read_ahead_next_layer(il);
             }

@@ -84,35 +84,45 @@ private:
     // runs on the compute thread, blocking until this wave's experts are in the pools:
     // read the selection, begin_wave, plan_wave, apply_wave, prefetch, submit, wait, write ids
     void dispatch(ggml_tensor * dst, int il, int wave);
-    // the previous wave's pins, stale predictions and wrong prefetches go; needs mtx
+    // the previous wave's pins, stale predictions and wrong prefetches' queued reads go; needs mtx
     void begin_wave(int il, int wave, const wave_selection & sel, const ggml_tensor * dst);
+    // how a plan may use a slot: by its logical state only (what it was given, its pins, a
+    // background load queued this graph), never whether its bytes have arrived
+    slot_use use_of(const pool_slot & s) const;
+    // a background read into slot s of pool p stops mattering: dropped if still queued (the slot
+    // then unread: it keeps its expert, read when first used), else waited out (with lock;
+    // nullptr: only while nothing reads into the pools, the warm-up)
+    void settle(int p, int s, std::unique_lock<std::mutex> * lock);
     // what the wave does for each selected expert, from the pools as they are; changes nothing; needs mtx
     wave_plan plan_wave(int il, int wave, const wave_selection & sel) const;
     // carries the plan out: hits pinned, slots taken and assigned, loads and upgrades
     // queued in loads, counted in the stats; needs mtx, which a wait for a slot releases
     wave_assignment apply_wave(int il, const wave_plan & plan, const wave_selection & sel,
                                std::unique_lock<std::mutex> & lock, std::vector<load_task> & loads);
-    // the last wave's expert finds no slot: drop prefetches and wait for a running load
-    // until one frees, or fail; the slot and its level, or -1; needs mtx
+    // the last wave's expert finds no slot: the predictions unpinned, this graph's background
+    // loads into the layer's pools cancelled, then a slot or a failure (this ubatch holds them
+    // all); the slot and its level, or -1; needs mtx, which a wait for a running load releases
     int  wait_for_slot(int il, int want, bool exact, const wave_selection & sel, std::unique_lock<std::mutex> & lock, int & level);
     // the cached copy a selection may use: any level, or (exact) only the wanted one; needs mtx
     int  lookup(int il, int e, int want, bool exact, int & level) const;
     // hits "exact" for this expert of the selection: not for a prompt's least popular (any copy at or
     // above the low level serves them)
     bool exact_for(const wave_selection & sel, int e) const;
-    // a slot of pool p for a new expert, or -1 if every slot is pinned or loading; needs mtx
-    int  take_slot(int p);
+    // a slot of pool p for a new expert, or -1 if every slot is busy (use_of); settled with
+    // lock (nullptr: only while nothing reads into the pools, the warm-up); needs mtx
+    int  take_slot(int p, std::unique_lock<std::mutex> * lock);
     // a slot for an expert of layer il at level want if one is free, else at the nearest
     // higher precision, else (allow_lower) lower; level set to the level found; needs mtx
-    int  take_slot_near(int il, int want, bool exact, bool allow_lower, int & level);
+    int  take_slot_near(int il, int want, bool exact, bool allow_lower, int & level, std::unique_lock<std::mutex> & lock);
     // the slot of (il, e) at the highest precision cached, or -1; level set; needs mtx
     int  find_cached(int il, int e, int & level) const;
     // the layer's pools (one per level) hold up to this many experts at once
     int  layer_capacity(int il) const;
     // queue a load of (il, e) into a free or evictable slot of pool p; the slot, or -1 if none; needs mtx
-    int  queue_background_load(int p, int il, int e, bool prefetch, std::vector<load_task> & loads);
+    int  queue_background_load(int p, int il, int e, bool prefetch, std::vector<load_task> & loads,
+                               std::unique_lock<std::mutex> * lock);
     // HOBBIT's adaptive prefetch (§3.3) from layer il's router input x; needs mtx
-    void prefetch_next_layers(int il, const float * x, std::vector<load_task> & loads);
+    void prefetch_next_layers(int il, const float * x, std::vector<load_task> & loads, std::unique_lock<std::mutex> & lock);
     // importance-driven substitution (hobbit-substitution.h) for a decode ubatch (one token, or
     // a batch of beams or sequences, where an expert another token selects counts as cached:
     // Algorithm 2's batch rule): rewrites the dispatch op's selected ids and gate weights
@@ -126,7 +136,8 @@ private:
     // high precision while this layer computes, as many as the next layer's pool has room for,
     // those most of its tokens are predicted to use first (x: this layer's router input, or
     // nullptr: in expert order); needs mtx
-    void prefetch_next_layer_whole(int il, const ggml_tensor * x, std::vector<load_task> & loads);
+    void prefetch_next_layer_whole(int il, const ggml_tensor * x, std::vector<load_task> & loads,
+                                   std::unique_lock<std::mutex> & lock);
     // a wide ubatch computing in place: the next MoE layer's experts are read into the page
     // cache (readahead, asynchronous) while this layer computes, if there is room; needs mtx
     void read_ahead_next_layer(int il);
@@ -226,6 +237,7 @@ private:
         int64_t graph;               // the graph (token step) it was predicted in
     };
     std::vector<predicted_pin> predicted_pins;
+    int                     upgrades_this_graph = 0;
     int64_t                 graph_seq = 0; // counts graphs: a dispatch of a layer not after the last one starts a new one
     std::vector<bool>       served;   // experts of the current layer's ubatch served by an earlier wave
     int                     n_waiting = 0;

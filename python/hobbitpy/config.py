@@ -274,7 +274,8 @@ class OffloadConfig:
         default_text="room for every expert at the lowest precision, up to 85 % of the budget, the rest to the others; "
                      "with prefill_low_share and T1 = 1, room for two layers' share of a prompt's experts, up to 15 %")
     hits: str = option("upgrade", "a hit at another precision than wanted: use it (found), use it and load the wanted "
-                                  "one in the background when it was lower and the disk is idle (upgrade), or serve "
+                                  "one in the background when it was lower, one a token from a layer that loads nothing "
+                                  "(upgrade), or serve "
                                   "exactly the wanted precision (exact: the rule's own effect on quality)",
                        flag="--hits", choices=HIT_POLICIES, profile=True)
     mode: str = option("gpu-centric", "where a missed expert runs: loaded into the cache (gpu-centric), computed in "
