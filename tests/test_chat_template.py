@@ -72,3 +72,23 @@ def test_the_server_answers_a_400_and_goes_on_serving(folder):
         _still_answers(base)
     finally:
         _stop(proc)
+
+
+@pytest.mark.parametrize("template", [
+    "{{ 'x' * 10**11 }}",  # 100 GB at once
+    "{{ (['x'] * 1000) * 10**9 }}",
+    "{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}",
+    "{{ 7 ** (10**12) }}",  # (Jinja's ** groups from the left)
+])
+def test_a_template_that_would_take_memory_without_end_is_refused_before_it_does(template):
+    from hobbitpy.chat_template import BoundedChatFormatter
+
+    formatter = BoundedChatFormatter(template=template, eos_token="</s>", bos_token="<s>")
+    started = time.monotonic()
+    with pytest.raises(hobbitpy.ChatTemplateError, match="made a value larger than"):
+        formatter(messages=MESSAGES)
+    assert time.monotonic() - started < 1.0
+    # an ordinary template through the same sandbox renders as before
+    plain = BoundedChatFormatter(template="{% for m in messages %}{{ m['role'] + ': ' + m['content'] * 2 }}{% endfor %}",
+                                 eos_token="</s>", bos_token="<s>")
+    assert plain(messages=MESSAGES).prompt == "user: hihi"

@@ -155,16 +155,23 @@ def test_a_bad_grammar_or_an_oversized_body_is_refused_and_the_server_stays_up(s
     assert status == 200 and body["choices"][0]["text"] in ("yes", "no", "y", "n", "ye"), body
     # a body over the limit (a 50 MB prompt held 3 GB): refused on its announced length, before
     # a byte of it is read (the client never sends it here)
-    host, port = server.removeprefix("http://").split(":")
+    status, message = _announce_an_oversized_body(server)
+    assert status == 413 and "bytes" in message
+    _still_answers(server)
+
+
+def _announce_an_oversized_body(base: str) -> tuple[int, str]:
+    host, port = base.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=30)
     connection.putrequest("POST", "/v1/completions")
     connection.putheader("Content-Type", "application/json")
     connection.putheader("Content-Length", str(5 * 1024 * 1024))
     connection.endheaders()
     response = connection.getresponse()
-    assert response.status == 413 and "bytes" in json.loads(response.read())["error"]["message"]
-    connection.close()
-    _still_answers(server)
+    try:
+        return response.status, json.loads(response.read())["error"]["message"]
+    finally:
+        connection.close()
 
 
 def test_concurrent_streams_take_turns_and_every_one_ends_with_a_reason(server):
@@ -280,5 +287,64 @@ def test_a_failed_expert_read_is_a_503_and_the_server_recovers_with_its_file(tmp
             f.write(whole)
         assert _still_answers(base) == before
         assert json.loads(_get(base + "/health")[1])["status"] == "ok"
+    finally:
+        _stop(proc)
+
+
+def _rss_and_fds(pid: int) -> tuple[int, int]:
+    status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    rss_kb = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+    return rss_kb * 1024, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _abandon_a_stream(base: str) -> None:
+    """A streamed completion whose client goes away after its first chunk."""
+    host, port = base.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps(
+        {"prompt": PROMPT, "max_tokens": 64, "temperature": 0, "stream": True}), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    response.fp.readline()
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+
+
+def test_rounds_of_abuse_leave_the_server_answering_alike_in_bounded_memory_and_fds():
+    """Three rounds of every hostile request above (bad bodies and fields, a bad grammar, a body
+    over the limit, a client gone mid-stream, four concurrent streams): the server answers a
+    temperature-0 request as it did first, and after the first round (allocators and caches warm)
+    neither its memory nor its open files grow."""
+    import concurrent.futures
+
+    proc, base = _start()
+    try:
+        first = _still_answers(base)
+
+        def one_round():
+            for path, body, _ in BAD_REQUESTS:
+                status, _ = _post(base + path, body)
+                assert status == 400
+            status, _ = _post(base + "/v1/completions",
+                              json.dumps({"prompt": "x", "max_tokens": 2, "grammar": "root ::= ("}).encode())
+            assert status == 400
+            assert _announce_an_oversized_body(base)[0] == 413
+            _abandon_a_stream(base)
+            client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                reasons = list(pool.map(lambda _: list(client.completions.create(
+                    model="ref-mixtral", prompt=PROMPT, max_tokens=6, temperature=0, stream=True))[-1].choices[0].finish_reason,
+                    range(4)))
+            assert all(reason in ("length", "stop") for reason in reasons), reasons
+            assert _still_answers(base) == first
+
+        one_round()
+        rss, fds = _rss_and_fds(proc.pid)
+        for _ in range(2):
+            one_round()
+        rss_after, fds_after = _rss_and_fds(proc.pid)
+        assert rss_after - rss < 48 * 2**20, (rss, rss_after)
+        assert fds_after <= fds + 1, (fds, fds_after)  # (a keep-alive connection may still be open)
+        assert proc.poll() is None
     finally:
         _stop(proc)

@@ -2,10 +2,12 @@
 
 A GGUF carries its chat template as Jinja; llama-cpp-python renders it in Jinja's sandbox,
 which keeps a template from the file system but not from running forever: nested
-`range(100000)` loops pinned a core of the server for good. Here each render has a deadline,
-checked at every line of the template's compiled code, and a template's failure (a syntax
-error, its own `raise_exception`, a deadline missed) is a ChatTemplateError saying so, not a
-traceback of Jinja's internals.
+`range(100000)` loops pinned a core of the server for good, and `'x' * 10**10` would take
+10 GB at once. Here each render has a deadline, checked at every line of the template's
+compiled code; the operators that make large values (`*`, `**`, `+`) refuse a result past
+RESULT_BYTES before it is made (Jinja's sandbox routes them through `call_binop`); and a
+template's failure (a syntax error, its own `raise_exception`, a deadline missed, a value too
+large) is a ChatTemplateError saying so, not a traceback of Jinja's internals.
 """
 
 from __future__ import annotations
@@ -14,12 +16,45 @@ import contextlib
 import sys
 import time
 
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from llama_cpp import llama_chat_format
 
 from .errors import ChatTemplateError
 
 # how long one render may take: a real template renders a conversation in milliseconds
 RENDER_SECONDS = 2.0
+# the largest value one operator of a template may make: a conversation that fills a long
+# context is a few MB of text
+RESULT_BYTES = 16 << 20
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _result_size(operator: str, left, right) -> int:
+    """An upper bound of the size of `left operator right`, known before it is computed (0:
+    not a sequence that could grow)."""
+    sized = (str, bytes, list, tuple)
+    if operator == "*" and isinstance(left, int) and isinstance(right, sized):
+        left, right = right, left
+    if operator == "*" and isinstance(left, sized) and isinstance(right, int):
+        return len(left) * max(right, 0)
+    if operator == "+" and isinstance(left, sized) and isinstance(right, sized):
+        return len(left) + len(right)
+    if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+        return (abs(left).bit_length() * right) // 8  # an integer's bytes
+    return 0
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """llama-cpp-python's sandbox, its settings kept, with the growing operators checked."""
+    intercepted_binops = frozenset({"*", "**", "+"})
+
+    def call_binop(self, context, operator, left, right):
+        if _result_size(operator, left, right) > RESULT_BYTES:
+            raise _TooLarge
+        return super().call_binop(context, operator, left, right)
 
 
 class _Overtime(Exception):
@@ -36,6 +71,11 @@ class BoundedChatFormatter(llama_chat_format.Jinja2ChatFormatter):
             self.broken = f"{ChatTemplateError.PREFIX} does not parse ({e})"
         else:
             self.broken = None
+            # compiled again by the same sandbox as the bounded one: intercepted operators are
+            # chosen when the template compiles
+            environment = self._environment.environment
+            environment.__class__ = _BoundedSandbox
+            self._environment = environment.from_string(self.template)
 
     def __call__(self, **kwargs):
         if self.broken is not None:
@@ -54,6 +94,9 @@ class BoundedChatFormatter(llama_chat_format.Jinja2ChatFormatter):
         except _Overtime:
             raise ChatTemplateError(f"{ChatTemplateError.PREFIX} did not render within {RENDER_SECONDS:g} s "
                                     "(a loop without end?)") from None
+        except _TooLarge:
+            raise ChatTemplateError(f"{ChatTemplateError.PREFIX} made a value larger than {RESULT_BYTES >> 20} MB "
+                                    "(a string or list multiplied or added without bound?)") from None
         except ChatTemplateError:
             raise
         except Exception as e:  # its raise_exception, or an error inside Jinja
