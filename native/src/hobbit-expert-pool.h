@@ -29,9 +29,10 @@ struct pool_slot {
     slot_state state      = slot_state::empty;
     int        pins       = 0;     // users that need the data to stay (the layer being computed)
     bool       prefetched = false; // loaded by a prefetch and not selected since
-    // the graph a background load (prefetch, upgrade) was queued into this slot in (-1: none
-    // since it was cleared): the slot is busy for the rest of that graph, however soon its
-    // bytes arrive, so that what a plan may take does not depend on the disk's timing
+    // the graph a background load (prefetch, upgrade) was queued into this slot in (-1: none,
+    // or the prefetch's layer has had its turn): the slot is busy until then (an upgrade: for
+    // the rest of that graph), however soon its bytes arrive, so that what a plan may take
+    // does not depend on the disk's timing
     int64_t    background_graph = -1;
 };
 

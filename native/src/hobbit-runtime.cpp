@@ -796,6 +796,9 @@ int hobbit_runtime::queue_background_load(int p, int il, int e, bool prefetch, s
     // busy for the rest of this graph; the warm-up's (no lock: before any graph) are the
     // pools' first contents, taken like any other once their layer has passed
     pool.slots[s].background_graph = lock != nullptr ? graph_seq : -1;
+    if (prefetch && lock != nullptr) {
+        prefetched_this_graph.push_back({ p, s, il });
+    }
     pools[p].policy->on_insert(s, il, e);
     loads.push_back(slot_load(p, s, il, e, /*prefetch*/ true));
     return s;
@@ -1076,6 +1079,7 @@ void hobbit_runtime::begin_wave(int il, int wave, const wave_selection & sel, co
     if (wave == 0 && il <= last_dispatch_il) {
         graph_seq++;
         upgrades_this_graph = 0;
+        prefetched_this_graph.clear();
     }
     // predictions for this layer have served their purpose (its selection pins what it
     // uses); those of an earlier graph are stale
@@ -1097,6 +1101,18 @@ void hobbit_runtime::begin_wave(int il, int wave, const wave_selection & sel, co
                  return t.layer == il && pools[t.group].pool->slots[t.slot].prefetched && sel.n_pairs[t.expert] == 0; })) {
             pools[t.group].pool->slots[t.slot].state = slot_state::unread;
         }
+        // this layer's prefetches have had their turn: from here they are cached like any other
+        prefetched_this_graph.erase(std::remove_if(prefetched_this_graph.begin(), prefetched_this_graph.end(),
+            [&](const std::array<int, 3> & ps) {
+                if (ps[2] != il) {
+                    return false;
+                }
+                pool_slot & slot = pools[ps[0]].pool->slots[ps[1]];
+                if (slot.layer == il && slot.background_graph == graph_seq) {
+                    slot.background_graph = -1;
+                }
+                return true;
+            }), prefetched_this_graph.end());
     }
     for (pool_group & pg : pools) {
         pg.policy->on_layer(il);
@@ -1287,7 +1303,16 @@ wave_assignment hobbit_runtime::apply_wave(int il, const wave_plan & plan, const
             serve_in_place(e);
             continue;
         }
-        if (c.how == serve_as::hit) {
+        if (c.how == serve_as::hit && pools[pool_of[level][il]].pool->slots[s].state == slot_state::unread) {
+            // its dropped read, now needed: read on demand, counted as the miss it is for the disk
+            pool_group & pg = pools[pool_of[level][il]];
+            stats_.expert_misses++;
+            pg.misses++;
+            pg.pool->slots[s].prefetched = false;
+            pg.pool->slots[s].state = slot_state::loading;
+            pg.policy->on_access(s, /*high*/ level == 0);
+            loads.push_back(slot_load(pool_of[level][il], s, il, e, /*prefetch*/ false));
+        } else if (c.how == serve_as::hit) {
             pool_group & pg = pools[pool_of[level][il]];
             stats_.expert_hits++;
             pg.hits++;
@@ -1296,10 +1321,6 @@ wave_assignment hobbit_runtime::apply_wave(int il, const wave_plan & plan, const
                 pg.pool->slots[s].prefetched = false;
             }
             pg.policy->on_access(s, /*high*/ level == 0);
-            if (pg.pool->slots[s].state == slot_state::unread) { // its dropped read, now needed
-                pg.pool->slots[s].state = slot_state::loading;
-                loads.push_back(slot_load(pool_of[level][il], s, il, e, /*prefetch*/ false));
-            }
             if (c.upgrade) {
                 upgrade.emplace_back(e, sel.want[e]);
             }

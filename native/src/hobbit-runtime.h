@@ -22,6 +22,7 @@
 #include "hobbit.h"
 #include "llama.h"
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <ctime>
@@ -238,6 +239,8 @@ private:
     };
     std::vector<predicted_pin> predicted_pins;
     int                     upgrades_this_graph = 0;
+    // prefetches queued this graph (pool, slot, layer): busy until their layer's turn (begin_wave)
+    std::vector<std::array<int, 3>> prefetched_this_graph;
     int64_t                 graph_seq = 0; // counts graphs: a dispatch of a layer not after the last one starts a new one
     std::vector<bool>       served;   // experts of the current layer's ubatch served by an earlier wave
     int                     n_waiting = 0;
