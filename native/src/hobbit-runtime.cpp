@@ -793,8 +793,8 @@ int hobbit_runtime::queue_background_load(int p, int il, int e, bool prefetch, s
     }
     pool.assign(s, il, e);
     pool.slots[s].prefetched = prefetch;
-    // busy for the rest of this graph; the warm-up's (no lock: before any graph) are the
-    // pools' first contents, taken like any other once their layer has passed
+    // busy until its layer's turn (a prefetch) or for the rest of this graph (an upgrade); the
+    // warm-up's (no lock: before any graph) are the pools' first contents, taken like any other
     pool.slots[s].background_graph = lock != nullptr ? graph_seq : -1;
     if (prefetch && lock != nullptr) {
         prefetched_this_graph.push_back({ p, s, il });
