@@ -61,48 +61,62 @@ class _Overtime(Exception):
     pass
 
 
+_TOO_LARGE = (f"made a value larger than {RESULT_BYTES >> 20} MB "
+              "(a string or list multiplied or added without bound?)")
+
+
+def _within_deadline(work):
+    """work(), stopped by _Overtime at the first line of Python past RENDER_SECONDS from now."""
+    deadline = time.monotonic() + RENDER_SECONDS
+
+    def check(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise _Overtime
+        return check
+
+    previous = sys.gettrace()
+    sys.settrace(check)
+    try:
+        return work()
+    finally:
+        sys.settrace(previous)
+
+
 class BoundedChatFormatter(llama_chat_format.Jinja2ChatFormatter):
     """llama-cpp-python's formatter of a GGUF chat template, each render within RENDER_SECONDS."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, template: str, *args, **kwargs):
+        # llama-cpp-python's __init__ compiles the template in its own sandbox, whose compiler
+        # folds constant expressions unbounded (`7 ** 10**12` would never finish): it gets an
+        # empty template, and the real one compiles here, in the bounded sandbox and in time
+        super().__init__("", *args, **kwargs)
+        self.template = template
+        environment = self._environment.environment
+        environment.__class__ = _BoundedSandbox
+        self.broken = None
         try:
-            super().__init__(*args, **kwargs)
+            self._environment = _within_deadline(lambda: environment.from_string(template))
+        except _Overtime:
+            self.broken = f"{ChatTemplateError.PREFIX} did not compile within {RENDER_SECONDS:g} s"
+        except _TooLarge:
+            self.broken = f"{ChatTemplateError.PREFIX} {_TOO_LARGE}"
         except Exception as e:  # jinja2's TemplateSyntaxError and kin
             self.broken = f"{ChatTemplateError.PREFIX} does not parse ({e})"
-        else:
-            self.broken = None
-            # compiled again by the same sandbox as the bounded one: intercepted operators are
-            # chosen when the template compiles
-            environment = self._environment.environment
-            environment.__class__ = _BoundedSandbox
-            self._environment = environment.from_string(self.template)
 
     def __call__(self, **kwargs):
         if self.broken is not None:
             raise ChatTemplateError(self.broken)
-        deadline = time.monotonic() + RENDER_SECONDS
-
-        def check(frame, event, arg):
-            if time.monotonic() > deadline:
-                raise _Overtime
-            return check
-
-        previous = sys.gettrace()
-        sys.settrace(check)
         try:
-            return super().__call__(**kwargs)
+            return _within_deadline(lambda: super(BoundedChatFormatter, self).__call__(**kwargs))
         except _Overtime:
             raise ChatTemplateError(f"{ChatTemplateError.PREFIX} did not render within {RENDER_SECONDS:g} s "
                                     "(a loop without end?)") from None
         except _TooLarge:
-            raise ChatTemplateError(f"{ChatTemplateError.PREFIX} made a value larger than {RESULT_BYTES >> 20} MB "
-                                    "(a string or list multiplied or added without bound?)") from None
+            raise ChatTemplateError(f"{ChatTemplateError.PREFIX} {_TOO_LARGE}") from None
         except ChatTemplateError:
             raise
         except Exception as e:  # its raise_exception, or an error inside Jinja
             raise ChatTemplateError(f"{ChatTemplateError.PREFIX} failed on this conversation: {e}") from None
-        finally:
-            sys.settrace(previous)
 
 
 @contextlib.contextmanager
