@@ -298,5 +298,6 @@ def test_the_same_text_gives_the_same_logits_whatever_the_disks_timing(model_dir
     for scores, other in runs[1:]:
         differ = np.flatnonzero((scores.view(np.uint32) != first.view(np.uint32)).any(axis=1))
         assert differ.size == 0, f"the runs' logits differ from token {differ[0]} of {len(first)}"
-        # (what is read on demand may differ: a dropped prefetch is read when first used)
-        assert other["served"] == stats["served"]
+        # the precisions served and the upgrades too (what is read on demand may differ: a
+        # dropped prefetch is read when first used)
+        assert other["served"] == stats["served"] and other["upgrades"] == stats["upgrades"], (other, stats)

@@ -1275,6 +1275,7 @@ wave_assignment hobbit_runtime::apply_wave(int il, const wave_plan & plan, const
                                            std::unique_lock<std::mutex> & lock, std::vector<load_task> & loads) {
     wave_assignment a(index.info.n_expert);
     std::vector<std::pair<int, int>> upgrade; // (expert, wanted level) hit at a lower precision
+    bool plan_loads = false; // a miss of the plan's (not a dropped prefetch's read, which the disk's timing decides)
     const auto serve_in_place = [&](int e) {
         if (!mapped_expert_present(il, e)) {
             return; // the run has failed: the abort callback stops the graph before it computes
@@ -1312,6 +1313,9 @@ wave_assignment hobbit_runtime::apply_wave(int il, const wave_plan & plan, const
             pg.pool->slots[s].state = slot_state::loading;
             pg.policy->on_access(s, /*high*/ level == 0);
             loads.push_back(slot_load(pool_of[level][il], s, il, e, /*prefetch*/ false));
+            if (c.upgrade) {
+                upgrade.emplace_back(e, sel.want[e]); // a hit for the plan, whichever way its read went
+            }
         } else if (c.how == serve_as::hit) {
             pool_group & pg = pools[pool_of[level][il]];
             stats_.expert_hits++;
@@ -1345,6 +1349,7 @@ wave_assignment hobbit_runtime::apply_wave(int il, const wave_plan & plan, const
             pg.policy->on_insert(s, il, e);
             pg.policy->on_access(s, /*high*/ level == 0);
             loads.push_back(slot_load(p, s, il, e, /*prefetch*/ false));
+            plan_loads = true;
         }
         const int p = pool_of[level][il];
         pools[p].pool->slots[s].pins++;
@@ -1357,9 +1362,10 @@ wave_assignment hobbit_runtime::apply_wave(int il, const wave_plan & plan, const
     // the wanted precision of a lower-precision hit loads in the background: one a graph, from
     // a wave that loads nothing, so upgrades use the disk's idle time and never queue up ahead
     // of what the next layers will need (a rule of the plan, not of the disk's timing: the
-    // same text upgrades the same experts)
+    // same text upgrades the same experts; a dropped prefetch read again counts as no load,
+    // since whether its read was dropped or had already run is the disk's timing)
     for (const auto & [e, level] : upgrade) {
-        if (upgrades_this_graph > 0 || !loads.empty()) {
+        if (upgrades_this_graph > 0 || plan_loads) {
             break;
         }
         if (pools[pool_of[level][il]].pool->find(il, e) < 0 &&
