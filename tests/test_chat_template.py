@@ -22,7 +22,7 @@ TEMPLATES = {
     "raises": "{{ raise_exception('Conversation roles must alternate user/assistant') }}",
     "does not parse": "{% for %}",
 }
-SAYS = {"loops": "did not render within", "raises": "roles must alternate", "does not parse": "does not parse"}
+SAYS = {"loops": "rendering did not finish within", "raises": "roles must alternate", "does not parse": "does not parse"}
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
@@ -74,21 +74,61 @@ def test_the_server_answers_a_400_and_goes_on_serving(folder):
         _stop(proc)
 
 
-@pytest.mark.parametrize("template", [
+# (Jinja's ** groups from the left, hence the parentheses)
+MEMORY_BOMBS = [
     "{{ 'x' * 10**11 }}",  # 100 GB at once
     "{{ (['x'] * 1000) * 10**9 }}",
     "{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}",
-    "{{ 7 ** (10**12) }}",  # (Jinja's ** groups from the left)
-])
-def test_a_template_that_would_take_memory_without_end_is_refused_before_it_does(template):
-    from hobbitpy.chat_template import BoundedChatFormatter
-
-    formatter = BoundedChatFormatter(template=template, eos_token="</s>", bos_token="<s>")
+    "{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+    "{{ 'x'|center(10**10) }}",
+    "{{ '%010000000000d'|format(1) }}",
+    "{{ '%010000000000d' % 1 }}",
+    "{{ 'x'.ljust(10**10) }}",
+    "{{ '{:>10000000000}'.format(1) }}",
+    "{{ ('x\\n' * 1000000)|indent(100000) }}",  # (blank lines stay unindented)
+    "{{ (['x' * 1000000] * 100000)|join }}",
+    "{{ ([[1] * 1000] * 100000)|sum(start=[]) }}",
+]
+INTEGER_BOMBS = [
+    "{{ 7 ** (10**12) }}",  # a power no deadline interrupts: one C call
+    "{% set ns = namespace(n=7) %}{% for i in range(64) %}{% set ns.n = ns.n * ns.n %}{% endfor %}{{ ns.n }}",
+]
+# each bomb compiled and rendered in a child process whose address space is capped, so that a
+# bound that does not hold fails the test instead of taking the machine's memory
+RENDER_BOMBS = """
+import json, resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+import hobbitpy
+from hobbitpy.chat_template import BoundedChatFormatter
+out = []
+for template in json.loads(sys.argv[1]):
     started = time.monotonic()
-    with pytest.raises(hobbitpy.ChatTemplateError, match="made a value larger than"):
-        formatter(messages=MESSAGES)
-    assert time.monotonic() - started < 1.0
-    # an ordinary template through the same sandbox renders as before
-    plain = BoundedChatFormatter(template="{% for m in messages %}{{ m['role'] + ': ' + m['content'] * 2 }}{% endfor %}",
-                                 eos_token="</s>", bos_token="<s>")
-    assert plain(messages=MESSAGES).prompt == "user: hihi"
+    try:
+        BoundedChatFormatter(template=template, eos_token="</s>", bos_token="<s>")(messages=[{"role": "user", "content": "hi"}])
+        said = None
+    except hobbitpy.ChatTemplateError as e:
+        said = str(e)
+    out.append([template, said, time.monotonic() - started])
+plain = BoundedChatFormatter(template="{% for m in messages %}{{ m['role'] + ': ' + m['content'] * 2 }}{% endfor %}",
+                             eos_token="</s>", bos_token="<s>")
+out.append(["plain", plain(messages=[{"role": "user", "content": "hi"}]).prompt, 0])
+print(json.dumps({"renders": out, "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+
+
+def test_a_template_that_would_take_memory_or_time_without_end_is_stopped_within_its_bounds():
+    from hobbitpy.chat_template import HEAP_BYTES
+
+    proc = subprocess.run([sys.executable, "-c", RENDER_BOMBS, json.dumps(MEMORY_BOMBS + INTEGER_BOMBS)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    *renders, (_, plain, _) = result["renders"]
+    for template, said, seconds in renders:
+        expected = "made an integer of more than" if template in INTEGER_BOMBS else "asked for more than 256 MB"
+        assert said is not None and expected in said, (template, said)
+        assert seconds < 2.0, (template, seconds)
+    # an ordinary template through the same bounds renders as before
+    assert plain == "user: hihi"
+    # no bomb got far: the child's peak is an interpreter with llama_cpp, plus at most the budget
+    assert result["max_rss_kb"] * 1024 < 200e6 + HEAP_BYTES, result["max_rss_kb"]

@@ -446,6 +446,24 @@ HOBBIT_API bool hobbit_neuron_mask_stats(hobbit_neuron_mask * m, int64_t * n_sel
 // (hobbit-quantize.cpp); returns the bytes written, 0 if n_per_row is not whole blocks
 HOBBIT_API size_t hobbit_quantize_q2_K(const float * src, void * dst, int64_t nrows, int64_t n_per_row);
 
+// A bound on the bytes one thread's Python code may ask for while a budget is open
+// (hobbit-heap-budget.cpp): hobbit_raw_allocator has the layout of CPython's PyMemAllocatorEx.
+// hobbit_heap_budget_wrap fills `wrapped` with an allocator that calls `current` (the raw
+// domain's, from PyMem_GetAllocator); install it with PyMem_SetAllocator, GIL held. While this
+// thread's budget is open, a request past what is left (other than a page or less) gets NULL,
+// a MemoryError in Python; close returns whether one did.
+struct hobbit_raw_allocator {
+    void * ctx;
+    void * (*malloc)(void * ctx, size_t size);
+    void * (*calloc)(void * ctx, size_t count, size_t size);
+    void * (*realloc)(void * ctx, void * ptr, size_t size);
+    void (*free)(void * ctx, void * ptr);
+};
+HOBBIT_API void hobbit_heap_budget_wrap(const struct hobbit_raw_allocator * current,
+                                        struct hobbit_raw_allocator * wrapped);
+HOBBIT_API void hobbit_heap_budget_open(int64_t bytes);
+HOBBIT_API bool hobbit_heap_budget_close(void);
+
 // ggml abort callback (llama_set_abort_callback with data = the runtime): stops a decode
 // whose expert loads failed, so it returns an error instead of garbage
 HOBBIT_API bool hobbit_abort_callback(void * rt);

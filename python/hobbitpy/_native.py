@@ -233,6 +233,16 @@ enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, 
                                          struct hobbit_sim_result * result, char * err, size_t err_size);
 bool hobbit_abort_callback(void * rt);
 size_t hobbit_quantize_q2_K(const float * src, void * dst, int64_t nrows, int64_t n_per_row);
+struct hobbit_raw_allocator {
+    void * ctx;
+    void * (*malloc)(void * ctx, size_t size);
+    void * (*calloc)(void * ctx, size_t count, size_t size);
+    void * (*realloc)(void * ctx, void * ptr, size_t size);
+    void (*free)(void * ctx, void * ptr);
+};
+void hobbit_heap_budget_wrap(const struct hobbit_raw_allocator * current, struct hobbit_raw_allocator * wrapped);
+void hobbit_heap_budget_open(int64_t bytes);
+bool hobbit_heap_budget_close(void);
 typedef struct hobbit_imatrix hobbit_imatrix;
 struct ggml_tensor;
 hobbit_imatrix * hobbit_imatrix_new(void);

@@ -1,13 +1,19 @@
 """A model's chat template rendered within bounds.
 
 A GGUF carries its chat template as Jinja; llama-cpp-python renders it in Jinja's sandbox,
-which keeps a template from the file system but not from running forever: nested
-`range(100000)` loops pinned a core of the server for good, and `'x' * 10**10` would take
-10 GB at once. Here each render has a deadline, checked at every line of the template's
-compiled code; the operators that make large values (`*`, `**`, `+`) refuse a result past
-RESULT_BYTES before it is made (Jinja's sandbox routes them through `call_binop`); and a
-template's failure (a syntax error, its own `raise_exception`, a deadline missed, a value too
-large) is a ChatTemplateError saying so, not a traceback of Jinja's internals.
+which keeps a template from the file system but not from running forever or taking the
+machine's memory: nested `range(100000)` loops pinned a core of the server for good, and
+`'x' * 10**10`, `'x'|center(10**10)` or a string doubled in a loop take gigabytes. Here a
+template compiles, and each render runs, within bounds:
+- a deadline, checked at every line of the template's compiled code;
+- a heap budget (heap_budget.py): the bytes Python asks for meanwhile, past which an
+  allocation fails, whichever operator, filter or method asks (one C call can ask for
+  gigabytes before the next line);
+- integer arithmetic (`*`, `**`), one C call that can run for minutes on numbers that fit the
+  budget, refuses a result past INT_BYTES before computing it (Jinja's sandbox routes
+  operators through `call_binop`).
+A template's failure (a syntax error, its own `raise_exception`, a bound passed) is a
+ChatTemplateError saying so, not a traceback of Jinja's internals.
 """
 
 from __future__ import annotations
@@ -20,40 +26,40 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from llama_cpp import llama_chat_format
 
 from .errors import ChatTemplateError
+from .heap_budget import HeapBudgetSpent, heap_budget
 
 # how long one render may take: a real template renders a conversation in milliseconds
 RENDER_SECONDS = 2.0
-# the largest value one operator of a template may make: a conversation that fills a long
-# context is a few MB of text
-RESULT_BYTES = 16 << 20
+# what one compile or render may ask of the heap, churn included: a conversation that fills a
+# long context is a few MB of text
+HEAP_BYTES = 256 << 20
+# the largest integer an operator may make: no chat template computes with big numbers
+INT_BYTES = 64 << 10
 
 
-class _TooLarge(Exception):
+class _IntegerTooLarge(Exception):
     pass
 
 
-def _result_size(operator: str, left, right) -> int:
-    """An upper bound of the size of `left operator right`, known before it is computed (0:
-    not a sequence that could grow)."""
-    sized = (str, bytes, list, tuple)
-    if operator == "*" and isinstance(left, int) and isinstance(right, sized):
-        left, right = right, left
-    if operator == "*" and isinstance(left, sized) and isinstance(right, int):
-        return len(left) * max(right, 0)
-    if operator == "+" and isinstance(left, sized) and isinstance(right, sized):
-        return len(left) + len(right)
-    if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
-        return (abs(left).bit_length() * right) // 8  # an integer's bytes
+def _integer_result_bytes(operator: str, left, right) -> int:
+    """An upper bound of the bytes of integer `left operator right`, known before it is
+    computed (0: not integer arithmetic that could grow)."""
+    if not (isinstance(left, int) and isinstance(right, int)):
+        return 0
+    if operator == "*":
+        return (abs(left).bit_length() + abs(right).bit_length()) // 8
+    if operator == "**" and right > 0:
+        return (abs(left).bit_length() * right) // 8
     return 0
 
 
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    """llama-cpp-python's sandbox, its settings kept, with the growing operators checked."""
-    intercepted_binops = frozenset({"*", "**", "+"})
+    """llama-cpp-python's sandbox, its settings kept, with integer arithmetic bounded."""
+    intercepted_binops = frozenset({"*", "**"})
 
     def call_binop(self, context, operator, left, right):
-        if _result_size(operator, left, right) > RESULT_BYTES:
-            raise _TooLarge
+        if _integer_result_bytes(operator, left, right) > INT_BYTES:
+            raise _IntegerTooLarge
         return super().call_binop(context, operator, left, right)
 
 
@@ -61,12 +67,9 @@ class _Overtime(Exception):
     pass
 
 
-_TOO_LARGE = (f"made a value larger than {RESULT_BYTES >> 20} MB "
-              "(a string or list multiplied or added without bound?)")
-
-
-def _within_deadline(work):
-    """work(), stopped by _Overtime at the first line of Python past RENDER_SECONDS from now."""
+def _bounded(work):
+    """work() within HEAP_BYTES, stopped by _Overtime at the first line of Python past
+    RENDER_SECONDS from now."""
     deadline = time.monotonic() + RENDER_SECONDS
 
     def check(frame, event, arg):
@@ -77,9 +80,21 @@ def _within_deadline(work):
     previous = sys.gettrace()
     sys.settrace(check)
     try:
-        return work()
+        with heap_budget(HEAP_BYTES):
+            return work()
     finally:
         sys.settrace(previous)
+
+
+def _bound_passed(e: Exception) -> str | None:
+    """What a template did past its bounds, if this is how its work stopped."""
+    if isinstance(e, _Overtime):
+        return f"did not finish within {RENDER_SECONDS:g} s (a loop without end?)"
+    if isinstance(e, HeapBudgetSpent):
+        return f"asked for more than {HEAP_BYTES >> 20} MB of memory (a value grown without bound?)"
+    if isinstance(e, _IntegerTooLarge):
+        return f"made an integer of more than {INT_BYTES >> 10} KB (arithmetic without bound?)"
+    return None
 
 
 class BoundedChatFormatter(llama_chat_format.Jinja2ChatFormatter):
@@ -95,28 +110,23 @@ class BoundedChatFormatter(llama_chat_format.Jinja2ChatFormatter):
         environment.__class__ = _BoundedSandbox
         self.broken = None
         try:
-            self._environment = _within_deadline(lambda: environment.from_string(template))
-        except _Overtime:
-            self.broken = f"{ChatTemplateError.PREFIX} did not compile within {RENDER_SECONDS:g} s"
-        except _TooLarge:
-            self.broken = f"{ChatTemplateError.PREFIX} {_TOO_LARGE}"
-        except Exception as e:  # jinja2's TemplateSyntaxError and kin
-            self.broken = f"{ChatTemplateError.PREFIX} does not parse ({e})"
+            self._environment = _bounded(lambda: environment.from_string(template))
+        except Exception as e:  # a bound, or jinja2's TemplateSyntaxError and kin
+            passed = _bound_passed(e)
+            self.broken = (f"{ChatTemplateError.PREFIX} compiling {passed}" if passed
+                           else f"{ChatTemplateError.PREFIX} does not parse ({e})")
 
     def __call__(self, **kwargs):
         if self.broken is not None:
             raise ChatTemplateError(self.broken)
         try:
-            return _within_deadline(lambda: super(BoundedChatFormatter, self).__call__(**kwargs))
-        except _Overtime:
-            raise ChatTemplateError(f"{ChatTemplateError.PREFIX} did not render within {RENDER_SECONDS:g} s "
-                                    "(a loop without end?)") from None
-        except _TooLarge:
-            raise ChatTemplateError(f"{ChatTemplateError.PREFIX} {_TOO_LARGE}") from None
+            return _bounded(lambda: super(BoundedChatFormatter, self).__call__(**kwargs))
         except ChatTemplateError:
             raise
-        except Exception as e:  # its raise_exception, or an error inside Jinja
-            raise ChatTemplateError(f"{ChatTemplateError.PREFIX} failed on this conversation: {e}") from None
+        except Exception as e:  # a bound, its raise_exception, or an error inside Jinja
+            passed = _bound_passed(e)
+            raise ChatTemplateError(f"{ChatTemplateError.PREFIX} rendering {passed}" if passed else
+                                    f"{ChatTemplateError.PREFIX} failed on this conversation: {e}") from None
 
 
 @contextlib.contextmanager
