@@ -1,5 +1,5 @@
 """``hobbitpy bench``: stock llama.cpp and hobbitpy configurations side by side, on the
-same model and prompts, interleaved, under the same memory cap.
+same model and prompts, under the same memory cap, interleaved across configurations and caps.
 
 Every run is a fresh process (hobbitpy.bench_worker) inside a child memory cgroup
 whose limit caps RSS and page cache together; the model file is dropped from the page
@@ -396,26 +396,33 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
         result.stock_compute_ms = stock_compute_s * 1000.0 if stock_compute_s else None
         if stock_compute_s:
             log(f"stock compute: {stock_compute_s * 1000.0:.1f} ms per token (warm, no cap)")
+        fallbacks = {}
         for cap in caps:
-            fallback = None
+            fallbacks[cap.label] = None
             if cap.limit_bytes is not None:
                 context = context_sizes(info, shape).total
-                fallback = max(info.min_budget_bytes, cap.limit_bytes - info.resident_bytes - context - SLACK_BYTES
-                               - 2 * info.expert_bytes) / MB
-            this_cap = cap_configs[cap.label]
-            runs = {c.name: [] for c in this_cap}
-            for _ in range(repeats):
-                for cfg in this_cap:  # interleaved, so drifts of the machine hit every configuration alike
+                fallbacks[cap.label] = max(info.min_budget_bytes, cap.limit_bytes - info.resident_bytes - context
+                                           - SLACK_BYTES - 2 * info.expert_bytes) / MB
+        # every file any run may read, asked anew: the default makes its low copy in its first run
+        every_file = set().union(*(config_files(model, c) for c in configs_seen))
+        runs = {(cap.label, c.name): [] for cap in caps for c in cap_configs[cap.label]}
+        for _ in range(repeats):
+            # interleaved, caps and configurations alike, so drifts of the machine (this disk's
+            # bandwidth moves by 4x) hit every cell of the table alike
+            for cap in caps:
+                for cfg in cap_configs[cap.label]:
                     if bar is not None:
                         bar.set_postfix_str(f"cap {cap.label} {cfg.name}")
-                    # every file any run may read, asked anew: the default makes its low copy in its first run
-                    every_file = set().union(*(config_files(model, c) for c in configs_seen))
-                    runs[cfg.name].append(_run_one(model, cfg, cap, memcap, n_predict, threads, prompt_tokens, fallback,
-                                                   every_file, beams=beams))
+                    runs[cap.label, cfg.name].append(_run_one(model, cfg, cap, memcap, n_predict, threads,
+                                                              prompt_tokens, fallbacks[cap.label], every_file,
+                                                              beams=beams))
                     if bar is not None:
                         bar.update(1)
+        for cap in caps:
+            this_cap = cap_configs[cap.label]
             row = {"cap": cap.label, "cap_mb": cap.limit_bytes / MB if cap.limit_bytes else None,
-                   "configs": [_summarize(c.name, runs[c.name], disk_bw, stock_compute_s) for c in this_cap]}
+                   "configs": [_summarize(c.name, runs[cap.label, c.name], disk_bw, stock_compute_s)
+                               for c in this_cap]}
             stock = row["configs"][0]
             for cfg, s in zip(this_cap, row["configs"]):
                 s["settings"] = cfg.offload
