@@ -25,19 +25,30 @@ cmake --build "$build" -j "$(nproc)"
 prefix="$build/_install"
 cmake --install "$build" --component hobbitpy --prefix "$prefix" >/dev/null
 
-export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+# this run's models, reports and pytest's folders (its own: a concurrent pytest session prunes
+# all but the newest three under /tmp/pytest-of-$USER, models in use included)
+work="$build/check"
+rm -rf "$work" && mkdir -p "$work/models" "$work/reports"
+# a report goes to a file: pytest captures stderr, and loses it when the process aborts
+show_reports() {
+    for f in "$work"/reports/*; do
+        [ -e "$f" ] && { echo "== report $f"; cat "$f"; }
+    done
+    return 0
+}
+trap show_reports EXIT
+
+export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$work/reports/ubsan
 export HOBBITPY_LIB_DIR="$prefix/hobbitpy/lib"
 export LLAMA_CPP_LIB_PATH="$HOBBITPY_LIB_DIR"
 preload="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)"
-asan=halt_on_error=1:abort_on_error=1:symbolize=1
+asan=halt_on_error=1:abort_on_error=1:symbolize=1:log_path=$work/reports/asan
 
 # the C++ executables own every allocation they make: a block still unreachable at exit is a leak
 echo "== native unit tests (sanitized, leaks checked)"
-ASAN_OPTIONS=$asan:detect_leaks=1 "$HOBBITPY_LIB_DIR/hobbit-native-tests"
+ASAN_OPTIONS=$asan:detect_leaks=1 "$HOBBITPY_LIB_DIR/hobbit-native-tests" "$work"
 
 echo "== offload check: runtime, API and patched llama.cpp (sanitized, leaks checked)"
-models=$(mktemp -d)
-trap 'rm -rf "$models"' EXIT
 cd "$root"
 arches=(llama qwen2moe gpt-oss)
 LD_PRELOAD="$preload" ASAN_OPTIONS=$asan:detect_leaks=0 python -c '
@@ -46,9 +57,9 @@ from hobbitpy._native import DATA_DIR
 from hobbitpy.synthetic_moe import make_synthetic_moe
 for arch in sys.argv[2:]:
     make_synthetic_moe(f"{sys.argv[1]}/{arch}.gguf", arch, vocab_gguf=DATA_DIR / "ggml-vocab-llama-spm.gguf")' \
-    "$models" "${arches[@]}"
+    "$work/models" "${arches[@]}"
 for arch in "${arches[@]}"; do
-    ASAN_OPTIONS=$asan:detect_leaks=1 "$HOBBITPY_LIB_DIR/hobbit-offload-check" "$models/$arch.gguf" 6
+    ASAN_OPTIONS=$asan:detect_leaks=1 "$HOBBITPY_LIB_DIR/hobbit-offload-check" "$work/models/$arch.gguf" 6
 done
 
 # Python is not built with ASan: the runtime is preloaded. Leaks are not checked there: the
@@ -56,5 +67,5 @@ done
 # every stack (each call into the libraries passes through them) and hide ours too
 echo "== Python tests against the sanitized libraries"
 LD_PRELOAD="$preload" ASAN_OPTIONS=$asan:detect_leaks=0 \
-    python -m pytest -q -p no:cacheprovider "${tests[@]}"
+    python -m pytest -q -p no:cacheprovider --basetemp="$work/pytest" "${tests[@]}"
 echo "sanitizers: no report ($build)"
