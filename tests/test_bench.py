@@ -29,6 +29,9 @@ def test_bench_reports_every_figure(model_dir, tmp_path):
                 "--out", str(out), "--no-progress"])
     assert p.returncode == 0, p.stderr
     assert "disk:" in p.stdout and "reproduce stock: yes" in p.stdout
+    # each run is in the log as it ends: 2 caps x 3 configurations x 2 repeats
+    assert len([l for l in p.stdout.splitlines() if l.startswith("run: cap ")]) == 12
+    assert "run: cap 700MB lfu: " in p.stdout and " tok/s, load " in p.stdout
     r = json.loads((out / "bench.json").read_text())
     assert r["disk_bytes_per_s"] > 0 and r["stock_compute_ms"] > 0
     assert [row["cap"] for row in r["rows"]] == ["none", "700MB"]

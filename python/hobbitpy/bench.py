@@ -413,9 +413,13 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
                 for cfg in cap_configs[cap.label]:
                     if bar is not None:
                         bar.set_postfix_str(f"cap {cap.label} {cfg.name}")
-                    runs[cap.label, cfg.name].append(_run_one(model, cfg, cap, memcap, n_predict, threads,
-                                                              prompt_tokens, fallbacks[cap.label], every_file,
-                                                              beams=beams))
+                    r = _run_one(model, cfg, cap, memcap, n_predict, threads, prompt_tokens, fallbacks[cap.label],
+                                 every_file, beams=beams)
+                    runs[cap.label, cfg.name].append(r)
+                    # each run in one line as it ends: a long bench stopped halfway keeps what it measured
+                    if bar is not None:
+                        bar.clear()
+                    log(format_run(cap, cfg, r))
                     if bar is not None:
                         bar.update(1)
         for cap in caps:
@@ -503,6 +507,17 @@ def score_quality(result: BenchResult, model: str, row_configs: list[list[BenchC
         mark_dominated(row)
         log(format_frontier(row))
     result.quality = {"n_tokens": len(ids), "reference_perplexity": reference.perplexity}
+
+
+def format_run(cap: Cap, cfg: BenchConfig, r: dict) -> str:
+    head = f"run: cap {cap.label} {cfg.name}: "
+    if "error" in r:
+        return head + "failed: " + r["error"][:200]
+    mb_read = r.get("decode_disk_bytes_per_token")
+    tok_s = r.get("decode_tok_s")
+    return head + ((f"{tok_s:.3f} tok/s" if tok_s else "no decode") + f", load {r.get('load_s', 0.0):.1f} s"
+                   + (f", {mb_read / MB:.1f} MB read a token" if mb_read is not None else "")
+                   + (f", peak {r['peak_bytes'] / MB:.0f} MB" if r.get("peak_bytes") else ""))
 
 
 def format_row(row: dict) -> str:
