@@ -16,10 +16,12 @@ import sys
 
 from hobbitpy import OffloadConfig, inspect_model
 from hobbitpy.default_ladder import LOW_TYPE, calibration_text, ladder_placement, low_copy_layer_bytes, low_weight_share
-from hobbitpy.evaluate import evaluate_against, measure_reference, tokenize_text
+from hobbitpy.evaluate import evaluate_against, measure_reference
+from hobbitpy.tokens import tokenize_text
 from hobbitpy.llama import compare_ladder, measure_calibration
 from hobbitpy.placement import layer_expert_bytes
-from hobbitpy.prepare import default_companion_path, prepare_companion
+from hobbitpy.companions import default_companion_path
+from hobbitpy.prepare import prepare_companion
 
 MB = 1024 * 1024
 

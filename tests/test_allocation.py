@@ -12,7 +12,7 @@ from hobbitpy.allocation import layer_prediction_accuracy, shallow_boundary
 from hobbitpy.config import PREFILL_ORDERS, OffloadConfig
 from hobbitpy.errors import BudgetError
 from hobbitpy.presets import FATE_LOW_SHARE, preset_settings
-from hobbitpy.trace import Trace
+from hobbitpy.trace_file import Trace
 
 from conftest import ARCHES, CONTINUATION, MB, PROMPT, run_logits, tiny_model
 

@@ -285,11 +285,12 @@ def test_a_configuration_is_lossy_when_it_substitutes_or_serves_another_precisio
     """bench checks only the exact configurations against stock's tokens: a preset that
     substitutes experts (importance) must not count as exact (it printed a false "NO")."""
     from hobbitpy.bench import BenchConfig, _lossy
+    from hobbitpy.cli import parse_bench_config
 
-    assert not _lossy(BenchConfig.parse("lru=--preset lru"))
-    assert not _lossy(BenchConfig.parse("fate-exact=--policy arc --shallow-layers 1 --prefill-order popularity"))
-    assert _lossy(BenchConfig.parse("importance=--preset importance"))
-    assert _lossy(BenchConfig.parse("sub=--substitute 0.1"))
-    assert _lossy(BenchConfig.parse("mixed=--low Q2_K"))
-    assert _lossy(BenchConfig.parse("ladder=--high Q4_K"))
+    assert not _lossy(parse_bench_config("lru=--preset lru"))
+    assert not _lossy(parse_bench_config("fate-exact=--policy arc --shallow-layers 1 --prefill-order popularity"))
+    assert _lossy(parse_bench_config("importance=--preset importance"))
+    assert _lossy(parse_bench_config("sub=--substitute 0.1"))
+    assert _lossy(parse_bench_config("mixed=--low Q2_K"))
+    assert _lossy(parse_bench_config("ladder=--high Q4_K"))
     assert _lossy(BenchConfig("q3", None, model="other.gguf"))

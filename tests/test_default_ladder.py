@@ -21,7 +21,7 @@ from hobbitpy.default_ladder import (LOW_TYPE, MAX_MEAN_KL, Calibration, Priced,
 from hobbitpy.disk import drop_from_page_cache
 from hobbitpy.inflate import inflate
 from hobbitpy.memcap import MemoryCap
-from hobbitpy.prepare import default_companion_path
+from hobbitpy.companions import default_companion_path
 
 from conftest import MB
 

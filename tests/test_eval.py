@@ -124,7 +124,7 @@ def test_tokenizing_the_text_makes_no_context_and_prints_nothing(model_dir, tmp_
     """The text is cut by a vocabulary-only load (tokens.Vocabulary): llama_cpp.Llama made a
     context for it, whose length check printed "n_ctx_seq (512) > n_ctx_train (0)" on every eval."""
     from hobbitpy import ModelFileError
-    from hobbitpy.evaluate import tokenize_text
+    from hobbitpy.tokens import tokenize_text
     from hobbitpy.tokens import Vocabulary
 
     path = tiny_model(model_dir, "llama", n_layer=2, n_expert=4, n_expert_used=2)

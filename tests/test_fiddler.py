@@ -14,7 +14,8 @@ from hobbitpy.config import OffloadConfig
 from hobbitpy.placement import expert_popularity
 from hobbitpy.presets import preset_settings
 from hobbitpy.simulate import simulate
-from hobbitpy.trace import Trace, record_trace
+from hobbitpy.trace import record_trace
+from hobbitpy.trace_file import Trace
 
 from conftest import ARCHES, MB, PROMPT, run_logits, tiny_model
 

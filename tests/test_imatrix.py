@@ -17,9 +17,11 @@ import pytest
 
 import hobbitpy
 from hobbitpy.config import OffloadConfig
-from hobbitpy.evaluate import evaluate_against, measure_reference, tokenize_text
+from hobbitpy.evaluate import evaluate_against, measure_reference
+from hobbitpy.tokens import tokenize_text
 from hobbitpy.imatrix import collect_imatrix, load_imatrix, write_imatrix
-from hobbitpy.prepare import KEY_IMATRIX, prepare_companion
+from hobbitpy.companions import KEY_IMATRIX
+from hobbitpy.prepare import prepare_companion
 
 from conftest import MB
 

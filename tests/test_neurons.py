@@ -13,7 +13,8 @@ import hobbitpy
 from hobbitpy import HobbitError
 from hobbitpy.cli import main as cli_main
 from hobbitpy.neurons import GateWeights, neuron_stats, parse_thetas
-from hobbitpy.trace import load_trace, record_trace
+from hobbitpy.trace import record_trace
+from hobbitpy.trace_file import load_trace
 
 from conftest import tiny_model
 

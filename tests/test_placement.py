@@ -15,7 +15,8 @@ import pytest
 
 import hobbitpy
 from hobbitpy.config import OffloadConfig
-from hobbitpy.evaluate import evaluate_against, measure_reference, tokenize_text
+from hobbitpy.evaluate import evaluate_against, measure_reference
+from hobbitpy.tokens import tokenize_text
 from hobbitpy.placement import expert_importance, layer_expert_bytes, place_by_importance, placement_bytes
 from hobbitpy.prepare import prepare_companion
 from hobbitpy.trace import read_prompts, record_trace

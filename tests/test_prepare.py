@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from hobbitpy import _ggml, cli, prepare
+from hobbitpy import _ggml, cli, companions, prepare
 from hobbitpy.gguf_fields import field_value
-from hobbitpy.prepare import EXPERT_SUFFIXES, companion_fallbacks, prepare_companion
+from hobbitpy.companions import companion_fallbacks
+from hobbitpy.prepare import EXPERT_SUFFIXES, prepare_companion
 from hobbitpy.synthetic_moe import make_synthetic_moe
 
 from conftest import default_signals
@@ -76,10 +77,10 @@ def check_companion(companion, model, reference, target: str, fallback: dict[str
         if not key.startswith("GGUF."):
             assert field_value(reader.fields[key]) == field_value(field), key
     own = set(reader.fields) - set(model_reader.fields)
-    assert own <= {prepare.KEY_OF, prepare.KEY_SOURCE, prepare.KEY_TYPE, prepare.KEY_FALLBACKS, prepare.KEY_OF_FINGERPRINT}
-    assert field_value(reader.fields[prepare.KEY_OF])[0] == pathlib.Path(model).name.encode()
-    assert field_value(reader.fields[prepare.KEY_OF_FINGERPRINT])[0] == hobbitpy.model_file.model_fingerprint(model).encode()
-    assert field_value(reader.fields[prepare.KEY_TYPE])[0] == target.encode()
+    assert own <= {companions.KEY_OF, companions.KEY_SOURCE, companions.KEY_TYPE, companions.KEY_FALLBACKS, companions.KEY_OF_FINGERPRINT}
+    assert field_value(reader.fields[companions.KEY_OF])[0] == pathlib.Path(model).name.encode()
+    assert field_value(reader.fields[companions.KEY_OF_FINGERPRINT])[0] == hobbitpy.model_file.model_fingerprint(model).encode()
+    assert field_value(reader.fields[companions.KEY_TYPE])[0] == target.encode()
     assert companion_fallbacks(companion) == {t.name: fallback[t.name.split(".", 2)[2]]
                                               for t in reader.tensors if t.name.split(".", 2)[2] in fallback}
 
@@ -101,7 +102,7 @@ def test_from_f16_source(tmp_path, target, down):
 def test_requantized_from_the_model(tmp_path):
     out = prepare_companion(DEEPSEEK_Q8, "Q2_K", tmp_path / "c.gguf", progress=False)
     check_companion(out, DEEPSEEK_Q8, DEEPSEEK_F16, "Q2_K", {"ffn_down_exps.weight": "Q4_0"})
-    assert field_value(gguf.GGUFReader(out).fields[prepare.KEY_SOURCE])[0] == DEEPSEEK_Q8.name.encode()
+    assert field_value(gguf.GGUFReader(out).fields[companions.KEY_SOURCE])[0] == DEEPSEEK_Q8.name.encode()
 
 
 def test_only_expert_weights(tiny_dir, tmp_path):

@@ -12,7 +12,8 @@ import pytest
 
 import hobbitpy
 from hobbitpy.config import OffloadConfig
-from hobbitpy.evaluate import evaluate_against, measure_reference, tokenize_text
+from hobbitpy.evaluate import evaluate_against, measure_reference
+from hobbitpy.tokens import tokenize_text
 from hobbitpy.presets import preset_settings
 
 from conftest import ARCHES, MB, PROMPT, tiny_model

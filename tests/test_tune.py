@@ -12,7 +12,8 @@ import pytest
 
 import hobbitpy
 from hobbitpy.config import OffloadConfig
-from hobbitpy.evaluate import evaluate_against, measure_reference, tokenize_text
+from hobbitpy.evaluate import evaluate_against, measure_reference
+from hobbitpy.tokens import tokenize_text
 from hobbitpy.tune import candidates, choose, measure_text, quality_is_static
 
 from conftest import PROMPT, tiny_model
@@ -155,7 +156,7 @@ def test_the_lowest_bit_ladder_needs_the_models_matrix_and_an_unknown_candidate_
     p = _tune(path, out, "--max-ppl-increase", "0.5", candidates="Q4_K/IQ2_XXS placed")
     assert p.returncode == 0, p.stderr
     assert "Q4_K/IQ2_XXS placed" in p.stdout and "budget" in p.stdout
-    from hobbitpy.prepare import KEY_IMATRIX
+    from hobbitpy.companions import KEY_IMATRIX
     import gguf
     companion = gguf.GGUFReader(tmp_path / "m.experts-IQ2_XXS.gguf")
     assert companion.get_field(KEY_IMATRIX).contents() == "m.imatrix.gguf"
@@ -232,7 +233,8 @@ def test_the_pass_over_the_text_is_stocks_and_static_candidates_score_alike_in_b
 
     from hobbitpy.candidate_cost import modeled_cost
     from hobbitpy.placement import layer_expert_bytes, place_by_importance
-    from hobbitpy.prepare import default_companion_path, prepare_companion
+    from hobbitpy.companions import default_companion_path
+    from hobbitpy.prepare import prepare_companion
 
     path = tmp_path / "m.gguf"
     shutil.copyfile(tiny_model(model_dir, "llama", n_embd=256), path)
@@ -289,7 +291,7 @@ def test_a_model_whose_layers_mix_expert_types_is_priced_not_skipped():
     import numpy as np
 
     from hobbitpy.candidate_cost import modeled_cost
-    from hobbitpy.trace import Trace
+    from hobbitpy.trace_file import Trace
 
     rng = np.random.default_rng(0)
     n_tokens, n_layer, n_expert, k = 64, 3, 8, 2

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .trace import Trace
+from .trace_file import Trace
 
 # a layer is deep once its experts are predicted at least this share as well as the best layer's
 DEEP_ACCURACY_SHARE = 0.9

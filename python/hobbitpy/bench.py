@@ -17,24 +17,25 @@ from dataclasses import dataclass, field
 import json
 import os
 import pathlib
-import shlex
 import statistics
 import subprocess
 import sys
 import time
 
-from .companions import resolve_levels
-from .config import MB
+from .companions import default_companion_path, resolve_levels
+from .config import MB, OffloadConfig
 from .default_ladder import LOW_TYPE, applies
 from .disk import drop_from_page_cache, measure_read_bandwidth
 from .errors import HobbitError
+from .evaluate import evaluate_against, measure_reference
 from .memcap import MemoryCap
-from .memory import SLACK_BYTES, ContextShape, context_sizes
 from .frontier import format_frontier, mark_dominated, plot_frontier
+from .memory import SLACK_BYTES, ContextShape, context_sizes
 from .model_file import inspect_model, model_parts
 from .outputs import write_new
-from .prepare import default_companion_path
 from .quants import default_quant_dir, make_uniform_quant, quant_name
+from .tokens import tokenize_text
+from .tune import SCORING_CTX, measure_text, tune
 
 STOCK = "stock"
 
@@ -56,30 +57,8 @@ class BenchConfig:
     offload: dict | None  # OffloadConfig fields; None = stock llama.cpp
     model: str | None = None  # another file of the model (a uniform quant); None = the benchmarked one
 
-    @classmethod
-    def parse(cls, text: str) -> "BenchConfig":
-        """NAME or NAME=FLAGS, FLAGS as for `hobbitpy run` (--cache-mb, --prefetch, --policy, ...)."""
-        import argparse
-
-        from .cli import add_offload_args, offload_config_from_args
-        from .errors import HobbitError
-
-        name, _, flags = text.partition("=")
-        name = name.strip()
-        if not name or name == STOCK:
-            raise ValueError(f"bad configuration {text!r}: give it a name other than {STOCK!r}")
-        p = argparse.ArgumentParser(prog=f"--config {name}=", add_help=False, exit_on_error=False)
-        add_offload_args(p)
-        try:
-            config = offload_config_from_args(p.parse_args(shlex.split(flags)))
-        except (argparse.ArgumentError, SystemExit, HobbitError) as e:
-            raise ValueError(f"bad flags in configuration {text!r}: {e}") from None
-        return cls(name, dataclasses.asdict(config) if config.enabled else None)
-
     def offload_config(self, cache_mb: float | None):
         """The OffloadConfig of this configuration with another budget (None: from memory)."""
-        from .config import OffloadConfig
-
         fields = dict(self.offload, cache_mb=cache_mb, policy_weights=tuple(self.offload["policy_weights"]))
         if fields["level_shares"] is not None:
             fields["level_shares"] = tuple(fields["level_shares"])
@@ -304,8 +283,6 @@ def tuned_configs(model: str, caps: list[Cap], request: TuneRequest, shape: Cont
     candidate stays within the perplexity budget gets none). process_bytes: what a run's
     process holds before it loads a model (this one holds far more once tune has run)."""
 
-    from .config import OffloadConfig
-    from .tune import SCORING_CTX, measure_text, tune
 
     # the reference and the routing once, for every cap, within the least memory
     least = min(cap.limit_bytes for cap in caps) - process_bytes
@@ -470,8 +447,6 @@ def score_quality(result: BenchResult, model: str, row_configs: list[list[BenchC
     them: stock files in wide batches (their logits do not depend on the batch), hobbitpy
     configurations token by token with the expert budget each got under each cap.
     row_configs: the configurations of each of result.rows, in its order."""
-    from .config import OffloadConfig
-    from .evaluate import evaluate_against, measure_reference, tokenize_text
 
     bar = None
     if progress:

@@ -29,7 +29,8 @@ from .model_file import inspect_model
 from .profile import Profile, profile_path
 from .scores import selection_scores, threshold_for_share
 from .simulate import simulate
-from .trace import Trace, record_trace
+from .trace import record_trace
+from .trace_file import Trace
 
 LOW_SHARES = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5)
 SKIP_SHARES = (0.01, 0.02, 0.03, 0.05, 0.1)

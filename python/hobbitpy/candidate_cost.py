@@ -19,7 +19,7 @@ import numpy as np
 from .config import MB
 from .model_file import ModelInfo
 from .simulate import simulate
-from .trace import Trace
+from .trace_file import Trace
 
 # memory streams expert weights to the matmuls about this many times faster than the disk
 # delivers a missed expert (O_DIRECT reads plus the copy into the slot; this machine: 1-1.7

@@ -207,7 +207,7 @@ def _of_trace(measure: str):
     def parse(path: str):
         from hobbitpy import HobbitError
         from hobbitpy import placement
-        from hobbitpy.trace import load_trace
+        from hobbitpy.trace_file import load_trace
 
         try:
             return tuple(tuple(row) for row in getattr(placement, measure)(load_trace(path)).tolist())
@@ -313,6 +313,28 @@ def offload_config_from_args(args, model_path: str | None = None, *, auto_profil
     return OffloadConfig(**settings)
 
 
+def parse_bench_config(text: str):
+    """bench's --config: NAME or NAME=FLAGS, FLAGS as for `hobbitpy run` (--cache-mb,
+    --prefetch, --policy, ...); a ValueError says what is wrong."""
+    import dataclasses
+    import shlex
+
+    from hobbitpy import HobbitError
+    from hobbitpy.bench import STOCK, BenchConfig
+
+    name, _, flags = text.partition("=")
+    name = name.strip()
+    if not name or name == STOCK:
+        raise ValueError(f"bad configuration {text!r}: give it a name other than {STOCK!r}")
+    p = argparse.ArgumentParser(prog=f"--config {name}=", add_help=False, exit_on_error=False)
+    add_offload_args(p)
+    try:
+        config = offload_config_from_args(p.parse_args(shlex.split(flags)))
+    except (argparse.ArgumentError, SystemExit, HobbitError) as e:
+        raise ValueError(f"bad flags in configuration {text!r}: {e}") from None
+    return BenchConfig(name, dataclasses.asdict(config) if config.enabled else None)
+
+
 def _token_counts(text: str) -> tuple[int, ...]:
     """A comma-separated list of prompt lengths, each 1..4096 tokens (argparse reports a ValueError)."""
     counts = tuple(int(t) for t in text.split(",") if t.strip())
@@ -396,7 +418,7 @@ def _bench(args) -> int:
             except ValueError as e:
                 return _fail(str(e))
             tune_request = bench.TuneRequest(tune_text, args.tune_candidates, args.tune_tokens, args.max_ppl_increase)
-        configs = [bench.BenchConfig.parse(c) for c in (args.config or ([] if args.tune else ["default"]))]
+        configs = [parse_bench_config(c) for c in (args.config or ([] if args.tune else ["default"]))]
         if len({c.name for c in configs}) != len(configs):
             return _fail("configuration names must differ")
         if args.tune and any(c.name == bench.TUNED for c in configs):
@@ -533,7 +555,7 @@ def _plot(args) -> int:
 
     from hobbitpy import HobbitError
     from hobbitpy.outputs import new_output_error, write_new
-    from hobbitpy.trace import load_trace
+    from hobbitpy.trace_file import load_trace
     from hobbitpy.neuron_plot import plot_neurons
     from hobbitpy.trace_plot import plot_trace
 
@@ -601,7 +623,7 @@ def _add_simulate_parser(sub) -> None:
 def _simulate(args) -> int:
     from hobbitpy import HobbitError
     from hobbitpy.simulate import format_table, simulate_all, simulate_preset
-    from hobbitpy.trace import load_trace
+    from hobbitpy.trace_file import load_trace
 
     if why := _json_target_error(args.json):
         return _fail(why)
@@ -824,7 +846,8 @@ def _prepare(args) -> int:
     import time
 
     from hobbitpy import HobbitError
-    from hobbitpy.prepare import companion_fallbacks, default_companion_path, prepare_companion
+    from hobbitpy.companions import companion_fallbacks, default_companion_path
+    from hobbitpy.prepare import prepare_companion
     from hobbitpy.quants import default_quant_dir, is_mix_name, make_uniform_quant
 
     if args.neuron_layout:

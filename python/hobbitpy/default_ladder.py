@@ -55,7 +55,8 @@ from .memory import (ContextShape, available_memory_bytes, context_sizes, fit_ub
 from .model_file import ModelInfo, model_parts
 from .outputs import partial_output, replace
 from .placement import layer_expert_bytes, place_by_importance
-from .prepare import copy_layer_bytes, default_companion_path, estimated_copy, prepare_companion
+from .companions import copy_layer_bytes, default_companion_path, estimated_copy
+from .prepare import prepare_companion
 
 log = logging.getLogger("hobbitpy")
 

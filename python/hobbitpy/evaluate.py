@@ -17,8 +17,10 @@ from .disk import drop_from_page_cache
 from .errors import HobbitError
 from .likelihood import (Reference, ReferenceTable, compare_to_reference, nll_of_rows, scoring_bytes, scoring_windows,
                          window_logits)
+from .llama import Llama
 from .model_file import inspect_model, model_parts
 from .neurons import NEURONS_ON_STOCK, NeuronMaskSpec, attach_neuron_mask, check_arch, neuron_mask_stats
+from .tokens import tokenize_text
 
 
 @dataclass
@@ -51,8 +53,6 @@ def _n_vocab(model_path: str) -> int:
 
 def _open(model_path: str, offload: OffloadConfig, n_ctx: int, n_ubatch: int, n_threads: int | None,
           neurons: NeuronMaskSpec | None = None):
-    from .llama import Llama
-
     if n_ctx < 2:
         raise ValueError(f"n_ctx must be at least 2, got {n_ctx}")
     if not 1 <= n_ubatch <= n_ctx:
@@ -73,16 +73,6 @@ def _stats(llm, neurons: NeuronMaskSpec | None) -> dict | None:
     return neuron_mask_stats(llm) if neurons is not None else llm.offload_stats()
 
 
-def tokenize_text(model_path: str | os.PathLike, text: str, max_tokens: int | None = None) -> list[int]:
-    """The text as the model's tokenizer cuts it (no BOS), at most max_tokens; at least 2 tokens."""
-    from .tokens import Vocabulary
-
-    with Vocabulary(model_path) as vocab:
-        ids = vocab.tokenize(text.encode("utf-8"), add_bos=False, special=False)
-    ids = ids[:max_tokens] if max_tokens is not None else ids
-    if len(ids) < 2:
-        raise HobbitError(f"the text has {len(ids)} token(s) with this model's tokenizer; evaluation needs at least 2")
-    return ids
 
 
 def measure_reference(model_path: str | os.PathLike, ids: list[int], *, n_ctx: int = 256,

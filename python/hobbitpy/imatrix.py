@@ -18,8 +18,11 @@ import tempfile
 
 import numpy as np
 
+from ._native import ffi, lib
 from .errors import HobbitError, ModelFileError
+from .model_file import inspect_model
 from .outputs import OutputExistsError, new_output_error, write_new
+from .tokens import tokenize_text
 
 # llama.cpp's common/imatrix-loader.h
 KEY_DATASETS = "imatrix.datasets"
@@ -42,10 +45,6 @@ def collect_imatrix(model_path: str | os.PathLike, text_path: str | os.PathLike,
     importance matrix; return its path. Never overwrites."""
     import llama_cpp
     from llama_cpp import _internals
-
-    from ._native import ffi, lib
-    from .evaluate import tokenize_text
-    from .model_file import inspect_model
 
     model_path = pathlib.Path(model_path)
     out = default_imatrix_path(model_path) if out_path is None else pathlib.Path(out_path)
@@ -104,8 +103,6 @@ def collect_imatrix(model_path: str | os.PathLike, text_path: str | os.PathLike,
 
 
 def _entries(collector) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    from ._native import ffi, lib
-
     n = lib.hobbit_imatrix_count(collector)
     if n < 0:
         raise HobbitError("an expert matmul had a layout the importance matrix collector does not know")

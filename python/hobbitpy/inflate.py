@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from .errors import ModelFileError
 from .gguf_fields import field_value
+from .model_file import inspect_model
 from .outputs import check_free_space, partial_output, publish
 
 _WIDENED = (".ffn_gate_exps.weight", ".ffn_up_exps.weight")
@@ -53,7 +54,6 @@ def _source_and_new_output(src, dst):
         raise FileExistsError(f"{dst}: already exists; inflate never overwrites a file")
     if dst.resolve() == src.resolve():
         raise ValueError(f"{dst}: the output must be a new file")
-    from .model_file import inspect_model
     info = inspect_model(src)
     if info.n_split > 1:  # a research tool on small models: one file
         raise ModelFileError(f"{src}: part of a model split into {info.n_split} files; inflate reads one file "

@@ -39,6 +39,7 @@ from .memory import (COMPUTE_SHARE, MIN_UBATCH, ContextShape, OffloadPlan, avail
                      fit_ubatch, plan_offload, return_freed_memory, whole_memory_budget_mb)
 from .model_file import ModelInfo, inspect_model
 from .placement import check_profiles, importance_of, placement_for
+from .presets import preset_settings
 from .profile import load_profile, profile_offload
 
 # llama_cpp.Llama's own keywords (it swallows any other one silently)
@@ -75,8 +76,6 @@ def offload_config_of(model_path: str, offload, profile, keywords: dict, preset:
         else:
             offload = profile_offload(model_path)
     if preset is not None:
-        from .presets import preset_settings
-
         keywords = {**preset_settings(preset), **keywords}
     return dataclasses.replace(offload, **keywords) if keywords else offload
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .errors import HobbitError
 from .neurons import summary_rows
-from .trace import Trace
+from .trace_file import Trace
 from .trace_plot import png_of, trace_title
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from .config import MB, NEURON_LIMIT_CORM
 from .errors import HobbitError
-from .trace import Trace
+from .trace_file import Trace
 
 NEURON_VARIANTS = ("expert", "corm", "oracle", "w1-first")
 # a page: the smallest read of a file through the page cache or O_DIRECT

@@ -22,16 +22,12 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 import os
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from .config import NEURON_LIMIT_CORM
 from .errors import HobbitError
 from .model_file import model_parts
-
-if TYPE_CHECKING:
-    from .trace import Trace
+from .trace_file import NeuronStats, Trace
 
 # architectures whose experts are SwiGLU (act = SiLU on W1's output, as CORM's models); gpt-oss
 # clamps its own variant and merges W1 with W3, which CORM does not cover
@@ -41,31 +37,6 @@ NEURONS_ON_STOCK = ("neuron sparsity is priced on the stock path, every expert m
 SILU_ARCHS = ("llama", "qwen2moe", "qwen3moe", "deepseek", "deepseek2", "olmoe", "granitemoe")
 
 
-@dataclass
-class NeuronStats:
-    thetas: np.ndarray     # float32 [n_theta]
-    active: np.ndarray     # float16 [tokens, moe_layers, k, n_theta]: active share of each selection's expert
-    predicted: np.ndarray  # float16 [tokens, moe_layers, k, n_theta]: predicted share (NaN in the first MoE layer)
-    recall: np.ndarray     # float16 [tokens, moe_layers, k, n_theta]: active neurons predicted (NaN: none active or no prediction)
-    # the sets themselves, for the neuron cache's replay (neuron_sim.py): uint8 [tokens, moe_layers,
-    # k, n_theta, ceil(n_ff / 8)], bit i of byte i / 8 = neuron i (numpy's packbits, little bit
-    # order); predicted: every neuron in the first MoE layer (computed whole)
-    active_bits: np.ndarray | None = None
-    predicted_bits: np.ndarray | None = None
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        """As saved in a trace file (the sets only where there are some)."""
-        arrays = {"neuron_thetas": self.thetas, "neuron_active": self.active, "neuron_predicted": self.predicted,
-                  "neuron_recall": self.recall, "neuron_active_bits": self.active_bits,
-                  "neuron_predicted_bits": self.predicted_bits}
-        return {k: v for k, v in arrays.items() if v is not None}
-
-    @classmethod
-    def of_arrays(cls, arrays) -> "NeuronStats | None":
-        if "neuron_thetas" not in arrays:
-            return None
-        return cls(arrays["neuron_thetas"], arrays["neuron_active"], arrays["neuron_predicted"], arrays["neuron_recall"],
-                   arrays.get("neuron_active_bits"), arrays.get("neuron_predicted_bits"))
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from .model_file import model_parts
 
 if TYPE_CHECKING:
     from .model_file import ModelInfo
-    from .trace import Trace
+    from .trace_file import Trace
 
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 

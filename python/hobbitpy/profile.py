@@ -15,6 +15,7 @@ import pathlib
 
 from .config import OffloadConfig, option_of, settings_of_json
 from .errors import HobbitError
+from .outputs import OutputExistsError, write_new
 
 PROFILE_VERSION = 1
 
@@ -31,8 +32,6 @@ class Profile:
 
     def save(self, path: str | os.PathLike) -> pathlib.Path:
         """Write the profile to a new file (never overwriting, never through a symlink)."""
-        from .outputs import OutputExistsError, write_new
-
         try:
             return write_new(path, json.dumps({"hobbitpy_profile": PROFILE_VERSION, **asdict(self)}, indent=2) + "\n")
         except OutputExistsError:

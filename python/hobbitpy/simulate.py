@@ -17,11 +17,12 @@ from dataclasses import dataclass, asdict
 import numpy as np
 
 from ._native import error_buffer, ffi, lib, to_str
-from .config import MB, POLICIES as RUNTIME_POLICIES
+from .config import DEFAULT_T1, MB, POLICIES as RUNTIME_POLICIES
 from .errors import HobbitError
 from .placement import expert_popularity
+from .presets import preset_settings
 from .scores import selection_scores
-from .trace import Trace
+from .trace_file import Trace
 
 POLICIES = RUNTIME_POLICIES + ("belady",)  # Belady needs the future: offline only
 DEFAULT_POLICIES = ("lru", "lfu", "lhu", "fld", "arc", "popularity", "score", "random", "belady")
@@ -188,9 +189,6 @@ def simulate_preset(trace: Trace, budget_mb: float, preset: str, *, popularity: 
     T2's skips, and the importance preset's choice of the top-score guesses only (the
     trace has no scores for its guesses: every guess is prefetched). The corm preset reads
     whole experts, as the runtime does; its neuron cache is `simulate_neurons`'s replay."""
-    from .config import DEFAULT_T1
-    from .presets import preset_settings
-
     settings = preset_settings(preset)
     lookahead = trace.predicted.shape[2]
     return simulate(trace, budget_mb, settings.get("policy", "lru"), popularity=popularity,

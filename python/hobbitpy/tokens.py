@@ -14,7 +14,8 @@ import ctypes
 import os
 
 from ._native import error_buffer, ffi, lib, to_str
-from .errors import ModelFileError, TokenizeError
+from .errors import HobbitError, ModelFileError, TokenizeError
+from .model_file import inspect_model
 
 
 def _tokenize_once(vocab, text: bytes, n_max: int, add_bos: bool, special: bool) -> tuple[int, list[int], str | None]:
@@ -61,8 +62,6 @@ class Vocabulary:
         import llama_cpp
         from llama_cpp import _internals
 
-        from .model_file import inspect_model
-
         self.model_path = os.fspath(model_path)
         inspect_model(self.model_path)  # a missing, truncated or foreign file: one clear error
         params = llama_cpp.llama_model_default_params()
@@ -86,3 +85,13 @@ class Vocabulary:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def tokenize_text(model_path: str | os.PathLike, text: str, max_tokens: int | None = None) -> list[int]:
+    """The text as the model's tokenizer cuts it (no BOS), at most max_tokens; at least 2 tokens."""
+    with Vocabulary(model_path) as vocab:
+        ids = vocab.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+    ids = ids[:max_tokens] if max_tokens is not None else ids
+    if len(ids) < 2:
+        raise HobbitError(f"the text has {len(ids)} token(s) with this model's tokenizer; evaluation needs at least 2")
+    return ids

@@ -20,7 +20,7 @@ import os
 import numpy as np
 
 from .simulate import slots_for_budget, simulate
-from .trace import Trace
+from .trace_file import Trace
 
 DEFAULT_PLOT_POLICIES = ("lru", "lfu", "hobbit", "belady")
 N_POINTS = 24  # prefixes the hit-ratio curves are sampled at

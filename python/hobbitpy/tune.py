@@ -45,10 +45,11 @@ from tqdm import tqdm
 
 from ._ggml import lib as ggml
 from .candidate_cost import floor_cost, measured_cost, modeled_cost, routing_trace
-from .companions import resolve_level
+from .companions import (companion_type, copy_layer_bytes, default_companion_path, estimated_copy, needs_imatrix,
+                         resolve_level)
 from .config import MB, OffloadConfig
 from .errors import BudgetError, HobbitError, ModelFileError
-from .evaluate import REFERENCE_UBATCH, evaluate_against, tokenize_text
+from .evaluate import REFERENCE_UBATCH, evaluate_against
 from .imatrix import default_imatrix_path
 from .likelihood import Reference, ReferenceTable, scoring_bytes, scoring_windows
 from .llama import Llama
@@ -56,12 +57,12 @@ from .memory import (ContextShape, available_memory_bytes, context_sizes, fit_ub
                      process_resident_bytes, whole_memory_budget_mb)
 from .model_file import ModelInfo, inspect_model
 from .placement import importance_of, layer_expert_bytes, place_by_importance
-from .prepare import (companion_type, copy_layer_bytes, default_companion_path, estimated_copy, needs_imatrix,
-                      prepare_companion)
+from .prepare import prepare_companion
 from .presets import preset_settings
 from .profile import Profile
 from .quants import BASE_TYPES, default_quant_dir, is_mix_name, make_uniform_quant, quant_path
-from .trace import Trace
+from .tokens import tokenize_text
+from .trace_file import Trace
 
 # one-sided 95 % quantile of the normal: a candidate's perplexity increase is taken at its
 # measured value plus this many standard errors
