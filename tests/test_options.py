@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
+from hobbitpy import _native
 from hobbitpy._native import lib
-from hobbitpy.config import HIT_POLICIES, MAX_IO_THREADS, MODES, OffloadConfig, option_of, options_table
+from hobbitpy.config import HIT_POLICIES, MAX_IO_THREADS, MODES, POLICIES, OffloadConfig, option_of, options_table
 from hobbitpy.llama import OFFLOAD_KEYWORDS
 from hobbitpy.memory import ROW_READ_BYTES
 from hobbitpy.profile import PROFILE_SETTINGS
@@ -63,15 +64,26 @@ def test_the_c_defaults_are_the_tables():
     assert HIT_POLICIES[c.hit_policy] == d.hits and MODES[c.mode] == d.mode
     assert bool(c.prefill_popular_first) == (d.prefill_order == "popularity")
     assert c.neuron_threshold < 0 and d.neurons is None and abs(c.neuron_limit - d.neuron_limit) < 1e-6
-    assert lib.HOBBIT_MAX_IO_THREADS == MAX_IO_THREADS
     assert c.n_row_readers == d.row_readers and c.neuron_bridge == d.neuron_bridge
-    # the row readers' buffers the budget counts are the ones the runtime allocates: the header's
-    # value (what the library is built with), cffi's and memory.py's agree
-    header = (REPO / "native" / "include" / "hobbit.h").read_text()
-    built = re.search(r"#define HOBBIT_ROW_READ_BYTES \((\d+) \* (\d+)\)", header)
-    assert int(built[1]) * int(built[2]) == lib.HOBBIT_ROW_READ_BYTES == ROW_READ_BYTES
     w = c.policy_weights
     assert all(abs(a - b) < 1e-6 for a, b in zip((w.lru, w.lfu, w.lhu, w.fld), d.policy_weights))
+
+
+def test_the_binding_is_the_header_itself():
+    """cffi reads hobbit.h as installed beside the library (no copy of it to drift): every
+    function, enum value and integer constant of the source header is in the binding, with
+    the header's value, and the option names are the enums'."""
+    header = (REPO / "native" / "include" / "hobbit.h").read_text()
+    assert _native.HEADER.read_text() == header, "the installed header is not the source's: rebuild"
+    functions = re.findall(r"^HOBBIT_API [^;]*?\b(hobbit_\w+)\(", header, re.M)
+    assert len(functions) > 30 and all(hasattr(lib, f) for f in functions)
+    values = re.findall(r"^\s+(HOBBIT_[A-Z_]+)\s*=\s*(-?\d+)", header, re.M)
+    assert len(values) > 20 and all(getattr(lib, name) == int(v) for name, v in values)
+    built = re.search(r"#define HOBBIT_ROW_READ_BYTES \((\d+) \* (\d+)\)", header)
+    assert int(built[1]) * int(built[2]) == lib.HOBBIT_ROW_READ_BYTES == ROW_READ_BYTES
+    assert lib.HOBBIT_MAX_IO_THREADS == MAX_IO_THREADS and lib.HOBBIT_PREFETCH_WIDTH_FATE == -1
+    assert MODES == ("gpu-centric", "cooperative", "auto", "balanced") and HIT_POLICIES == ("found", "upgrade", "exact")
+    assert POLICIES.index("hobbit") == POLICIES.index("weighted") + 1 and POLICIES[-1] == "score"
 
 
 

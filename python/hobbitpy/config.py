@@ -9,6 +9,8 @@ import os
 import types
 import typing
 
+from ._native import ffi, lib
+
 MB = 1024 * 1024
 # the default ladder (default_ladder.py) is served when its mean KL divergence from the
 # model's next-token distributions on the calibration text is at most this many nats a token:
@@ -20,29 +22,40 @@ MAX_MEAN_KL = 0.01
 # held 3 GB while llama-cpp-python tokenized it, in a process whose point is a memory budget
 MAX_BODY_MB = 4.0
 
+
+def _enum_names(enum: str, prefix: str) -> dict[str, int]:
+    """A hobbit.h enum's values by their option names (HOBBIT_MODE_GPU_CENTRIC: gpu-centric), in
+    the enum's order: the header is the one list of them."""
+    elements = sorted(ffi.typeof(f"enum {enum}").elements.items())
+    return {name.removeprefix(prefix).lower().replace("_", "-"): value for value, name in elements}
+
+
 # cache policies of the runtime (hobbit.h enum hobbit_policy), by name; "hobbit" is
 # HOBBIT's multidimensional policy, the weighted mix of eq. 3 ("weighted" is its old name);
 # "arc" the adaptive replacement cache Fate uses (§4.4); "popularity" Fiddler's placement
 # (the least often selected in a profile evicted first); "score" importance-driven
 # scheduling's (the lowest router score over the last tokens evicted first)
-POLICIES = ("lru", "lfu", "lhu", "fld", "random", "weighted", "hobbit", "arc", "popularity", "score")
-_NATIVE_POLICY = {"lru": 0, "lfu": 1, "lhu": 2, "fld": 3, "random": 4, "weighted": 5, "hobbit": 5, "arc": 6,
-                  "popularity": 7, "score": 8}
+_NATIVE_POLICY = {}
+for _name, _value in _enum_names("hobbit_policy", "HOBBIT_POLICY_").items():
+    _NATIVE_POLICY[_name] = _value
+    if _name == "weighted":
+        _NATIVE_POLICY["hobbit"] = _value
+POLICIES = tuple(_NATIVE_POLICY)
 
 # where a missed expert runs (hobbit.h enum hobbit_mode, in its order)
-MODES = ("gpu-centric", "cooperative", "auto", "balanced")
+MODES = tuple(_enum_names("hobbit_mode", "HOBBIT_MODE_"))
 
 # the order a prompt loads the next layer's experts in (hobbit.h prefill_popular_first)
 PREFILL_ORDERS = ("popularity", "expert")
 
 # what a hit at another precision does (hobbit.h enum hobbit_hit_policy, in its order)
-HIT_POLICIES = ("found", "upgrade", "exact")
+HIT_POLICIES = tuple(_enum_names("hobbit_hit_policy", "HOBBIT_HIT_"))
 
 # HOBBIT's thresholds for Mixtral-8x7B (§3.2): 67 % of selections high, 30 % low, 3 % skipped
 DEFAULT_T1 = 0.6
 MAX_PREFETCH_LAYERS = 8
-PREFETCH_WIDTH_FATE = -1  # hobbit.h HOBBIT_PREFETCH_WIDTH_FATE
-MAX_IO_THREADS = 64  # hobbit.h HOBBIT_MAX_IO_THREADS (a test holds them equal)
+PREFETCH_WIDTH_FATE = lib.HOBBIT_PREFETCH_WIDTH_FATE
+MAX_IO_THREADS = lib.HOBBIT_MAX_IO_THREADS
 MAX_CACHE_MB = 1 << 30  # a PiB: more is a typo, and its bytes would overflow the C API's int64
 DEFAULT_T2 = 0.9
 # CORM's upper limit on active neurons for Mixtral 8x7B (its Fig. 9): an expert keeping more runs whole
@@ -421,8 +434,6 @@ class OffloadConfig:
         to (keep them alive until the model has loaded). level_paths: the file of each level,
         high to low, None for the model's own experts (see companions.resolve_levels);
         placement: the level of every expert (placement.place_by_importance), or None."""
-        from ._native import ffi, lib
-
         if len(level_paths) != self.n_level or None in level_paths[1:]:
             raise ValueError(f"{self.n_level} level files expected (the first may be None), got {level_paths}")
         params = ffi.new("struct hobbit_params *", lib.hobbit_default_params())
