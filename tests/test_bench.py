@@ -285,7 +285,7 @@ def test_a_configuration_is_lossy_when_it_substitutes_or_serves_another_precisio
     """bench checks only the exact configurations against stock's tokens: a preset that
     substitutes experts (importance) must not count as exact (it printed a false "NO")."""
     from hobbitpy.bench import BenchConfig, _lossy
-    from hobbitpy.cli import parse_bench_config
+    from hobbitpy.cli.bench import parse_bench_config
 
     assert not _lossy(parse_bench_config("lru=--preset lru"))
     assert not _lossy(parse_bench_config("fate-exact=--policy arc --shallow-layers 1 --prefill-order popularity"))

@@ -6,6 +6,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 
 import hobbitpy
 from hobbitpy import OffloadConfig

@@ -42,7 +42,7 @@ def test_every_flag_and_keyword_comes_from_the_table():
         assert (f.name in PROFILE_SETTINGS) == opt.profile
     assert set(OFFLOAD_KEYWORDS) <= {f.name for f in dataclasses.fields(OffloadConfig)}
     # a flag sets the same field as the keyword
-    from hobbitpy.cli import add_offload_args, offload_config_from_args
+    from hobbitpy.cli.common import add_offload_args, offload_config_from_args
 
     p = argparse.ArgumentParser()
     add_offload_args(p)
@@ -88,7 +88,7 @@ def test_the_binding_is_the_header_itself():
 
 
 def test_a_preset_lies_under_the_flags_and_keywords_and_replaces_the_profile(tmp_path):
-    from hobbitpy.cli import add_offload_args, offload_config_from_args
+    from hobbitpy.cli.common import add_offload_args, offload_config_from_args
     from hobbitpy.llama import offload_config_of
     from hobbitpy.presets import PRESETS, preset_settings
 

@@ -12,20 +12,39 @@ import hobbitpy
 PACKAGE = pathlib.Path(hobbitpy.__file__).parent
 
 
-def _imports_of(path: pathlib.Path, modules: set[str]) -> set[str]:
-    """The package's modules this file imports, wherever in the file."""
+def _module_names(root: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Every module of the package by its dotted name under it ("llama", "cli.run"; a
+    package by its own name: "cli")."""
+    names = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts:
+            names[".".join(parts)] = path
+    return names
+
+
+def _imports_of(name: str, path: pathlib.Path, modules: set[str]) -> set[str]:
+    """The package's modules this one imports, wherever in the file."""
+    is_package = path.name == "__init__.py"
+    here = name.split(".") if is_package else name.split(".")[:-1]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 0 and not (node.module or "").startswith("hobbitpy"):
+            if node.level:
+                base = here[:len(here) - (node.level - 1)] if node.level > 1 else here
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module == "hobbitpy" or (node.module or "").startswith("hobbitpy."):
+                target = node.module.removeprefix("hobbitpy").lstrip(".")
+            else:
                 continue
-            module = (node.module or "").removeprefix("hobbitpy").lstrip(".")
-            names = [module.split(".")[0]] if module else [alias.name for alias in node.names]
+            candidates = [target] + [f"{target}.{a.name}" if target else a.name for a in node.names]
         elif isinstance(node, ast.Import):
-            names = [alias.name.split(".")[1] for alias in node.names if alias.name.startswith("hobbitpy.")]
+            candidates = [a.name.removeprefix("hobbitpy.") for a in node.names if a.name.startswith("hobbitpy.")]
         else:
             continue
-        found.update(n for n in names if n in modules and n != path.stem)
+        found.update(c for c in candidates if c in modules and c != name)
     return found
 
 
@@ -61,9 +80,10 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_module_of_the_package_imports_one_that_imports_it_back():
-    files = {p.stem: p for p in PACKAGE.glob("*.py")}
-    edges = {name: _imports_of(path, set(files)) for name, path in files.items()}
-    assert edges["cli"] and edges["llama"], "the walk found no imports: it would pass on anything"
+    files = _module_names(PACKAGE)
+    edges = {name: _imports_of(name, path, set(files)) for name, path in files.items()}
+    assert {"cli.run", "cli.common"} <= edges["cli"] and "bench" in edges["cli.bench"] and edges["llama"], \
+        "the walk misses imports: it would pass on anything"
     cycles = _cycles(edges)
     detail = [", ".join(f"{a} -> {b}" for a in c for b in sorted(edges[a] & set(c))) for c in cycles]
     assert not cycles, "import cycles: " + "; ".join(detail)
@@ -71,6 +91,11 @@ def test_no_module_of_the_package_imports_one_that_imports_it_back():
 
 def test_the_walk_finds_a_cycle_hidden_in_a_function(tmp_path):
     (tmp_path / "a.py").write_text("from .b import x\n")
-    (tmp_path / "b.py").write_text("def f():\n    from hobbitpy.a import y\n")
-    edges = {p.stem: _imports_of(p, {"a", "b"}) for p in tmp_path.glob("*.py")}
-    assert _cycles(edges) == [["a", "b"]]
+    (tmp_path / "b.py").write_text("def f():\n    from hobbitpy.c import y\n")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "__init__.py").write_text("from . import d\n")
+    (tmp_path / "c" / "d.py").write_text("from .. import a\n")
+    files = _module_names(tmp_path)
+    edges = {name: _imports_of(name, path, set(files)) for name, path in files.items()}
+    assert edges == {"a": {"b"}, "b": {"c"}, "c": {"c.d"}, "c.d": {"a"}}
+    assert _cycles(edges) == [["a", "b", "c", "c.d"]]

@@ -14,7 +14,7 @@ from hobbitpy import HobbitError, OffloadConfig
 from hobbitpy.cli import main as cli_main
 from hobbitpy.simulate import simulate, simulate_all, slots_per_layer
 from hobbitpy.trace import record_trace
-from hobbitpy.trace_file import load_trace
+from hobbitpy.trace_file import Trace, load_trace
 
 from conftest import MB, run_logits, tiny_model
 
@@ -148,9 +148,7 @@ def test_every_policy_is_exact(model_dir, policy):
     assert text == ref_text
 
 
-def _hand_trace(experts: np.ndarray, predicted: np.ndarray, expert_bytes: int = MB) -> "Trace":
-    from hobbitpy.trace_file import Trace
-
+def _hand_trace(experts: np.ndarray, predicted: np.ndarray, expert_bytes: int = MB) -> Trace:
     n, n_layer, k = experts.shape
     return Trace(experts=experts, weights=np.full(experts.shape, 1.0 / k, np.float32),
                  probs=np.zeros((n, n_layer, 8), np.float16), predicted=predicted, seq_start=np.zeros(n, np.uint8),

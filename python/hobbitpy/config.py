@@ -72,7 +72,7 @@ class Option:
     flag: str | None = None        # command-line flag; None: Python and profiles only
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
-    parse: str | None = None       # how the flag's text becomes the value (cli.PARSERS), else the field's type
+    parse: str | None = None       # how the flag's text becomes the value (cli/common.py PARSERS), else the field's type
     negate: bool = False           # a boolean the flag turns off (--no-warm); else a boolean's flag turns it on
     profile: bool = False          # a profile may set it (what tune and calibrate decide)
     group: str | None = None       # flags of one group exclude each other

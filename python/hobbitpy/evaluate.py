@@ -14,7 +14,6 @@ import numpy as np
 
 from .config import OffloadConfig
 from .disk import drop_from_page_cache
-from .errors import HobbitError
 from .likelihood import (Reference, ReferenceTable, compare_to_reference, nll_of_rows, scoring_bytes, scoring_windows,
                          window_logits)
 from .llama import Llama

@@ -40,7 +40,7 @@ from gguf import GGMLQuantizationType as QT
 from tqdm import tqdm
 
 from . import _native
-from ._ggml import can_read_as_float, ffi, lib, rows_as_float, type_name
+from ._ggml import can_read_as_float, ffi, lib, rows_as_float
 from .companions import (KEY_FALLBACKS, KEY_IMATRIX, KEY_NEURON_LAYOUT, KEY_OF, KEY_OF_FINGERPRINT, KEY_SOURCE,
                          KEY_TYPE, NEURON_LAYOUT_ALIGNMENT, NEURON_LAYOUT_TYPE, checked_type, companion_type,
                          default_companion_path, default_neuron_layout_path, needs_imatrix)

@@ -1,0 +1,277 @@
+"""What the commands share: flag groups (threads, sampling, verbosity, the offload options
+from OffloadConfig's table), argparse types, and the one-line failure."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+
+MB = 1024 * 1024
+log = logging.getLogger("hobbitpy")
+DEFAULT_MODEL = "ref-mixtral-Q8_0.gguf"  # models/README.md
+DEFAULT_LOW = "Q2_K"  # the low level prepare writes and calibrate reads when none is named
+# ggml's GGML_MAX_N_THREADS: more threads overran its arrays (SIGSEGV in libgomp at 100000)
+MAX_THREADS = 512
+
+
+def threads_arg(text: str) -> int:
+    """--threads: 1..MAX_THREADS (argparse says which flag, in one line)."""
+    n = int(text)
+    if not 1 <= n <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"must be 1..{MAX_THREADS}, got {n}")
+    return n
+
+
+def finite_arg(text: str) -> float:
+    """A sampling parameter: a finite number (NaN slipped through every comparison)."""
+    x = float(text)
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return x
+
+
+def add_gpu_layers_arg(p) -> None:
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=None, metavar="N",
+                   help="layers whose non-expert weights go to the GPU, as llama.cpp's -ngl (-1: all; default: all "
+                        "when a GPU is usable, else none); the experts' pools are on the GPU whenever there is one")
+
+
+def gpu_layers(args) -> int:
+    from hobbitpy.devices import default_gpu_layers
+
+    return default_gpu_layers() if args.n_gpu_layers is None else args.n_gpu_layers
+
+
+def add_sampling_args(p) -> None:
+    g = p.add_argument_group("sampling (llama.cpp's names and defaults)")
+    g.add_argument("--temp", type=finite_arg, default=0.8, help="temperature; 0 = greedy and deterministic (default 0.8)")
+    g.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens; 0 = all (default 40)")
+    g.add_argument("--top-p", type=finite_arg, default=0.95, help="nucleus sampling threshold (default 0.95)")
+    g.add_argument("--min-p", type=finite_arg, default=0.05, help="drop tokens below this share of the best one's probability (default 0.05)")
+    g.add_argument("--repeat-penalty", type=finite_arg, default=1.0, help="penalty for repeated tokens; 1 = none (default 1.0)")
+    g.add_argument("-r", "--stop", action="append", default=None, metavar="TEXT", help="stop at this text (repeatable)")
+    g.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (default: a random one each run)")
+
+
+def add_verbosity_args(p) -> None:
+    v = p.add_mutually_exclusive_group()
+    v.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log too")
+    v.add_argument("-q", "--quiet", action="store_true", help="no notes on stderr, only errors")
+
+
+def sampling_keywords(args) -> dict:
+    """create_completion's sampling keywords from the flags."""
+    return {"temperature": args.temp, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
+            "repeat_penalty": args.repeat_penalty, "stop": args.stop, "seed": args.seed}
+
+
+def sampling_error(args) -> str | None:
+    if args.n_predict < 1:
+        return f"-n must be at least 1, got {args.n_predict}"
+    if args.temp < 0 or args.top_k < 0 or not 0 <= args.top_p <= 1 or not 0 <= args.min_p <= 1 or args.repeat_penalty <= 0:
+        return "sampling flags out of range (--temp >= 0, --top-k >= 0, --top-p and --min-p in [0, 1], --repeat-penalty > 0)"
+    if args.stop is not None and any(not s for s in args.stop):
+        return "--stop needs some text"
+    return None
+
+
+def default_model() -> str | None:
+    """The small model shipped with hobbitpy, if installed."""
+    from hobbitpy._native import DATA_DIR
+
+    default = DATA_DIR / DEFAULT_MODEL
+    return str(default) if default.exists() else None
+
+
+def numbers_arg(n: int | None, what: str):
+    """An argparse type: comma-separated numbers, n of them (None: any count)."""
+    def parse(text: str) -> tuple[float, ...]:
+        try:
+            values = tuple(float(x) for x in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected numbers like {what}, got {text!r}") from None
+        if n is not None and len(values) != n:
+            raise argparse.ArgumentTypeError(f"expected {n} numbers ({what}), got {len(values)}")
+        return values
+    return parse
+
+
+def beam_width_arg(text: str) -> int:
+    """--beams: a width 1..beam_search.MAX_WIDTH, or a one-line argparse error."""
+    from hobbitpy.beam_search import MAX_WIDTH
+
+    try:
+        width = int(text)
+    except ValueError:
+        width = 0
+    if not 1 <= width <= MAX_WIDTH:
+        raise argparse.ArgumentTypeError(f"expected a beam width of 1..{MAX_WIDTH}, got {text!r}")
+    return width
+
+
+def of_trace_arg(measure: str):
+    """A parser reading a trace file into per-expert figures (placement.<measure>), or a
+    one-line argparse error."""
+    def parse(path: str):
+        from hobbitpy import HobbitError
+        from hobbitpy import placement
+        from hobbitpy.trace_file import load_trace
+
+        try:
+            return tuple(tuple(row) for row in getattr(placement, measure)(load_trace(path)).tolist())
+        except HobbitError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
+
+
+# how an Option's flag text becomes its value, by Option.parse
+PARSERS = {
+    "numbers4": numbers_arg(4, "LRU,LFU,LHU,FLD"),
+    "numbers": numbers_arg(None, "0.5,0.5"),
+    "trace_importance": of_trace_arg("expert_importance"),  # --placed
+    "trace_popularity": of_trace_arg("expert_popularity"),  # --popularity
+    "float": float,  # a number whose default is None
+    "int": int,
+}
+
+
+def _help(f) -> str:
+    from hobbitpy.config import default_text, option_of
+
+    opt = option_of(f)
+    if opt.negate or f.default is False:
+        return opt.help
+    return f"{opt.help} (default: {default_text(f)})".replace("%", "%%")
+
+
+def _dest(f) -> str:
+    """Where an offload flag's value goes in the parsed args (apart from run's own --seed, --ctx ...)."""
+    return f"offload_{f.name}"
+
+
+def add_offload_args(p) -> None:
+    """The flags that choose how experts are served (run, eval, serve, and bench's --config),
+    made from OffloadConfig's Options; each is None unless given, so that a profile and the
+    built-in defaults can lie under it."""
+    import dataclasses
+
+    from hobbitpy.config import OffloadConfig, option_of
+    from hobbitpy.presets import PRESETS
+
+    groups = {}
+    for f in dataclasses.fields(OffloadConfig):
+        opt = option_of(f)
+        if opt.flag is None:
+            continue
+        target = p
+        if opt.group is not None:
+            if opt.group not in groups:
+                groups[opt.group] = p.add_mutually_exclusive_group()
+            target = groups[opt.group]
+        if opt.negate or f.default is False:
+            target.add_argument(opt.flag, action="store_false" if opt.negate else "store_true", dest=_dest(f),
+                                default=None, help=_help(f))
+            continue
+        kind = PARSERS[opt.parse] if opt.parse else type(f.default) if f.default is not None else str
+        target.add_argument(opt.flag, dest=_dest(f), type=kind, default=None, choices=opt.choices,
+                            metavar=opt.metavar or (None if opt.choices else opt.flag.lstrip("-").replace("-", "_").upper()),
+                            help=_help(f))
+        if opt.alias is not None:
+            alias, value = opt.alias
+            target.add_argument(alias, action="store_const", const=value, dest=_dest(f),
+                                help=f"the same as {opt.flag} {value}")
+    prof = p.add_mutually_exclusive_group()
+    prof.add_argument("--profile", metavar="FILE",
+                      help="settings from a profile written by `hobbitpy tune` or `calibrate` (run applies "
+                           "MODEL.hobbit-profile.json by itself); flags given here win over it")
+    prof.add_argument("--no-profile", action="store_true", help="ignore the profile next to the model")
+    p.add_argument("--preset", choices=tuple(PRESETS),
+                   help="every setting of one paper's method (docs/OPTIONS.md); flags given here win over it, and "
+                        "the profile next to the model is not applied")
+
+
+def offload_config_from_args(args, model_path: str | None = None, *, auto_profile: bool = False):
+    """The OffloadConfig of the flags: built-in defaults, then the profile (--profile, or
+    with auto_profile and no --preset the one next to model_path), the preset, then the flags
+    given."""
+    import dataclasses
+
+    from hobbitpy import OffloadConfig
+    from hobbitpy.config import option_of
+    from hobbitpy.profile import load_profile, profile_path
+
+    settings = {}
+    profile = args.profile
+    preset = getattr(args, "preset", None)
+    if (profile is None and auto_profile and model_path and not args.no_profile and args.offload_enabled is not False
+            and preset is None):
+        default = profile_path(model_path)
+        profile = str(default) if default.exists() else None
+    # a profile or a preset chooses the configuration: the default ladder stays out (auto)
+    if profile is not None:
+        settings.update(load_profile(profile, model_path).settings, auto=False)
+        log.info(f"settings from {profile}")
+    if preset is not None:
+        from hobbitpy.presets import preset_settings
+
+        settings.update(preset_settings(preset), auto=False)
+    for f in dataclasses.fields(OffloadConfig):
+        if option_of(f).flag is not None and getattr(args, _dest(f)) is not None:
+            settings[f.name] = getattr(args, _dest(f))
+    return OffloadConfig(**settings)
+
+
+def interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def profile_inputs(args) -> tuple[str, str, str | None]:
+    """calibrate's and tune's shared checks, before any work: the profile file (never
+    overwritten, not even through a symlink), the budget, the text. (out, text, why not)."""
+    from hobbitpy.profile import profile_path
+
+    out = args.out or str(profile_path(args.model))
+    if os.path.lexists(out):
+        return out, "", f"{out}: already exists; a profile is never overwritten (remove it or choose --out)"
+    if not 0 <= args.max_ppl_increase < 1:
+        return out, "", f"--max-ppl-increase must be in [0, 1), got {args.max_ppl_increase}"
+    if args.max_tokens < 16:
+        return out, "", f"--max-tokens must be at least 16, got {args.max_tokens}"
+    text, why = read_text(args.text)
+    return out, text, why
+
+
+def read_text(path: str) -> tuple[str, str | None]:
+    """The UTF-8 text of --text, or why it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(), None
+    except (OSError, UnicodeDecodeError) as e:
+        return "", f"{path}: cannot read the text ({e})"
+
+
+def json_target_error(path: str | None) -> str | None:
+    """Why the results cannot go to path (outputs.py: only new files), or None."""
+    from hobbitpy.outputs import new_output_error
+
+    return None if path is None else new_output_error(path)
+
+
+def write_json(path: str, obj) -> str | None:
+    """Write obj as JSON to the new file path; why it could not be written, or None."""
+    from hobbitpy.outputs import write_new
+
+    try:
+        write_new(path, json.dumps(obj, indent=2) + "\n")
+    except OSError as e:  # appeared meanwhile, a full disk, ...
+        return str(e) if isinstance(e, FileExistsError) else f"{path}: cannot write it ({e.strerror or e})"
+    return None
+
+
+def fail(msg: str) -> int:
+    print(f"hobbitpy: error: {msg}", file=sys.stderr)
+    return 2
