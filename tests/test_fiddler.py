@@ -1,4 +1,4 @@
-"""Fiddler's placement (fiddler.txt §3): a profile of calibration text says which experts are
+"""Fiddler's placement (Fiddler §3): a profile of calibration text says which experts are
 selected most; those are loaded at start and kept (the popularity policy evicts the least
 popular), the rest computed in place on the mapped model file. Exact to stock on every test
 architecture, and the policy replayed by the simulator keeps a popular expert that LRU loses."""

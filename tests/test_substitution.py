@@ -1,7 +1,8 @@
-"""Importance-driven substitution (Algorithm 1 of importance-driven-scheduling.txt): off, the
-runtime is stock's bit for bit; on, a low-score selection that misses is served by a cached
-expert of similar score instead, which raises the hit ratio at a price `eval` measures
-token by token (perplexity, KL, top-1 against stock)."""
+"""Importance-driven substitution (Algorithm 1 of "Enabling MoE on the Edge via
+Importance-Driven Expert Scheduling"): off, the runtime is stock's bit for bit; on, a
+low-score selection that misses is served by a cached expert of similar score instead,
+which raises the hit ratio at a price `eval` measures token by token (perplexity, KL,
+top-1 against stock)."""
 
 from __future__ import annotations
 

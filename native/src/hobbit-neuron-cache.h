@@ -1,4 +1,4 @@
-// hobbit-neuron-cache.h - CORM's coarse-to-fine cache (corm.txt §3.5, Fig. 6): the expert
+// hobbit-neuron-cache.h - CORM's coarse-to-fine cache (CORM §3.5, Fig. 6): the expert
 // cache holds, for each cached expert, a subset of its neurons. A neuron is a row of W1, a
 // row of W3 and a column of W2 (contiguous in a neuron-major layout); a selection needs a set
 // of them; a cached expert reads only the needed neurons it lacks and keeps the union; above

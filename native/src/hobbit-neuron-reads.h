@@ -1,4 +1,4 @@
-// hobbit-neuron-reads.h - CORM's neuron-granular reads (corm.txt §3.3-3.5) with W1 first:
+// hobbit-neuron-reads.h - CORM's neuron-granular reads (CORM §3.3-3.5) with W1 first:
 // an expert's gate projection (W1) is read whole, the neurons its activation keeps decide
 // which rows of up (W3) and of the transposed down (W2, `prepare --neuron-layout`) are read;
 // the rows read stay in the neuron row cache (hobbit-neuron-rows.h): a hit reads only the

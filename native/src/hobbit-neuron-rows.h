@@ -1,4 +1,4 @@
-// hobbit-neuron-rows.h - the neuron cache of neuron-granular reads (corm.txt §3.5): the rows of
+// hobbit-neuron-rows.h - the neuron cache of neuron-granular reads (CORM §3.5): the rows of
 // up and of the transposed down that have been read, held per expert (layer * n_expert + expert)
 // in pages of one neuron each (its up row, then its down row: the neuron layout's bundle, so a
 // run of neurons is read straight into a run of pages), apart from the gate projections' slots. The budget counts the rows held, not whole experts, so the cache holds as many experts

@@ -1,7 +1,8 @@
 // hobbit-substitution.h - importance-driven scheduling's expert-cache router (Algorithm 1 of
-// importance-driven-scheduling.txt), for one token: a selected expert whose router score is
-// close to the best unselected one's is "low-score", and if it is not cached it is replaced
-// by an unselected, cached expert of similar score, so the token needs no load for it.
+// "Enabling MoE on the Edge via Importance-Driven Expert Scheduling"), for one token: a
+// selected expert whose router score is close to the best unselected one's is "low-score",
+// and if it is not cached it is replaced by an unselected, cached expert of similar score,
+// so the token needs no load for it.
 //
 // Pure: it plans from the scores and what is cached; the runtime writes the plan into the
 // graph's selected ids and gate weights (hobbit_runtime::substitute_low_scores).

@@ -1,4 +1,4 @@
-"""CORM's neuron sparsity, measured on a routing trace (corm.txt §3.1 Fig. 2, §3.4 Fig. 5b).
+"""CORM's neuron sparsity, measured on a routing trace (CORM §3.1 Fig. 2, §3.4 Fig. 5b).
 
 CORM loads only the *active* neurons of a selected expert: those whose activation
 |act(W1 x)| exceeds a threshold θ (a neuron is a row of W1 and W3 and the matching column
