@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import signal
+import subprocess
 import sys
 
 import numpy as np
@@ -14,10 +15,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import hobbitpy  # noqa: E402  (sets LLAMA_CPP_LIB_PATH before llama_cpp loads)
 from hobbitpy._native import DATA_DIR  # noqa: E402
 from hobbitpy.synthetic_moe import make_synthetic_moe  # noqa: E402
+from hobbitpy.trace_file import Trace  # noqa: E402
 
 VOCAB = DATA_DIR / "ggml-vocab-llama-spm.gguf"
 ARCHES = ["llama", "qwen2moe", "gpt-oss"]
 MB = 1024 * 1024
+
+# a short text to score (eval's windows of 32 tokens)
+EVAL_TEXT = ("The keeper climbed the stairs of the tower every evening, lit the lamp and watched the sea. "
+             "Ships passed in the dark, and the light turned slowly over the water until the morning came. ") * 3
 
 PROMPT = "Once upon a time, in a quiet village by the sea, there lived an old fisherman who"
 CONTINUATION = " told stories about the storms he had seen and the fish that got away"
@@ -58,6 +64,45 @@ def run_logits(path, offload: hobbitpy.OffloadConfig, *, n_threads: int = 2):
         return scores, text, stats, llm.model_info
     finally:
         llm.close()
+
+
+_reference: dict = {}
+
+
+def reference(path):
+    """Stock llama.cpp's run_logits on this model (offload off), once per session."""
+    if path not in _reference:
+        _reference[path] = run_logits(path, hobbitpy.OffloadConfig(enabled=False))
+    return _reference[path]
+
+
+def evaluate_text(path, config: hobbitpy.OffloadConfig, **kw):
+    """`evaluate` of EVAL_TEXT in windows of 32 tokens."""
+    from hobbitpy.evaluate import evaluate
+
+    return evaluate(path, EVAL_TEXT, config, n_ctx=32, n_threads=2, **kw)
+
+
+def hand_trace(experts, *, n_expert: int = 8, predicted=None, seq_start=None, weight: float | None = None,
+               expert_bytes: int = MB) -> Trace:
+    """A routing trace written by hand, [tokens, layers, k] selections: gate weights `weight`
+    (default 1/k), no router probabilities, the next layers' guesses `predicted` (default
+    none), prompts starting where seq_start says (default one prompt)."""
+    experts = np.asarray(experts, np.int32)
+    n, n_layer, k = experts.shape
+    return Trace(experts=experts, weights=np.full(experts.shape, 1.0 / k if weight is None else weight, np.float32),
+                 probs=np.zeros((n, n_layer, n_expert), np.float16),
+                 predicted=np.full((n, n_layer, 0, k), -1, np.int32) if predicted is None else predicted,
+                 seq_start=np.zeros(n, np.uint8) if seq_start is None else np.asarray(seq_start, np.uint8),
+                 tokens=np.zeros(n, np.int32),
+                 meta={"model": "hand-made", "n_expert": n_expert, "n_moe_layer": n_layer, "n_expert_used": k,
+                       "expert_bytes": expert_bytes, "uniform": True})
+
+
+def hobbitpy_cli(*args, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    """`python -m hobbitpy ARGS` in a child process, its output captured as text."""
+    return subprocess.run([sys.executable, "-m", "hobbitpy", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, **kw)
 
 
 def default_signals() -> None:

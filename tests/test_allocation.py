@@ -12,9 +12,8 @@ from hobbitpy.allocation import layer_prediction_accuracy, shallow_boundary
 from hobbitpy.config import PREFILL_ORDERS, OffloadConfig
 from hobbitpy.errors import BudgetError
 from hobbitpy.presets import FATE_LOW_SHARE, preset_settings
-from hobbitpy.trace_file import Trace
 
-from conftest import ARCHES, CONTINUATION, MB, PROMPT, run_logits, tiny_model
+from conftest import ARCHES, CONTINUATION, MB, PROMPT, hand_trace, run_logits, tiny_model
 
 # the fate preset at one precision (its prompts' low-precision share left out): exact
 FATE_EXACT = {k: v for k, v in preset_settings("fate").items() if k not in FATE_LOW_SHARE}
@@ -173,12 +172,6 @@ def test_a_low_share_needs_a_low_level_and_a_share():
         OffloadConfig(shallow_layers=1, low="Q2_K", importance=((1.0, 1.0),))
 
 
-def _trace(experts: np.ndarray, predicted: np.ndarray) -> Trace:
-    n, n_layer, k = experts.shape
-    return Trace(experts=experts, weights=np.ones(experts.shape, np.float32), probs=np.zeros((n, n_layer, 4), np.float16),
-                 predicted=predicted, seq_start=np.zeros(n, np.uint8), tokens=np.zeros(n, np.int32), meta={})
-
-
 def test_the_boundary_is_where_the_prediction_becomes_good():
     # 4 layers, top-2 of 4 experts, 2 tokens; predicted[t, l, 0] is the guess for layer l + 1
     experts = np.array([[[0, 1], [0, 1], [2, 3], [0, 2]],
@@ -187,7 +180,7 @@ def test_the_boundary_is_where_the_prediction_becomes_good():
     predicted[:, 0, 0] = [[0, 3], [3, 1]]  # layer 1: 2 of 4 named
     predicted[:, 1, 0] = [[2, 3], [0, 1]]  # layer 2: all
     predicted[:, 2, 0] = [[0, 2], [3, 0]]  # layer 3: 3 of 4
-    accuracy = layer_prediction_accuracy(_trace(experts, predicted))
+    accuracy = layer_prediction_accuracy(hand_trace(experts, n_expert=4, predicted=predicted, weight=1.0))
     assert accuracy.tolist() == [0.0, 0.5, 1.0, 0.75]
     assert shallow_boundary(accuracy) == 4          # layer 3 is below 0.9 of the best
     assert shallow_boundary(accuracy, share=0.7) == 2

@@ -17,19 +17,13 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from conftest import MB, tiny_model
+from conftest import MB, hobbitpy_cli, tiny_model
 
 CLI = [sys.executable, "-m", "hobbitpy", "run"]
 
 
 def cli(*args, timeout=300):
     return subprocess.run(CLI + [str(a) for a in args], capture_output=True, text=True, timeout=timeout)
-
-
-def subprocess_cli(*args, timeout=300):
-    """Another hobbitpy command than run."""
-    return subprocess.run([sys.executable, "-m", "hobbitpy", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def test_missing_file(tmp_path):
@@ -285,12 +279,12 @@ def test_trace_never_writes_through_a_symlink(model_dir, tmp_path):
     victim = tmp_path / "victim.npz"
     out = tmp_path / "t.npz"
     out.symlink_to(victim)  # dangling: the trace must not create the file it points to
-    p = subprocess_cli("trace", str(model), "--prompts", str(prompts), "--out", str(out), "-n", "2", timeout=120)
+    p = hobbitpy_cli("trace", str(model), "--prompts", str(prompts), "--out", str(out), "-n", "2", timeout=120)
     assert p.returncode == 2 and "already exists" in p.stderr and not victim.exists()
     # the trace's file is written under a fresh temporary name, then linked: nothing planted beside it is followed
     planted = tmp_path / "t2.npz.partial.npz"
     planted.symlink_to(victim)
-    p = subprocess_cli("trace", str(model), "--prompts", str(prompts), "--out", str(tmp_path / "t2.npz"), "-n", "2", timeout=120)
+    p = hobbitpy_cli("trace", str(model), "--prompts", str(prompts), "--out", str(tmp_path / "t2.npz"), "-n", "2", timeout=120)
     assert p.returncode == 0, p.stderr
     assert not victim.exists() and (tmp_path / "t2.npz").is_file() and planted.is_symlink()
 
@@ -410,7 +404,7 @@ def test_text_the_vocabulary_cannot_encode_is_an_error_not_an_abort(tmp_path):
     assert "Traceback" not in proc.stderr
     text = tmp_path / "text.txt"
     text.write_text("the cat sat on the mat " * 20 + "na\u00efve")
-    proc = subprocess_cli("eval", path, "--text", text, "--cache-mb", "1")
+    proc = hobbitpy_cli("eval", path, "--text", text, "--cache-mb", "1")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "U+00EF" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -9,12 +9,11 @@ import sys
 
 import hobbitpy
 
-from conftest import MB, default_signals, tiny_model
+from conftest import MB, default_signals, hobbitpy_cli, tiny_model
 
 
 def _bench(args, **kw):
-    return subprocess.run([sys.executable, "-m", "hobbitpy", "bench", *args], capture_output=True, text=True,
-                          timeout=600, **kw)
+    return hobbitpy_cli("bench", *args, timeout=600, **kw)
 
 
 def test_bench_reports_every_figure(model_dir, tmp_path):

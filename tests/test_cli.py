@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import hobbitpy
-from conftest import MB, default_signals, tiny_model
+from conftest import MB, default_signals, hobbitpy_cli, tiny_model
 
 REQUIRED_STATS = ["n_prompt_tokens", "n_tokens", "prefill_ms", "decode_tok_s", "expert_hits",
                   "expert_misses", "bytes_read", "peak_pool_bytes", "budget_bytes"]
@@ -84,44 +84,39 @@ def test_default_model_runs_without_a_model_argument():
     assert sum(w.strip(",.;:").isalpha() for w in words) >= len(words) // 2, proc.stdout
 
 
-def _cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "hobbitpy", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, **kw)
-
-
 def test_version_and_one_line_errors(model_dir):
-    p = _cli("--version")
+    p = hobbitpy_cli("--version")
     assert p.returncode == 0 and p.stdout.startswith("hobbitpy ")
     path = tiny_model(model_dir, "llama")
-    p = _cli("run", path, "--prompt", "")
+    p = hobbitpy_cli("run", path, "--prompt", "")
     assert p.returncode == 2 and "Traceback" not in p.stderr and "--prompt is empty" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
-    p = _cli("run", path, "--prompt", "Hi", "--top-p", "1.5")
+    p = hobbitpy_cli("run", path, "--prompt", "Hi", "--top-p", "1.5")
     assert p.returncode == 2 and "sampling flags" in p.stderr
     # more threads than ggml has room for (SIGSEGV in libgomp at 100000), NaN sampling parameters
     for flags, why in ((["--threads", "100000"], "--threads: must be 1..512"), (["--threads", "0"], "must be 1..512"),
                        (["--temp", "nan"], "--temp: must be a finite number"),
                        (["--repeat-penalty", "nan"], "--repeat-penalty: must be a finite number")):
-        p = _cli("run", path, "--prompt", "Hi", *flags)
+        p = hobbitpy_cli("run", path, "--prompt", "Hi", *flags)
         assert p.returncode == 2 and why in p.stderr and "Traceback" not in p.stderr, (flags, p.stderr)
 
 
 def test_echo_sampling_flags_and_seeds(model_dir):
     path = tiny_model(model_dir, "llama")
     common = ["run", path, "--prompt", "The harbour at dawn", "-n", "32", "--threads", "2", "-q"]
-    greedy = _cli(*common, "--temp", "0")
+    greedy = hobbitpy_cli(*common, "--temp", "0")
     assert greedy.returncode == 0 and greedy.stdout.startswith("The harbour at dawn") and greedy.stderr == ""
-    quiet = _cli(*common, "--temp", "0", "--no-echo")
+    quiet = hobbitpy_cli(*common, "--temp", "0", "--no-echo")
     assert greedy.stdout == "The harbour at dawn" + quiet.stdout
     # a seed makes sampling repeatable; without one every run draws its own
     wide = ["--temp", "1.5", "--top-k", "0", "--top-p", "1", "--min-p", "0", "--no-echo"]
-    a, b = _cli(*common, *wide, "--seed", "7"), _cli(*common, *wide, "--seed", "7")
+    a, b = hobbitpy_cli(*common, *wide, "--seed", "7"), hobbitpy_cli(*common, *wide, "--seed", "7")
     assert a.returncode == 0 and a.stdout == b.stdout
-    draws = {_cli(*common, *wide).stdout for _ in range(3)}
+    draws = {hobbitpy_cli(*common, *wide).stdout for _ in range(3)}
     assert len(draws) > 1
     # --stop ends the text at the stop string (greedy text cut before its second word)
     second_word = quiet.stdout.split()[1]
-    stopped = _cli(*common, "--temp", "0", "--no-echo", "--stop", second_word)
+    stopped = hobbitpy_cli(*common, "--temp", "0", "--no-echo", "--stop", second_word)
     assert stopped.returncode == 0 and second_word not in stopped.stdout
 
 
@@ -129,20 +124,20 @@ def test_stats_json_is_never_overwritten_nor_followed(model_dir, tmp_path):
     path = tiny_model(model_dir, "llama")
     existing = tmp_path / "stats.json"
     existing.write_text("keep me\n")
-    p = _cli("run", path, "--prompt", "Hi", "-n", "2", "--stats-json", existing)
+    p = hobbitpy_cli("run", path, "--prompt", "Hi", "-n", "2", "--stats-json", existing)
     assert p.returncode == 2 and "already exists" in p.stderr and existing.read_text() == "keep me\n"
     target = tmp_path / "elsewhere.txt"
     target.write_text("mine\n")
     link = tmp_path / "link.json"
     link.symlink_to(target)
-    p = _cli("run", path, "--prompt", "Hi", "-n", "2", "--stats-json", link)
+    p = hobbitpy_cli("run", path, "--prompt", "Hi", "-n", "2", "--stats-json", link)
     assert p.returncode == 2 and target.read_text() == "mine\n"
     dangling = tmp_path / "dangling.json"
     dangling.symlink_to(tmp_path / "nowhere" / "x.json")
-    p = _cli("run", path, "--prompt", "Hi", "-n", "2", "--stats-json", dangling)
+    p = hobbitpy_cli("run", path, "--prompt", "Hi", "-n", "2", "--stats-json", dangling)
     assert p.returncode == 2 and not (tmp_path / "nowhere").exists()
     fresh = tmp_path / "fresh.json"
-    p = _cli("run", path, "--prompt", "Hi", "-n", "2", "--temp", "0", "--stats-json", fresh)
+    p = hobbitpy_cli("run", path, "--prompt", "Hi", "-n", "2", "--temp", "0", "--stats-json", fresh)
     assert p.returncode == 0 and json.loads(fresh.read_text())["n_tokens"] == 2
     assert [f.name for f in tmp_path.iterdir() if f.name.startswith(".")] == []  # no temporary left behind
 
@@ -163,7 +158,7 @@ def test_ctrl_c_keeps_the_text_and_exits_130(model_dir):
 
 def test_chat_keeps_history_and_ends_on_eof(model_dir):
     path = tiny_model(model_dir, "llama")
-    p = _cli("run", path, "--chat", "-n", "8", "--temp", "0", "--threads", "2", "-q", input="Hello there\nAnd again\n")
+    p = hobbitpy_cli("run", path, "--chat", "-n", "8", "--temp", "0", "--threads", "2", "-q", input="Hello there\nAnd again\n")
     assert p.returncode == 0, p.stderr
     assert p.stdout.count("> ") == 3  # two turns, then the prompt that met the end of input
 
@@ -176,7 +171,7 @@ def test_low_precision_applies_when_every_expert_fits(model_dir, tmp_path):
     path = tiny_model(model_dir, "llama", n_embd=256)
     low = prepare_companion(path, "Q2_K", tmp_path / "low.gguf", progress=False)
     stats = tmp_path / "s.json"
-    p = _cli("run", path, "--prompt", "Hi", "-n", "8", "--temp", "0", "--low", low, "--stats-json", stats)
+    p = hobbitpy_cli("run", path, "--prompt", "Hi", "-n", "8", "--temp", "0", "--low", low, "--stats-json", stats)
     assert p.returncode == 0, p.stderr
     s = json.loads(stats.read_text())
     assert s["offload"] and len(s["served_share"]) == 2 and abs(sum(s["served_share"]) - 1) < 1e-9
@@ -185,7 +180,7 @@ def test_low_precision_applies_when_every_expert_fits(model_dir, tmp_path):
     # with the default hits a selection the rule scores low is served by whichever copy is
     # there first (the high one, if a token wanted it before); served exactly, it is the low one
     exact = tmp_path / "exact.json"
-    p = _cli("run", path, "--prompt", "Hi", "-n", "8", "--temp", "0", "--low", low, "--hits", "exact",
+    p = hobbitpy_cli("run", path, "--prompt", "Hi", "-n", "8", "--temp", "0", "--low", low, "--hits", "exact",
              "--stats-json", exact)
     assert p.returncode == 0, p.stderr
     assert json.loads(exact.read_text())["served_share"][1] > 0

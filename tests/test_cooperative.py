@@ -10,15 +10,7 @@ import pytest
 import hobbitpy
 from hobbitpy.config import MODES
 from hobbitpy.disk import drop_from_page_cache
-from conftest import ARCHES, CONTINUATION, MB, PROMPT, run_logits, tiny_model
-
-_reference: dict = {}
-
-
-def reference(path):
-    if path not in _reference:
-        _reference[path] = run_logits(path, hobbitpy.OffloadConfig(enabled=False))
-    return _reference[path]
+from conftest import ARCHES, CONTINUATION, MB, PROMPT, reference, run_logits, tiny_model
 
 
 @pytest.mark.parametrize("mode", ["cooperative", "auto", "balanced"])

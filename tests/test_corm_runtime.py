@@ -10,12 +10,9 @@ import pytest
 
 import hobbitpy
 from hobbitpy.cli import main as cli_main
-from conftest import ARCHES, MB, run_logits, tiny_model
+from conftest import ARCHES, EVAL_TEXT, MB, evaluate_text, run_logits, tiny_model
 
 from test_exactness import BUDGETS, reference
-
-TEXT = ("The keeper climbed the stairs of the tower every evening, lit the lamp and watched the sea. "
-        "Ships passed in the dark, and the light turned slowly over the water until the morning came. ") * 3
 
 
 @pytest.mark.parametrize("budget", ["min", "half", "all"])
@@ -34,12 +31,6 @@ def test_theta_zero_keeps_every_neuron_bit_for_bit(model_dir, arch, budget):
     assert stats["neuron_kept"] == stats["neuron_whole"] == stats["neuron_selections"]
 
 
-def _eval(path, config, **kw):
-    from hobbitpy.evaluate import evaluate
-
-    return evaluate(path, TEXT, config, n_ctx=32, n_threads=2, **kw)
-
-
 def test_neurons_left_out_cost_what_the_stock_pricing_says(model_dir):
     """The runtime's mask and the pricing callback apply one rule (the callback dots in float32,
     the graph on ggml's quantized activations, so a neuron within rounding of θ may differ): both
@@ -49,8 +40,8 @@ def test_neurons_left_out_cost_what_the_stock_pricing_says(model_dir):
     path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
     info = hobbitpy.inspect_model(path)
     budget = info.expert_bytes_total / 2 / MB
-    runtime = _eval(path, hobbitpy.OffloadConfig(cache_mb=budget, neurons=0.05, neuron_limit=1.0))
-    priced = _eval(path, hobbitpy.OffloadConfig(enabled=False),
+    runtime = evaluate_text(path, hobbitpy.OffloadConfig(cache_mb=budget, neurons=0.05, neuron_limit=1.0))
+    priced = evaluate_text(path, hobbitpy.OffloadConfig(enabled=False),
                    neurons=NeuronMaskSpec(0.05, predicted=True, limit=1.0))
     assert runtime.offloaded and runtime.mean_kl > 0.0 and priced.mean_kl > 0.0
     assert runtime.mean_kl == pytest.approx(priced.mean_kl, rel=0.25)
@@ -63,14 +54,14 @@ def test_neurons_left_out_cost_what_the_stock_pricing_says(model_dir):
     priced_share = (priced.stats["neuron_kept_share"] * n_moe - 1) / (n_moe - 1)
     assert runtime.stats["neuron_kept"] / n == pytest.approx(priced_share, abs=0.02)
     # more of the neurons left out: more lost
-    wider = _eval(path, hobbitpy.OffloadConfig(cache_mb=budget, neurons=0.2, neuron_limit=1.0))
+    wider = evaluate_text(path, hobbitpy.OffloadConfig(cache_mb=budget, neurons=0.2, neuron_limit=1.0))
     assert wider.mean_kl > runtime.mean_kl
 
 
 def test_the_corm_preset_and_its_flags_on_the_command_line(model_dir, tmp_path, capsys):
     path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
     text = tmp_path / "text.txt"
-    text.write_text(TEXT)
+    text.write_text(EVAL_TEXT)
     half = hobbitpy.inspect_model(path).expert_bytes_total / 2 / MB  # a model that fits runs stock
     base = ["eval", str(path), "--text", str(text), "--ctx", "32", "--threads", "2", "--cache-mb", f"{half:.3f}"]
     assert cli_main([*base, "--preset", "corm"]) == 0

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from conftest import ARCHES, MB, run_logits, tiny_model
+from conftest import ARCHES, MB, reference, run_logits, tiny_model
 
 # budgets as a function of the model: the minimum (one token's top-k: prefill runs
 # mostly in place), one slot more, half the experts, every expert
@@ -22,14 +22,6 @@ BUDGETS = {
 # these tests check the pool path: every missed expert is loaded (the cooperative and auto
 # modes, which may compute it in place instead, have their own tests in test_cooperative.py)
 POOL = "gpu-centric"
-
-_reference: dict = {}
-
-
-def reference(path):
-    if path not in _reference:
-        _reference[path] = run_logits(path, hobbitpy.OffloadConfig(enabled=False))
-    return _reference[path]
 
 
 @pytest.mark.parametrize("budget", list(BUDGETS))

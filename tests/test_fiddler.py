@@ -15,9 +15,8 @@ from hobbitpy.placement import expert_popularity
 from hobbitpy.presets import preset_settings
 from hobbitpy.simulate import simulate
 from hobbitpy.trace import record_trace
-from hobbitpy.trace_file import Trace
 
-from conftest import ARCHES, MB, PROMPT, run_logits, tiny_model
+from conftest import ARCHES, MB, PROMPT, hand_trace, run_logits, tiny_model
 
 PROFILE_PROMPTS = ["The river ran quickly past the mill", "In the beginning of the year the farmers"]
 
@@ -46,19 +45,11 @@ def test_the_fiddler_preset_is_exact_to_stock(model_dir, arch, mode):
     assert stats["peak_pool_bytes"] <= stats["budget_bytes"]
 
 
-def _trace(experts: np.ndarray, n_expert: int) -> Trace:
-    n, n_layer, k = experts.shape
-    return Trace(experts=experts, weights=np.ones(experts.shape, np.float32),
-                 probs=np.zeros((n, n_layer, n_expert), np.float16), predicted=np.zeros((n, n_layer, 0, k), np.int32),
-                 seq_start=np.zeros(n, np.uint8), tokens=np.zeros(n, np.int32),
-                 meta={"n_expert": n_expert, "n_expert_used": k, "expert_bytes": MB, "uniform": True})
-
-
 def test_the_simulated_popularity_policy_keeps_the_popular_expert_lru_loses():
     # one layer, top-1 of 8: expert 0 every third token, two of the others in turn between;
     # with 2 slots LRU evicts expert 0 while the scan passes, the profile keeps it
     steps = [0 if t % 3 == 0 else 1 + (t - 1 - t // 3) % 7 for t in range(201)]
-    trace = _trace(np.array(steps, np.int32).reshape(-1, 1, 1), 8)
+    trace = hand_trace(np.array(steps, np.int32).reshape(-1, 1, 1), weight=1.0)
     lru = simulate(trace, 2, "lru")
     popular = simulate(trace, 2, "popularity")
     belady = simulate(trace, 2, "belady")

@@ -8,8 +8,6 @@ import math
 import os
 import pathlib
 import shutil
-import subprocess
-import sys
 
 import gguf
 import numpy as np
@@ -23,7 +21,7 @@ from hobbitpy.imatrix import collect_imatrix, load_imatrix, write_imatrix
 from hobbitpy.companions import KEY_IMATRIX
 from hobbitpy.prepare import prepare_companion
 
-from conftest import MB
+from conftest import MB, hobbitpy_cli
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "ref-mixtral-Q8_0.gguf"
@@ -31,12 +29,8 @@ PROMPTS = REPO / "models" / "trace-prompts.txt"
 WINDOW = 128
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hobbitpy", *args], capture_output=True, text=True, timeout=600)
-
-
 @pytest.fixture(scope="module")
-def calibrated(tmp_path_factory):
+def with_imatrix(tmp_path_factory):
     """ref-mixtral, its matrix collected on the first half of the shipped prompts, the second
     half held out."""
     folder = tmp_path_factory.mktemp("imatrix")
@@ -46,15 +40,15 @@ def calibrated(tmp_path_factory):
     calibration, held_out = folder / "calibration.txt", folder / "held-out.txt"
     calibration.write_text("\n".join(lines[: len(lines) // 2]) + "\n")
     held_out.write_text("\n".join(lines[len(lines) // 2:]) + "\n")
-    proc = _cli("imatrix", str(model), "--text", str(calibration), "--ctx", str(WINDOW), "--threads", "2")
+    proc = hobbitpy_cli("imatrix", str(model), "--text", str(calibration), "--ctx", str(WINDOW), "--threads", "2", timeout=600)
     assert proc.returncode == 0, proc.stderr
     path = folder / "ref-mixtral-Q8_0.imatrix.gguf"
     assert f"wrote {path}" in proc.stdout
     return model, path, calibration, held_out
 
 
-def test_every_selection_is_counted_once_in_every_layer(calibrated):
-    model, path, calibration, _ = calibrated
+def test_every_selection_is_counted_once_in_every_layer(with_imatrix):
+    model, path, calibration, _ = with_imatrix
     info = hobbitpy.inspect_model(model)
     n_tokens = len(tokenize_text(model, calibration.read_text()))
     reader = gguf.GGUFReader(path)
@@ -81,8 +75,8 @@ def test_every_selection_is_counted_once_in_every_layer(calibrated):
     assert means["blk.0.ffn_down_exps.weight"].shape == (info.n_expert, info.n_ff_expert)
 
 
-def test_the_collection_is_deterministic(calibrated, tmp_path):
-    model, path, calibration, _ = calibrated
+def test_the_collection_is_deterministic(with_imatrix, tmp_path):
+    model, path, calibration, _ = with_imatrix
     again = collect_imatrix(model, calibration, tmp_path / "again.gguf", n_ctx=WINDOW, n_threads=2)
     first, second = load_imatrix(path), load_imatrix(again)
     assert first.keys() == second.keys()
@@ -90,8 +84,8 @@ def test_the_collection_is_deterministic(calibrated, tmp_path):
         np.testing.assert_allclose(first[name], second[name], rtol=1e-5)
 
 
-def test_the_matrix_brings_the_lowest_bit_type_closer_to_the_model(calibrated, tmp_path):
-    model, path, _, held_out = calibrated
+def test_the_matrix_brings_the_lowest_bit_type_closer_to_the_model(with_imatrix, tmp_path):
+    model, path, _, held_out = with_imatrix
     flat = tmp_path / "flat.imatrix.gguf"  # every column weighed alike: what no matrix would mean
     write_imatrix(flat, {name: (np.ones_like(m), np.ones((m.shape[0], 1), np.float32))
                          for name, m in load_imatrix(path).items()}, dataset="none", chunk_count=1, chunk_size=1)
@@ -111,34 +105,34 @@ def test_the_matrix_brings_the_lowest_bit_type_closer_to_the_model(calibrated, t
     assert results["weighted"].perplexity < results["flat"].perplexity
 
 
-def test_bad_input_is_one_clear_line(calibrated, tmp_path):
-    model, path, calibration, _ = calibrated
+def test_bad_input_is_one_clear_line(with_imatrix, tmp_path):
+    model, path, calibration, _ = with_imatrix
     # a lowest-bit type without a matrix says how to make one
-    proc = _cli("prepare", str(model), "--low", "IQ2_XXS", "--out", str(tmp_path / "c.gguf"))
+    proc = hobbitpy_cli("prepare", str(model), "--low", "IQ2_XXS", "--out", str(tmp_path / "c.gguf"), timeout=600)
     assert proc.returncode == 2 and "IQ2_XXS needs an importance matrix" in proc.stderr
     assert "hobbitpy imatrix" in proc.stderr and "Traceback" not in proc.stderr
     # not a matrix; a matrix of another shape: refused before anything is written
-    proc = _cli("prepare", str(model), "--low", "IQ2_XXS", "--imatrix", str(model), "--out", str(tmp_path / "c.gguf"))
+    proc = hobbitpy_cli("prepare", str(model), "--low", "IQ2_XXS", "--imatrix", str(model), "--out", str(tmp_path / "c.gguf"), timeout=600)
     assert proc.returncode == 2 and f"{model}: not an importance matrix" in proc.stderr
     other = tmp_path / "other.imatrix.gguf"
     write_imatrix(other, {name: (m[:, :64].copy(), np.ones((m.shape[0], 1), np.float32))
                           for name, m in load_imatrix(path).items()}, dataset="x", chunk_count=1, chunk_size=1)
-    proc = _cli("prepare", str(model), "--low", "IQ2_XXS", "--imatrix", str(other), "--out", str(tmp_path / "c.gguf"))
+    proc = hobbitpy_cli("prepare", str(model), "--low", "IQ2_XXS", "--imatrix", str(other), "--out", str(tmp_path / "c.gguf"), timeout=600)
     assert proc.returncode == 2 and "a matrix of another model?" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "c.gguf").exists()
     # imatrix: a missing model, a text that is not UTF-8, an existing output or a symlink there
-    proc = _cli("imatrix", str(tmp_path / "missing.gguf"), "--text", str(calibration))
+    proc = hobbitpy_cli("imatrix", str(tmp_path / "missing.gguf"), "--text", str(calibration), timeout=600)
     assert proc.returncode == 2 and "missing.gguf" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     binary = tmp_path / "binary.txt"
     binary.write_bytes(b"\xff\xfe\x00bad")
-    proc = _cli("imatrix", str(model), "--text", str(binary), "--out", str(tmp_path / "m.gguf"))
+    proc = hobbitpy_cli("imatrix", str(model), "--text", str(binary), "--out", str(tmp_path / "m.gguf"), timeout=600)
     assert proc.returncode == 2 and "binary.txt: cannot read it as UTF-8 text" in proc.stderr
     kept = tmp_path / "kept.gguf"
     kept.write_bytes(b"keep")
     link = tmp_path / "link.gguf"
     os.symlink(kept, link)
     for out in (kept, link):
-        proc = _cli("imatrix", str(model), "--text", str(calibration), "--out", str(out))
+        proc = hobbitpy_cli("imatrix", str(model), "--text", str(calibration), "--out", str(out), timeout=600)
         assert proc.returncode == 2 and f"{out}: already exists" in proc.stderr
     assert kept.read_bytes() == b"keep"
     assert not (tmp_path / "m.gguf").exists()

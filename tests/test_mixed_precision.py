@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from conftest import ARCHES, CONTINUATION, MB, PROMPT, run_logits, tiny_model
+from conftest import ARCHES, CONTINUATION, MB, PROMPT, reference, run_logits, tiny_model
 from hobbitpy.gguf_fields import field_value
 
 EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_up_exps.weight")
@@ -42,15 +42,6 @@ def identical_companion(model: pathlib.Path, out: pathlib.Path, *, drop: str | N
     writer.write_tensors_to_file()
     writer.close()
     return out
-
-
-_reference: dict = {}
-
-
-def reference(path):
-    if path not in _reference:
-        _reference[path] = run_logits(path, hobbitpy.OffloadConfig(enabled=False))
-    return _reference[path]
 
 
 def assert_bit_equal(scores, ref_scores):

@@ -14,12 +14,9 @@ import pytest
 import hobbitpy
 from hobbitpy.cli import main as cli_main
 from hobbitpy.prepare import prepare_companion
-from conftest import MB, run_logits, tiny_model
+from conftest import EVAL_TEXT, MB, evaluate_text, run_logits, tiny_model
 
 from test_exactness import reference
-
-TEXT = ("The keeper climbed the stairs of the tower every evening, lit the lamp and watched the sea. "
-        "Ships passed in the dark, and the light turned slowly over the water until the morning came. ") * 3
 
 
 def _layout(model_dir, path):
@@ -102,12 +99,6 @@ def test_theta_zero_reads_every_neuron_and_computes_the_experts(model_dir, arch,
     assert (scores.argmax(-1) == ref_scores.argmax(-1)).mean() >= 0.9
 
 
-def _eval(path, config, **kw):
-    from hobbitpy.evaluate import evaluate
-
-    return evaluate(path, TEXT, config, n_ctx=32, n_threads=2, **kw)
-
-
 def test_neurons_read_cost_what_the_exact_pricing_says_and_read_fewer_bytes(model_dir):
     from hobbitpy.neurons import NeuronMaskSpec
 
@@ -115,9 +106,9 @@ def test_neurons_read_cost_what_the_exact_pricing_says_and_read_fewer_bytes(mode
     layout = _layout(model_dir, path)
     budget = hobbitpy.inspect_model(path).expert_bytes_total / 2 / MB
     theta = 0.05
-    reads = _eval(path, hobbitpy.OffloadConfig(cache_mb=budget, neurons=theta, neuron_limit=1.0, neuron_layout=str(layout)))
-    priced = _eval(path, hobbitpy.OffloadConfig(enabled=False), neurons=NeuronMaskSpec(theta, predicted=False, limit=1.0))
-    whole = _eval(path, hobbitpy.OffloadConfig(cache_mb=budget))
+    reads = evaluate_text(path, hobbitpy.OffloadConfig(cache_mb=budget, neurons=theta, neuron_limit=1.0, neuron_layout=str(layout)))
+    priced = evaluate_text(path, hobbitpy.OffloadConfig(enabled=False), neurons=NeuronMaskSpec(theta, predicted=False, limit=1.0))
+    whole = evaluate_text(path, hobbitpy.OffloadConfig(cache_mb=budget))
     assert reads.offloaded and reads.mean_kl > 0.0 and priced.mean_kl > 0.0
     # one rule (W1 first: the activations themselves), plus the layout's re-quantized down
     assert reads.mean_kl == pytest.approx(priced.mean_kl, rel=0.25)
@@ -139,7 +130,7 @@ def test_bad_neuron_layouts_are_one_line_and_exit_2(model_dir, tmp_path, capsys)
     plain = tmp_path / "plain.gguf"
     prepare_companion(path, "Q8_0", plain, progress=False)
     text = tmp_path / "text.txt"
-    text.write_text(TEXT)
+    text.write_text(EVAL_TEXT)
     half = f"{hobbitpy.inspect_model(path).expert_bytes_total / 2 / MB:.3f}"
     base = ["eval", str(path), "--text", str(text), "--ctx", "32", "--threads", "2", "--cache-mb", half]
     assert cli_main([*base, "--neurons", "0.05", "--neuron-layout", str(layout)]) == 0

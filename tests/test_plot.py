@@ -12,26 +12,17 @@ import pytest
 
 from hobbitpy.simulate import simulate
 from hobbitpy.trace import read_prompts, record_trace
-from hobbitpy.trace_file import Trace
 from hobbitpy.trace_plot import hit_ratio_curves, reuse_distances, selection_shares
+
+from conftest import hand_trace
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "ref-mixtral-Q8_0.gguf"
 
 
-def _trace(experts, seq_start) -> Trace:
-    experts = np.array(experts, np.int32)
-    n, L, k = experts.shape
-    return Trace(experts=experts, weights=np.full(experts.shape, 1.0 / k, np.float32),
-                 probs=np.zeros((n, L, 4), np.float16), predicted=np.full((n, L, 0, k), -1, np.int32),
-                 seq_start=np.array(seq_start, np.uint8), tokens=np.zeros(n, np.int32),
-                 meta={"model": "hand-made", "n_expert": 4, "n_moe_layer": L, "n_expert_used": k,
-                       "expert_bytes": 1024 * 1024, "uniform": True})
-
-
 def test_shares_and_reuse_distances_of_a_hand_made_trace():
     # one layer, top-1: experts 0 0 1 0 | new sequence: 1 1
-    t = _trace([[[0]], [[0]], [[1]], [[0]], [[1]], [[1]]], [1, 0, 0, 0, 1, 0])
+    t = hand_trace([[[0]], [[0]], [[1]], [[0]], [[1]], [[1]]], n_expert=4, seq_start=[1, 0, 0, 0, 1, 0])
     assert np.allclose(selection_shares(t), [[0.5, 0.5, 0.0, 0.0]])
     distances, first = reuse_distances(t)
     assert sorted(distances.tolist()) == [1, 1, 2] and first == 3  # 0@0, 1@2, 1@4 are first in their sequence

@@ -14,9 +14,9 @@ from hobbitpy import HobbitError, OffloadConfig
 from hobbitpy.cli import main as cli_main
 from hobbitpy.simulate import simulate, simulate_all, slots_per_layer
 from hobbitpy.trace import record_trace
-from hobbitpy.trace_file import Trace, load_trace
+from hobbitpy.trace_file import load_trace
 
-from conftest import MB, run_logits, tiny_model
+from conftest import MB, hand_trace, run_logits, tiny_model
 
 PROMPTS = ["Once upon a time there was a lighthouse", "The river ran quickly past the mill",
            "In the beginning of the year the farmers"]
@@ -148,15 +148,6 @@ def test_every_policy_is_exact(model_dir, policy):
     assert text == ref_text
 
 
-def _hand_trace(experts: np.ndarray, predicted: np.ndarray, expert_bytes: int = MB) -> Trace:
-    n, n_layer, k = experts.shape
-    return Trace(experts=experts, weights=np.full(experts.shape, 1.0 / k, np.float32),
-                 probs=np.zeros((n, n_layer, 8), np.float16), predicted=predicted, seq_start=np.zeros(n, np.uint8),
-                 tokens=np.zeros(n, np.int32),
-                 meta={"model": "hand.gguf", "n_expert": 8, "n_expert_used": k, "expert_bytes": expert_bytes,
-                       "uniform": True})
-
-
 def test_simulated_prefetch_of_perfect_guesses_leaves_the_first_layers_misses():
     # every layer's guess is the next layer's real selection: with room for a layer and the
     # next one's guess, nothing past the first MoE layer ever misses; wrong guesses cost reads
@@ -165,7 +156,7 @@ def test_simulated_prefetch_of_perfect_guesses_leaves_the_first_layers_misses():
     experts = np.array([[rng.choice(8, k, replace=False) for _ in range(n_layer)] for _ in range(n)], np.int32)
     perfect = np.full((n, n_layer, 1, k), -1, np.int32)
     perfect[:, :-1, 0] = experts[:, 1:]
-    t = _hand_trace(experts, perfect)
+    t = hand_trace(experts, predicted=perfect)
     budget = 2 * k  # MB: slots of 1 MB
     plain = simulate(t, budget, "lru")
     ahead = simulate(t, budget, "lru", prefetch_layers=1)
@@ -177,7 +168,7 @@ def test_simulated_prefetch_of_perfect_guesses_leaves_the_first_layers_misses():
 
     wrong = perfect.copy()
     wrong[:, :-1, 0] = (experts[:, 1:] + 3) % 8
-    guessed_wrong = simulate(_hand_trace(experts, wrong), budget, "lru", prefetch_layers=1)
+    guessed_wrong = simulate(hand_trace(experts, predicted=wrong), budget, "lru", prefetch_layers=1)
     assert guessed_wrong.prefetched > 0 and guessed_wrong.prefetch_used < guessed_wrong.prefetched
     with pytest.raises(HobbitError, match="guesses 1 layers ahead"):
         simulate(t, budget, "lru", prefetch_layers=2)
