@@ -5,6 +5,7 @@ a memory cap never runs into that cap."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -146,3 +147,42 @@ def test_stock_logits_do_not_depend_on_the_ubatch(model_dir, arch):
         llm.close()
     assert len(tokens) > 32
     assert all(np.array_equal(logits[0], other) for other in logits[1:])
+
+
+def test_page_cache_no_process_maps_counts_as_free_whichever_list_it_is_on(tmp_path):
+    """A cgroup's clean, unmapped file pages are free to a new run, active or inactive: the
+    kernel reclaims both lists (which list holds a page depends on how often and how recently
+    it was read, and counting one list made a run's budget hang on that timing)."""
+    from hobbitpy.memory import _reclaimable_file_bytes
+
+    stat = tmp_path / "memory.stat"
+    stat.write_text("total_cache 900\ntotal_active_file 500\ntotal_inactive_file 300\ntotal_mapped_file 150\n"
+                    "total_dirty 40\ntotal_writeback 10\n")
+    assert _reclaimable_file_bytes(stat, "total_", ("mapped_file", "dirty", "writeback")) == 600
+    stat.write_text("active_file 500\ninactive_file 0\nfile_mapped 600\nfile_dirty 0\nfile_writeback 0\n")
+    assert _reclaimable_file_bytes(stat, "", ("file_mapped", "file_dirty", "file_writeback")) == 0
+
+
+def test_a_run_after_another_in_its_cgroup_finds_the_same_memory(tmp_path):
+    """The page cache a finished run left charged to the cgroup (read twice: most of it on the
+    active list) is counted as free by the next run, as it is after a reclaim."""
+    from hobbitpy.memcap import MemoryCap
+
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"\1" * (96 * MB))
+    cap = MemoryCap.create(f"hobbitpy-test-reclaim-{os.getpid()}")
+    if cap is None:
+        pytest.fail("no writable memory cgroup here: the test needs one")
+    probe = "from hobbitpy.memory import available_memory_bytes; print(available_memory_bytes())"
+    try:
+        cap.set_limit(512 * MB)  # reclaims whatever the cgroup held
+        fresh = int(subprocess.run([sys.executable, "-c", probe], preexec_fn=cap.enter, capture_output=True,
+                                   text=True, timeout=60, check=True).stdout)
+        for _ in range(2):
+            subprocess.run(["cat", str(data)], preexec_fn=cap.enter, stdout=subprocess.DEVNULL, check=True, timeout=60)
+        after = int(subprocess.run([sys.executable, "-c", probe], preexec_fn=cap.enter, capture_output=True,
+                                   text=True, timeout=60, check=True).stdout)
+    finally:
+        cap.remove()
+    # the probes hold the same interpreter; 8 MB for the kernel's bookkeeping of 96 MB of cache
+    assert abs(after - fresh) < 8 * MB, (fresh / MB, after / MB)

@@ -113,6 +113,17 @@ def _stat_field(path: pathlib.Path, field: str) -> int:
     return 0
 
 
+def _reclaimable_file_bytes(stat: pathlib.Path, prefix: str, busy_fields: tuple[str, ...]) -> int:
+    """Page cache charged to a cgroup that the kernel takes back when asked, without writing
+    or faulting anything: clean file pages no process maps. The active and the inactive list
+    alike (which list a page is on depends on how often and how recently it was read: counting
+    only the inactive one made a run's budget hang on the kernel's timing), less the pages
+    mapped (a model's weights in use) and those dirty or under writeback."""
+    cache = _stat_field(stat, f"{prefix}active_file") + _stat_field(stat, f"{prefix}inactive_file")
+    busy = sum(_stat_field(stat, f"{prefix}{field}") for field in busy_fields)
+    return max(0, cache - busy)
+
+
 def _cgroup_available_bytes() -> int | None:
     """Bytes the own memory cgroup still allows (reclaimable file cache counts as free)."""
     try:
@@ -128,7 +139,8 @@ def _cgroup_available_bytes() -> int | None:
                 limit = _read_int(node / "memory.max")
                 usage = _read_int(node / "memory.current")
                 if limit is not None and usage is not None:
-                    free = limit - usage + _stat_field(node / "memory.stat", "inactive_file")
+                    free = limit - usage + _reclaimable_file_bytes(node / "memory.stat", "",
+                                                                     ("file_mapped", "file_dirty", "file_writeback"))
                     best = free if best is None else min(best, free)
                 if node == pathlib.Path("/sys/fs/cgroup") or node.parent == node:
                     break
@@ -139,7 +151,7 @@ def _cgroup_available_bytes() -> int | None:
             limit = _stat_field(stat, "hierarchical_memory_limit") or _read_int(node / "memory.limit_in_bytes")
             usage = _read_int(node / "memory.usage_in_bytes")
             if limit and usage is not None and limit < (1 << 60):
-                free = limit - usage + _stat_field(stat, "total_inactive_file")
+                free = limit - usage + _reclaimable_file_bytes(stat, "total_", ("mapped_file", "dirty", "writeback"))
                 best = free if best is None else min(best, free)
     return best
 
