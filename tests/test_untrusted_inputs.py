@@ -22,7 +22,7 @@ import pytest
 from hobbitpy import HobbitError
 from hobbitpy.bench import BenchResult, write_outputs
 from hobbitpy.outputs import OutputExistsError, OutputWriteError
-from hobbitpy.profile import load_profile, profile_offload, profile_path
+from hobbitpy.profile import load_profile, profile_path, resolve_offload
 from hobbitpy.trace import record_trace
 from hobbitpy.trace_file import load_trace
 
@@ -202,7 +202,7 @@ def test_a_profile_value_of_the_wrong_type_is_one_line_naming_the_file_and_field
         load_profile(profile, model)
     assert str(e.value).startswith(f"{profile}: {message}")
     with pytest.raises(HobbitError, match="m.hobbit-profile.json: "):
-        profile_offload(model)
+        resolve_offload(model)
     _one_line_error(_hobbitpy("run", model, "-p", "Hi", "-n", "1", "-q"), str(profile), message)
 
 

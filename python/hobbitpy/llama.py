@@ -39,8 +39,7 @@ from .memory import (COMPUTE_SHARE, MIN_UBATCH, ContextShape, OffloadPlan, avail
                      fit_ubatch, plan_offload, return_freed_memory, whole_memory_budget_mb)
 from .model_file import ModelInfo, inspect_model
 from .placement import check_profiles, importance_of, placement_for
-from .presets import preset_settings
-from .profile import load_profile, profile_offload
+from .profile import resolve_offload
 
 # llama_cpp.Llama's own keywords (it swallows any other one silently)
 LLAMA_KEYWORDS = frozenset(inspect.signature(llama_cpp.Llama.__init__).parameters) - {"self", "model_path", "kwargs"}
@@ -68,15 +67,7 @@ def offload_config_of(model_path: str, offload, profile, keywords: dict, preset:
     if offload is not None and not isinstance(offload, OffloadConfig):
         raise TypeError(f"offload must be an OffloadConfig, a dict of its fields or False, not {type(offload).__name__}")
     if offload is None:
-        # a profile or a preset chooses the configuration: the default ladder stays out (auto)
-        if profile is not None:
-            offload = OffloadConfig(auto=False, **load_profile(profile, model_path).settings)
-        elif preset is not None:
-            offload = OffloadConfig(auto=False)
-        else:
-            offload = profile_offload(model_path)
-    if preset is not None:
-        keywords = {**preset_settings(preset), **keywords}
+        return resolve_offload(model_path, profile=profile, preset=preset, settings=keywords)[0]
     return dataclasses.replace(offload, **keywords) if keywords else offload
 
 

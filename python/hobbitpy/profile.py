@@ -2,8 +2,9 @@
 it (``MODEL.hobbit-profile.json``), which `hobbitpy run` applies by itself.
 
 A profile holds the settings (low-precision level, thresholds T1/T2, eq. 3 weights)
-and, for the record, how they were measured. Flags given on the command line win over
-the profile; the profile wins over the built-in defaults.
+and, for the record, how they were measured. Where settings come from, in one place
+(`resolve_offload`): the built-in defaults, under the profile, under a preset, under the
+flags or keywords given.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pathlib
 from .config import OffloadConfig, option_of, settings_of_json
 from .errors import HobbitError
 from .outputs import OutputExistsError, write_new
+from .presets import preset_settings
 
 PROFILE_VERSION = 1
 
@@ -39,13 +41,26 @@ class Profile:
                                   "(remove it or choose --out)") from None
 
 
-def profile_offload(model_path: str | os.PathLike, **overrides):
-    """The OffloadConfig the profile next to the model sets (the defaults without one), with
-    overrides on top: what `run` and `hobbitpy.Llama` use when not told otherwise."""
-    path = profile_path(model_path)
-    # a profile chooses the configuration: the default ladder stays out (auto)
-    settings = {"auto": False, **load_profile(path, model_path).settings} if path.exists() else {}
-    return OffloadConfig(**{**settings, **overrides})
+def resolve_offload(model_path: str | os.PathLike | None, *, profile: str | os.PathLike | None = None,
+                    profile_next_to_model: bool = True, preset: str | None = None,
+                    settings: dict | None = None) -> tuple[OffloadConfig, pathlib.Path | None]:
+    """The one order settings come in, for `run`, `serve`, `eval` and `hobbitpy.Llama` alike:
+    the built-in defaults, under the profile (the one named, else the one next to the model
+    unless profile_next_to_model is False, a preset is asked for or offload is turned off),
+    under the preset, under the settings given (flags, keywords). A profile or a preset
+    chooses the configuration, so the default ladder stays out (auto off). Returns the
+    configuration and the profile applied, if any."""
+    settings = settings or {}
+    if (profile is None and profile_next_to_model and model_path is not None and preset is None
+            and settings.get("enabled", True) is not False):
+        beside = profile_path(model_path)
+        profile = beside if beside.exists() else None
+    chosen = {}
+    if profile is not None:
+        chosen.update(load_profile(profile, model_path).settings, auto=False)
+    if preset is not None:
+        chosen.update(preset_settings(preset), auto=False)
+    return OffloadConfig(**{**chosen, **settings}), None if profile is None else pathlib.Path(profile)
 
 
 def profile_path(model_path: str | os.PathLike) -> pathlib.Path:

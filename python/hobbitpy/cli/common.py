@@ -195,34 +195,23 @@ def add_offload_args(p) -> None:
 
 
 def offload_config_from_args(args, model_path: str | None = None, *, auto_profile: bool = False):
-    """The OffloadConfig of the flags: built-in defaults, then the profile (--profile, or
-    with auto_profile and no --preset the one next to model_path), the preset, then the flags
-    given."""
+    """The OffloadConfig of the flags, in profile.resolve_offload's order: the built-in
+    defaults, the profile (--profile, or with auto_profile the one next to model_path unless
+    --no-profile), the preset, then the flags given."""
     import dataclasses
 
     from hobbitpy import OffloadConfig
     from hobbitpy.config import option_of
-    from hobbitpy.profile import load_profile, profile_path
+    from hobbitpy.profile import resolve_offload
 
-    settings = {}
-    profile = args.profile
-    preset = getattr(args, "preset", None)
-    if (profile is None and auto_profile and model_path and not args.no_profile and args.offload_enabled is not False
-            and preset is None):
-        default = profile_path(model_path)
-        profile = str(default) if default.exists() else None
-    # a profile or a preset chooses the configuration: the default ladder stays out (auto)
+    flags = {f.name: getattr(args, _dest(f)) for f in dataclasses.fields(OffloadConfig)
+             if option_of(f).flag is not None and getattr(args, _dest(f)) is not None}
+    config, profile = resolve_offload(model_path, profile=args.profile,
+                                      profile_next_to_model=auto_profile and not args.no_profile,
+                                      preset=getattr(args, "preset", None), settings=flags)
     if profile is not None:
-        settings.update(load_profile(profile, model_path).settings, auto=False)
         log.info(f"settings from {profile}")
-    if preset is not None:
-        from hobbitpy.presets import preset_settings
-
-        settings.update(preset_settings(preset), auto=False)
-    for f in dataclasses.fields(OffloadConfig):
-        if option_of(f).flag is not None and getattr(args, _dest(f)) is not None:
-            settings[f.name] = getattr(args, _dest(f))
-    return OffloadConfig(**settings)
+    return config
 
 
 def interrupt(signum, frame):
