@@ -6,7 +6,10 @@ import argparse
 import os
 import signal
 
-from .common import add_offload_args, beam_width_arg, fail, interrupt, offload_config_from_args, read_text, threads_arg
+from hobbitpy.bench import TuneRequest, run_bench
+
+from .common import (add_offload_args, beam_width_arg, default_of, fail, interrupt, offload_config_from_args, read_text,
+                     threads_arg)
 
 
 def parse_bench_config(text: str):
@@ -52,8 +55,10 @@ def add_parser(sub) -> None:
                    help="a hobbitpy configuration, e.g. 'lru' or 'lru-prefetch=--prefetch' or "
                         "'lfu=--policy lfu --cache-mb 800' (repeatable; default: 'default', what `run` does with no "
                         "flags). Stock always runs.")
-    p.add_argument("--repeats", type=int, default=3, help="runs per configuration and cap (median reported)")
-    p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to decode per run (default 32)")
+    p.add_argument("--repeats", type=int, default=default_of(run_bench, "repeats"),
+                   help="runs per configuration and cap (median reported)")
+    p.add_argument("-n", "--n-predict", type=int, default=default_of(run_bench, "n_predict"),
+                   help="tokens to decode per run (default %(default)s)")
     p.add_argument("--threads", type=threads_arg, default=os.cpu_count() or 1)
     p.add_argument("--quants", type=lambda t: [q for q in t.split(",") if q], default=[], metavar="Q6_K,Q4_K_M,...",
                    help="also run stock llama.cpp on these uniform quants of the model (made by llama.cpp's "
@@ -63,15 +68,17 @@ def add_parser(sub) -> None:
                    help="score every configuration's perplexity and KL against the model on this held-out text "
                         "(hobbitpy's token by token, with the budget it got under each cap) and print the "
                         "quality-speed frontier per cap; writes frontier.png")
-    p.add_argument("--quality-tokens", type=int, default=4096, help="tokens of --quality scored (default 4096)")
+    p.add_argument("--quality-tokens", type=int, default=default_of(run_bench, "quality_tokens"),
+                   help="tokens of --quality scored (default %(default)s)")
     p.add_argument("--tune", metavar="TEXT",
                    help="first run `hobbitpy tune` on this text (keep it apart from --quality's) at every cap's memory "
                         "and benchmark its pick there as the configuration 'tuned'")
     p.add_argument("--tune-candidates", type=lambda t: [c.strip() for c in t.split(",") if c.strip()], default=None,
                    metavar="NAME,...", help="the candidates tune scores (names as `hobbitpy tune` prints them; default all)")
-    p.add_argument("--tune-tokens", type=int, default=1024, help="tokens of --tune scored per candidate (default 1024)")
-    p.add_argument("--max-ppl-increase", type=float, default=0.01,
-                   help="tune's perplexity budget, as a fraction (default 0.01)")
+    p.add_argument("--tune-tokens", type=int, default=TuneRequest.max_tokens,
+                   help="tokens of --tune scored per candidate (default %(default)s)")
+    p.add_argument("--max-ppl-increase", type=float, default=TuneRequest.max_ppl_increase,
+                   help="tune's perplexity budget, as a fraction (default %(default)s)")
     p.add_argument("--out", help="output folder for bench.json and the PNGs (default bench-MODEL-TIME; never overwritten)")
     p.add_argument("--prompt-tokens", type=_token_counts, default=None, metavar="16,128,512",
                    help="prompt lengths whose time to first token each run measures; decode follows the shortest "

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-from .common import DEFAULT_LOW, fail, profile_inputs, threads_arg
+from hobbitpy.calibrate import calibrate
+
+from .common import DEFAULT_LOW, default_of, fail, profile_inputs, threads_arg
 
 
 def add_parser(sub) -> None:
@@ -17,9 +19,10 @@ def add_parser(sub) -> None:
     p.add_argument("--text", required=True, help="UTF-8 text file (held-out text of the kind the model will see)")
     p.add_argument("--low", default=DEFAULT_LOW, metavar="TYPE|PATH",
                    help="the low-precision level (default Q2_K: the file `hobbitpy prepare` writes)")
-    p.add_argument("--max-ppl-increase", type=float, default=0.01,
-                   help="perplexity budget relative to all-high precision (default 0.01 = 1%%)")
-    p.add_argument("--max-tokens", type=int, default=2048, help="tokens of the text scored per setting (default 2048)")
+    p.add_argument("--max-ppl-increase", type=float, default=default_of(calibrate, "max_ppl_increase"),
+                   help="perplexity budget relative to all-high precision, a fraction (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=default_of(calibrate, "max_tokens"),
+                   help="tokens of the text scored per setting (default %(default)s)")
     p.add_argument("--threads", type=threads_arg, default=os.cpu_count() or 1)
     p.add_argument("--out", help="profile file (default: next to the model; never overwritten)")
     p.set_defaults(func=_calibrate)
@@ -27,7 +30,6 @@ def add_parser(sub) -> None:
 
 def _calibrate(args) -> int:
     from hobbitpy import HobbitError
-    from hobbitpy.calibrate import calibrate
     from hobbitpy.companions import resolve_level
 
     out, text, why = profile_inputs(args)

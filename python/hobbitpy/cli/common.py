@@ -4,6 +4,7 @@ from OffloadConfig's table), argparse types, and the one-line failure."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import math
@@ -16,6 +17,12 @@ DEFAULT_MODEL = "ref-mixtral-Q8_0.gguf"  # models/README.md
 DEFAULT_LOW = "Q2_K"  # the low level prepare writes and calibrate reads when none is named
 # ggml's GGML_MAX_N_THREADS: more threads overran its arrays (SIGSEGV in libgomp at 100000)
 MAX_THREADS = 512
+
+
+def default_of(function, parameter: str):
+    """A library function's default for a parameter: a command's flag takes it from there, so
+    that the default is written once."""
+    return inspect.signature(function).parameters[parameter].default
 
 
 def threads_arg(text: str) -> int:

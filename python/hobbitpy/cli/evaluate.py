@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import sys
 
-from .common import (add_offload_args, fail, json_target_error, offload_config_from_args, read_text, threads_arg,
-                    write_json)
+from hobbitpy.evaluate import evaluate
+
+from .common import (add_offload_args, default_of, fail, json_target_error, offload_config_from_args, read_text,
+                    threads_arg, write_json)
 
 
 def add_parser(sub) -> None:
@@ -16,7 +18,7 @@ def add_parser(sub) -> None:
                                    "llama.cpp), window by window.")
     p.add_argument("model", help="GGUF model file")
     p.add_argument("--text", required=True, help="UTF-8 text file")
-    p.add_argument("--ctx", type=int, default=256, help="window length in tokens (default 256)")
+    p.add_argument("--ctx", type=int, default=default_of(evaluate, "n_ctx"), help="window length in tokens (default %(default)s)")
     p.add_argument("--ubatch", type=int, default=None,
                    help="tokens per forward pass (default: the window); 1 scores mixed precision as token-by-token "
                         "decoding uses it")
@@ -33,7 +35,6 @@ def add_parser(sub) -> None:
 
 def _eval(args) -> int:
     from hobbitpy import HobbitError
-    from hobbitpy.evaluate import evaluate
     from hobbitpy.neurons import NeuronMaskSpec
 
     from tqdm import tqdm

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-from .common import fail, threads_arg
+from hobbitpy.trace import record_trace
+
+from .common import default_of, fail, threads_arg
 
 
 def add_parser(sub) -> None:
@@ -16,9 +18,11 @@ def add_parser(sub) -> None:
     p.add_argument("model", help="GGUF model file (MoE)")
     p.add_argument("--prompts", required=True, help="text file, one prompt per line")
     p.add_argument("--out", required=True, help="trace file to write (.npz; never overwritten)")
-    p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate per prompt (default 32)")
-    p.add_argument("--lookahead", type=int, default=4, help="layers ahead to record router predictions for (0-4)")
-    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("-n", "--n-predict", type=int, default=default_of(record_trace, "n_predict"),
+                   help="tokens to generate per prompt (default %(default)s)")
+    p.add_argument("--lookahead", type=int, default=default_of(record_trace, "lookahead"),
+                   help="layers ahead to record router predictions for (0-4; default %(default)s)")
+    p.add_argument("--ctx", type=int, default=default_of(record_trace, "n_ctx"), help="context length (default %(default)s)")
     p.add_argument("--threads", type=threads_arg, default=os.cpu_count() or 1)
     p.add_argument("--neurons", metavar="THETA[,THETA...]", default=None,
                    help="also measure CORM's neuron sparsity at these thresholds (e.g. 0.1,0.175,0.25,0.35): per "
@@ -33,7 +37,7 @@ def _trace(args) -> int:
     from hobbitpy import HobbitError
     from hobbitpy.config import NEURON_LIMIT_CORM
     from hobbitpy.neurons import format_summary, parse_thetas
-    from hobbitpy.trace import read_prompts, record_trace
+    from hobbitpy.trace import read_prompts
 
     from tqdm import tqdm
 

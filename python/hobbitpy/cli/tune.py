@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-from .common import MB, fail, profile_inputs, threads_arg
+from hobbitpy.tune import tune
+
+from .common import MB, default_of, fail, profile_inputs, threads_arg
 
 
 def add_parser(sub) -> None:
@@ -19,9 +21,10 @@ def add_parser(sub) -> None:
     p.add_argument("--text", required=True, help="UTF-8 held-out text of the kind the model will see")
     p.add_argument("--memory", default="auto", metavar="MB|auto",
                    help="memory the runs will have, in MB (e.g. a container's limit); auto: what is available now")
-    p.add_argument("--max-ppl-increase", type=float, default=0.01,
-                   help="largest perplexity increase over stock on the model (default 0.01 = 1%%)")
-    p.add_argument("--max-tokens", type=int, default=2048, help="tokens of the text scored per candidate (default 2048)")
+    p.add_argument("--max-ppl-increase", type=float, default=default_of(tune, "max_ppl_increase"),
+                   help="largest perplexity increase over stock on the model, a fraction (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=default_of(tune, "max_tokens"),
+                   help="tokens of the text scored per candidate (default %(default)s)")
     p.add_argument("--ctx", type=int, default=512,
                    help="context length the runs will use (its buffers come out of the memory; default 512, as run's)")
     p.add_argument("--candidates", type=lambda t: [c.strip() for c in t.split(",") if c.strip()], default=None,
@@ -37,7 +40,7 @@ def add_parser(sub) -> None:
 def _tune(args) -> int:
     from hobbitpy import HobbitError
     from hobbitpy.memory import ContextShape
-    from hobbitpy.tune import check_candidate_names, tune
+    from hobbitpy.tune import check_candidate_names
 
     out, text, why = profile_inputs(args)
     if why:
