@@ -225,6 +225,25 @@ def test_bench_json_is_never_written_through_a_symlink(tmp_path):
     assert json.loads((tmp_path / "fresh" / "bench.json").read_text())["model"] == "m.gguf"
 
 
+def test_bench_pictures_are_never_written_through_a_symlink(model_dir, tmp_path):
+    """bench.png is drawn in memory and written as a new file, as bench.json is."""
+    row = {"cap": "100MB", "cap_mb": 100.0,
+           "configs": [{"config": "stock", "decode_tok_s": 5.0, "min_decode_tok_s": 4.0, "max_decode_tok_s": 6.0}]}
+    result = BenchResult(model=str(tiny_model(model_dir, "llama")), machine={}, disk_bytes_per_s=1e9,
+                         disk_direct=False, cap_method="none", rows=[row])
+    victim = tmp_path / "victim.png"
+    victim.write_bytes(b"keep me")
+    out = tmp_path / "bench-out"
+    out.mkdir()
+    (out / "bench.png").symlink_to(victim)
+    with pytest.raises(OutputExistsError, match="bench.png: already exists"):
+        write_outputs(result, out)
+    assert victim.read_bytes() == b"keep me" and (out / "bench.png").is_symlink()
+    fresh = tmp_path / "fresh"
+    assert write_outputs(result, fresh) == [fresh / "bench.json", fresh / "bench.png"]
+    assert (fresh / "bench.png").read_bytes().startswith(b"\x89PNG")
+
+
 @pytest.fixture
 def full_disk(tmp_path) -> pathlib.Path:
     """A file system of 1 MiB (a tmpfs: the tests run as root) filled to its last block."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+import io
 import json
 import os
 import pathlib
@@ -538,18 +539,19 @@ def format_row(row: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(result: BenchResult, path: pathlib.Path) -> bool:
-    """tok/s against the cap, one line per configuration; False if matplotlib is missing."""
+def plot(result: BenchResult) -> bytes | None:
+    """tok/s against the cap, one line per configuration, as PNG bytes; None if matplotlib is
+    missing or no capped run decoded."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return False
+        return None
     capped = [r for r in result.rows if r["cap_mb"]]
     if not capped:
-        return False
+        return None
     model_mb = inspect_model(result.model).file_bytes / MB
     lines = {}  # configuration: (caps, median, min, max) of the caps where it decoded
     for r in capped:
@@ -558,7 +560,7 @@ def plot(result: BenchResult, path: pathlib.Path) -> bool:
                 lines.setdefault(s["config"], []).append((r["cap_mb"] / model_mb, s["decode_tok_s"],
                                                           s["min_decode_tok_s"], s["max_decode_tok_s"]))
     if not lines:
-        return False  # every capped run failed: no picture rather than an empty one
+        return None  # every capped run failed: no picture rather than an empty one
     fig, ax = plt.subplots(figsize=(7.0, 4.6))
     for name, points in lines.items():
         xs, ys, lo, hi = zip(*points)
@@ -574,9 +576,10 @@ def plot(result: BenchResult, path: pathlib.Path) -> bool:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
-    return True
+    return buf.getvalue()
 
 
 def write_outputs(result: BenchResult, out_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -584,12 +587,13 @@ def write_outputs(result: BenchResult, out_dir: pathlib.Path) -> list[pathlib.Pa
     written = []
     # a new file (never through a symlink planted there, nothing left of a failed write)
     written.append(write_new(out_dir / "bench.json", json.dumps(result.as_dict(), indent=2) + "\n"))
-    png = out_dir / "bench.png"
-    if plot(result, png):
-        written.append(png)
-    png = out_dir / "frontier.png"
-    if result.quality is not None and plot_frontier(result.rows, pathlib.Path(result.model).name, png):
-        written.append(png)
+    # the pictures too: rendered in memory, then written as new files
+    png = plot(result)
+    if png is not None:
+        written.append(write_new(out_dir / "bench.png", png))
+    png = None if result.quality is None else plot_frontier(result.rows, pathlib.Path(result.model).name)
+    if png is not None:
+        written.append(write_new(out_dir / "frontier.png", png))
     return written
 
 

@@ -7,7 +7,7 @@ memory cannot hold the model can act on.
 
 from __future__ import annotations
 
-import pathlib
+import io
 
 
 def _point(s: dict) -> tuple[float, float] | None:
@@ -46,20 +46,20 @@ def format_frontier(row: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_frontier(rows: list[dict], title: str, path: pathlib.Path) -> bool:
+def plot_frontier(rows: list[dict], title: str) -> bytes | None:
     """One panel per cap: x = perplexity increase (%), y = decode tok/s (log); stock runs
     (the model and its uniform quants) joined as a line, hobbitpy configurations as labelled
-    points. False if matplotlib is missing or nothing was scored."""
+    points, as PNG bytes. None if matplotlib is missing or nothing was scored."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return False
+        return None
     rows = [r for r in rows if any(_point(s) for s in r["configs"])]
     if not rows:
-        return False
+        return None
     fig, axes = plt.subplots(1, len(rows), figsize=(4.6 * len(rows), 4.2), squeeze=False)
     for ax, row in zip(axes[0], rows):
         stock = sorted(((s["ppl_increase"] * 100, s["decode_tok_s"], s["config"]) for s in row["configs"]
@@ -85,6 +85,7 @@ def plot_frontier(rows: list[dict], title: str, path: pathlib.Path) -> bool:
     sep = " " if len(rows) > 1 else "\n"  # one panel is narrower than the title: two lines there
     fig.suptitle(f"{title}:{sep}quality-speed frontier under a memory cap", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
-    return True
+    return buf.getvalue()
