@@ -24,6 +24,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <ctime>
 #include <functional>
@@ -32,6 +33,11 @@
 #include <optional>
 #include <string>
 #include <vector>
+
+// the runtime's clock for its timings (dispatch and waits), in microseconds
+inline int64_t runtime_clock_us() {
+    return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 struct hobbit_runtime {
     // throws hobbit_error (bad or split file, dense model, budget below the minimum)
@@ -163,6 +169,21 @@ private:
     int64_t page_cache_room() const;
     // share of expert e of layer il resident in the page cache (its slices of the mapped model)
     double resident(int il, int e) const;
+    // set-up, in the constructor's order (each a step of it; hobbit-runtime.cpp)
+    void open_levels(const std::string & path);
+    cache_policy_kind parse_policy() const;
+    void find_moe_layers(const std::string & path);
+    void check_neuron_options(const std::string & path);
+    void take_placement(const std::string & path);
+    void take_popularity(const std::string & path, cache_policy_kind policy_kind);
+    std::vector<const expert_index *> levels_in_order() const;
+    std::vector<int64_t> level_budgets() const;
+    void choose_pool_device();
+    int64_t make_pools(const std::vector<int64_t> & budgets, cache_policy_kind policy_kind);
+    void choose_executor();
+    void make_predictor();
+    void make_io();
+    void describe_layers();
     // fill the free slots of every level's pools in the background, the lowest level first, the most popular
     // experts first when a profile says which (params.warm_low)
     void warm_pools();
