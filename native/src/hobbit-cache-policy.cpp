@@ -328,6 +328,22 @@ std::unique_ptr<cache_policy_i> cache_policy_make_belady(const int32_t * experts
     return std::make_unique<belady_policy>(experts, n_step, n_layer, n_expert, n_expert_used, n_slot);
 }
 
+static_assert((int) cache_policy_kind::lru == HOBBIT_POLICY_LRU && (int) cache_policy_kind::lfu == HOBBIT_POLICY_LFU &&
+              (int) cache_policy_kind::lhu == HOBBIT_POLICY_LHU && (int) cache_policy_kind::fld == HOBBIT_POLICY_FLD &&
+              (int) cache_policy_kind::random == HOBBIT_POLICY_RANDOM &&
+              (int) cache_policy_kind::weighted == HOBBIT_POLICY_WEIGHTED &&
+              (int) cache_policy_kind::arc == HOBBIT_POLICY_ARC &&
+              (int) cache_policy_kind::popularity == HOBBIT_POLICY_POPULARITY &&
+              (int) cache_policy_kind::score == HOBBIT_POLICY_SCORE, "cache_policy_kind follows hobbit.h's enum");
+
+bool cache_policy_of(int policy, cache_policy_kind & kind) {
+    if (policy < HOBBIT_POLICY_LRU || policy > HOBBIT_POLICY_SCORE) {
+        return false;
+    }
+    kind = (cache_policy_kind) policy;
+    return true;
+}
+
 bool cache_policy_parse(const std::string & name, cache_policy_kind & kind) {
     for (cache_policy_kind k : { cache_policy_kind::lru, cache_policy_kind::lfu, cache_policy_kind::lhu,
                                  cache_policy_kind::fld, cache_policy_kind::random, cache_policy_kind::weighted,

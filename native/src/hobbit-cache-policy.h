@@ -53,6 +53,8 @@ enum class cache_policy_kind { lru, lfu, lhu, fld, random, weighted, arc, popula
 // "lru" | "lfu" | "lhu" | "fld" | "random" | "weighted" | "arc" | "popularity" | "score"; false for an unknown name
 bool cache_policy_parse(const std::string & name, cache_policy_kind & kind);
 const char * cache_policy_name(cache_policy_kind kind);
+// the kind hobbit.h's enum hobbit_policy names (the same order); false for a value outside it
+bool cache_policy_of(int policy, cache_policy_kind & kind);
 
 // weights are used by kind == weighted only; seed by random only; popularity ([n_layer][n_expert],
 // copied) by kind == popularity only, which returns nullptr without it; score averages the

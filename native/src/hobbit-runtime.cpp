@@ -20,12 +20,6 @@
 #include <map>
 #include <numeric>
 
-// the names of hobbit.h's enum hobbit_policy, in its order
-static std::string policy_name(int policy) {
-    static const char * names[] = { "lru", "lfu", "lhu", "fld", "random", "weighted", "arc", "popularity", "score" };
-    return policy >= 0 && policy < 9 ? names[policy] : "?";
-}
-
 // every MoE layer's router as floats, whatever its type and wherever it lives
 static std::vector<router_weights> load_routers(const llama_model * model, const std::vector<int> & moe_layers) {
     std::vector<router_weights> routers;
@@ -125,7 +119,7 @@ void hobbit_runtime::open_levels(const std::string & path) {
 // the cache policy hobbit.h names
 cache_policy_kind hobbit_runtime::parse_policy() const {
     cache_policy_kind policy_kind;
-    if (!cache_policy_parse(policy_name(params.policy), policy_kind)) {
+    if (!cache_policy_of(params.policy, policy_kind)) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "unknown cache policy " + std::to_string((int) params.policy));
     }
     return policy_kind;
