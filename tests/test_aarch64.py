@@ -9,6 +9,10 @@ import pathlib
 import re
 import subprocess
 
+import pytest
+
+pytestmark = pytest.mark.slow  # minutes: run by `python -m pytest -m slow` (and CI)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

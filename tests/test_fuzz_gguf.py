@@ -16,8 +16,11 @@ import time
 
 import gguf
 import numpy as np
+import pytest
 
 from conftest import tiny_model
+
+pytestmark = pytest.mark.slow  # minutes: run by `python -m pytest -m slow` (and CI)
 
 SECONDS = 45  # for the mutants, all told: the test stays within a minute with its set-up
 SEED = 12

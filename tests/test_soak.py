@@ -18,6 +18,8 @@ from hobbitpy.memcap import MemoryCap
 
 from conftest import MB, tiny_model
 
+pytestmark = pytest.mark.slow  # minutes: run by `python -m pytest -m slow` (and CI)
+
 SEQUENCES, TOKENS = 10, 1000  # 10,000 decoded tokens, the KV cache cleared between sequences
 
 # the child: ten greedy sequences of the same prompt, one Llama; after each, its resident

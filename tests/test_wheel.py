@@ -15,6 +15,8 @@ import zipfile
 
 import pytest
 
+pytestmark = pytest.mark.slow  # minutes: run by `python -m pytest -m slow` (and CI)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # the oldest Python pyproject.toml allows, and the newest released when it was written
 PYTHONS = ["3.10", "3.13"]
