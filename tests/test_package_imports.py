@@ -11,6 +11,20 @@ import hobbitpy
 
 PACKAGE = pathlib.Path(hobbitpy.__file__).parent
 
+# docs/ARCHITECTURE.md's picture of the package: a module imports from its own layer or below
+LAYERS = {
+    "binding": ["_native", "_ggml", "errors"],
+    "foundations": ["config", "model_file", "gguf_fields", "outputs", "disk", "memcap", "heap_budget", "devices",
+                    "synthetic_moe"],
+    "files, plans and analysis": ["tokens", "memory", "companions", "prepare", "imatrix", "quants", "inflate",
+                                  "profile", "presets", "trace_file", "placement", "allocation", "scores", "likelihood",
+                                  "neurons", "simulate", "neuron_sim", "candidate_cost", "trace_plot", "neuron_plot",
+                                  "frontier"],
+    "runtime": ["llama", "default_ladder", "beam_search", "chat_template"],
+    "tools that run the model": ["evaluate", "trace", "tune", "calibrate", "bench", "bench_worker", "serve"],
+    "commands": ["cli", "cli.*", "__main__"],
+}
+
 
 def _module_names(root: pathlib.Path) -> dict[str, pathlib.Path]:
     """Every module of the package by its dotted name under it ("llama", "cli.run"; a
@@ -99,3 +113,17 @@ def test_the_walk_finds_a_cycle_hidden_in_a_function(tmp_path):
     edges = {name: _imports_of(name, path, set(files)) for name, path in files.items()}
     assert edges == {"a": {"b"}, "b": {"c"}, "c": {"c.d"}, "c.d": {"a"}}
     assert _cycles(edges) == [["a", "b", "c", "c.d"]]
+
+
+def test_every_module_imports_from_its_own_layer_or_below():
+    files = _module_names(PACKAGE)
+    layer_of = {}
+    for rank, modules in enumerate(LAYERS.values()):
+        for name in files:
+            if name in modules or any(m.endswith(".*") and name.startswith(m[:-1]) for m in modules):
+                layer_of[name] = rank
+    assert set(layer_of) == set(files), f"modules in no layer of LAYERS: {sorted(set(files) - set(layer_of))}"
+    names = list(LAYERS)
+    upward = [f"{a} ({names[layer_of[a]]}) -> {b} ({names[layer_of[b]]})" for a, path in files.items()
+              for b in sorted(_imports_of(a, path, set(files))) if layer_of[b] > layer_of[a]]
+    assert not upward, "imports up the layers: " + "; ".join(upward)
