@@ -64,28 +64,6 @@ int hobbit_runtime::take_slot(int p, std::unique_lock<std::mutex> * lock) {
     return s;
 }
 
-// the levels a selection wanted at `want` may take a slot at, in order: the wanted one,
-// then the nearer higher precisions, then (allow_lower) the lower ones. Hits "exact": the
-// wanted one only, so what is served is a function of the text alone (a lower level taken
-// for want of room depended on which slots loads and predictions held at that moment: the
-// soak's repeats differed at a cap whose high pools held a slot or two a layer)
-static int first_level(int want, int n_level, bool exact, bool allow_lower, const std::function<bool(int)> & has_room) {
-    if (exact) {
-        return has_room(want) ? want : -1;
-    }
-    for (int l = want; l >= 0; --l) {
-        if (has_room(l)) {
-            return l;
-        }
-    }
-    for (int l = want + 1; allow_lower && l < n_level; ++l) {
-        if (has_room(l)) {
-            return l;
-        }
-    }
-    return -1;
-}
-
 int hobbit_runtime::take_slot_near(int il, int want, bool exact, bool allow_lower, int & level,
                                    std::unique_lock<std::mutex> & lock) {
     int s = -1;

@@ -55,3 +55,20 @@ wave_selection read_selection(const ggml_tensor * sel, const ggml_tensor * wts, 
     std::stable_sort(ws.order.begin(), ws.order.end(), [&](int a, int b) { return ws.n_pairs[a] > ws.n_pairs[b]; });
     return ws;
 }
+
+int first_level(int want, int n_level, bool exact, bool allow_lower, const std::function<bool(int)> & has_room) {
+    if (exact) {
+        return has_room(want) ? want : -1;
+    }
+    for (int l = want; l >= 0; --l) {
+        if (has_room(l)) {
+            return l;
+        }
+    }
+    for (int l = want + 1; allow_lower && l < n_level; ++l) {
+        if (has_room(l)) {
+            return l;
+        }
+    }
+    return -1;
+}

@@ -12,6 +12,7 @@
 #include "ggml.h"
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 // the router's choice for one ubatch
@@ -80,3 +81,10 @@ struct wave_assignment {
 
     explicit wave_assignment(int n_expert) : slot_of(n_expert, -1), level_of(n_expert, -1), inplace(n_expert, false) {}
 };
+
+// the levels a selection wanted at `want` may take a slot at, in order: the wanted one,
+// then the nearer higher precisions, then (allow_lower) the lower ones. Hits "exact": the
+// wanted one only, so what is served is a function of the text alone (a lower level taken
+// for want of room depended on which slots loads and predictions held at that moment: the
+// soak's repeats differed at a cap whose high pools held a slot or two a layer)
+int first_level(int want, int n_level, bool exact, bool allow_lower, const std::function<bool(int)> & has_room);
