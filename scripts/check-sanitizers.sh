@@ -13,7 +13,7 @@ shift || true
 tests=("$@")
 [ ${#tests[@]} -gt 0 ] || tests=(tests/test_exactness.py tests/test_bad_input.py tests/test_mixed_precision.py
                                  tests/test_cooperative.py tests/test_placement.py tests/test_api.py tests/test_native.py
-                                 tests/test_allocation.py tests/test_overlap.py tests/test_substitution.py
+                                 tests/test_shallow_layers.py tests/test_overlap.py tests/test_substitution.py
                                  tests/test_fiddler.py tests/test_beam_search.py tests/test_fuzz_gguf.py
                                  tests/test_serve.py tests/test_neuron_reads.py)
 flags="-fsanitize=address,undefined,float-cast-overflow -fno-sanitize-recover=all -fno-omit-frame-pointer -g -O1"

@@ -239,7 +239,7 @@ def test_an_interrupted_bench_leaves_no_cgroup_behind(model_dir, tmp_path):
     import os
     import signal
 
-    from hobbitpy.memcap import MemoryCap
+    from hobbitpy.memory_cgroup import MemoryCap
 
     probe = MemoryCap.create(f"hobbitpy-probe-{os.getpid()}")
     assert probe is not None, "no writable memory cgroup: the caps of every bench test would not hold either"

@@ -20,7 +20,7 @@ from hobbitpy.default_ladder import (LOW_TYPE, MAX_MEAN_KL, Calibration, Priced,
                                      placed_bytes, unfit_reason)
 from hobbitpy.disk import drop_from_page_cache
 from hobbitpy.inflate import inflate
-from hobbitpy.memcap import MemoryCap
+from hobbitpy.memory_cgroup import MemoryCap
 from hobbitpy.companions import default_companion_path
 
 from conftest import MB

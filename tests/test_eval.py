@@ -91,7 +91,7 @@ def test_eval_under_a_memory_cap_scores_the_reference_first_and_the_candidate_al
     import subprocess
     import sys
 
-    from hobbitpy.memcap import MemoryCap
+    from hobbitpy.memory_cgroup import MemoryCap
 
     # the candidate sizes its cache from the memory left when it opens; side by side with the
     # stock reference, the two competed for the cap (the reference's compute buffer got the

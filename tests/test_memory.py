@@ -166,7 +166,7 @@ def test_page_cache_no_process_maps_counts_as_free_whichever_list_it_is_on(tmp_p
 def test_a_run_after_another_in_its_cgroup_finds_the_same_memory(tmp_path):
     """The page cache a finished run left charged to the cgroup (read twice: most of it on the
     active list) is counted as free by the next run, as it is after a reclaim."""
-    from hobbitpy.memcap import MemoryCap
+    from hobbitpy.memory_cgroup import MemoryCap
 
     data = tmp_path / "data.bin"
     data.write_bytes(b"\1" * (96 * MB))

@@ -14,10 +14,10 @@ PACKAGE = pathlib.Path(hobbitpy.__file__).parent
 # docs/ARCHITECTURE.md's picture of the package: a module imports from its own layer or below
 LAYERS = {
     "binding": ["_native", "_ggml", "errors"],
-    "foundations": ["config", "model_file", "gguf_fields", "outputs", "disk", "memcap", "heap_budget", "devices",
+    "foundations": ["config", "model_file", "gguf_fields", "outputs", "disk", "memory_cgroup", "heap_budget", "devices",
                     "synthetic_moe"],
     "files, plans and analysis": ["tokens", "memory", "companions", "prepare", "imatrix", "quants", "inflate",
-                                  "profile", "presets", "trace_file", "placement", "allocation", "scores", "likelihood",
+                                  "profile", "presets", "trace_file", "placement", "shallow_layers", "scores", "likelihood",
                                   "neurons", "simulate", "neuron_sim", "candidate_cost", "trace_plot", "neuron_plot",
                                   "frontier"],
     "runtime": ["llama", "default_ladder", "beam_search", "chat_template"],

@@ -14,7 +14,7 @@ import pytest
 
 import hobbitpy
 from hobbitpy.disk import drop_from_page_cache
-from hobbitpy.memcap import MemoryCap
+from hobbitpy.memory_cgroup import MemoryCap
 
 from conftest import MB, tiny_model
 

@@ -29,7 +29,7 @@ from .default_ladder import LOW_TYPE, applies
 from .disk import drop_from_page_cache, measure_read_bandwidth
 from .errors import HobbitError
 from .evaluate import evaluate_against, measure_reference
-from .memcap import MemoryCap
+from .memory_cgroup import MemoryCap
 from .frontier import format_frontier, mark_dominated, plot_frontier
 from .memory import SLACK_BYTES, ContextShape, context_sizes
 from .model_file import inspect_model, model_parts

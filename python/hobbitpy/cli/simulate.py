@@ -91,7 +91,7 @@ def _simulate(args) -> int:
           f"{m['expert_bytes_total'] / MB:.0f} MB of experts")
     print(format_table(results))
     if t.predicted.shape[2] > 0:
-        from hobbitpy.allocation import layer_prediction_accuracy, shallow_boundary
+        from hobbitpy.shallow_layers import layer_prediction_accuracy, shallow_boundary
 
         accuracy = layer_prediction_accuracy(t)
         print(f"next-layer prediction accuracy per MoE layer: {' '.join(f'{a:.2f}' for a in accuracy)}; "

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from hobbitpy.allocation import layer_prediction_accuracy, shallow_boundary
+from hobbitpy.shallow_layers import layer_prediction_accuracy, shallow_boundary
 from hobbitpy.config import PREFILL_ORDERS, OffloadConfig
 from hobbitpy.errors import BudgetError
 from hobbitpy.presets import FATE_LOW_SHARE, preset_settings
