@@ -58,11 +58,12 @@ static const llama_moe_offload * hobbit_attach(const llama_model * model, const 
 
 extern "C" {
 
+// the one table of the runtime's defaults: OffloadConfig (config.py) takes its own from here
 struct hobbit_params hobbit_default_params(void) {
     hobbit_params p = {};
     p.budget_bytes    = 0;
     p.policy          = HOBBIT_POLICY_LRU;
-    p.policy_weights  = { 0.25f, 0.25f, 0.25f, 0.25f }; // as OffloadConfig (a test holds them equal)
+    p.policy_weights  = { 0.25f, 0.25f, 0.25f, 0.25f };
     p.seed            = 0;
     p.prefetch_layers = 0;
     p.prefetch_width  = 0;

@@ -9,6 +9,8 @@ import os
 import types
 import typing
 
+import numpy as np
+
 from ._native import ffi, lib
 
 MB = 1024 * 1024
@@ -51,15 +53,29 @@ PREFILL_ORDERS = ("popularity", "expert")
 # what a hit at another precision does (hobbit.h enum hobbit_hit_policy, in its order)
 HIT_POLICIES = tuple(_enum_names("hobbit_hit_policy", "HOBBIT_HIT_"))
 
+# the C API's defaults (hobbit_default_params, hobbit-api.cpp) are the one table of the
+# runtime's: OffloadConfig's fields that the runtime reads take theirs from it
+_C_DEFAULTS = lib.hobbit_default_params()
+
+
+def _c_float(x: float) -> float:
+    """A C float as Python reads it back (0.6f is 0.6000000238...): the shortest decimal that
+    is that float32, the number the table was written with."""
+    return float(np.format_float_positional(np.float32(x)))
+
+
 # HOBBIT's thresholds for Mixtral-8x7B (§3.2): 67 % of selections high, 30 % low, 3 % skipped
-DEFAULT_T1 = 0.6
+DEFAULT_T1 = _c_float(_C_DEFAULTS.t1)
+DEFAULT_T2 = _c_float(_C_DEFAULTS.t2)
+# CORM's upper limit on active neurons for Mixtral 8x7B (its Fig. 9): an expert keeping more runs whole
+NEURON_LIMIT_CORM = _c_float(_C_DEFAULTS.neuron_limit)
+DEFAULT_POLICY = next(name for name, value in _NATIVE_POLICY.items() if value == _C_DEFAULTS.policy)
+_WEIGHTS = _C_DEFAULTS.policy_weights
+DEFAULT_POLICY_WEIGHTS = tuple(_c_float(w) for w in (_WEIGHTS.lru, _WEIGHTS.lfu, _WEIGHTS.lhu, _WEIGHTS.fld))
 MAX_PREFETCH_LAYERS = 8
 PREFETCH_WIDTH_FATE = lib.HOBBIT_PREFETCH_WIDTH_FATE
 MAX_IO_THREADS = lib.HOBBIT_MAX_IO_THREADS
 MAX_CACHE_MB = 1 << 30  # a PiB: more is a typo, and its bytes would overflow the C API's int64
-DEFAULT_T2 = 0.9
-# CORM's upper limit on active neurons for Mixtral 8x7B (its Fig. 9): an expert keeping more runs whole
-NEURON_LIMIT_CORM = 0.75
 
 
 @dataclass(frozen=True)
@@ -189,15 +205,17 @@ class OffloadConfig:
                                  "missing (it is made next to the model on first use, the disk it needs checked "
                                  "first): without it, the model's own experts are served",
                            flag="--no-prepare", negate=True)
-    prefetch_layers: int = option(0, "during decode, also prefetch the experts the next P layers' routers pick on the "
-                                     "current layer's input, one layer deeper only while those predicted are all "
-                                     "cached (HOBBIT's adaptive prefetch, §3.3); 0 loads on demand only",
-                                  flag="--prefetch-layers", metavar="P", group="depth", alias=("--prefetch", 1), profile=True)
-    prefetch_width: int = option(0, "experts prefetched per predicted layer, best first: more than the model's k "
-                                    "widens the set past the router's top-k (Fate §4.3: an expert the prediction "
-                                    "misses mostly ranks just below it), at the cost of loads that may go unused; "
-                                    "0 = k; -1 = Fate's rule, the experts above the 75th percentile of the predicted "
-                                    "scores (a quarter of them), at least k + 1", flag="--prefetch-width", metavar="W", profile=True)
+    prefetch_layers: int = option(
+        _C_DEFAULTS.prefetch_layers, "during decode, also prefetch the experts the next P layers' routers pick on "
+        "the current layer's input, one layer deeper only while those predicted are all cached (HOBBIT's adaptive "
+        "prefetch, §3.3); 0 loads on demand only",
+        flag="--prefetch-layers", metavar="P", group="depth", alias=("--prefetch", 1), profile=True)
+    prefetch_width: int = option(
+        _C_DEFAULTS.prefetch_width, "experts prefetched per predicted layer, best first: more than the model's k "
+        "widens the set past the router's top-k (Fate §4.3: an expert the prediction misses mostly ranks just below "
+        "it), at the cost of loads that may go unused; 0 = k; -1 = Fate's rule, the experts above the 75th "
+        "percentile of the predicted scores (a quarter of them), at least k + 1",
+        flag="--prefetch-width", metavar="W", profile=True)
     shallow_layers: int | None = option(
         None, "a pool per MoE layer instead of one shared by all (Fate's shallow-favoring allocation, §4.4): the "
               "first N MoE layers hold all of their experts (the next-layer prediction is weakest there), the rest "
@@ -205,22 +223,24 @@ class OffloadConfig:
               "it evenly. The pools hold the highest precision; a lower one (--low) is one pool shared by every "
               "layer. The budget must hold one token's top-k in every layer",
         flag="--shallow-layers", metavar="N", parse="int", default_text="none: one pool shared by every layer", profile=True)
-    prefill_order: str = option("popularity", "the order a prompt loads the next MoE layer's experts in while a "
-                                              "layer computes, as many as its pool has room for: by how many of the "
-                                              "prompt's tokens that layer's router is predicted to send to each, most "
-                                              "first (popularity: Fate §4.5; needs --prefetch-layers 1 or more, "
-                                              "else expert order), or expert by expert (expert)",
-                                flag="--prefill-order", choices=PREFILL_ORDERS, profile=True)
+    prefill_order: str = option(
+        PREFILL_ORDERS[0] if _C_DEFAULTS.prefill_popular_first else PREFILL_ORDERS[1], "the order a prompt loads the "
+        "next MoE layer's experts in while a layer computes, as many as its pool has room for: by how many of the "
+        "prompt's tokens that layer's router is predicted to send to each, most first (popularity: Fate §4.5; needs "
+        "--prefetch-layers 1 or more, else expert order), or expert by expert (expert)",
+        flag="--prefill-order", choices=PREFILL_ORDERS, profile=True)
     prefill_low_share: float = option(
-        0.0, "Fate's popularity-aware hybrid quantization (§4.5; lossy; needs --low): in a prompt, the experts fewest "
-             "of its tokens select, taken while their tokens make up at most this share of the prompt's selections, "
-             "are served from the lowest precision (and the next layer's predicted least popular are prefetched "
-             "there); 0 = off", flag="--prefill-low-share", metavar="SHARE", parse="float", profile=True)
+        _c_float(_C_DEFAULTS.prefill_low_share), "Fate's popularity-aware hybrid quantization (§4.5; lossy; needs "
+        "--low): in a prompt, the experts fewest of its tokens select, taken while their tokens make up at most this "
+        "share of the prompt's selections, are served from the lowest precision (and the next layer's predicted "
+        "least popular are prefetched there); 0 = off",
+        flag="--prefill-low-share", metavar="SHARE", parse="float", profile=True)
     substitute_alpha: float = option(
-        0.0, "importance-driven scheduling's expert-cache router (its Algorithm 1; lossy): in decode, a selection "
-             "scoring below (1 + ALPHA) times the best unselected expert's score that is not cached is served by the "
-             "best cached unselected expert scoring within (1 - ALPHA) of it instead, the gate weights renormalized; "
-             "the paper runs 0.25-0.35; 0 = off (exact)", flag="--substitute", metavar="ALPHA", parse="float", profile=True)
+        _c_float(_C_DEFAULTS.substitute_alpha), "importance-driven scheduling's expert-cache router (its Algorithm "
+        "1; lossy): in decode, a selection scoring below (1 + ALPHA) times the best unselected expert's score that "
+        "is not cached is served by the best cached unselected expert scoring within (1 - ALPHA) of it instead, the "
+        "gate weights renormalized; the paper runs 0.25-0.35; 0 = off (exact)",
+        flag="--substitute", metavar="ALPHA", parse="float", profile=True)
     neurons: float | None = option(
         None, "CORM's neuron sparsity (lossy): in every MoE layer after the first, the neurons of a selected expert "
               "whose |SiLU(W1 x')| is below THETA add nothing, x' the token's input to the previous MoE layer (CORM's "
@@ -238,28 +258,31 @@ class OffloadConfig:
               "reaches THETA, in every MoE layer (W1 first, no prediction), a run of neurons one read; the cache "
               "keeps the rows read, its budget counting rows, and an expert reads only the neurons it lacks",
         flag="--neuron-layout", metavar="PATH", profile=True, default_text="none: whole experts")
-    direct_io: bool = option(True, "read experts through the page cache instead of with O_DIRECT (O_DIRECT avoids "
-                                   "caching them twice)", flag="--no-direct-io", negate=True)
-    io_threads: int = option(2, "threads reading experts: 2 keeps the disk busy while one copies out of its buffer",
-                             flag="--io-threads", metavar="N")
-    row_readers: int = option(16, "with --neuron-layout: threads reading neuron rows beside --io-threads, each with a "
-                                  "64 KB buffer (counted in the budget): rows are many reads of tens of KB, which a "
-                                  "disk serves at its bandwidth only with many in flight (docs/BENCHMARKS.md, CORM); "
-                                  "0: the --io-threads read them", flag="--row-readers", metavar="N")
-    neuron_bridge: int = option(0, "with --neuron-layout: read a gap of at most N rows between two runs of kept "
-                                   "neurons with them, one request instead of two for the gap's bytes (for a disk "
-                                   "whose small requests are dear); 0: the kept rows only", flag="--neuron-bridge",
-                                metavar="N")
-    policy: str = option("lru", "which cached expert to evict (hobbit: HOBBIT's eq. 3 mix of lru, lfu, lhu and fld; "
-                                "weighted is its old name; arc: adaptive replacement, as Fate evicts; popularity: "
-                                "the least often selected in a profile (--popularity), Fiddler's placement; score: "
-                                "the lowest router score over the last tokens, selected or not, importance-driven "
-                                "scheduling's)",
-                         flag="--policy", choices=POLICIES, profile=True)
+    direct_io: bool = option(
+        bool(_C_DEFAULTS.direct_io), "read experts through the page cache instead of with O_DIRECT (O_DIRECT avoids "
+        "caching them twice)", flag="--no-direct-io", negate=True)
+    io_threads: int = option(
+        _C_DEFAULTS.n_io_threads, "threads reading experts: 2 keeps the disk busy while one copies out of its buffer",
+        flag="--io-threads", metavar="N")
+    row_readers: int = option(
+        _C_DEFAULTS.n_row_readers, "with --neuron-layout: threads reading neuron rows beside --io-threads, each with "
+        "a 64 KB buffer (counted in the budget): rows are many reads of tens of KB, which a disk serves at its "
+        "bandwidth only with many in flight (docs/BENCHMARKS.md, CORM); 0: the --io-threads read them",
+        flag="--row-readers", metavar="N")
+    neuron_bridge: int = option(
+        _C_DEFAULTS.neuron_bridge, "with --neuron-layout: read a gap of at most N rows between two runs of kept "
+        "neurons with them, one request instead of two for the gap's bytes (for a disk whose small requests are "
+        "dear); 0: the kept rows only", flag="--neuron-bridge", metavar="N")
+    policy: str = option(
+        DEFAULT_POLICY, "which cached expert to evict (hobbit: HOBBIT's eq. 3 mix of lru, lfu, lhu and fld; weighted "
+        "is its old name; arc: adaptive replacement, as Fate evicts; popularity: the least often selected in a "
+        "profile (--popularity), Fiddler's placement; score: the lowest router score over the last tokens, selected "
+        "or not, importance-driven scheduling's)", flag="--policy", choices=POLICIES, profile=True)
     policy_weights: tuple[float, float, float, float] = option(
-        (0.25, 0.25, 0.25, 0.25), "weights of LRU, LFU, LHU and FLD in HOBBIT's eq. 3 (--policy hobbit); they sum to 1",
+        DEFAULT_POLICY_WEIGHTS, "weights of LRU, LFU, LHU and FLD in HOBBIT's eq. 3 (--policy hobbit); they sum to 1",
         flag="--policy-weights", metavar="LRU,LFU,LHU,FLD", parse="numbers4", profile=True)
-    seed: int = option(0, "seed of the random policy", flag="--policy-seed", metavar="N")
+    seed: int = option(
+        _C_DEFAULTS.seed, "seed of the random policy", flag="--policy-seed", metavar="N")
     low: str | None = option(None, "mixed precision (HOBBIT §3.2): low-precision copies of the experts, a ggml type "
                                    "(Q2_K: the companion `hobbitpy prepare` writes next to the model), a llama.cpp "
                                    "mix (Q2_K_S, Q3_K_M: the uniform quant in MODEL.quants/) or a GGUF file of the "
@@ -277,28 +300,29 @@ class OffloadConfig:
                                  flag="--t-mid", parse="float", profile=True, default_text="halfway from T1 to T2")
     t2: float = option(DEFAULT_T2, "a missed expert whose score is above T2 is skipped (it adds nothing to that token)",
                        flag="--t2", profile=True)
-    skip_cached: bool = option(False, "skip a selection whose score is above T2 even when its expert is in memory, "
-                                      "with any number of precisions or a placement: saves its compute, what a "
-                                      "resident expert costs (lossy; HOBBIT skips a missed expert only, to save its "
-                                      "load)", flag="--skip-cached", profile=True)
+    skip_cached: bool = option(
+        bool(_C_DEFAULTS.skip_cached), "skip a selection whose score is above T2 even when its expert is in memory, "
+        "with any number of precisions or a placement: saves its compute, what a resident expert costs (lossy; "
+        "HOBBIT skips a missed expert only, to save its load)", flag="--skip-cached", profile=True)
     level_shares: tuple[float, ...] | None = option(
         None, "how the expert budget is split among the precision levels, high first", flag="--level-shares",
         metavar="HIGH,[MID,]LOW", parse="numbers", profile=True,
         default_text="room for every expert at the lowest precision, up to 85 % of the budget, the rest to the others; "
                      "with prefill_low_share and T1 = 1, room for two layers' share of a prompt's experts, up to 15 %")
-    hits: str = option("upgrade", "a hit at another precision than wanted: use it (found), use it and load the wanted "
-                                  "one in the background when it was lower, one a token from a layer that loads nothing "
-                                  "(upgrade), or serve "
-                                  "exactly the wanted precision (exact: the rule's own effect on quality)",
-                       flag="--hits", choices=HIT_POLICIES, profile=True)
-    mode: str = option("gpu-centric", "where a missed expert runs: loaded into the cache (gpu-centric), computed in "
-                                      "place on the mapped model file (cooperative), chosen per expert and ubatch by "
-                                      "a latency model measured at start-up (auto; measured up to 1.5x slower under "
-                                      "tight caps), or a wave's misses split so loads and in-place reads take even "
-                                      "time, the widest batches loaded (balanced: importance-driven scheduling's "
-                                      "Algorithm 2)", flag="--mode", choices=MODES)
-    warm: bool = option(True, "do not fill the lowest precision's pool in the background at start",
-                        flag="--no-warm", negate=True, profile=True)
+    hits: str = option(
+        HIT_POLICIES[_C_DEFAULTS.hit_policy], "a hit at another precision than wanted: use it (found), use it and "
+        "load the wanted one in the background when it was lower, one a token from a layer that loads nothing "
+        "(upgrade), or serve exactly the wanted precision (exact: the rule's own effect on quality)",
+        flag="--hits", choices=HIT_POLICIES, profile=True)
+    mode: str = option(
+        MODES[_C_DEFAULTS.mode], "where a missed expert runs: loaded into the cache (gpu-centric), computed in place "
+        "on the mapped model file (cooperative), chosen per expert and ubatch by a latency model measured at "
+        "start-up (auto; measured up to 1.5x slower under tight caps), or a wave's misses split so loads and "
+        "in-place reads take even time, the widest batches loaded (balanced: importance-driven scheduling's "
+        "Algorithm 2)", flag="--mode", choices=MODES)
+    warm: bool = option(
+        bool(_C_DEFAULTS.warm_low), "do not fill the lowest precision's pool in the background at start",
+        flag="--no-warm", negate=True, profile=True)
     importance: tuple[tuple[float, ...], ...] | None = option(
         None, "place the experts statically by how much the routers weigh them (per MoE layer, the sum of each "
               "expert's squared gate weight; on the command line: from a `hobbitpy trace`): the most weighed at the "
