@@ -256,13 +256,15 @@ def test_exact_hits_serve_the_wanted_level_at_any_budget(model_dir):
     assert small_stats["served"] == every_stats["served"] and small_stats["n_skipped"] == every_stats["n_skipped"]
 
 
-@pytest.mark.parametrize("mode,hits", [("cooperative", "upgrade"), ("gpu-centric", "upgrade"), ("gpu-centric", "found")])
+@pytest.mark.parametrize("mode,hits", [("cooperative", "upgrade"), ("gpu-centric", "upgrade"), ("gpu-centric", "found"),
+                                       ("auto", "upgrade"), ("balanced", "upgrade")])
 def test_the_same_text_gives_the_same_logits_whatever_the_disks_timing(model_dir, mode, hits):
     """At temperature 0 the same prompt gives the same logits, bit for bit, with a low copy
     that serves hits (and upgrades them) and prefetch on: what the cache holds is decided by
     the text, not by when the disk delivers. The reader threads change the timing from run to
     run (one reader, or four); with upgrades gated on the disk being idle and slots still
-    loading counted as unavailable, two runs of the shipped model gave different text."""
+    loading counted as unavailable, two runs of the shipped model gave different text. Auto and
+    balanced choose by timings, so they serve hits at the wanted precision only."""
     from hobbitpy.prepare import prepare_companion
 
     path = tiny_model(model_dir, "llama", n_embd=256, n_ff=1024, n_expert=32)
@@ -284,7 +286,7 @@ def test_the_same_text_gives_the_same_logits_whatever_the_disks_timing(model_dir
     assert stats["served"][0] > 0 and stats["served"][1] > 0, stats
     if mode == "gpu-centric":
         assert stats["expert_misses"] > 0, stats
-    if hits == "upgrade":
+    if hits == "upgrade" and mode not in ("auto", "balanced"):
         assert stats["upgrades"] > 0, stats
     for scores, other in runs[1:]:
         differ = np.flatnonzero((scores.view(np.uint32) != first.view(np.uint32)).any(axis=1))

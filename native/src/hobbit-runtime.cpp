@@ -108,6 +108,13 @@ void hobbit_runtime::open_levels(const std::string & path) {
     if (params.hit_policy < HOBBIT_HIT_FOUND || params.hit_policy > HOBBIT_HIT_EXACT) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "unknown hit policy " + std::to_string((int) params.hit_policy));
     }
+    // auto and balanced choose between loading a miss and computing it in place by timings they
+    // measure (bandwidths, what the page cache holds), so what the pools hold differs from run to
+    // run; with several precisions a hit is then served at its wanted precision only (as
+    // HOBBIT_HIT_EXACT), so that what is served, and the logits, stay a function of the text
+    if (n_level > 1 && (params.mode == HOBBIT_MODE_AUTO || params.mode == HOBBIT_MODE_BALANCED)) {
+        params.hit_policy = HOBBIT_HIT_EXACT;
+    }
     const bool ordered = 0.0f <= params.t1 && params.t1 <= params.t2 && params.t2 <= 1.0f &&
                          (n_level < 3 || (params.t1 <= params.t_mid && params.t_mid <= params.t2));
     if ((n_level > 1 || params.skip_cached) && !ordered) {

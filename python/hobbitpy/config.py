@@ -319,7 +319,8 @@ class OffloadConfig:
         "on the mapped model file (cooperative), chosen per expert and ubatch by a latency model measured at "
         "start-up (auto; measured up to 1.5x slower under tight caps), or a wave's misses split so loads and "
         "in-place reads take even time, the widest batches loaded (balanced: importance-driven scheduling's "
-        "Algorithm 2)", flag="--mode", choices=MODES)
+        "Algorithm 2). Auto and balanced follow timings, so with several precisions they serve a hit at its "
+        "wanted precision only (--hits exact): the same text gives the same logits", flag="--mode", choices=MODES)
     warm: bool = option(
         bool(_C_DEFAULTS.warm_low), "do not fill the lowest precision's pool in the background at start",
         flag="--no-warm", negate=True, profile=True)
