@@ -36,6 +36,8 @@ hobbit_dir=native/CMakeFiles/hobbit.dir/src
 # (mmid.cu and mmvf.cu carry patch 0006's skip; mmvq.cu and ggml-cuda.cu too, but take minutes each)
 ninja -C "$build" "$cuda_dir/arange.cu.o" "$cuda_dir/argsort.cu.o" "$cuda_dir/getrows.cu.o" \
     "$cuda_dir/mmid.cu.o" "$cuda_dir/mmvf.cu.o" \
-    "$hobbit_dir/hobbit-runtime.cpp.o" "$hobbit_dir/hobbit-expert-pool.cpp.o" "$hobbit_dir/hobbit-api.cpp.o" \
+    "$hobbit_dir/hobbit-runtime.cpp.o" "$hobbit_dir/hobbit-runtime-waves.cpp.o" "$hobbit_dir/hobbit-runtime-loads.cpp.o" \
+    "$hobbit_dir/hobbit-runtime-files.cpp.o" "$hobbit_dir/hobbit-runtime-neurons.cpp.o" \
+    "$hobbit_dir/hobbit-expert-pool.cpp.o" "$hobbit_dir/hobbit-api.cpp.o" \
     "$hobbit_dir/hobbit-executor-choice.cpp.o" "$hobbit_dir/hobbit-precision-scorer.cpp.o" "$hobbit_dir/hobbit-predictor.cpp.o"
 echo "CUDA configure and compile-check passed ($build)"
