@@ -21,7 +21,7 @@
 #include <numeric>
 
 // every MoE layer's router as floats, whatever its type and wherever it lives
-static std::vector<router_weights> load_routers(const llama_model * model, const std::vector<int> & moe_layers) {
+std::vector<router_weights> load_routers(const llama_model * model, const std::vector<int> & moe_layers) {
     std::vector<router_weights> routers;
     for (int il : moe_layers) {
         const ggml_tensor * t = llama_model_get_router_tensor(model, il);
@@ -505,121 +505,5 @@ hobbit_runtime::~hobbit_runtime() {
         if (f.fd >= 0) {
             close(f.fd);
         }
-    }
-}
-
-void hobbit_runtime::fail(const std::string & msg) {
-    if (!has_error.load()) {
-        error_msg = msg;
-        has_error.store(true, std::memory_order_release);
-    }
-}
-
-hobbit_stats hobbit_runtime::stats() const {
-    std::lock_guard<std::mutex> lock(mtx);
-    return stats_;
-}
-
-void hobbit_runtime::reset_stats() {
-    std::lock_guard<std::mutex> lock(mtx);
-    const hobbit_stats keep = stats_;
-    stats_ = {};
-    for (pool_group & pg : pools) {
-        pg.hits = pg.misses = pg.bytes_read = 0;
-    }
-    stats_.budget_bytes    = keep.budget_bytes;
-    stats_.pool_bytes      = keep.pool_bytes;
-    stats_.n_slot          = keep.n_slot;
-    stats_.direct_io       = keep.direct_io;
-    stats_.n_level         = keep.n_level;
-    stats_.mode            = keep.mode;
-    stats_.load_bytes_per_s = keep.load_bytes_per_s;
-    stats_.map_bytes_per_s = keep.map_bytes_per_s;
-    stats_.peak_pool_bytes = used_pool_bytes();
-}
-
-bool hobbit_runtime::error(std::string & msg) const {
-    std::lock_guard<std::mutex> lock(mtx);
-    msg = error_msg;
-    if (!has_error.load()) {
-        for (size_t part = 0; part < part_files.size(); ++part) {
-            if (part_files[part].guard && part_files[part].guard->faulted()) {
-                msg = index.parts[part] + ": truncated while running: a read of its mapped weights past the file's new end";
-                return true;
-            }
-        }
-    }
-    return has_error.load();
-}
-
-void hobbit_runtime::clear_error() {
-    std::lock_guard<std::mutex> lock(mtx);
-    error_msg.clear();
-    has_error.store(false);
-    // a fault left zero pages in the mapping: the file's own pages again (where it is whole now,
-    // the next run reads the model; where it is still cut, the size check or the guard fails it)
-    for (part_file & f : part_files) {
-        if (f.guard) {
-            f.guard->restore(f.fd, 0, MADV_RANDOM);
-        }
-    }
-}
-
-bool hobbit_runtime::pool_stats(int pool, hobbit_pool_stats & out) const {
-    std::lock_guard<std::mutex> lock(mtx);
-    if (pool < 0 || pool >= (int) pools.size()) {
-        return false;
-    }
-    const pool_group & pg = pools[pool];
-    out = {};
-    out.hits         = pg.hits;
-    out.misses       = pg.misses;
-    out.bytes_read   = pg.bytes_read;
-    out.expert_bytes = pg.expert_bytes;
-    out.n_slot       = pg.pool->n_slot();
-    out.n_layer      = pg.n_layer;
-    out.level        = pg.level;
-    out.type         = pg.type;
-    return true;
-}
-
-void hobbit_runtime::trace_begin(int lookahead, bool keep_inputs) {
-    if (lookahead < 0 || lookahead > 4) {
-        throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "trace lookahead must be 0..4, got " + std::to_string(lookahead));
-    }
-    std::vector<router_weights> routers;
-    if (lookahead > 0 && model != nullptr) {
-        routers = load_routers(model, moe_layers);
-    }
-    auto rec = std::make_unique<trace_recorder>(moe_layers, index.info.n_expert, index.info.n_expert_used,
-                                                index.info.n_embd, lookahead, std::move(routers), keep_inputs);
-    std::lock_guard<std::mutex> lock(mtx);
-    recorder = std::move(rec);
-}
-
-int64_t hobbit_runtime::trace_size(int & n_moe_layer, int & lookahead) const {
-    std::lock_guard<std::mutex> lock(mtx);
-    n_moe_layer = (int) moe_layers.size();
-    lookahead = recorder ? recorder->lookahead() : 0;
-    return recorder ? recorder->n_tokens() : 0;
-}
-
-void hobbit_runtime::trace_copy(int64_t n, int32_t * experts, float * weights, float * probs, int32_t * predicted,
-                                float * inputs) const {
-    std::lock_guard<std::mutex> lock(mtx);
-    if (recorder) {
-        recorder->copy(std::min(n, recorder->n_tokens()), experts, weights, probs, predicted, inputs);
-    }
-}
-
-void hobbit_runtime::trace_end() {
-    std::lock_guard<std::mutex> lock(mtx);
-    recorder.reset();
-}
-
-void hobbit_runtime::new_sequence() {
-    std::lock_guard<std::mutex> lock(mtx);
-    for (pool_group & pg : pools) {
-        pg.policy->reset();
     }
 }

@@ -34,6 +34,10 @@
 #include <string>
 #include <vector>
 
+// every MoE layer's router as floats, whatever its type and wherever it lives (the predictor's
+// and a trace's input)
+std::vector<router_weights> load_routers(const llama_model * model, const std::vector<int> & moe_layers);
+
 // the runtime's clock for its timings (dispatch and waits), in microseconds
 inline int64_t runtime_clock_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
