@@ -295,6 +295,7 @@ def test_io_threads_out_of_range_is_one_clear_error(model_dir):
     assert p.returncode == 2 and "io_threads must be 1..64" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.slow
 def test_a_companion_of_another_model_with_the_same_shapes_is_refused(model_dir, tmp_path):
     from hobbitpy.prepare import prepare_companion
 

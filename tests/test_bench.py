@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import hobbitpy
 
 from conftest import MB, default_signals, hobbitpy_cli, tiny_model
@@ -76,6 +78,7 @@ def test_bench_bad_input(model_dir, tmp_path):
     assert p.returncode == 2 and "--prompt-tokens" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.slow
 def test_bench_several_models_in_one_command(model_dir, tmp_path):
     a = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
     b = tiny_model(model_dir, "qwen2moe")
@@ -92,6 +95,7 @@ def test_bench_several_models_in_one_command(model_dir, tmp_path):
         assert [s["config"] for s in r["rows"][0]["configs"]] == ["stock", "lru"]
 
 
+@pytest.mark.slow
 def test_bench_mixed_precision_config(model_dir, tmp_path):
     from hobbitpy.prepare import prepare_companion
 
@@ -111,6 +115,7 @@ def test_bench_mixed_precision_config(model_dir, tmp_path):
     assert len(hobbit["pool_hit_ratio"]) == 2
 
 
+@pytest.mark.slow
 def test_bench_frontier_against_uniform_quants(model_dir, tmp_path):
     # stock on the model and on two uniform quants made by llama.cpp's quantizer, a
     # hobbitpy ladder, each scored against stock on the model: the frontier table and PNG
@@ -156,6 +161,7 @@ def test_bench_frontier_against_uniform_quants(model_dir, tmp_path):
     assert "reusing" in p.stdout and sorted(quant_dir.iterdir()) == made
 
 
+@pytest.mark.slow
 def test_bench_tunes_for_every_cap(model_dir, tmp_path):
     # --tune runs `tune` at each cap's memory first and benchmarks its pick there as "tuned",
     # scored like every other configuration
@@ -191,6 +197,7 @@ def test_bench_tunes_for_every_cap(model_dir, tmp_path):
     assert not (tmp_path / "none").exists()
 
 
+@pytest.mark.slow
 def test_bench_never_reports_a_failure_as_a_result(model_dir, tmp_path):
     path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
     # a cap below what the process itself needs is refused before any run, with the figure
@@ -263,6 +270,7 @@ def test_an_interrupted_bench_leaves_no_cgroup_behind(model_dir, tmp_path):
         again.remove()
 
 
+@pytest.mark.slow
 def test_bench_beam_search_against_stocks(model_dir, tmp_path):
     # Fiddler's beam case: every run decodes with a beam search of 4 beams; hobbitpy's beams are stock's
     path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)

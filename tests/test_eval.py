@@ -86,6 +86,7 @@ def test_eval_bad_input(model_dir, tmp_path, capsys):
     assert "at least 2" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_eval_under_a_memory_cap_scores_the_reference_first_and_the_candidate_alone(model_dir, tmp_path):
     import os
     import subprocess

@@ -84,6 +84,7 @@ def test_the_collection_is_deterministic(with_imatrix, tmp_path):
         np.testing.assert_allclose(first[name], second[name], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_matrix_brings_the_lowest_bit_type_closer_to_the_model(with_imatrix, tmp_path):
     model, path, _, held_out = with_imatrix
     flat = tmp_path / "flat.imatrix.gguf"  # every column weighed alike: what no matrix would mean

@@ -39,6 +39,7 @@ def test_inflated_logits_are_identical(model_dir, tmp_path, case):
     assert same_bits(a[0], b[0]) and a[1] == b[1]
 
 
+@pytest.mark.slow
 def test_q2_k_from_llama_cpp_quantizer(model_dir, tmp_path):
     # Q2_K experts (and the Q3_K down projections llama.cpp's Q2_K mix picks), made by
     # llama.cpp's own quantizer
@@ -58,6 +59,7 @@ def test_q2_k_from_llama_cpp_quantizer(model_dir, tmp_path):
     assert same_bits(b[0], c[0])
 
 
+@pytest.mark.slow
 def test_cli_and_bad_input(model_dir, tmp_path):
     src = tiny_model(model_dir, "llama")
     out = tmp_path / "wide.gguf"
@@ -100,6 +102,7 @@ def test_a_padded_hidden_size_keeps_the_logits_bit_for_bit(model_dir, tmp_path, 
     assert same_bits(b[0], c[0])
 
 
+@pytest.mark.slow
 def test_a_padded_hidden_size_must_be_a_power_of_four_times(model_dir, tmp_path):
     from hobbitpy.inflate import pad_embedding
 

@@ -54,6 +54,7 @@ def test_context_estimate_covers_llama_cpp_buffers(model_dir, arch, n_ctx, n_bat
     assert est.kv / MB <= 1.5 * real["KV"] + 0.1
 
 
+@pytest.mark.slow
 def test_run_with_a_derived_budget_never_reaches_its_cap(model_dir, tmp_path):
     # experts large enough that the cap, not the process, decides the budget
     path = tiny_model(model_dir, "llama", n_embd=256, n_ff=1024, n_expert=32)

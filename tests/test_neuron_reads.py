@@ -123,6 +123,7 @@ def test_neurons_read_cost_what_the_exact_pricing_says_and_read_fewer_bytes(mode
     assert whole.stats["pool_bytes"] <= reads.stats["pool_bytes"] <= budget * MB
 
 
+@pytest.mark.slow
 def test_bad_neuron_layouts_are_one_line_and_exit_2(model_dir, tmp_path, capsys):
     path = tiny_model(model_dir, "llama")
     layout = _layout(model_dir, path)

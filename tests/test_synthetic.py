@@ -9,6 +9,7 @@ import hobbitpy
 from hobbitpy.synthetic_moe import make_synthetic_moe
 
 
+@pytest.mark.slow
 def test_deterministic_and_shaped(tmp_path):
     a = make_synthetic_moe(tmp_path / "a.gguf", "llama", n_layer=3, n_expert=6, n_expert_used=3, n_embd=64, n_ff=96, seed=7)
     b = make_synthetic_moe(tmp_path / "b.gguf", "llama", n_layer=3, n_expert=6, n_expert_used=3, n_embd=64, n_ff=96, seed=7)

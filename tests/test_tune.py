@@ -84,6 +84,7 @@ def _tune_a_copy(model_dir, tmp_path, candidates: str):
     return path
 
 
+@pytest.mark.slow
 def test_llama_applies_the_profile_next_to_the_model(model_dir, tmp_path):
     path = _tune_a_copy(model_dir, tmp_path, "Q2_K")
     assert json.loads((tmp_path / "m.hobbit-profile.json").read_text())["settings"] == {"high": "Q2_K"}
@@ -94,6 +95,7 @@ def test_llama_applies_the_profile_next_to_the_model(model_dir, tmp_path):
         assert not llm.offloaded
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("candidate", ["Q4_K/Q2_K placed", "Q4_K/Q2_K placed skip"])
 def test_a_placed_ladder_keeps_the_importance_and_places_for_the_budget_a_run_gets(model_dir, tmp_path, candidate):
     path = _tune_a_copy(model_dir, tmp_path, candidate)
@@ -134,6 +136,7 @@ def test_without_a_confident_candidate_the_closest_is_chosen_not_the_cheapest_no
     assert choose(rows, 0.001, 1024, notes.append) is None
 
 
+@pytest.mark.slow
 def test_the_lowest_bit_ladder_needs_the_models_matrix_and_an_unknown_candidate_is_refused(model_dir, tmp_path):
     import shutil
 
@@ -162,6 +165,7 @@ def test_the_lowest_bit_ladder_needs_the_models_matrix_and_an_unknown_candidate_
     assert companion.get_field(KEY_IMATRIX).contents() == "m.imatrix.gguf"
 
 
+@pytest.mark.slow
 def test_a_placed_ladder_is_not_placed_by_the_tokens_it_is_scored_on(model_dir, tmp_path):
     import shutil
 
@@ -200,6 +204,7 @@ def test_a_profile_of_the_fate_preset_loads_as_the_preset(tmp_path):
     hash(OffloadConfig(**settings))
 
 
+@pytest.mark.slow
 def test_copies_no_smaller_than_the_model_are_neither_made_nor_scored(model_dir, tmp_path):
     # a model whose experts are Q4_K: a Q6_K copy or a Q4_K_M quant cannot be smaller, and at
     # real size making them costs minutes and gigabytes for nothing
@@ -225,6 +230,7 @@ def test_which_candidates_are_static():
                          "preset fate", "preset importance", "preset corm"}
 
 
+@pytest.mark.slow
 def test_the_pass_over_the_text_is_stocks_and_static_candidates_score_alike_in_batches_and_token_by_token(
         model_dir, tmp_path):
     import shutil
