@@ -233,10 +233,11 @@ def test_lora_with_offload_is_refused_clearly(model_dir, tmp_path):
 BAD_HPARAMS = [  # key, value, what the error says (llama.cpp would abort in load_hparams)
     ("llama.expert_used_count", 0, "llama.expert_used_count is 0; llama.cpp needs 1..8"),
     ("llama.expert_used_count", 9, "llama.expert_used_count is 9; llama.cpp needs 1..8"),
-    ("llama.expert_used_count", 0xFFFFFFFF, "llama.expert_used_count is 4294967295"),
+    # the same checks at the ends of the integer's range: in the slow run
+    pytest.param("llama.expert_used_count", 0xFFFFFFFF, "llama.expert_used_count is 4294967295", marks=pytest.mark.slow),
     ("llama.block_count", 600, "llama.block_count is 600; llama.cpp needs 1..512"),
-    ("llama.block_count", 5_000_000, "llama.block_count is 5000000"),
-    ("llama.block_count", 2**31 - 1, "llama.block_count is 2147483647"),
+    pytest.param("llama.block_count", 5_000_000, "llama.block_count is 5000000", marks=pytest.mark.slow),
+    pytest.param("llama.block_count", 2**31 - 1, "llama.block_count is 2147483647", marks=pytest.mark.slow),
     ("llama.expert_count", 2000, "llama.expert_count is 2000; llama.cpp needs 0..1024"),
     ("llama.expert_used_count", None, "llama.expert_used_count is missing; llama.cpp needs 1..8"),
 ]

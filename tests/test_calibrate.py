@@ -36,7 +36,7 @@ def calibrated(tmp_path_factory):
     model = folder / MODEL.name
     shutil.copy(MODEL, model)
     prepare_companion(model, "Q2_K", progress=False)
-    code = main(["calibrate", str(model), "--text", str(TEXT), "--max-tokens", "384", "--threads", "2"])
+    code = main(["calibrate", str(model), "--text", str(TEXT), "--max-tokens", "192", "--threads", "2"])
     assert code == 0
     return model
 

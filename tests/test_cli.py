@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import hobbitpy
 from conftest import MB, default_signals, hobbitpy_cli, tiny_model
 
@@ -163,6 +165,7 @@ def test_chat_keeps_history_and_ends_on_eof(model_dir):
     assert p.stdout.count("> ") == 3  # two turns, then the prompt that met the end of input
 
 
+@pytest.mark.slow
 def test_low_precision_applies_when_every_expert_fits(model_dir, tmp_path):
     # asked for, the low copies are there even when memory holds every expert at both
     # precisions, and the stats say how the selections were served

@@ -106,6 +106,7 @@ def test_the_matrix_brings_the_lowest_bit_type_closer_to_the_model(with_imatrix,
     assert results["weighted"].perplexity < results["flat"].perplexity
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_clear_line(with_imatrix, tmp_path):
     model, path, calibration, _ = with_imatrix
     # a lowest-bit type without a matrix says how to make one

@@ -30,6 +30,7 @@ def _tensors(path):
     return {t.name: t for t in gguf.GGUFReader(path).tensors}
 
 
+@pytest.mark.slow
 def test_the_layout_keeps_gate_and_up_and_bundles_down_transposed_with_up(model_dir):
     path = tiny_model(model_dir, "llama")
     layout = _layout(model_dir, path)

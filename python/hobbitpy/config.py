@@ -37,11 +37,17 @@ def _enum_names(enum: str, prefix: str) -> dict[str, int]:
 # "arc" the adaptive replacement cache Fate uses (§4.4); "popularity" Fiddler's placement
 # (the least often selected in a profile evicted first); "score" importance-driven
 # scheduling's (the lowest router score over the last tokens evicted first)
-_NATIVE_POLICY = {}
-for _name, _value in _enum_names("hobbit_policy", "HOBBIT_POLICY_").items():
-    _NATIVE_POLICY[_name] = _value
-    if _name == "weighted":
-        _NATIVE_POLICY["hobbit"] = _value
+def _policy_names() -> dict[str, int]:
+    """hobbit_policy's values by name, with "hobbit" beside "weighted" (the same policy)."""
+    names = {}
+    for name, value in _enum_names("hobbit_policy", "HOBBIT_POLICY_").items():
+        names[name] = value
+        if name == "weighted":
+            names["hobbit"] = value
+    return names
+
+
+_NATIVE_POLICY = _policy_names()
 POLICIES = tuple(_NATIVE_POLICY)
 
 # where a missed expert runs (hobbit.h enum hobbit_mode, in its order)
