@@ -136,13 +136,15 @@ def test_bad_arguments(model_dir, tmp_path):
 
 
 # (change, mode): the model's file cut at its experts, cut to nothing (the resident weights
-# too: a SIGBUS in the compute threads before, in every mode), or written over in place
-# (generation stopped silently, exit 0, before)
+# too: a SIGBUS in the compute threads before, in every mode), written over in place
+# (generation stopped silently, exit 0, before), or written in the middle of one expert tensor,
+# between the fingerprint's samples of its first and last 4 KB (served on, mixed, before)
 FILE_CHANGES = [("cut at the experts", "gpu-centric"), ("cut at the experts", "cooperative"),
                 ("cut to nothing", "gpu-centric"), ("cut to nothing", "cooperative"),
                 ("cut to nothing", "auto"), ("cut to nothing", "balanced"),
                 ("overwritten in place", "gpu-centric"), ("overwritten in place", "cooperative"),
-                ("overwritten in place", "balanced")]
+                ("overwritten in place", "balanced"), ("written between the samples", "cooperative"),
+                ("written between the samples", "gpu-centric")]
 
 
 @pytest.mark.parametrize("change,mode", FILE_CHANGES)
@@ -153,13 +155,20 @@ def test_a_model_cut_or_overwritten_while_running_is_an_error_never_a_signal(mod
     path = tmp_path / "victim.gguf"
     shutil.copy(tiny_model(model_dir, "llama"), path)
     reader = gguf.GGUFReader(path)
-    expert_start = min(t.data_offset for t in reader.tensors if "_exps." in t.name)
-    del reader
+    first_experts = min((t for t in reader.tensors if "_exps." in t.name), key=lambda t: t.data_offset)
+    expert_start, expert_bytes = first_experts.data_offset, int(first_experts.n_bytes)
+    del reader, first_experts
     info = hobbitpy.inspect_model(path)
     if change == "overwritten in place":  # other experts of the same size, nothing cut
         disturb = (f"with open({str(path)!r}, 'r+b') as f:\n"
                    f"    f.seek({expert_start}); f.write(os.urandom({path.stat().st_size - expert_start}))")
         why = "overwritten while running"
+    elif change == "written between the samples":
+        middle = expert_start + 64 * 1024
+        assert expert_bytes >= middle - expert_start + 4096 + 4096  # clear of the last 4 KB sampled
+        disturb = (f"with open({str(path)!r}, 'r+b') as f:\n"
+                   f"    f.seek({middle}); f.write(os.urandom(4096))")
+        why = "written to while running"
     else:
         disturb = f"os.truncate({str(path)!r}, {0 if change == 'cut to nothing' else expert_start})"
         why = "truncated while running"

@@ -83,7 +83,7 @@ void hobbit_runtime::open_and_guard_parts() {
 
 void hobbit_runtime::check_files_unchanged() {
     for (size_t part = 0; part < part_files.size(); ++part) {
-        part_file & f = part_files[part];
+        const part_file & f = part_files[part];
         const std::string & path = index.parts[part];
         struct stat st;
         if (fstat(f.fd, &st) != 0) {
@@ -98,8 +98,9 @@ void hobbit_runtime::check_files_unchanged() {
                  " bytes, it had " + std::to_string((int64_t) f.size) + " when loaded");
             return;
         }
-        // written to: the same experts (a file restored, or touched) serve on; others would be
-        // computed as if they were the loaded model's
+        // written to. The sampled fingerprint names the case where other experts are in it; when
+        // it matches, the write may still have changed bytes between its samples, which only
+        // reading every expert could rule out: either way the loaded model is gone
         std::vector<int> fds;
         for (const part_file & pf : part_files) {
             fds.push_back(pf.fd);
@@ -114,10 +115,11 @@ void hobbit_runtime::check_files_unchanged() {
         if (now != loaded_fingerprint) {
             fail(path + ": overwritten while running: its experts are not those loaded (fingerprint " + now +
                  ", loaded " + loaded_fingerprint + "); load the model again to run the new file");
-            return;
+        } else {
+            fail(path + ": written to while running (its size or modification time changed): its experts may no "
+                 "longer be those loaded; load the model again");
         }
-        f.size  = st.st_size;
-        f.mtime = st.st_mtim;
+        return;
     }
 }
 
