@@ -62,10 +62,11 @@ for arch in "${arches[@]}"; do
     ASAN_OPTIONS=$asan:detect_leaks=1 "$HOBBITPY_LIB_DIR/hobbit-offload-check" "$work/models/$arch.gguf" 6
 done
 
-# Python is not built with ASan: the runtime is preloaded. Leaks are not checked there: the
-# interpreter keeps its objects at exit, and a suppression of CPython's frames would match
-# every stack (each call into the libraries passes through them) and hide ours too
+# The slow tests of the slice run too (the fuzz test is one). Python is not built with ASan:
+# the runtime is preloaded. Leaks are not checked there: the interpreter keeps its objects at
+# exit, and a suppression of CPython's frames would match every stack (each call into the
+# libraries passes through them) and hide ours too
 echo "== Python tests against the sanitized libraries"
 LD_PRELOAD="$preload" ASAN_OPTIONS=$asan:detect_leaks=0 \
-    python -m pytest -q -p no:cacheprovider --basetemp="$work/pytest" "${tests[@]}"
+    python -m pytest -q -p no:cacheprovider -m "slow or not slow" --basetemp="$work/pytest" "${tests[@]}"
 echo "sanitizers: no report ($build)"

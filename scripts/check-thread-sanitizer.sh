@@ -77,5 +77,5 @@ done
 # not seen, its locks (the GIL included) are, so calls into the libraries from two Python
 # threads are ordered as they really are
 echo "== threaded Python tests against the TSan libraries"
-LD_PRELOAD="$preload" python -m pytest -q -p no:cacheprovider --basetemp="$work/pytest" "${tests[@]}"
+LD_PRELOAD="$preload" python -m pytest -q -p no:cacheprovider -m "slow or not slow" --basetemp="$work/pytest" "${tests[@]}"
 echo "thread sanitizer: no report ($build)"
