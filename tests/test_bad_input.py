@@ -139,12 +139,15 @@ def test_bad_arguments(model_dir, tmp_path):
 # too: a SIGBUS in the compute threads before, in every mode), written over in place
 # (generation stopped silently, exit 0, before), or written in the middle of one expert tensor,
 # between the fingerprint's samples of its first and last 4 KB (served on, mixed, before)
-FILE_CHANGES = [("cut at the experts", "gpu-centric"), ("cut at the experts", "cooperative"),
-                ("cut to nothing", "gpu-centric"), ("cut to nothing", "cooperative"),
-                ("cut to nothing", "auto"), ("cut to nothing", "balanced"),
-                ("overwritten in place", "gpu-centric"), ("overwritten in place", "cooperative"),
-                ("overwritten in place", "balanced"), ("written between the samples", "cooperative"),
-                ("written between the samples", "gpu-centric")]
+# one case per change in the README's run; the other modes of each in the slow one
+_slow = pytest.mark.slow
+FILE_CHANGES = [("cut at the experts", "gpu-centric"), pytest.param("cut at the experts", "cooperative", marks=_slow),
+                pytest.param("cut to nothing", "gpu-centric", marks=_slow), ("cut to nothing", "cooperative"),
+                ("cut to nothing", "auto"), pytest.param("cut to nothing", "balanced", marks=_slow),
+                pytest.param("overwritten in place", "gpu-centric", marks=_slow),
+                pytest.param("overwritten in place", "cooperative", marks=_slow), ("overwritten in place", "balanced"),
+                ("written between the samples", "cooperative"),
+                pytest.param("written between the samples", "gpu-centric", marks=_slow)]
 
 
 @pytest.mark.parametrize("change,mode", FILE_CHANGES)
