@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import pathlib
 import re
 import subprocess
@@ -13,8 +14,9 @@ import sys
 import pytest
 
 from hobbitpy import _native
-from hobbitpy._native import lib
-from hobbitpy.config import HIT_POLICIES, MAX_IO_THREADS, MODES, POLICIES, OffloadConfig, option_of, options_table
+from hobbitpy._native import error_buffer, ffi, lib, to_str
+from hobbitpy.config import (NONE_IS_OFF, RANGED_OPTIONS, HIT_POLICIES, MODES, PARAM_RANGES, POLICIES, OffloadConfig,
+                             option_of, options_table)
 from hobbitpy.llama import OFFLOAD_KEYWORDS
 from hobbitpy.memory import ROW_READ_BYTES
 from hobbitpy.profile import PROFILE_SETTINGS
@@ -81,10 +83,59 @@ def test_the_binding_is_the_header_itself():
     assert len(values) > 20 and all(getattr(lib, name) == int(v) for name, v in values)
     built = re.search(r"#define HOBBIT_ROW_READ_BYTES \((\d+) \* (\d+)\)", header)
     assert int(built[1]) * int(built[2]) == lib.HOBBIT_ROW_READ_BYTES == ROW_READ_BYTES
-    assert lib.HOBBIT_MAX_IO_THREADS == MAX_IO_THREADS and lib.HOBBIT_PREFETCH_WIDTH_FATE == -1
+    assert PARAM_RANGES["n_io_threads"].max == lib.HOBBIT_MAX_IO_THREADS and lib.HOBBIT_PREFETCH_WIDTH_FATE == -1
     assert MODES == ("gpu-centric", "cooperative", "auto", "balanced") and HIT_POLICIES == ("found", "upgrade", "exact")
     assert POLICIES.index("hobbit") == POLICIES.index("weighted") + 1 and POLICIES[-1] == "score"
 
+
+
+def _c_refuses(field: str, value) -> str:
+    """hobbit_request_offload's message for the default params with one field set ("" when it
+    accepts them; the armed request is then cancelled)."""
+    params = ffi.new("struct hobbit_params *", lib.hobbit_default_params())
+    params.budget_bytes = 1 << 20
+    setattr(params, field, int(value) if PARAM_RANGES[field].integer else value)
+    err = error_buffer()
+    status = lib.hobbit_request_offload(params, err, len(err))
+    lib.hobbit_cancel_offload_request()
+    return "" if status == lib.HOBBIT_STATUS_OK else to_str(err)
+
+
+# what an option's end needs of the others to be a valid configuration
+_BESIDE = {"t1": {"t2": 1.0}, "t2": {"t1": 0.0}, "t_mid": {"t1": 0.0, "t2": 1.0}, "prefill_low_share": {"low": "Q2_K"}}
+
+
+def test_every_range_is_written_once_and_both_sides_keep_it():
+    """The range of every numeric setting is the C API's table (hobbit_param_ranges): the C
+    side refuses a value just outside it and takes its ends, OffloadConfig the same through its
+    option; the defaults lie inside. A check added or changed on one side alone fails here."""
+    # every ranged field is set by an option, or derived by Python (the budget from cache_mb,
+    # the number of levels from low and mid)
+    assert set(RANGED_OPTIONS.values()) | {"budget_bytes", "n_level"} == set(PARAM_RANGES)
+    defaults = lib.hobbit_default_params()
+    for field, allowed in PARAM_RANGES.items():
+        if field != "budget_bytes":  # 0: the caller must choose one
+            assert allowed.holds(getattr(defaults, field)), field
+        step = 1 if allowed.integer else 1e-3
+        for end in (allowed.min, allowed.max):
+            if not math.isinf(end):
+                assert _c_refuses(field, end) == "", (field, end)
+        for outside in ([allowed.min - step] if not math.isinf(allowed.min) else []) + \
+                       ([allowed.max + step] if not math.isinf(allowed.max) else []) + \
+                       ([] if allowed.integer else [math.nan, math.inf]):
+            assert _c_refuses(field, outside).startswith(f"hobbit_request_offload: {field} must be {allowed.text()}"), \
+                (field, outside)
+    for option, field in RANGED_OPTIONS.items():
+        allowed = PARAM_RANGES[field]
+        low = max(allowed.min, 0) if option in NONE_IS_OFF else allowed.min
+        step = 1 if allowed.integer else 1e-3
+        for end in (low, allowed.max):
+            if not math.isinf(end):
+                OffloadConfig(**{**_BESIDE.get(option, {}), option: int(end) if allowed.integer else end})
+        outside = ([low - step] if not math.isinf(low) else []) + ([allowed.max + step] if not math.isinf(allowed.max) else [])
+        for x in outside + ([] if allowed.integer else [math.nan]):
+            with pytest.raises(ValueError, match=rf"^{option} must be "):
+                OffloadConfig(**{**_BESIDE.get(option, {}), option: int(x) if allowed.integer else x})
 
 
 def test_a_preset_lies_under_the_flags_and_keywords_and_replaces_the_profile(tmp_path):

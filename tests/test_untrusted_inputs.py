@@ -186,7 +186,7 @@ WRONG_TYPES = [({"policy_weights": 5}, "policy_weights must be a list of 4 numbe
                ({"warm": "no"}, 'warm must be true or false, got "no"'),
                ({"prefetch_layers": 1.5}, "prefetch_layers must be an integer, got 1.5"),
                ({"importance": [[1.0, "a"]]}, "importance must be a list of lists of numbers or null"),
-               ({"t1": 2.0}, "thresholds must satisfy 0 <= t1 <= t2 <= 1")]
+               ({"t1": 2.0}, "t1 must be in [0, 1], got 2.0")]
 
 
 @pytest.mark.parametrize("settings,message", WRONG_TYPES, ids=[next(iter(s)) + "=" + json.dumps(next(iter(s.values())))

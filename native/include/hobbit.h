@@ -196,6 +196,16 @@ struct hobbit_params {
     int32_t n_expert_popularity; // entries in expert_popularity, 0 with NULL
 };
 
+// The range of each numeric field of hobbit_params that has one, inclusive (HUGE_VAL: no bound on
+// that side; NaN is outside every range): hobbit_request_offload and the runtime refuse a value
+// outside it, and hobbitpy's OffloadConfig checks its options by this same table
+struct hobbit_param_range {
+    const char * name;   // the field of hobbit_params
+    double       min;
+    double       max;
+    bool         integer; // an int32_t field (else a float)
+};
+
 struct hobbit_model_info {
     char    arch[64];              // general.architecture
     int32_t n_layer;               // transformer blocks
@@ -299,6 +309,8 @@ struct hobbit_sim_result {
 };
 
 HOBBIT_API struct hobbit_params hobbit_default_params(void);
+// the ranges of hobbit_params' numeric fields (n entries; a static table)
+HOBBIT_API const struct hobbit_param_range * hobbit_param_ranges(int32_t * n);
 
 // validate a GGUF file and describe its experts; works for dense models too (n_layer_moe = 0)
 HOBBIT_API enum hobbit_status hobbit_inspect_model(const char * path, struct hobbit_model_info * info, char * err, size_t err_size);
@@ -380,7 +392,7 @@ HOBBIT_API enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trac
                                                     struct hobbit_sim_result * result, char * err, size_t err_size);
 
 // a trace's selections with the neurons each needs, replayed through CORM's neuron cache
-// (hobbit-neuron-cache.h): a cached expert holds some of its neurons, a selection reads the
+// (hobbit-neuron-sim-cache.h): a cached expert holds some of its neurons, a selection reads the
 // ones it needs and lacks, the whole expert above limit (0: always whole, expert-granular)
 struct hobbit_neuron_sim {
     int32_t n_tokens;

@@ -3,6 +3,7 @@
 
 #include "hobbit-cache-sim.h"
 #include "hobbit-error.h"
+#include "hobbit-params.h"
 #include "hobbit-pool-plan.h"
 #include "hobbit-runtime.h"
 
@@ -58,41 +59,6 @@ static const llama_moe_offload * hobbit_attach(const llama_model * model, const 
 
 extern "C" {
 
-// the one table of the runtime's defaults: OffloadConfig (config.py) takes its own from here
-struct hobbit_params hobbit_default_params(void) {
-    hobbit_params p = {};
-    p.budget_bytes    = 0;
-    p.policy          = HOBBIT_POLICY_LRU;
-    p.policy_weights  = { 0.25f, 0.25f, 0.25f, 0.25f };
-    p.seed            = 0;
-    p.prefetch_layers = 0;
-    p.prefetch_width  = 0;
-    p.shallow_layers  = -1;
-    p.prefill_popular_first = true;
-    p.prefill_low_share = 0.0f;
-    p.substitute_alpha = 0.0f;
-    p.neuron_threshold = -1.0f;
-    p.neuron_limit     = 0.75f;  // CORM's limit for Mixtral
-    p.direct_io       = true;
-    p.n_io_threads    = 2;
-    p.n_row_readers   = 16;
-    p.neuron_bridge   = 0;
-    p.n_level         = 1;
-    p.t1              = 0.6f;  // HOBBIT's values for Mixtral-8x7B (§3.2)
-    p.t_mid           = 0.75f;
-    p.t2              = 0.9f;
-    p.skip_cached     = false;
-    p.hit_policy      = HOBBIT_HIT_UPGRADE;
-    p.warm_low        = true;
-    p.mode            = HOBBIT_MODE_GPU_CENTRIC; // auto measured slower under tight caps (docs/BENCHMARKS.md)
-    p.page_cache_room_bytes = -1;
-    p.expert_levels   = nullptr;
-    p.n_expert_levels = 0;
-    p.expert_popularity   = nullptr;
-    p.n_expert_popularity = 0;
-    return p;
-}
-
 enum hobbit_status hobbit_inspect_model(const char * path, struct hobbit_model_info * info, char * err, size_t err_size) {
     if (path == nullptr || info == nullptr) {
         write_error(err, err_size, "hobbit_inspect_model: path and info are required");
@@ -129,65 +95,6 @@ enum hobbit_status hobbit_model_parts(const char * path, char * out, size_t out_
     }, err, err_size, std::string(path) + ": ");
 }
 
-// what is wrong with params, or "" (checked before anything is copied or armed)
-static std::string invalid_params(const hobbit_params * params) {
-    if (params == nullptr || params->budget_bytes <= 0) {
-        return "a positive budget_bytes is required";
-    }
-    if (params->n_level < 1 || params->n_level > HOBBIT_MAX_LEVELS) {
-        return "n_level must be 1.." + std::to_string(HOBBIT_MAX_LEVELS) + ", got " + std::to_string(params->n_level);
-    }
-    // a NaN or an infinity here would reach float-to-integer conversions in the budget split
-    const hobbit_policy_weights & w = params->policy_weights;
-    for (const float x : { w.lru, w.lfu, w.lhu, w.fld }) {
-        if (!std::isfinite(x) || x < 0.0f) {
-            return "policy_weights must be finite and non-negative";
-        }
-    }
-    for (int l = 0; l < params->n_level; ++l) {
-        if (!std::isfinite(params->level_shares[l]) || params->level_shares[l] < 0.0f) {
-            return "level_shares must be finite and non-negative";
-        }
-    }
-    if (params->n_io_threads < 1 || params->n_io_threads > HOBBIT_MAX_IO_THREADS) {
-        return "n_io_threads must be 1.." + std::to_string(HOBBIT_MAX_IO_THREADS) + ", got " +
-               std::to_string(params->n_io_threads);
-    }
-    if (params->n_row_readers < 0 || params->n_row_readers > HOBBIT_MAX_IO_THREADS) {
-        return "n_row_readers must be 0.." + std::to_string(HOBBIT_MAX_IO_THREADS) + ", got " +
-               std::to_string(params->n_row_readers);
-    }
-    if (params->neuron_bridge < 0) {
-        return "neuron_bridge must be 0 or more, got " + std::to_string(params->neuron_bridge);
-    }
-    if (!(params->substitute_alpha >= 0.0f && params->substitute_alpha <= 1.0f)) { // NaN fails too
-        return "substitute_alpha must be in [0, 1], got " + std::to_string(params->substitute_alpha);
-    }
-    if (std::isnan(params->neuron_threshold) || std::isinf(params->neuron_threshold)) {
-        return "neuron_threshold must be finite (below 0: off)";
-    }
-    if (!(params->neuron_limit >= 0.0f && params->neuron_limit <= 1.0f)) { // NaN fails too
-        return "neuron_limit must be in [0, 1], got " + std::to_string(params->neuron_limit);
-    }
-    if (params->neuron_reads && (params->neuron_threshold < 0.0f || params->n_level != 1 || params->level_paths[0] == nullptr ||
-                                 params->level_paths[0][0] == '\0')) {
-        return "neuron_reads needs neuron_threshold >= 0, one level and the neuron layout as level_paths[0]";
-    }
-    if (params->prefetch_width < HOBBIT_PREFETCH_WIDTH_FATE) {
-        return "prefetch_width must be >= 0 or HOBBIT_PREFETCH_WIDTH_FATE, got " + std::to_string(params->prefetch_width);
-    }
-    if (params->shallow_layers >= 0 && params->expert_levels != nullptr) {
-        return "a pool per layer (shallow_layers >= 0) and a static placement (expert_levels) do not go together";
-    }
-    if (!(params->prefill_low_share >= 0.0f && params->prefill_low_share <= 1.0f)) { // NaN fails too
-        return "prefill_low_share must be in [0, 1], got " + std::to_string(params->prefill_low_share);
-    }
-    if (params->n_expert_levels < 0 || (params->n_expert_levels > 0) != (params->expert_levels != nullptr)) {
-        return "expert_levels and n_expert_levels must be given together";
-    }
-    return "";
-}
-
 enum hobbit_status hobbit_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len,
                                    int32_t * tokens, int32_t n_tokens_max, bool add_special,
                                    bool parse_special, int32_t * n_tokens, char * err, size_t err_size) {
@@ -197,7 +104,8 @@ enum hobbit_status hobbit_tokenize(const struct llama_vocab * vocab, const char 
 }
 
 enum hobbit_status hobbit_request_offload(const struct hobbit_params * params, char * err, size_t err_size) {
-    const std::string why = invalid_params(params);
+    // checked before anything is copied or armed
+    const std::string why = params == nullptr ? "params are required" : params_problem(*params);
     if (!why.empty()) {
         write_error(err, err_size, "hobbit_request_offload: " + why);
         return HOBBIT_STATUS_ERROR_INVALID;
@@ -391,7 +299,7 @@ enum hobbit_status hobbit_simulate_neurons(const struct hobbit_neuron_sim * sim,
     const neuron_sim_trace tr = { sim->n_tokens, sim->n_layer, sim->n_expert, sim->n_expert_used, sim->n_neuron,
                                   sim->experts, sim->need_w1, sim->need_rest };
     return guarded([&] {
-        const neuron_sim_result r = neuron_cache_simulate(tr, sim->neuron_bytes, sim->budget_bytes, sim->limit);
+        const neuron_sim_result r = neuron_sim_cache_simulate(tr, sim->neuron_bytes, sim->budget_bytes, sim->limit);
         *result = { r.accesses, r.hits, r.whole, r.bytes_read, r.requests };
     }, err, err_size);
 }

@@ -145,9 +145,9 @@ static neuron_bits bits_of(const uint8_t * packed, int n_neuron) {
     return b;
 }
 
-neuron_sim_result neuron_cache_simulate(const neuron_sim_trace & tr, int64_t neuron_bytes, int64_t budget_bytes,
+neuron_sim_result neuron_sim_cache_simulate(const neuron_sim_trace & tr, int64_t neuron_bytes, int64_t budget_bytes,
                                         double limit) {
-    neuron_cache cache(tr.n_layer, tr.n_expert, tr.n_neuron, neuron_bytes, budget_bytes, limit);
+    neuron_sim_cache cache(tr.n_layer, tr.n_expert, tr.n_neuron, neuron_bytes, budget_bytes, limit);
     const int K = tr.n_expert_used;
     const int64_t row = (tr.n_neuron + 7) / 8;
     neuron_sim_result r;
@@ -161,7 +161,7 @@ neuron_sim_result neuron_cache_simulate(const neuron_sim_trace & tr, int64_t neu
             }
             const neuron_need need = { bits_of(tr.need_w1 ? tr.need_w1 + sel * row : nullptr, tr.n_neuron),
                                        bits_of(tr.need_rest ? tr.need_rest + sel * row : nullptr, tr.n_neuron) };
-            const neuron_plan p = cache.plan_access((int) (step % tr.n_layer), e, need);
+            const neuron_sim_plan p = cache.plan_access((int) (step % tr.n_layer), e, need);
             cache.apply(p);
             r.accesses++;
             r.hits += p.hit && p.read_bytes == 0;

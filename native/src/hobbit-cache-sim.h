@@ -8,7 +8,7 @@
 #pragma once
 
 #include "hobbit-cache-policy.h"
-#include "hobbit-neuron-cache.h"
+#include "hobbit-neuron-sim-cache.h"
 
 #include <cstdint>
 
@@ -52,7 +52,7 @@ struct neuron_sim_result {
     int64_t bytes_read = 0, requests = 0;
 };
 
-neuron_sim_result neuron_cache_simulate(const neuron_sim_trace & trace, int64_t neuron_bytes, int64_t budget_bytes,
+neuron_sim_result neuron_sim_cache_simulate(const neuron_sim_trace & trace, int64_t neuron_bytes, int64_t budget_bytes,
                                         double limit);
 
 // belady: ignore kind/weights and use the offline optimum. substitute_alpha > 0 (with the

@@ -8,7 +8,7 @@
 // projections over the kept neurons (Q8_0 rows, held by the neuron row cache).
 #pragma once
 
-#include "hobbit-neuron-cache.h"
+#include "hobbit-neuron-bits.h"
 
 #include <cstdint>
 #include <vector>

@@ -10,7 +10,7 @@
 // apply_rows carries a plan out and says where each run of read rows goes.
 #pragma once
 
-#include "hobbit-neuron-cache.h"
+#include "hobbit-neuron-bits.h"
 
 #include <cstdint>
 #include <cstdlib>

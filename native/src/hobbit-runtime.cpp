@@ -2,6 +2,7 @@
 
 #include "hobbit-error.h"
 #include "hobbit-neuron-reads.h"
+#include "hobbit-params.h"
 #include "hobbit-substitution.h"
 
 #include <fcntl.h>
@@ -49,6 +50,10 @@ std::vector<router_weights> load_routers(const llama_model * model, const std::v
 
 hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & path, const hobbit_params & params)
         : index(expert_index::from_file(path)), params(params), model(model) {
+    const std::string problem = params_problem(params); // hobbit_request_offload checked them too; other callers may not
+    if (!problem.empty()) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, problem);
+    }
     open_levels(path);
     const cache_policy_kind policy_kind = parse_policy();
     find_moe_layers(path);
@@ -82,9 +87,6 @@ void hobbit_runtime::open_levels(const std::string & path) {
     if (info.n_layer_moe == 0) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_NOT_MOE, path + ": the model has no routed experts (a dense model); nothing to offload");
     }
-    if (params.n_level < 1 || params.n_level > HOBBIT_MAX_LEVELS) {
-        throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "n_level must be 1.." + std::to_string(HOBBIT_MAX_LEVELS));
-    }
     n_level = params.n_level;
     if (params.level_paths[0] != nullptr && params.level_paths[0][0] != '\0') {
         high.emplace(expert_index::from_file(params.level_paths[0]));
@@ -105,21 +107,12 @@ void hobbit_runtime::open_levels(const std::string & path) {
     }
     thresholds = { n_level, params.t1, params.t_mid, params.t2, n_level > 1 ? params.prefill_low_share : 0.0f,
                    params.skip_cached };
-    if (params.hit_policy < HOBBIT_HIT_FOUND || params.hit_policy > HOBBIT_HIT_EXACT) {
-        throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "unknown hit policy " + std::to_string((int) params.hit_policy));
-    }
     // auto and balanced choose between loading a miss and computing it in place by timings they
     // measure (bandwidths, what the page cache holds), so what the pools hold differs from run to
     // run; with several precisions a hit is then served at its wanted precision only (as
     // HOBBIT_HIT_EXACT), so that what is served, and the logits, stay a function of the text
     if (n_level > 1 && (params.mode == HOBBIT_MODE_AUTO || params.mode == HOBBIT_MODE_BALANCED)) {
         params.hit_policy = HOBBIT_HIT_EXACT;
-    }
-    const bool ordered = 0.0f <= params.t1 && params.t1 <= params.t2 && params.t2 <= 1.0f &&
-                         (n_level < 3 || (params.t1 <= params.t_mid && params.t_mid <= params.t2));
-    if ((n_level > 1 || params.skip_cached) && !ordered) {
-        throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "thresholds must satisfy 0 <= t1 <= t_mid <= t2 <= 1 (t1 " +
-            std::to_string(params.t1) + ", t_mid " + std::to_string(params.t_mid) + ", t2 " + std::to_string(params.t2) + ")");
     }
 }
 
@@ -371,9 +364,6 @@ void hobbit_runtime::choose_executor() {
                          (params.mode == HOBBIT_MODE_COOPERATIVE ||
                           page_cache_holds_two_layers(layer_bytes, params.page_cache_room_bytes));
         any_inplace = any_inplace || inplace_ok[il];
-    }
-    if (params.mode < HOBBIT_MODE_GPU_CENTRIC || params.mode > HOBBIT_MODE_BALANCED) {
-        throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "unknown mode " + std::to_string((int) params.mode));
     }
     executor = executor_choice_make(index, params.mode, any_inplace, params.direct_io);
     if (model != nullptr) {

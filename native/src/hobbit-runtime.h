@@ -11,7 +11,7 @@
 #include "hobbit-expert-store.h"
 #include "hobbit-io-scheduler.h"
 #include "hobbit-mapping-guard.h"
-#include "hobbit-neuron-cache.h"
+#include "hobbit-neuron-bits.h"
 #include "hobbit-neuron-rows.h"
 #include "hobbit-pool-plan.h"
 #include "hobbit-precision-scorer.h"

@@ -8,7 +8,7 @@
 #include "hobbit-expert-store.h"
 #include "hobbit-io-scheduler.h"
 #include "hobbit-mapping-guard.h"
-#include "hobbit-neuron-cache.h"
+#include "hobbit-neuron-sim-cache.h"
 #include "hobbit-neuron-reads.h"
 #include "hobbit-neuron-rows.h"
 #include "hobbit-pool-plan.h"
@@ -812,14 +812,14 @@ static neuron_bits bits(int n, std::initializer_list<int> set) {
     return b;
 }
 
-static void test_neuron_cache() {
+static void test_neuron_sim_cache() {
     const int n = 10;  // neurons; one neuron of one projection is 4 bytes, a whole expert 120
     CHECK(neuron_bits(n, true).count() == 10 && neuron_bits(70, true).count() == 70);
     CHECK(bits(n, { 0, 1, 2, 5, 7, 8 }).runs() == 3);
-    neuron_cache c(2, 4, n, 4, 100, 0.75);
+    neuron_sim_cache c(2, 4, n, 4, 100, 0.75);
     c.begin_step();
     // a cold selection of 3 neurons reads them: 3 rows of W1 + 3 of W3 + 3 columns of W2
-    neuron_plan p = c.plan_access(0, 1, { bits(n, { 1, 2, 3 }), bits(n, { 1, 2, 3 }) });
+    neuron_sim_plan p = c.plan_access(0, 1, { bits(n, { 1, 2, 3 }), bits(n, { 1, 2, 3 }) });
     CHECK(!p.hit && !p.whole && p.read_bytes == 36 && p.n_requests == 3 && p.evict.empty());
     c.apply(p);
     CHECK(c.used_bytes() == 36);
@@ -843,16 +843,16 @@ static void test_neuron_cache() {
     c.apply(p);
     CHECK(c.used_bytes() == 120 && c.n_cached() == 1);
     // expert-granular: a limit of 0 reads every selection whole
-    neuron_cache whole(1, 4, n, 4, 1000, 0.0);
+    neuron_sim_cache whole(1, 4, n, 4, 1000, 0.0);
     whole.begin_step();
     CHECK(whole.plan_access(0, 0, { bits(n, { 1 }), bits(n, { 1 }) }).read_bytes == 120);
     // the replay: one layer, one expert, two tokens needing neurons {0,1} then {1,2}
     const int32_t experts[2] = { 3, 3 };
     const uint8_t need[4] = { 0x03, 0x00, 0x06, 0x00 };  // two bytes a selection for 10 neurons
     const neuron_sim_trace tr = { 2, 1, 4, 1, n, experts, need, need };
-    const neuron_sim_result r = neuron_cache_simulate(tr, 4, 1000, 0.75);
+    const neuron_sim_result r = neuron_sim_cache_simulate(tr, 4, 1000, 0.75);
     CHECK(r.accesses == 2 && r.bytes_read == (2 + 1) * 12 && r.hits == 0 && r.whole == 0 && r.requests == 6);
-    const neuron_sim_result lru = neuron_cache_simulate(tr, 4, 1000, 0.0);
+    const neuron_sim_result lru = neuron_sim_cache_simulate(tr, 4, 1000, 0.0);
     CHECK(lru.bytes_read == 120 && lru.hits == 1 && lru.whole == 2);
     printf("ok neuron cache\n");
 }
@@ -1078,7 +1078,7 @@ int main(int argc, char ** argv) {
     test_predicted_expert_counts();
     test_substitution();
     test_balance_misses();
-    test_neuron_cache();
+    test_neuron_sim_cache();
     test_neuron_reads(path);
     test_mapping_guard(dir);
     unlink(path.c_str());

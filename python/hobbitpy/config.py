@@ -59,9 +59,40 @@ PREFILL_ORDERS = ("popularity", "expert")
 # what a hit at another precision does (hobbit.h enum hobbit_hit_policy, in its order)
 HIT_POLICIES = tuple(_enum_names("hobbit_hit_policy", "HOBBIT_HIT_"))
 
-# the C API's defaults (hobbit_default_params, hobbit-api.cpp) are the one table of the
-# runtime's: OffloadConfig's fields that the runtime reads take theirs from it
+# the C API's defaults and ranges (hobbit_default_params, hobbit_param_ranges; hobbit-params.cpp)
+# are the one table of the runtime's: OffloadConfig's fields that the runtime reads take their
+# defaults from it and are checked by its ranges
 _C_DEFAULTS = lib.hobbit_default_params()
+
+
+@dataclass(frozen=True)
+class ParamRange:
+    """The range of one numeric field of hobbit_params, both ends included (inf: none)."""
+    min: float
+    max: float
+    integer: bool
+
+    def holds(self, x: float) -> bool:
+        return self.min <= x <= self.max and not math.isinf(x)  # NaN fails the comparisons
+
+    def text(self) -> str:
+        if math.isinf(self.min) and math.isinf(self.max):
+            return "finite"
+        low = f"{self.min:g}" if not self.integer else str(int(self.min))
+        if math.isinf(self.max):
+            return f"{low} or more"
+        high = f"{self.max:g}" if not self.integer else str(int(self.max))
+        return f"{low}..{high}" if self.integer else f"in [{low}, {high}]"
+
+
+def _param_ranges() -> dict[str, ParamRange]:
+    n = ffi.new("int32_t *")
+    table = lib.hobbit_param_ranges(n)
+    return {ffi.string(table[i].name).decode(): ParamRange(table[i].min, table[i].max, bool(table[i].integer))
+            for i in range(n[0])}
+
+
+PARAM_RANGES = _param_ranges()
 
 
 def _c_float(x: float) -> float:
@@ -78,10 +109,17 @@ NEURON_LIMIT_CORM = _c_float(_C_DEFAULTS.neuron_limit)
 DEFAULT_POLICY = next(name for name, value in _NATIVE_POLICY.items() if value == _C_DEFAULTS.policy)
 _WEIGHTS = _C_DEFAULTS.policy_weights
 DEFAULT_POLICY_WEIGHTS = tuple(_c_float(w) for w in (_WEIGHTS.lru, _WEIGHTS.lfu, _WEIGHTS.lhu, _WEIGHTS.fld))
-MAX_PREFETCH_LAYERS = 8
 PREFETCH_WIDTH_FATE = lib.HOBBIT_PREFETCH_WIDTH_FATE
-MAX_IO_THREADS = lib.HOBBIT_MAX_IO_THREADS
-MAX_CACHE_MB = 1 << 30  # a PiB: more is a typo, and its bytes would overflow the C API's int64
+MAX_CACHE_MB = PARAM_RANGES["budget_bytes"].max / MB
+
+# the options that set a ranged field of hobbit_params, and that field. The options in
+# NONE_IS_OFF are None when off, which the field spells below 0: given, they are 0 or more
+RANGED_OPTIONS = {"prefetch_layers": "prefetch_layers", "prefetch_width": "prefetch_width",
+                   "shallow_layers": "shallow_layers", "prefill_low_share": "prefill_low_share",
+                   "substitute_alpha": "substitute_alpha", "neurons": "neuron_threshold", "neuron_limit": "neuron_limit",
+                   "io_threads": "n_io_threads", "row_readers": "n_row_readers", "neuron_bridge": "neuron_bridge",
+                   "t1": "t1", "t_mid": "t_mid", "t2": "t2"}
+NONE_IS_OFF = ("shallow_layers", "neurons")
 
 
 @dataclass(frozen=True)
@@ -357,23 +395,17 @@ class OffloadConfig:
         if isinstance(self.level_shares, list):  # a profile's JSON list (the fate preset's split)
             object.__setattr__(self, "level_shares", tuple(self.level_shares))
         if self.cache_mb is not None and not 0 < self.cache_mb <= MAX_CACHE_MB:
-            raise ValueError(f"cache_mb must be positive and at most {MAX_CACHE_MB} MiB (a PiB), got {self.cache_mb}")
-        if not 1 <= self.io_threads <= MAX_IO_THREADS:
-            raise ValueError(f"io_threads must be 1..{MAX_IO_THREADS}, got {self.io_threads}")
-        if not 0 <= self.row_readers <= MAX_IO_THREADS:
-            raise ValueError(f"row_readers must be 0..{MAX_IO_THREADS}, got {self.row_readers}")
-        if self.neuron_bridge < 0:
-            raise ValueError(f"neuron_bridge must be 0 or more, got {self.neuron_bridge}")
-        if not 0 <= self.prefetch_layers <= MAX_PREFETCH_LAYERS:
-            raise ValueError(f"prefetch_layers must be 0..{MAX_PREFETCH_LAYERS}, got {self.prefetch_layers}")
-        if self.prefetch_width < PREFETCH_WIDTH_FATE:
-            raise ValueError(f"prefetch_width must be 0 (the model's k), a number of experts or {PREFETCH_WIDTH_FATE} "
-                             f"(Fate's rule), got {self.prefetch_width}")
-        if self.shallow_layers is not None:
-            if self.shallow_layers < 0:
-                raise ValueError(f"shallow_layers must be 0 or more, got {self.shallow_layers}")
-            if self.importance is not None:
-                raise ValueError("a pool per layer (shallow_layers) and experts placed by importance do not go together")
+            raise ValueError(f"cache_mb must be positive and at most {MAX_CACHE_MB:.0f} MiB (a PiB), got {self.cache_mb}")
+        for name, c_field in RANGED_OPTIONS.items():
+            value, allowed = getattr(self, name), PARAM_RANGES[c_field]
+            if value is None:
+                continue
+            if name in NONE_IS_OFF:
+                allowed = ParamRange(max(allowed.min, 0), allowed.max, allowed.integer)
+            if not allowed.holds(value):
+                raise ValueError(f"{name} must be {allowed.text()}, got {value}")
+        if self.shallow_layers is not None and self.importance is not None:
+            raise ValueError("a pool per layer (shallow_layers) and experts placed by importance do not go together")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown cache policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         w = self.policy_weights
@@ -381,17 +413,9 @@ class OffloadConfig:
             raise ValueError(f"policy_weights must be four non-negative weights (LRU, LFU, LHU, FLD) summing to 1, got {w}")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if not 0.0 <= self.substitute_alpha <= 1.0:  # NaN fails too
-            raise ValueError(f"substitute_alpha must be in [0, 1], got {self.substitute_alpha}")
-        if self.neurons is not None and not 0.0 <= self.neurons < math.inf:  # NaN fails too
-            raise ValueError(f"neurons (CORM's threshold) must be finite and non-negative, got {self.neurons}")
-        if not 0.0 <= self.neuron_limit <= 1.0:
-            raise ValueError(f"neuron_limit must be in [0, 1], got {self.neuron_limit}")
         if self.neuron_layout is not None and (self.neurons is None or self.high or self.mid or self.low):
             raise ValueError("a neuron layout (neuron_layout) needs a neuron threshold (neurons) and serves as the only "
                              "precision level (no high, mid or low)")
-        if not 0.0 <= self.prefill_low_share <= 1.0:  # NaN fails too
-            raise ValueError(f"prefill_low_share must be in [0, 1], got {self.prefill_low_share}")
         if self.prefill_low_share > 0.0 and self.n_level < 2:
             raise ValueError("a low-precision share of a prompt's experts (prefill_low_share) needs a low precision "
                              "level (low)")
@@ -401,8 +425,8 @@ class OffloadConfig:
             raise ValueError(f"unknown hit policy {self.hits!r}; choose one of {', '.join(HIT_POLICIES)}")
         if self.mid is not None and self.low is None:
             raise ValueError("a middle precision (mid) needs a low one (low) below it")
-        if not 0.0 <= self.t1 <= self.t2 <= 1.0:
-            raise ValueError(f"thresholds must satisfy 0 <= t1 <= t2 <= 1, got t1 {self.t1}, t2 {self.t2}")
+        if not self.t1 <= self.t2:
+            raise ValueError(f"thresholds must satisfy t1 <= t2, got t1 {self.t1}, t2 {self.t2}")
         if self.t_mid is not None and not self.t1 <= self.t_mid <= self.t2:
             raise ValueError(f"t_mid must lie between t1 and t2, got {self.t_mid}")
         if self.importance is not None:

@@ -1,6 +1,6 @@
 """`hobbitpy simulate TRACE --neurons THETA`: the bytes CORM's neuron cache reads per token,
 against an expert-granular cache of the same bytes, replayed by libhobbit's neuron cache
-(hobbit-neuron-cache.h) on the neuron sets a trace recorded with `trace --neurons`.
+(hobbit-neuron-sim-cache.h) on the neuron sets a trace recorded with `trace --neurons`.
 
 Which neurons a selection needs, by variant:
 

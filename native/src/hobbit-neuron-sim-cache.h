@@ -1,4 +1,5 @@
-// hobbit-neuron-cache.h - CORM's coarse-to-fine cache (CORM §3.5, Fig. 6): the expert
+// hobbit-neuron-sim-cache.h - CORM's coarse-to-fine cache (CORM §3.5, Fig. 6) as the simulator
+// models it (hobbit_simulate_neurons; the runtime's own neuron rows are hobbit-neuron-rows.h): the expert
 // cache holds, for each cached expert, a subset of its neurons. A neuron is a row of W1, a
 // row of W3 and a column of W2 (contiguous in a neuron-major layout); a selection needs a set
 // of them; a cached expert reads only the needed neurons it lacks and keeps the union; above
@@ -14,34 +15,18 @@
 // pinned: the layer computes with them.
 #pragma once
 
+#include "hobbit-neuron-bits.h"
+
 #include <cstdint>
 #include <unordered_map>
 #include <vector>
-
-struct neuron_bits {
-    std::vector<uint64_t> words;
-
-    explicit neuron_bits(int n_neuron = 0, bool all = false);
-    int  size() const { return n; }
-    bool test(int i) const { return (words[i >> 6] >> (i & 63)) & 1; }
-    void set(int i) { words[i >> 6] |= uint64_t(1) << (i & 63); }
-    void reset(int i) { words[i >> 6] &= ~(uint64_t(1) << (i & 63)); }
-    int  count() const;
-    // runs of consecutive set neurons: the read requests a coalescing reader issues
-    int  runs() const;
-
-    int n = 0;
-};
-
-neuron_bits minus(const neuron_bits & a, const neuron_bits & b); // a & ~b
-void        join(neuron_bits & into, const neuron_bits & b);    // into |= b
 
 struct neuron_need {
     neuron_bits w1;    // rows of W1 the selection computes with
     neuron_bits rest;  // rows of W3 and columns of W2
 };
 
-struct neuron_plan {
+struct neuron_sim_plan {
     int     layer = -1, expert = -1;
     bool    hit   = false;   // the expert was cached (with some neurons)
     bool    whole = false;   // over the limit: the whole expert is read
@@ -51,15 +36,15 @@ struct neuron_plan {
     std::vector<int64_t> evict;         // keys (layer * n_expert + expert) of the victims, least recent first
 };
 
-class neuron_cache {
+class neuron_sim_cache {
 public:
     // neuron_bytes: one neuron of one projection (a row of W1); limit: the share of neurons
     // over which a whole expert is read (CORM: 0.75; 0 = always whole, expert-granular)
-    neuron_cache(int n_layer, int n_expert, int n_neuron, int64_t neuron_bytes, int64_t budget_bytes, double limit);
+    neuron_sim_cache(int n_layer, int n_expert, int n_neuron, int64_t neuron_bytes, int64_t budget_bytes, double limit);
 
     void begin_step();  // a new (token, layer): what the previous one used may go
-    neuron_plan plan_access(int layer, int expert, const neuron_need & need) const;
-    void apply(const neuron_plan & plan);
+    neuron_sim_plan plan_access(int layer, int expert, const neuron_need & need) const;
+    void apply(const neuron_sim_plan & plan);
 
     int64_t used_bytes() const { return used; }
     int64_t budget() const { return budget_bytes; }

@@ -1,66 +1,27 @@
-#include "hobbit-neuron-cache.h"
+#include "hobbit-neuron-sim-cache.h"
 
 #include <algorithm>
 #include <stdexcept>
 
-neuron_bits::neuron_bits(int n_neuron, bool all) : words((n_neuron + 63) / 64, all ? ~uint64_t(0) : 0), n(n_neuron) {
-    if (all && n_neuron % 64 != 0) {
-        words.back() = (uint64_t(1) << (n_neuron % 64)) - 1;
-    }
-}
-
-int neuron_bits::count() const {
-    int c = 0;
-    for (uint64_t w : words) {
-        c += __builtin_popcountll(w);
-    }
-    return c;
-}
-
-int neuron_bits::runs() const {
-    int r = 0;
-    bool prev = false;
-    for (int i = 0; i < n; ++i) {
-        const bool b = test(i);
-        r += b && !prev;
-        prev = b;
-    }
-    return r;
-}
-
-neuron_bits minus(const neuron_bits & a, const neuron_bits & b) {
-    neuron_bits out(a.n);
-    for (size_t i = 0; i < a.words.size(); ++i) {
-        out.words[i] = a.words[i] & ~b.words[i];
-    }
-    return out;
-}
-
-void join(neuron_bits & into, const neuron_bits & b) {
-    for (size_t i = 0; i < into.words.size(); ++i) {
-        into.words[i] |= b.words[i];
-    }
-}
-
-neuron_cache::neuron_cache(int n_layer, int n_expert, int n_neuron, int64_t neuron_bytes, int64_t budget_bytes,
-                           double limit)
+neuron_sim_cache::neuron_sim_cache(int n_layer, int n_expert, int n_neuron, int64_t neuron_bytes, int64_t budget_bytes,
+                                   double limit)
         : n_layer(n_layer), n_expert(n_expert), n_neuron(n_neuron), neuron_bytes(neuron_bytes),
           budget_bytes(budget_bytes), limit(limit) {
     if (n_layer < 1 || n_expert < 1 || n_neuron < 1 || neuron_bytes < 1 || !(limit >= 0.0 && limit <= 1.0)) {
-        throw std::invalid_argument("neuron_cache: bad shape or limit");
+        throw std::invalid_argument("neuron_sim_cache: bad shape or limit");
     }
 }
 
-int64_t neuron_cache::bytes_of(const neuron_bits & w1, const neuron_bits & rest) const {
+int64_t neuron_sim_cache::bytes_of(const neuron_bits & w1, const neuron_bits & rest) const {
     return ((int64_t) w1.count() + 2 * (int64_t) rest.count()) * neuron_bytes;
 }
 
-void neuron_cache::begin_step() {
+void neuron_sim_cache::begin_step() {
     step++;
 }
 
-neuron_plan neuron_cache::plan_access(int layer, int expert, const neuron_need & need) const {
-    neuron_plan p;
+neuron_sim_plan neuron_sim_cache::plan_access(int layer, int expert, const neuron_need & need) const {
+    neuron_sim_plan p;
     p.layer = layer;
     p.expert = expert;
     const int64_t key = (int64_t) layer * n_expert + expert;
@@ -102,7 +63,7 @@ neuron_plan neuron_cache::plan_access(int layer, int expert, const neuron_need &
     return p;
 }
 
-void neuron_cache::apply(const neuron_plan & p) {
+void neuron_sim_cache::apply(const neuron_sim_plan & p) {
     for (int64_t k : p.evict) {
         const entry & e = entries.at(k);
         used -= bytes_of(e.w1, e.rest);
