@@ -6,7 +6,7 @@
 # on an emulated Cortex-A76 (Armv8.2 with dot product and FP16, the class of a Jetson AGX
 # Orin's Cortex-A78AE: ggml loads its armv8.2_2 variant) and Cortex-A53 (Armv8.0: the
 # baseline variant). The cross compiler and qemu-user are installed first where missing
-# (Debian packages; needs root). tests/test_aarch64.py runs it.
+# (Debian packages; needs root). tests/package/test_aarch64.py runs it.
 #   scripts/check-aarch64.sh [DIST]     (the aarch64 wheels are left in DIST, default dist/)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"

@@ -36,4 +36,4 @@ grep -q "^hobbitpy: no usable CUDA GPU (" "$work/run.err" || { echo "check-cuda-
 
 echo "== the suite against the wheel"
 env -u PYTHONPATH -u LLAMA_CPP_LIB_PATH "$py" -m pytest -q -p no:cacheprovider "$root/tests" \
-    --ignore "$root/tests/test_wheel.py" --ignore "$root/tests/test_aarch64.py"
+    --ignore "$root/tests/package/test_wheel.py" --ignore "$root/tests/package/test_aarch64.py"

@@ -11,11 +11,11 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 build=${1:-$root/build/sanitize}
 shift || true
 tests=("$@")
-[ ${#tests[@]} -gt 0 ] || tests=(tests/test_exactness.py tests/test_bad_input.py tests/test_mixed_precision.py
-                                 tests/test_cooperative.py tests/test_placement.py tests/test_api.py tests/test_native.py
-                                 tests/test_shallow_layers.py tests/test_overlap.py tests/test_substitution.py
-                                 tests/test_fiddler.py tests/test_beam_search.py tests/test_fuzz_gguf.py
-                                 tests/test_serve.py tests/test_neuron_reads.py)
+[ ${#tests[@]} -gt 0 ] || tests=(tests/runtime/test_exactness.py tests/files/test_bad_input.py tests/offload/test_mixed_precision.py
+                                 tests/offload/test_cooperative.py tests/offload/test_placement.py tests/runtime/test_api.py tests/package/test_native.py
+                                 tests/offload/test_shallow_layers.py tests/offload/test_overlap.py tests/offload/test_substitution.py
+                                 tests/offload/test_fiddler.py tests/runtime/test_beam_search.py tests/files/test_fuzz_gguf.py
+                                 tests/commands/test_serve.py tests/offload/test_neuron_reads.py)
 flags="-fsanitize=address,undefined,float-cast-overflow -fno-sanitize-recover=all -fno-omit-frame-pointer -g -O1"
 
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHOBBITPY_PORTABLE=OFF -DGGML_NATIVE=ON \

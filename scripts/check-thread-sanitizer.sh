@@ -13,16 +13,16 @@ build=${1:-$root/build/tsan}
 shift || true
 tests=("$@")
 # a decode under TSan is 10-30x slower: a few tests of each threaded path, not whole files (the
-# executables of tests/test_native.py run below without Python: the shell one of them starts
+# executables of tests/package/test_native.py run below without Python: the shell one of them starts
 # crashes with libtsan preloaded, in its setjmp interceptor)
 [ ${#tests[@]} -gt 0 ] || tests=(
-    tests/test_overlap.py::test_prefetch_completes_while_compute_runs
-    tests/test_overlap.py::test_adaptive_prefetch_is_exact_and_accounts_for_its_guesses
-    tests/test_overlap.py::test_mixed_precision_prefetch_is_exact_with_identical_levels
-    tests/test_neuron_reads.py::test_theta_zero_reads_every_neuron_and_computes_the_experts
-    tests/test_neuron_reads.py::test_neurons_read_cost_what_the_exact_pricing_says_and_read_fewer_bytes
-    tests/test_cooperative.py::test_cooperative_with_prefetch_and_mixed_precision
-    "tests/test_mixed_precision.py::test_the_same_text_gives_the_same_logits_whatever_the_disks_timing[cooperative-upgrade]")
+    tests/offload/test_overlap.py::test_prefetch_completes_while_compute_runs
+    tests/offload/test_overlap.py::test_adaptive_prefetch_is_exact_and_accounts_for_its_guesses
+    tests/offload/test_overlap.py::test_mixed_precision_prefetch_is_exact_with_identical_levels
+    tests/offload/test_neuron_reads.py::test_theta_zero_reads_every_neuron_and_computes_the_experts
+    tests/offload/test_neuron_reads.py::test_neurons_read_cost_what_the_exact_pricing_says_and_read_fewer_bytes
+    tests/offload/test_cooperative.py::test_cooperative_with_prefetch_and_mixed_precision
+    "tests/offload/test_mixed_precision.py::test_the_same_text_gives_the_same_logits_whatever_the_disks_timing[cooperative-upgrade]")
 flags="-fsanitize=thread -fno-omit-frame-pointer -g -O1"
 # GCC instruments the resolver of a target_clones function, which the loader runs while it
 # relocates, before TSan is initialized (a SIGSEGV before main): the attribute is renamed into

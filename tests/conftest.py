@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 
+import gguf
 import numpy as np
 import pytest
 
@@ -14,6 +15,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import hobbitpy  # noqa: E402  (sets LLAMA_CPP_LIB_PATH before llama_cpp loads)
 from hobbitpy._native import DATA_DIR  # noqa: E402
+from hobbitpy.gguf_fields import field_value  # noqa: E402
 from hobbitpy.synthetic_moe import make_synthetic_moe  # noqa: E402
 from hobbitpy.trace_file import Trace  # noqa: E402
 
@@ -112,3 +114,45 @@ def default_signals() -> None:
     children), and one started with nohup SIGHUP ignored."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+# budgets as a function of the model: the minimum (one token's top-k: prefill runs
+# mostly in place), one slot more, half the experts, every expert
+BUDGETS = {
+    "min": lambda info: info.min_budget_bytes,
+    "min+1": lambda info: info.min_budget_bytes + info.expert_bytes,
+    "half": lambda info: info.expert_bytes_total // 2,
+    "all": lambda info: info.expert_bytes_total,
+}
+
+
+EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_up_exps.weight")
+
+
+def identical_companion(model: pathlib.Path, out: pathlib.Path, *, drop: str | None = None) -> pathlib.Path:
+    """An expert-only GGUF with the model's metadata and byte copies of its expert
+    tensors (minus the tensor named drop, to make a broken one)."""
+    if out.exists():
+        return out
+    reader = gguf.GGUFReader(model)
+    arch = field_value(reader.fields["general.architecture"])[0].decode()
+    writer = gguf.GGUFWriter(out, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value, vtype, sub = field_value(field)
+        writer.add_key_value(name, value, vtype, sub)
+    for t in reader.tensors:
+        if t.name.endswith(EXPERT_SUFFIXES) and t.name != drop:
+            # t.data of a quantized tensor is its bytes, shaped [..., bytes per row]
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=gguf.GGMLQuantizationType(t.tensor_type))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def assert_bit_equal(scores, ref_scores):
+    assert scores.shape == ref_scores.shape
+    assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))

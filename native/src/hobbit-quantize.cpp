@@ -6,7 +6,7 @@
 // scalar code: about 10-20 M values/s per core here, 25 minutes for a 30B MoE's experts on
 // two cores. The same search done for the 16 sub-blocks of a 256-value super-block at once,
 // one sub-block per vector lane, is the same arithmetic in the same order per sub-block, so
-// every block comes out identical (tests/test_prepare.py compares them), and the compiler
+// every block comes out identical (tests/files/test_prepare.py compares them), and the compiler
 // turns each step into a few vector instructions: 8 sub-blocks a register with AVX2, 4 with
 // SSE2 or NEON. The file is built with -ffp-contract=off (native/CMakeLists.txt): ggml-base's
 // portable x86-64 build fuses no multiply-add, and a fused one rounds differently. (Where

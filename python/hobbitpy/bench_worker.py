@@ -66,7 +66,7 @@ def run(spec: dict) -> dict:
         # stock llama.cpp at the ubatch hobbitpy's planner gives the same file under this cap, as a
         # user would pass -ub: its default (the whole batch) allocates a compute buffer a tight cap
         # cannot hold (200 MB for a 512-token prompt of the inflated ref-mixtral). Stock's logits do
-        # not depend on the ubatch (tests/test_memory.py).
+        # not depend on the ubatch (tests/runtime/test_memory.py).
         n_ubatch = fit_ubatch(inspect_model(spec["model"]), shape, OffloadConfig())
     llm = Llama(spec["model"], offload=offload, n_ctx=shape.n_ctx, n_batch=shape.n_batch, n_ubatch=n_ubatch,
                 n_seq_max=beams, n_threads=spec["threads"], verbose=False, repack=spec.get("repack", True))

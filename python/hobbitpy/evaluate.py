@@ -42,7 +42,7 @@ class EvalResult:
 
 # the reference's ubatch: its compute buffer grows with it (256 tokens of ref-mixtral's took
 # 100 MB, more than a 185 MB cap left), and stock's logits do not depend on it
-# (tests/test_memory.py)
+# (tests/runtime/test_memory.py)
 REFERENCE_UBATCH = 64
 
 

@@ -17,7 +17,7 @@ from .errors import BudgetError
 from .model_file import ModelInfo
 
 # what the estimate of a context's buffers cannot see: thread stacks and pools, the I/O
-# threads' bounce buffers, allocator slack (measured: tests/test_memory.py)
+# threads' bounce buffers, allocator slack (measured: tests/runtime/test_memory.py)
 SLACK_BYTES = 24 * MB
 # ... and what no estimate should be trusted with: the mapped non-expert weights every token
 # reads stay in the page cache only while nothing crowds them out, and a working set a few
@@ -69,7 +69,7 @@ class ContextSizes:
 
 def context_sizes(info: ModelInfo, shape: ContextShape) -> ContextSizes:
     """The buffers a context of this shape allocates for the model, from its hyperparameters
-    (as llama.cpp sizes them; tests/test_memory.py checks the estimate against llama.cpp's own
+    (as llama.cpp sizes them; tests/runtime/test_memory.py checks the estimate against llama.cpp's own
     figures for every test architecture)."""
     n_ctx = shape.n_ctx or info.n_ctx_train or 512
     n_ctx_kv = -(-n_ctx // 256) * 256  # llama.cpp pads the KV cache
@@ -206,7 +206,7 @@ def fit_ubatch(info: ModelInfo, shape: ContextShape, config: OffloadConfig, leve
     whole batch unless the experts are offloaded with a budget derived from the memory and do
     not all fit; then the widest power of two whose compute buffer takes at most COMPUTE_SHARE
     of the memory left for it and the experts (at least MIN_UBATCH). Stock llama.cpp's logits
-    do not depend on the ubatch (tests/test_memory.py), so neither do hobbitpy's."""
+    do not depend on the ubatch (tests/runtime/test_memory.py), so neither do hobbitpy's."""
     n_batch = min(shape.n_batch, shape.n_ctx or info.n_ctx_train or 512)
     full = min(shape.n_ubatch or n_batch, n_batch)
     if shape.n_ubatch is not None or not config.enabled or config.budget_bytes is not None or not info.is_moe:

@@ -23,7 +23,7 @@ from hobbitpy.trace import read_prompts, record_trace
 
 from conftest import MB, run_logits
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 MODEL = REPO / "models" / "ref-mixtral-Q8_0.gguf"
 PROMPTS = REPO / "models" / "trace-prompts.txt"
 

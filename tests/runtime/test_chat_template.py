@@ -15,7 +15,7 @@ import pytest
 import hobbitpy
 from hobbitpy.chat_template import RENDER_SECONDS
 
-from test_serve import MODEL, _get, _post, _start, _still_answers, _stop
+from serving import MODEL, http_get, http_post, start_server, still_answers, stop_server
 
 TEMPLATES = {
     "loops": "{% for a in range(100000) %}{% for b in range(100000) %}{{ '' }}{% endfor %}{% endfor %}",
@@ -62,16 +62,16 @@ def test_run_chat_says_it_in_one_line(folder, name):
 
 
 def test_the_server_answers_a_400_and_goes_on_serving(folder):
-    proc, base = _start(model=with_template(folder, "loops"))
+    proc, base = start_server(model=with_template(folder, "loops"))
     try:
         start = time.monotonic()
-        status, answer = _post(base + "/v1/chat/completions", json.dumps({"messages": MESSAGES, "max_tokens": 2}).encode())
+        status, answer = http_post(base + "/v1/chat/completions", json.dumps({"messages": MESSAGES, "max_tokens": 2}).encode())
         assert status == 400 and SAYS["loops"] in answer["error"]["message"], answer
         assert time.monotonic() - start < RENDER_SECONDS + 10
-        assert json.loads(_get(base + "/health")[1])["status"] == "ok"
-        _still_answers(base)
+        assert json.loads(http_get(base + "/health")[1])["status"] == "ok"
+        still_answers(base)
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 # (Jinja's ** groups from the left, hence the parentheses)

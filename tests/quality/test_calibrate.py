@@ -16,7 +16,7 @@ from hobbitpy.cli import main
 from hobbitpy.prepare import prepare_companion
 from hobbitpy.profile import load_profile, profile_path
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 MODEL = REPO / "models" / "ref-mixtral-Q8_0.gguf"
 TEXT = REPO / "models" / "trace-prompts.txt"
 

@@ -16,7 +16,7 @@ import tomllib
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 

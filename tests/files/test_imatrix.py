@@ -23,7 +23,7 @@ from hobbitpy.prepare import prepare_companion
 
 from conftest import MB, hobbitpy_cli
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 MODEL = REPO / "models" / "ref-mixtral-Q8_0.gguf"
 PROMPTS = REPO / "models" / "trace-prompts.txt"
 WINDOW = 128

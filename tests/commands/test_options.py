@@ -21,7 +21,7 @@ from hobbitpy.llama import OFFLOAD_KEYWORDS
 from hobbitpy.memory import ROW_READ_BYTES
 from hobbitpy.profile import PROFILE_SETTINGS
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_docs_options_page_is_the_table():

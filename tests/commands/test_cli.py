@@ -70,7 +70,7 @@ def test_plan_for_a_model_larger_than_memory():
 
 
 def test_a_split_model_is_planned_as_one():
-    # its parts' experts together (tests/test_split.py runs one): offloaded as any model
+    # its parts' experts together (tests/runtime/test_split.py runs one): offloaded as any model
     info = hobbitpy.ModelInfo(path="big-00001-of-00003.gguf", arch="llama", n_layer=2, n_layer_moe=2, n_expert=8,
                               n_expert_used=2, n_embd=64, expert_bytes=MB, expert_bytes_total=16 * MB,
                               min_budget_bytes=2 * MB, file_bytes=20 * MB, uniform=True, n_split=3)

@@ -77,7 +77,7 @@ def test_prefetch_never_reads_an_expert_twice_when_all_fit(model_dir):
 
 
 def test_mixed_precision_prefetch_is_exact_with_identical_levels(model_dir):
-    from test_mixed_precision import identical_companion
+    from conftest import identical_companion
 
     path = tiny_model(model_dir, "llama", n_layer=6)
     low = identical_companion(path, model_dir / f"{path.stem}.copy.gguf")

@@ -127,7 +127,7 @@ def test_shipped_models_chat_in_the_format_they_were_trained_on():
     create_chat_completion uses it instead of falling back to llama-2's with a warning."""
     import pathlib
 
-    models = pathlib.Path(__file__).resolve().parents[1] / "models"
+    models = pathlib.Path(__file__).resolve().parents[2] / "models"
     for name in ("ref-mixtral-Q8_0.gguf", "ref-deepseek-Q8_0.gguf", "ref-deepseek-F16.gguf"):
         llm = hobbitpy.Llama(models / name, cache_mb=8, n_ctx=256, verbose=False, n_threads=2)
         try:

@@ -8,16 +8,7 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from conftest import ARCHES, MB, reference, run_logits, tiny_model
-
-# budgets as a function of the model: the minimum (one token's top-k: prefill runs
-# mostly in place), one slot more, half the experts, every expert
-BUDGETS = {
-    "min": lambda info: info.min_budget_bytes,
-    "min+1": lambda info: info.min_budget_bytes + info.expert_bytes,
-    "half": lambda info: info.expert_bytes_total // 2,
-    "all": lambda info: info.expert_bytes_total,
-}
+from conftest import ARCHES, BUDGETS, MB, reference, run_logits, tiny_model
 
 # these tests check the pool path: every missed expert is loaded (the cooperative and auto
 # modes, which may compute it in place instead, have their own tests in test_cooperative.py)

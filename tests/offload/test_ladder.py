@@ -14,7 +14,7 @@ import pytest
 import hobbitpy
 from conftest import ARCHES, MB, run_logits, tiny_model
 from hobbitpy.quants import make_uniform_quant
-from test_mixed_precision import EXPERT_SUFFIXES, assert_bit_equal, identical_companion, reference
+from conftest import EXPERT_SUFFIXES, assert_bit_equal, identical_companion, reference
 
 
 def with_garbage_experts(model: pathlib.Path, out: pathlib.Path) -> pathlib.Path:

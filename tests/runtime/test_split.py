@@ -20,7 +20,7 @@ from hobbitpy.prepare import EXPERT_SUFFIXES, prepare_companion
 
 from conftest import MB, run_logits
 
-MODEL = pathlib.Path(__file__).resolve().parent.parent / "models" / "ref-mixtral-Q8_0.gguf"
+MODEL = pathlib.Path(__file__).resolve().parents[2] / "models" / "ref-mixtral-Q8_0.gguf"
 N_PARTS = 3
 
 

@@ -12,7 +12,7 @@ import hobbitpy
 from hobbitpy.cli import main as cli_main
 from conftest import ARCHES, EVAL_TEXT, MB, evaluate_text, run_logits, tiny_model
 
-from test_exactness import BUDGETS, reference
+from conftest import BUDGETS, reference
 
 
 @pytest.mark.parametrize("budget", ["min", "half", "all"])

@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # minutes: run by `python -m pytest -m slow` (and CI)
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_aarch64_build_under_qemu_equals_stock(tmp_path):

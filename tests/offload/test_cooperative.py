@@ -53,7 +53,7 @@ def test_balanced_splits_misses_both_ways(model_dir, arch):
 
 
 def test_cooperative_with_prefetch_and_mixed_precision(model_dir):
-    from test_mixed_precision import identical_companion
+    from conftest import identical_companion
 
     path = tiny_model(model_dir, "llama", n_layer=6)
     low = identical_companion(path, model_dir / f"{path.stem}.copy.gguf")

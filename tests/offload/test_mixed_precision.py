@@ -7,46 +7,12 @@ selection, because each pass adds exact zero rows for the pairs it does not serv
 
 from __future__ import annotations
 
-import pathlib
-
-import gguf
 import numpy as np
 import pytest
 
 import hobbitpy
-from conftest import ARCHES, CONTINUATION, MB, PROMPT, reference, run_logits, tiny_model
-from hobbitpy.gguf_fields import field_value
-
-EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_up_exps.weight")
-
-
-def identical_companion(model: pathlib.Path, out: pathlib.Path, *, drop: str | None = None) -> pathlib.Path:
-    """An expert-only GGUF with the model's metadata and byte copies of its expert
-    tensors (minus the tensor named drop, to make a broken one)."""
-    if out.exists():
-        return out
-    reader = gguf.GGUFReader(model)
-    arch = field_value(reader.fields["general.architecture"])[0].decode()
-    writer = gguf.GGUFWriter(out, arch)
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        value, vtype, sub = field_value(field)
-        writer.add_key_value(name, value, vtype, sub)
-    for t in reader.tensors:
-        if t.name.endswith(EXPERT_SUFFIXES) and t.name != drop:
-            # t.data of a quantized tensor is its bytes, shaped [..., bytes per row]
-            writer.add_tensor(t.name, np.array(t.data), raw_dtype=gguf.GGMLQuantizationType(t.tensor_type))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
-
-
-def assert_bit_equal(scores, ref_scores):
-    assert scores.shape == ref_scores.shape
-    assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
+from conftest import (ARCHES, CONTINUATION, MB, PROMPT, assert_bit_equal, identical_companion, reference, run_logits,
+                      tiny_model)
 
 
 @pytest.mark.parametrize("arch", ARCHES)

@@ -26,7 +26,7 @@ from hobbitpy.companions import default_companion_path
 from conftest import MB
 
 PROMPT = "Once upon a time, in a quiet village by the sea"
-MODEL = pathlib.Path(__file__).resolve().parents[1] / "models" / "ref-mixtral-Q8_0.gguf"
+MODEL = pathlib.Path(__file__).resolve().parents[2] / "models" / "ref-mixtral-Q8_0.gguf"
 
 
 def _info(n_layer=4, n_expert=8, n_embd=256, n_ff=1024, bytes_per_weight=34 / 32) -> hobbitpy.ModelInfo:

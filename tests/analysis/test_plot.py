@@ -16,7 +16,7 @@ from hobbitpy.trace_plot import hit_ratio_curves, reuse_distances, selection_sha
 
 from conftest import hand_trace
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 MODEL = REPO / "models" / "ref-mixtral-Q8_0.gguf"
 
 

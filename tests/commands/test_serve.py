@@ -11,85 +11,29 @@ import pathlib
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
 import gguf
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-MODEL = REPO / "models" / "ref-mixtral-Q8_0.gguf"
-PROMPT = "In the beginning God created"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str) -> tuple[int, str]:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.status, r.read().decode()
-
-
-def _metrics(base: str) -> dict[str, float]:
-    _, text = _get(base + "/metrics")
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = sample.name + "".join(f"{{{k}={v}}}" for k, v in sorted(sample.labels.items()))
-            out[key] = sample.value
-    return out
-
-
-def _start(*flags: str, model: pathlib.Path = MODEL):
-    """A server of the shipped model (or `model`) on a free port: its process and base URL,
-    once /health answers."""
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "hobbitpy", "serve", str(model), "--cache-mb", "8", "--port", str(port),
-                             "--threads", "2", "--alias", "ref-mixtral", *flags], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited ({proc.returncode}): {proc.stderr.read()[-2000:]}")
-        try:
-            if _get(base + "/health")[0] == 200:
-                break
-        except OSError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            pytest.fail("the server did not answer /health within 120 s")
-        time.sleep(0.3)
-    return proc, base
-
-
-def _stop(proc) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+from serving import (MODEL, PROMPT, REPO, announce_an_oversized_body, http_get, http_post, metrics_of, start_server,
+                    still_answers, stop_server)
 
 
 @pytest.fixture(scope="module")
 def server():
-    proc, base = _start()
+    proc, base = start_server()
     yield base
-    _stop(proc)
+    stop_server(proc)
 
 
 def test_completion_matches_run_and_is_offloaded(server):
-    status, body = _get(server + "/health")
+    status, body = http_get(server + "/health")
     health = json.loads(body)
     assert status == 200 and health["status"] == "ok" and health["offloaded"] is True
-    before = _metrics(server)
+    before = metrics_of(server)
     assert before["hobbitpy_expert_cache_budget_bytes"] == 8 * 1024 * 1024
 
     client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
@@ -107,7 +51,7 @@ def test_completion_matches_run_and_is_offloaded(server):
     assert run.returncode == 0, run.stderr
     assert run.stdout.rstrip("\n") == text
 
-    after = _metrics(server)
+    after = metrics_of(server)
     assert after["hobbitpy_expert_misses_total"] > 0 and after["hobbitpy_read_bytes_total"] > 0
     assert after["hobbitpy_generated_tokens_total"] > before.get("hobbitpy_generated_tokens_total", 0)
     assert after["hobbitpy_prompt_tokens_total"] > before.get("hobbitpy_prompt_tokens_total", 0)
@@ -117,61 +61,31 @@ def test_completion_matches_run_and_is_offloaded(server):
 
 def test_streamed_chat(server):
     client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
-    before = _metrics(server)
+    before = metrics_of(server)
     stream = client.chat.completions.create(model="ref-mixtral", messages=[{"role": "user", "content": "Who was Noah?"}],
                                             max_tokens=12, temperature=0, stream=True)
     pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
     assert len(pieces) > 1 and "".join(pieces).strip()
-    after = _metrics(server)
+    after = metrics_of(server)
     assert after["hobbitpy_generated_tokens_total"] > before["hobbitpy_generated_tokens_total"]
     assert after["hobbitpy_expert_hits_total"] + after["hobbitpy_expert_misses_total"] > \
         before["hobbitpy_expert_hits_total"] + before["hobbitpy_expert_misses_total"]
 
 
-def _post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
-def _still_answers(server: str) -> str:
-    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
-    r = client.completions.create(model="ref-mixtral", prompt=PROMPT, max_tokens=4, temperature=0)
-    assert r.choices[0].text
-    return r.choices[0].text
-
-
 def test_a_bad_grammar_or_an_oversized_body_is_refused_and_the_server_stays_up(server):
     # a grammar llama.cpp cannot parse: llama-cpp-python used the sampler it did not get (SIGSEGV)
-    status, body = _post(server + "/v1/completions",
+    status, body = http_post(server + "/v1/completions",
                          json.dumps({"prompt": "x", "max_tokens": 2, "grammar": "root ::= ("}).encode())
     assert status == 400 and "grammar" in body["error"]["message"], body
     # a good one still works
-    status, body = _post(server + "/v1/completions",
+    status, body = http_post(server + "/v1/completions",
                          json.dumps({"prompt": "x", "max_tokens": 2, "grammar": 'root ::= "yes" | "no"'}).encode())
     assert status == 200 and body["choices"][0]["text"] in ("yes", "no", "y", "n", "ye"), body
     # a body over the limit (a 50 MB prompt held 3 GB): refused on its announced length, before
     # a byte of it is read (the client never sends it here)
-    status, message = _announce_an_oversized_body(server)
+    status, message = announce_an_oversized_body(server)
     assert status == 413 and "bytes" in message
-    _still_answers(server)
-
-
-def _announce_an_oversized_body(base: str) -> tuple[int, str]:
-    host, port = base.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=30)
-    connection.putrequest("POST", "/v1/completions")
-    connection.putheader("Content-Type", "application/json")
-    connection.putheader("Content-Length", str(5 * 1024 * 1024))
-    connection.endheaders()
-    response = connection.getresponse()
-    try:
-        return response.status, json.loads(response.read())["error"]["message"]
-    finally:
-        connection.close()
+    still_answers(server)
 
 
 def test_concurrent_streams_take_turns_and_every_one_ends_with_a_reason(server):
@@ -204,20 +118,20 @@ def test_closed_to_web_pages_and_health_names_no_file(server):
     except urllib.error.HTTPError as e:
         headers = {k.lower() for k in e.headers.keys()}
     assert "access-control-allow-origin" not in headers
-    _, body = _get(server + "/health")
+    _, body = http_get(server + "/health")
     assert str(MODEL.parent) not in body and json.loads(body)["model"] == "ref-mixtral"
 
 
 def test_with_a_key_every_route_but_a_bare_health_needs_it(tmp_path):
     key = tmp_path / "key"
     key.write_text("s3cret-key\n")
-    proc, base = _start("--api-key-file", str(key))
+    proc, base = start_server("--api-key-file", str(key))
     try:
         for path in ("/metrics", "/docs", "/openapi.json", "/v1/models"):
             with pytest.raises(urllib.error.HTTPError) as refused:
-                _get(base + path)
+                http_get(base + path)
             assert refused.value.code == 401, path
-        assert json.loads(_get(base + "/health")[1]) == {"status": "ok"}  # up or not, nothing more
+        assert json.loads(http_get(base + "/health")[1]) == {"status": "ok"}  # up or not, nothing more
         request = urllib.request.Request(base + "/metrics", headers={"Authorization": "Bearer s3cret-key"})
         with urllib.request.urlopen(request, timeout=10) as r:
             assert r.status == 200 and b"hobbitpy_expert_cache_budget_bytes" in r.read()
@@ -226,7 +140,7 @@ def test_with_a_key_every_route_but_a_bare_health_needs_it(tmp_path):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base + "/v1", api_key="wrong").models.list()
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 BAD_REQUESTS = [  # path, body, what the 400's message says (llama-cpp-python: a 500 with the server's paths, or silence)
@@ -249,7 +163,7 @@ BAD_REQUESTS = [  # path, body, what the 400's message says (llama-cpp-python: a
 
 @pytest.mark.parametrize("path, body, why", BAD_REQUESTS)
 def test_a_bad_request_is_a_400_that_says_what_is_wrong_and_names_no_file(server, path, body, why):
-    status, answer = _post(server + path, body)
+    status, answer = http_post(server + path, body)
     assert status == 400, answer
     message = answer["error"]["message"]
     assert why in message, message
@@ -258,8 +172,8 @@ def test_a_bad_request_is_a_400_that_says_what_is_wrong_and_names_no_file(server
 
 def test_bad_requests_leave_the_server_answering(server):
     for path, body, _ in BAD_REQUESTS:
-        _post(server + path, body)
-    _still_answers(server)
+        http_post(server + path, body)
+    still_answers(server)
 
 
 def test_a_failed_expert_read_is_a_503_and_the_server_recovers_with_its_file(tmp_path):
@@ -271,24 +185,24 @@ def test_a_failed_expert_read_is_a_503_and_the_server_recovers_with_its_file(tmp
     reader = gguf.GGUFReader(model)
     expert_start = min(int(t.data_offset) for t in reader.tensors if "_exps." in t.name)
     del reader
-    proc, base = _start(model=model)
+    proc, base = start_server(model=model)
     try:
-        before = _still_answers(base)
+        before = still_answers(base)
         whole = model.read_bytes()
         os.truncate(model, expert_start)  # the same file, cut: what a running process reads from
-        status, answer = _post(base + "/v1/completions", json.dumps(
+        status, answer = http_post(base + "/v1/completions", json.dumps(
             {"prompt": "And the earth was without form", "max_tokens": 24, "temperature": 0}).encode())
         assert status == 503, answer
         assert "could not be read" in answer["error"]["message"] and str(tmp_path) not in json.dumps(answer)
         with pytest.raises(urllib.error.HTTPError) as unhealthy:
-            _get(base + "/health")
+            http_get(base + "/health")
         assert unhealthy.value.code == 503 and json.loads(unhealthy.value.read())["status"] == "error"
         with open(model, "r+b") as f:  # whole again, in place
             f.write(whole)
-        assert _still_answers(base) == before
-        assert json.loads(_get(base + "/health")[1])["status"] == "ok"
+        assert still_answers(base) == before
+        assert json.loads(http_get(base + "/health")[1])["status"] == "ok"
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 def _rss_and_fds(pid: int) -> tuple[int, int]:
@@ -317,18 +231,18 @@ def test_rounds_of_abuse_leave_the_server_answering_alike_in_bounded_memory_and_
     neither its memory nor its open files grow."""
     import concurrent.futures
 
-    proc, base = _start()
+    proc, base = start_server()
     try:
-        first = _still_answers(base)
+        first = still_answers(base)
 
         def one_round():
             for path, body, _ in BAD_REQUESTS:
-                status, _ = _post(base + path, body)
+                status, _ = http_post(base + path, body)
                 assert status == 400
-            status, _ = _post(base + "/v1/completions",
+            status, _ = http_post(base + "/v1/completions",
                               json.dumps({"prompt": "x", "max_tokens": 2, "grammar": "root ::= ("}).encode())
             assert status == 400
-            assert _announce_an_oversized_body(base)[0] == 413
+            assert announce_an_oversized_body(base)[0] == 413
             _abandon_a_stream(base)
             client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -336,7 +250,7 @@ def test_rounds_of_abuse_leave_the_server_answering_alike_in_bounded_memory_and_
                     model="ref-mixtral", prompt=PROMPT, max_tokens=6, temperature=0, stream=True))[-1].choices[0].finish_reason,
                     range(4)))
             assert all(reason in ("length", "stop") for reason in reasons), reasons
-            assert _still_answers(base) == first
+            assert still_answers(base) == first
 
         one_round()
         rss, fds = _rss_and_fds(proc.pid)
@@ -347,4 +261,4 @@ def test_rounds_of_abuse_leave_the_server_answering_alike_in_bounded_memory_and_
         assert fds_after <= fds + 1, (fds, fds_after)  # (a keep-alive connection may still be open)
         assert proc.poll() is None
     finally:
-        _stop(proc)
+        stop_server(proc)

@@ -91,7 +91,7 @@ def _fate_with_low_copies(path, low, share: float, **kw) -> OffloadConfig:
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_a_prompt_serves_its_least_popular_experts_from_the_low_level_and_decode_never(model_dir, arch):
-    from test_mixed_precision import identical_companion
+    from conftest import identical_companion
 
     # the low level holds byte copies of the experts: which level serves what is seen in the
     # counters while the logits stay stock's (the plumbing checked exactly)
@@ -125,7 +125,7 @@ def test_a_prompt_serves_its_least_popular_experts_from_the_low_level_and_decode
 
 @pytest.mark.parametrize("share", [0.0, 0.3])
 def test_a_prompt_wider_than_the_high_pools_runs_in_waves_with_exact_hits(model_dir, share):
-    from test_mixed_precision import identical_companion
+    from conftest import identical_companion
 
     # repacked Q4_K experts never run in place: a prompt wider than a layer's slots runs in
     # waves, counted on every level's slots; with hits "exact" and every selection wanting the

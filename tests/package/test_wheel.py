@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # minutes: run by `python -m pytest -m slow` (and CI)
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # the oldest Python pyproject.toml allows, and the newest released when it was written
 PYTHONS = ["3.10", "3.13"]
 

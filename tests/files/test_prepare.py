@@ -23,7 +23,7 @@ from hobbitpy.synthetic_moe import make_synthetic_moe
 
 from conftest import default_signals
 
-MODELS = pathlib.Path(__file__).resolve().parent.parent / "models"
+MODELS = pathlib.Path(__file__).resolve().parents[2] / "models"
 DEEPSEEK_Q8 = MODELS / "ref-deepseek-Q8_0.gguf"
 DEEPSEEK_F16 = MODELS / "ref-deepseek-F16.gguf"
 MIXTRAL_Q8 = MODELS / "ref-mixtral-Q8_0.gguf"

@@ -16,7 +16,7 @@ from hobbitpy.cli import main as cli_main
 from hobbitpy.prepare import prepare_companion
 from conftest import EVAL_TEXT, MB, evaluate_text, run_logits, tiny_model
 
-from test_exactness import reference
+from conftest import reference
 
 
 def _layout(model_dir, path):
