@@ -67,13 +67,14 @@ def rows_as_float(raw: np.ndarray, type_id: int, n_per_row: int) -> np.ndarray:
     return out
 
 
-def quantize_rows(values: np.ndarray, type_id: int) -> np.ndarray:
+def quantize_rows(values: np.ndarray, type_id: int, importance: np.ndarray | None = None) -> np.ndarray:
     """float32 [rows, n_per_row] as rows of bytes of this type, by ggml's own quantizer (what
-    llama-quantize writes without an importance matrix)."""
+    llama-quantize writes; importance: a weight per column, as an importance matrix gives,
+    which the lowest-bit types require)."""
     values = np.ascontiguousarray(values, np.float32)
     rows, n_per_row = values.shape
     out = np.empty((rows, lib.ggml_row_size(type_id, n_per_row)), np.uint8)
+    weights = ffi.NULL if importance is None else ffi.from_buffer("float[]", np.ascontiguousarray(importance, np.float32))
     lib.ggml_quantize_init(type_id)
-    lib.ggml_quantize_chunk(type_id, ffi.from_buffer("float[]", values), ffi.from_buffer(out), 0, rows, n_per_row,
-                            ffi.NULL)
+    lib.ggml_quantize_chunk(type_id, ffi.from_buffer("float[]", values), ffi.from_buffer(out), 0, rows, n_per_row, weights)
     return out

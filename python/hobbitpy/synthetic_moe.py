@@ -36,11 +36,15 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QT
 
+from . import _ggml
 from .gguf_fields import field_value
 
 ARCHES = ("llama", "qwen2moe", "gpt-oss")
+# the expert types the tests run at one precision against stock: those of the published
+# quants (k-quants, the IQ family of the "dynamic" quants, gpt-oss's MXFP4, the BF16
+# originals), those the CPU repacks (Q4_0, Q4_K, IQ4_NL), and Q8_0
+EXPERT_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ3_S", "IQ4_XS", "IQ4_NL", "MXFP4", "BF16", "F16")
 
-QK_K = 256  # super-block size of the k-quants (Q4_K etc.)
 
 
 # --------------------------------------------------------------------------
@@ -67,58 +71,10 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, vocab_gguf) -> int:
 # quantization
 # --------------------------------------------------------------------------
 
-def _quantize_q4_k(x: np.ndarray) -> np.ndarray:
-    """Plain numpy Q4_K quantizer (gguf 0.19's gguf.quants.quantize raises
-    NotImplementedError for Q4_K; it can only dequantize it).
-
-    Not the optimal search ggml uses, just a straight min/max fit, but the
-    byte layout is exactly block_q4_K (checked against gguf.quants.dequantize):
-        d (f16) | dmin (f16) | scales[12] (6-bit sc/min packed) | qs[128]
-    value = d*sc[j]*q - dmin*m[j], q in 0..15, 8 sub-blocks of 32 values.
-    """
-    rows_shape = x.shape[:-1]
-    if x.shape[-1] % QK_K:
-        raise ValueError(f"Q4_K needs the row length to be a multiple of {QK_K}, got {x.shape[-1]}")
-    blocks = x.astype(np.float32).reshape(-1, 8, 32)            # (nb, sub, 32)
-    nb = blocks.shape[0]
-
-    mn = np.minimum(blocks.min(axis=-1), 0.0)                    # min <= 0, so m >= 0
-    mx = blocks.max(axis=-1)
-    sub_scale = (mx - mn) / 15.0                                 # per sub-block step
-    sub_min = -mn                                                # per sub-block offset
-
-    d = sub_scale.max(axis=-1) / 63.0                            # super-block scales (6-bit)
-    dmin = sub_min.max(axis=-1) / 63.0
-    d = d.astype(np.float16).astype(np.float32)                  # what the decoder will see
-    dmin = dmin.astype(np.float16).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.where(d[:, None] > 0, np.rint(sub_scale / d[:, None]), 0).clip(0, 63).astype(np.uint8)
-        m = np.where(dmin[:, None] > 0, np.rint(sub_min / dmin[:, None]), 0).clip(0, 63).astype(np.uint8)
-        step = d[:, None] * sc                                   # effective (nb, 8)
-        off = dmin[:, None] * m
-        q = np.where(step[..., None] > 0,
-                     np.rint((blocks + off[..., None]) / step[..., None]), 0)
-    q = q.clip(0, 15).astype(np.uint8)                           # (nb, 8, 32)
-
-    # 6-bit scale/min packing (see Q4_K.get_scale_min in gguf/quants.py)
-    scales = np.zeros((nb, 12), dtype=np.uint8)
-    scales[:, 0:4] = (sc[:, 0:4] & 0x3F) | ((sc[:, 4:8] >> 4) << 6)
-    scales[:, 4:8] = (m[:, 0:4] & 0x3F) | ((m[:, 4:8] >> 4) << 6)
-    scales[:, 8:12] = (sc[:, 4:8] & 0x0F) | ((m[:, 4:8] & 0x0F) << 4)
-
-    # nibbles: byte k of 32-byte group g holds sub-block 2g (low) and 2g+1 (high)
-    q = q.reshape(nb, 4, 2, 32)
-    qs = (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(nb, 128)
-
-    out = np.concatenate([
-        d.astype(np.float16).view(np.uint8).reshape(nb, 2),
-        dmin.astype(np.float16).view(np.uint8).reshape(nb, 2),
-        scales, qs], axis=1)
-    return out.reshape(*rows_shape, -1)
-
-
 def _encode(x: np.ndarray, type_name: str) -> tuple[np.ndarray, QT | None]:
-    """Convert a float32 tensor to (array, raw_dtype) for GGUFWriter.add_tensor."""
+    """Convert a float32 tensor to (array, raw_dtype) for GGUFWriter.add_tensor: any ggml
+    type, quantized by ggml's own quantizer (the types that need an importance matrix get
+    a uniform one)."""
     if type_name == "F32":
         return x.astype(np.float32), None
     if type_name == "F16":
@@ -128,9 +84,10 @@ def _encode(x: np.ndarray, type_name: str) -> tuple[np.ndarray, QT | None]:
     if x.shape[-1] % block:
         raise ValueError(f"{type_name} needs the row length to be a multiple of {block}, "
                          f"got {x.shape[-1]} (tensor shape {x.shape})")
-    if qtype == QT.Q4_K:
-        return _quantize_q4_k(x), qtype
-    return gguf.quants.quantize(x.astype(np.float32), qtype), qtype
+    n_per_row = x.shape[-1]
+    importance = np.ones(n_per_row, np.float32) if _ggml.lib.ggml_quantize_requires_imatrix(int(qtype)) else None
+    rows = _ggml.quantize_rows(x.reshape(-1, n_per_row), int(qtype), importance)
+    return rows.reshape(*x.shape[:-1], rows.shape[-1]), qtype
 
 
 _FILE_TYPE = {
@@ -139,6 +96,12 @@ _FILE_TYPE = {
     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
     "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_S,   # descriptive only
+    "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_S,
+    "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
+    "BF16": gguf.LlamaFileType.MOSTLY_BF16,
+    "IQ2_XXS": gguf.LlamaFileType.MOSTLY_IQ2_XXS,
+    "IQ3_S": gguf.LlamaFileType.MOSTLY_IQ3_S,
+    "IQ4_XS": gguf.LlamaFileType.MOSTLY_IQ4_XS,
     "MXFP4": gguf.LlamaFileType.MOSTLY_MXFP4_MOE,
 }
 
@@ -149,7 +112,7 @@ _FILE_TYPE = {
 
 def make_synthetic_moe(path, arch="llama", *, vocab_gguf=None, n_layer=4, n_expert=8, n_expert_used=2,
                   n_embd=128, n_ff=256, n_ff_shared=256, n_head=4, n_head_kv=2,
-                  expert_type="Q8_0", down_type_odd_layers=None, seed=0, n_ctx_train=512,
+                  expert_type="Q8_0", down_type_odd_layers=None, layer_types=None, seed=0, n_ctx_train=512,
                   zero_output=False) -> pathlib.Path:
     """Write a random MoE GGUF to `path` and return it as a Path (defaults: tiny).
 
@@ -158,9 +121,10 @@ def make_synthetic_moe(path, arch="llama", *, vocab_gguf=None, n_layer=4, n_expe
     given, is the type of ffn_down_exps on odd layers, so expert shapes and types
     differ between layers as in llama.cpp's mixed quants (Q4_K_M keeps some down
     projections in Q6_K).  expert_type is the
-    ggml type of ffn_{gate,up,down}_exps.weight: "F32", "F16", "Q8_0",
-    "Q4_0", "MXFP4" (anything gguf.quants.quantize handles) or "Q4_K"
-    (own quantizer; needs n_embd and n_ff to be multiples of 256).
+    ggml type of ffn_{gate,up,down}_exps.weight: any type ggml quantizes (EXPERT_TYPES
+    lists those the tests run; the k-quants and IQ types need n_embd and n_ff to be
+    multiples of 256), quantized by ggml's own quantizer.  layer_types, if given, is the
+    expert type of each layer in turn (cycled), as the "dynamic" quants mix them.
     zero_output writes an all-zero output matrix: every logit is exactly 0, so the
     next-token distribution is uniform and the perplexity of any text is n_vocab (a
     known answer for testing evaluation code).
@@ -262,9 +226,10 @@ def make_synthetic_moe(path, arch="llama", *, vocab_gguf=None, n_layer=4, n_expe
             add(p + "ffn_gate_inp.bias", normal(n_expert, std=0.1))
 
         # routed experts, stacked numpy (n_expert, n_out, n_in) == ggml {n_in, n_out, n_expert}
-        add_expert(p + "ffn_gate_exps.weight", normal(n_expert, n_ff, n_embd, std=1.0 / np.sqrt(n_embd)), expert_type)
-        add_expert(p + "ffn_up_exps.weight", normal(n_expert, n_ff, n_embd, std=1.0 / np.sqrt(n_embd)), expert_type)
-        down_type = down_type_odd_layers if (down_type_odd_layers and i % 2 == 1) else expert_type
+        layer_type = layer_types[i % len(layer_types)] if layer_types else expert_type
+        add_expert(p + "ffn_gate_exps.weight", normal(n_expert, n_ff, n_embd, std=1.0 / np.sqrt(n_embd)), layer_type)
+        add_expert(p + "ffn_up_exps.weight", normal(n_expert, n_ff, n_embd, std=1.0 / np.sqrt(n_embd)), layer_type)
+        down_type = down_type_odd_layers if (down_type_odd_layers and i % 2 == 1) else layer_type
         add_expert(p + "ffn_down_exps.weight", normal(n_expert, n_embd, n_ff, std=1.0 / np.sqrt(n_ff)), down_type)
         if arch == "gpt-oss":
             # per-expert biases: ggml {n_out, n_expert} == numpy (n_expert, n_out)
