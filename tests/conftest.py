@@ -16,11 +16,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import hobbitpy  # noqa: E402  (sets LLAMA_CPP_LIB_PATH before llama_cpp loads)
 from hobbitpy._native import DATA_DIR  # noqa: E402
 from hobbitpy.gguf_fields import field_value  # noqa: E402
-from hobbitpy.synthetic_moe import make_synthetic_moe  # noqa: E402
+from hobbitpy.synthetic_moe import FEATURE_ARCHES, make_synthetic_moe  # noqa: E402
 from hobbitpy.trace_file import Trace  # noqa: E402
 
 VOCAB = DATA_DIR / "ggml-vocab-llama-spm.gguf"
-ARCHES = ["llama", "qwen2moe", "gpt-oss"]
+# the architectures every feature's tests run on; the others have their exactness test
+# (tests/runtime/test_architectures.py)
+ARCHES = list(FEATURE_ARCHES)
 MB = 1024 * 1024
 
 # a short text to score (eval's windows of 32 tokens)
@@ -64,6 +66,20 @@ def run_logits(path, offload: hobbitpy.OffloadConfig, *, n_threads: int = 2):
         llm.reset()
         text = llm.create_completion(PROMPT, max_tokens=16, temperature=0.0)["choices"][0]["text"]
         return scores, text, stats, llm.model_info
+    finally:
+        llm.close()
+
+
+def prompt_logits(path, offload: hobbitpy.OffloadConfig, *, n_decode: int = 6):
+    """run_logits' first part alone, for the tests that sweep many models: the logits of the
+    prompt as one batch and of n_decode single-token steps, and the cache statistics."""
+    llm = hobbitpy.Llama(path, offload=offload, n_ctx=128, n_batch=128, logits_all=True, verbose=False, n_threads=2,
+                         n_threads_batch=2)
+    try:
+        llm.eval(llm.tokenize(PROMPT.encode()))
+        for t in llm.tokenize(CONTINUATION.encode(), add_bos=False)[:n_decode]:
+            llm.eval([t])
+        return np.array(llm.scores[: llm.n_tokens], dtype=np.float32, copy=True), llm.offload_stats()
     finally:
         llm.close()
 

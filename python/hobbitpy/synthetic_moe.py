@@ -4,17 +4,9 @@
 and runs, so tests can compare hobbitpy's expert offloading against the reference
 without downloading real weights, and benchmarks can use models of real size.
 
-Supported `arch` values (all checked against llama.cpp's src/models/*.cpp):
-
-* "llama"    -- Mixtral layout: routed experts only, softmax router, SiLU.
-                Expert width comes from `llama.feed_forward_length`.
-                n_expert=0 makes a dense model (for the "dense model" paths).
-* "qwen2moe" -- routed experts + one shared expert gated by a sigmoid of
-                `ffn_gate_inp_shexp` (a 1-D [n_embd] weight).
-* "gpt-oss"  -- (llama.cpp arch name for OpenAI's gpt-oss, LLM_ARCH_OPENAI_MOE)
-                per-expert biases (ffn_*_exps.bias), a router bias, attention
-                sinks, attn_output.bias, post-attention norm, and sliding-window
-                attention on every other layer.
+Supported `arch` values: ARCH_LAYOUTS, each as llama.cpp's loader reads it (its keys and
+tensors, src/models/<arch>.cpp) with the routing a model of it uses; docs/MODELS.md lists
+them. "llama" with n_expert=0 makes a dense model (for the "dense model" paths).
 
 Weights are random but deterministic given `seed`, and scaled so activations
 stay O(1): linear weights ~ N(0, 1/fan_in), norms = 1.  The router has std 1.0
@@ -30,6 +22,7 @@ CLI:  python scripts/make_synthetic_moe.py OUT.gguf --arch llama --n-layer 16 --
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 import pathlib
 
 import numpy as np
@@ -39,7 +32,62 @@ from gguf import GGMLQuantizationType as QT
 from . import _ggml
 from .gguf_fields import field_value
 
-ARCHES = ("llama", "qwen2moe", "gpt-oss")
+@dataclass(frozen=True)
+class ArchLayout:
+    """How an architecture's file differs from the llama (Mixtral) layout, as llama.cpp's
+    src/models/<arch>.cpp loads it, and the routing its metadata asks for."""
+    qk_norm: str | None = None       # "head": a [head_dim] norm of q and k; "full": over the whole projection
+    mha: bool = False                # keys and values have as many heads as queries (the norm or the shapes need it)
+    norm_biases: bool = False        # every norm, attn_output and the output have a bias (phimoe)
+    ffn_norm: str = "ffn_norm"       # the FFN's pre-norm: post_attention_norm in glm4moe and gpt-oss
+    fused_qkv: bool = False          # one attn_qkv tensor (bailingmoe2 needs it)
+    mla: bool = False                # DeepSeek's multi-head latent attention
+    dense_lead: int = 0              # leading layers with a dense FFN ({arch}.leading_dense_block_count)
+    moe_every: int = 0               # only every n-th layer has experts ({arch}.interleave_moe_layer_step), the rest dense
+    shared: str | None = None        # a shared expert: "plain" (added) or "sigmoid" (gated by ffn_gate_inp_shexp)
+    shared_count: bool = False       # the shared width is {arch}.expert_shared_count experts of the routed width
+    probs_bias: bool = False         # exp_probs_b: a bias on the router's scores for the selection only
+    gating: int | None = None        # {arch}.expert_gating_func: 1 softmax, 2 sigmoid
+    weights_norm: bool | None = None # {arch}.expert_weights_norm
+    weights_scale: float | None = None  # {arch}.expert_weights_scale
+    groups: tuple[int, int] | None = None  # {arch}.expert_group_count and _used_count: group-limited selection
+    extra: tuple = ()                # other keys the loader requires: (name, value) pairs (floats and ints)
+
+
+# Supported architectures: the loader's keys and tensors of each, and the routing of a
+# model that uses it (DeepSeek-V3's sigmoid scores with a bias and expert groups, GLM-4.5's,
+# dots.llm1's and Ling-2's sigmoid with a bias, Llama 4's interleaved layers whose router
+# weights scale each expert's input). Checked against the pinned llama.cpp's src/models/*.cpp.
+ARCH_LAYOUTS = {
+    "llama": ArchLayout(),
+    "qwen2moe": ArchLayout(shared="sigmoid"),
+    "gpt-oss": ArchLayout(ffn_norm="post_attention_norm"),
+    "qwen3moe": ArchLayout(qk_norm="head"),
+    "olmoe": ArchLayout(qk_norm="full", mha=True),
+    "granitemoe": ArchLayout(shared="plain", extra=(("logit_scale", 1.0),)),
+    "phimoe": ArchLayout(norm_biases=True),
+    "deepseek2": ArchLayout(mla=True, dense_lead=1, shared="plain", shared_count=True, probs_bias=True, gating=2,
+                            weights_norm=True, weights_scale=2.5, groups=(4, 2)),
+    "glm4moe": ArchLayout(ffn_norm="post_attention_norm", dense_lead=1, shared="plain", shared_count=True,
+                          probs_bias=True, gating=2, weights_norm=True, weights_scale=2.5),
+    "llama4": ArchLayout(moe_every=2, shared="plain"),
+    "ernie4_5-moe": ArchLayout(dense_lead=1, moe_every=1, shared="plain", probs_bias=True),
+    "hunyuan-moe": ArchLayout(qk_norm="head", shared="plain"),
+    "dots1": ArchLayout(qk_norm="head", mha=True, dense_lead=1, shared="plain", shared_count=True, probs_bias=True,
+                        gating=2, weights_norm=True, weights_scale=2.5),
+    "bailingmoe": ArchLayout(shared="plain", shared_count=True, weights_norm=True, weights_scale=1.0),
+    "bailingmoe2": ArchLayout(qk_norm="head", fused_qkv=True, dense_lead=1, shared="plain", shared_count=True,
+                              probs_bias=True, gating=2, weights_norm=True, weights_scale=2.5, groups=(4, 2)),
+    "minimax-m2": ArchLayout(qk_norm="full", probs_bias=True, gating=2),
+}
+ARCHES = tuple(ARCH_LAYOUTS)
+# the architectures every feature's tests run on (routed experts only; a gated shared expert;
+# biases and sinks); the others have their exactness test
+FEATURE_ARCHES = ("llama", "qwen2moe", "gpt-oss")
+# MLA's dimensions (DeepSeek-V2/V3's shape, small): no-rope and rope parts of a query and key
+# head, a value head, the compressed key-value width
+MLA_QK_NOPE, MLA_QK_ROPE, MLA_V, MLA_KV_LORA = 32, 16, 32, 64
+
 # the expert types the tests run at one precision against stock: those of the published
 # quants (k-quants, the IQ family of the "dynamic" quants, gpt-oss's MXFP4, the BF16
 # originals), those the CPU repacks (Q4_0, Q4_K, IQ4_NL), and Q8_0
@@ -131,12 +179,19 @@ def make_synthetic_moe(path, arch="llama", *, vocab_gguf=None, n_layer=4, n_expe
     """
     if arch not in ARCHES:
         raise ValueError(f"arch must be one of {ARCHES}, got {arch!r}")
+    lay = ARCH_LAYOUTS[arch]
+    if lay.mha:
+        n_head_kv = n_head
+    if lay.mla:
+        n_head_kv = 1
     if n_embd % n_head or n_head % n_head_kv:
         raise ValueError("n_embd must divide by n_head and n_head by n_head_kv")
     if n_expert == 0 and arch != "llama":
         raise ValueError("a dense model (n_expert=0) is only made for arch 'llama'")
     if n_expert and not 0 < n_expert_used <= n_expert:
         raise ValueError("need 0 < n_expert_used <= n_expert")
+    if lay.groups and (n_expert % lay.groups[0] or lay.groups[1] * n_expert // lay.groups[0] < n_expert_used):
+        raise ValueError(f"{arch}'s expert groups {lay.groups} need n_expert divisible by {lay.groups[0]} and enough experts")
 
     if vocab_gguf is None:
         from ._native import DATA_DIR
@@ -154,6 +209,11 @@ def make_synthetic_moe(path, arch="llama", *, vocab_gguf=None, n_layer=4, n_expe
         # numpy shape is ggml's ne reversed: ggml {n_in, n_out} == numpy (n_out, n_in)
         return normal(n_out, n_in, std=1.0 / np.sqrt(n_in))
 
+    def has_experts(i: int) -> bool:
+        if not n_expert or i < lay.dense_lead:
+            return False
+        return lay.moe_every <= 1 or (i + 1) % lay.moe_every == 0
+
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}-moe")
 
@@ -162,20 +222,49 @@ def make_synthetic_moe(path, arch="llama", *, vocab_gguf=None, n_layer=4, n_expe
     w.add_context_length(n_ctx_train)
     w.add_embedding_length(n_embd)
     w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)      # llama: this IS the expert width
+    w.add_feed_forward_length(n_ff)      # llama and some others: this IS the expert width (dense layers' too)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head_kv)
-    w.add_rope_dimension_count(head_dim)
+    if lay.mla:
+        # MLA as converted models store it: keys of the compressed width plus the rope part, one KV head
+        w.add_key_length(MLA_KV_LORA + MLA_QK_ROPE)
+        w.add_value_length(MLA_KV_LORA)
+        w.add_uint32(f"{arch}.attention.key_length_mla", MLA_QK_NOPE + MLA_QK_ROPE)
+        w.add_uint32(f"{arch}.attention.value_length_mla", MLA_V)
+        w.add_uint32(f"{arch}.attention.q_lora_rank", 0)  # a plain attn_q, as in V2-Lite
+        w.add_uint32(f"{arch}.attention.kv_lora_rank", MLA_KV_LORA)
+        w.add_rope_dimension_count(MLA_QK_ROPE)
+    else:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)       # required by all three arches
+    w.add_layer_norm_rms_eps(1e-5)
     if n_expert:
         w.add_expert_count(n_expert)
         w.add_expert_used_count(n_expert_used)
-    if arch in ("qwen2moe", "gpt-oss"):
-        # gpt-oss: required; qwen2moe: optional but otherwise n_ff/n_expert_used
+    if arch != "llama":
+        # required by most (some size their experts by feed_forward_length, which is the same)
         w.add_expert_feed_forward_length(n_ff)
-    if arch == "qwen2moe":
+    if lay.shared and lay.shared_count:
+        w.add_uint32(f"{arch}.expert_shared_count", 1)
+    elif lay.shared:
         w.add_expert_shared_feed_forward_length(n_ff_shared)
+    if lay.dense_lead:
+        w.add_uint32(f"{arch}.leading_dense_block_count", lay.dense_lead)
+    if lay.moe_every:
+        w.add_uint32(f"{arch}.interleave_moe_layer_step", lay.moe_every)
+    if lay.gating is not None:
+        w.add_uint32(f"{arch}.expert_gating_func", lay.gating)
+    if lay.weights_norm is not None:
+        w.add_bool(f"{arch}.expert_weights_norm", lay.weights_norm)
+    if lay.weights_scale is not None:
+        w.add_float32(f"{arch}.expert_weights_scale", lay.weights_scale)
+    if lay.groups:
+        w.add_uint32(f"{arch}.expert_group_count", lay.groups[0])
+        w.add_uint32(f"{arch}.expert_group_used_count", lay.groups[1])
+    for key, value in lay.extra:
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
     if arch == "gpt-oss":
         # required (get_key without default); every 2nd layer uses SWA
         w.add_sliding_window(128)
@@ -191,6 +280,11 @@ def make_synthetic_moe(path, arch="llama", *, vocab_gguf=None, n_layer=4, n_expe
         data, raw = _encode(arr, type_name)
         w.add_tensor(name, data, raw_dtype=raw)
 
+    def add_norm(name, width):
+        add(name + ".weight", np.ones(width, np.float32))
+        if lay.norm_biases:
+            add(name + ".bias", np.zeros(width, np.float32))
+
     # routed experts go last in the file, so a test can cut into expert data alone
     # (the rest stays mapped and intact) to provoke a read error mid-run
     deferred = []
@@ -202,19 +296,36 @@ def make_synthetic_moe(path, arch="llama", *, vocab_gguf=None, n_layer=4, n_expe
 
     for i in range(n_layer):
         p = f"blk.{i}."
-        add(p + "attn_norm.weight", np.ones(n_embd, np.float32))
-        add(p + "attn_q.weight", linear(n_head * head_dim, n_embd), "F16")
-        add(p + "attn_k.weight", linear(n_embd_kv, n_embd), "F16")
-        add(p + "attn_v.weight", linear(n_embd_kv, n_embd), "F16")
-        add(p + "attn_output.weight", linear(n_embd, n_head * head_dim), "F16")
-        if arch == "gpt-oss":
-            add(p + "attn_output.bias", normal(n_embd, std=0.02))
-            add(p + "attn_sinks.weight", normal(n_head, std=0.5))
-            add(p + "post_attention_norm.weight", np.ones(n_embd, np.float32))
+        add_norm(p + "attn_norm", n_embd)
+        if lay.mla:
+            k_mla = MLA_QK_NOPE + MLA_QK_ROPE
+            add(p + "attn_q.weight", linear(n_head * k_mla, n_embd), "F16")
+            add(p + "attn_kv_a_mqa.weight", linear(MLA_KV_LORA + MLA_QK_ROPE, n_embd), "F16")
+            add(p + "attn_kv_a_norm.weight", np.ones(MLA_KV_LORA, np.float32))
+            add(p + "attn_k_b.weight", normal(n_head, MLA_KV_LORA, MLA_QK_NOPE, std=1.0 / np.sqrt(MLA_QK_NOPE)), "F16")
+            add(p + "attn_v_b.weight", normal(n_head, MLA_V, MLA_KV_LORA, std=1.0 / np.sqrt(MLA_KV_LORA)), "F16")
+            add(p + "attn_output.weight", linear(n_embd, n_head * MLA_V), "F16")
         else:
-            add(p + "ffn_norm.weight", np.ones(n_embd, np.float32))
+            if lay.fused_qkv:
+                add(p + "attn_qkv.weight", linear(n_head * head_dim + 2 * n_embd_kv, n_embd), "F16")
+            else:
+                add(p + "attn_q.weight", linear(n_head * head_dim, n_embd), "F16")
+                add(p + "attn_k.weight", linear(n_embd_kv, n_embd), "F16")
+                add(p + "attn_v.weight", linear(n_embd_kv, n_embd), "F16")
+            add(p + "attn_output.weight", linear(n_embd, n_head * head_dim), "F16")
+            if lay.qk_norm == "head":
+                add(p + "attn_q_norm.weight", np.ones(head_dim, np.float32))
+                add(p + "attn_k_norm.weight", np.ones(head_dim, np.float32))
+            elif lay.qk_norm == "full":
+                add(p + "attn_q_norm.weight", np.ones(n_head * head_dim, np.float32))
+                add(p + "attn_k_norm.weight", np.ones(n_embd_kv, np.float32))
+        if arch == "gpt-oss" or lay.norm_biases:
+            add(p + "attn_output.bias", normal(n_embd, std=0.02))
+        if arch == "gpt-oss":
+            add(p + "attn_sinks.weight", normal(n_head, std=0.5))
+        add_norm(p + lay.ffn_norm, n_embd)
 
-        if n_expert == 0:
+        if not has_experts(i):
             add(p + "ffn_gate.weight", linear(n_ff, n_embd), "F16")
             add(p + "ffn_up.weight", linear(n_ff, n_embd), "F16")
             add(p + "ffn_down.weight", linear(n_embd, n_ff), "F16")
@@ -224,6 +335,8 @@ def make_synthetic_moe(path, arch="llama", *, vocab_gguf=None, n_layer=4, n_expe
         add(p + "ffn_gate_inp.weight", normal(n_expert, n_embd, std=1.0))
         if arch == "gpt-oss":
             add(p + "ffn_gate_inp.bias", normal(n_expert, std=0.1))
+        if lay.probs_bias:
+            add(p + "exp_probs_b.bias", normal(n_expert, std=0.1))
 
         # routed experts, stacked numpy (n_expert, n_out, n_in) == ggml {n_in, n_out, n_expert}
         layer_type = layer_types[i % len(layer_types)] if layer_types else expert_type
@@ -237,18 +350,22 @@ def make_synthetic_moe(path, arch="llama", *, vocab_gguf=None, n_layer=4, n_expe
             add(p + "ffn_up_exps.bias", normal(n_expert, n_ff, std=0.1))
             add(p + "ffn_down_exps.bias", normal(n_expert, n_embd, std=0.1))
 
-        if arch == "qwen2moe":
-            # shared expert; ffn_gate_inp_shexp is 1-D {n_embd}: one sigmoid gate per token
-            add(p + "ffn_gate_inp_shexp.weight", normal(n_embd, std=1.0 / np.sqrt(n_embd)))
-            add(p + "ffn_gate_shexp.weight", linear(n_ff_shared, n_embd), "F16")
-            add(p + "ffn_up_shexp.weight", linear(n_ff_shared, n_embd), "F16")
-            add(p + "ffn_down_shexp.weight", linear(n_embd, n_ff_shared), "F16")
+        if lay.shared:
+            width = n_ff if lay.shared_count or arch == "llama4" else n_ff_shared
+            if lay.shared == "sigmoid":
+                # ffn_gate_inp_shexp is 1-D {n_embd}: one sigmoid gate per token
+                add(p + "ffn_gate_inp_shexp.weight", normal(n_embd, std=1.0 / np.sqrt(n_embd)))
+            add(p + "ffn_gate_shexp.weight", linear(width, n_embd), "F16")
+            add(p + "ffn_up_shexp.weight", linear(width, n_embd), "F16")
+            add(p + "ffn_down_shexp.weight", linear(n_embd, width), "F16")
 
-    add("output_norm.weight", np.ones(n_embd, np.float32))
+    add_norm("output_norm", n_embd)
     # untied, independent output matrix: with output == token_embd the greedy
     # argmax tends to repeat the input token forever
     out = linear(n_vocab, n_embd)
     add("output.weight", np.zeros_like(out) if zero_output else out, "F16")
+    if lay.norm_biases:
+        add("output.bias", np.zeros(n_vocab, np.float32))
     for name, arr, type_name in deferred:
         add(name, arr, type_name)
 

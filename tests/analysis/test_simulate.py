@@ -73,6 +73,26 @@ def test_simulated_substitution_serves_misses_from_the_cache(model_dir):
     assert simulate(t, budget, "belady", substitute_alpha=0.3).substituted == 0
 
 
+def test_a_trace_records_the_selection_of_sigmoid_grouped_biased_routing(model_dir):
+    """DeepSeek-V3's routing (deepseek2: sigmoid scores, a selection bias, 2 of 4 expert
+    groups, weights normalized and scaled by 2.5): the trace holds the graph's own choices
+    (each token's experts within two groups, the weights its unbiased scores normalized and
+    scaled), and the simulator replaying it counts what the runtime counted."""
+    path = tiny_model(model_dir, "deepseek2")
+    info = hobbitpy.inspect_model(path)
+    budget = _slots_budget_mb(info, 8)
+    t = record_trace(path, PROMPTS, n_predict=6, cache_mb=budget, policy="lru", n_batch=1, n_ctx=128)
+    groups = t.experts // (info.n_expert // 4)
+    assert max(len(set(row)) for row in groups.reshape(-1, info.n_expert_used).tolist()) <= 2
+    probs = t.probs.astype(np.float32)  # sigmoid scores: not a distribution
+    assert not np.allclose(probs.sum(-1), 1.0, atol=0.1)
+    chosen = np.take_along_axis(probs, t.experts, axis=-1)
+    np.testing.assert_allclose(t.weights, 2.5 * chosen / chosen.sum(-1, keepdims=True), rtol=5e-3)
+    r = simulate(t, budget, "lru")
+    rt = t.meta["runtime"]
+    assert (r.hits, r.misses) == (rt["expert_hits"], rt["expert_misses"]) and r.misses > 0
+
+
 def test_trace_contents(model_dir, tmp_path):
     path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
     t = record_trace(path, PROMPTS, n_predict=6, n_ctx=128, lookahead=3)

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from conftest import ARCHES, BUDGETS, MB, reference, run_logits, tiny_model
+from conftest import (ARCHES, BUDGETS, MB, assert_bit_equal, identical_companion, prompt_logits, reference, run_logits,
+                      tiny_model)
+from hobbitpy.synthetic_moe import EXPERT_TYPES
 
 # these tests check the pool path: every missed expert is loaded (the cooperative and auto
 # modes, which may compute it in place instead, have their own tests in test_cooperative.py)
@@ -103,3 +105,43 @@ def test_types_the_cpu_repacks_stay_exact(model_dir, arch, budget):
     assert text == ref_text
     assert stats["expert_misses"] > 0 and stats["expert_inplace"] == 0
     assert stats["demand_bytes_read"] == stats["expert_misses"] * info.expert_bytes
+
+
+@pytest.mark.parametrize("expert_type", EXPERT_TYPES)
+def test_every_expert_type_is_exact_at_a_tight_budget(model_dir, expert_type):
+    """The expert types of the files users download (k-quants, the IQ family, MXFP4, BF16,
+    the types the CPU repacks), quantized by ggml's own quantizer: one slot over the minimum
+    budget, so nearly every selection is a miss, bit-exact to stock."""
+    arch = "gpt-oss" if expert_type == "MXFP4" else "llama"  # gpt-oss publishes its experts in MXFP4
+    path = tiny_model(model_dir, arch, expert_type=expert_type, n_embd=256)
+    info = hobbitpy.inspect_model(path)
+    ref_scores, _ = prompt_logits(path, hobbitpy.OffloadConfig(enabled=False))
+    scores, stats = prompt_logits(path, hobbitpy.OffloadConfig(cache_mb=BUDGETS["min+1"](info) / MB, mode=POOL))
+    assert_bit_equal(scores, ref_scores)
+    assert stats["expert_misses"] > 0
+    assert stats["demand_bytes_read"] <= stats["bytes_read"] == stats["n_reads"] * info.expert_bytes
+
+
+# a "dynamic" quant: each layer's experts in another type, down projections a step apart
+MIXED_TYPES = dict(layer_types=("Q4_K", "IQ2_XXS", "Q6_K", "IQ4_XS"), down_type_odd_layers="Q5_K", n_embd=256)
+
+
+@pytest.mark.parametrize("budget", ["min", "half"])
+def test_a_file_whose_layers_mix_expert_types_is_exact_with_one_level_and_two(model_dir, budget):
+    """Pools per signature, budgets in the bytes of the types actually stored: bit-exact to
+    stock with the model's own experts, and with a second level of byte-identical copies
+    (the companion is as mixed as the model)."""
+    path = tiny_model(model_dir, "llama", **MIXED_TYPES)
+    ref_scores, ref_text, _, info = reference(path)
+    assert not info.uniform
+    budget_bytes = max(BUDGETS[budget](info), info.min_budget_bytes)
+    scores, text, stats, _ = run_logits(path, hobbitpy.OffloadConfig(cache_mb=budget_bytes / MB, mode=POOL))
+    assert_bit_equal(scores, ref_scores)
+    assert text == ref_text and stats["expert_misses"] > 0
+    assert stats["peak_pool_bytes"] <= stats["pool_bytes"] <= budget_bytes
+    low = identical_companion(path, model_dir / f"{path.stem}.copy.gguf")
+    config = hobbitpy.OffloadConfig(cache_mb=2 * budget_bytes / MB, low=str(low), t1=0.0, t2=1.0, mode=POOL)
+    scores, text, stats, _ = run_logits(path, config)
+    assert_bit_equal(scores, ref_scores)
+    assert stats["served"][0] > 0 and stats["served"][1] > 0, stats["served"]
+
