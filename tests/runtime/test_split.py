@@ -11,6 +11,7 @@ import sys
 
 import gguf
 import numpy as np
+import openai
 import pytest
 
 import hobbitpy
@@ -19,9 +20,11 @@ from hobbitpy.model_file import model_fingerprint, model_parts
 from hobbitpy.prepare import EXPERT_SUFFIXES, prepare_companion
 
 from conftest import MB, run_logits
+from serving import start_server, stop_server
 
 MODEL = pathlib.Path(__file__).resolve().parents[2] / "models" / "ref-mixtral-Q8_0.gguf"
 N_PARTS = 3
+SPLIT_PROMPT = "And God said"
 
 
 def split_model(src: pathlib.Path, name: pathlib.Path, n_parts: int) -> pathlib.Path:
@@ -105,6 +108,28 @@ def test_prepare_and_ladder_on_a_split_model(split, tmp_path):
     assert stats["n_level"] == 2
     assert np.array_equal(split_scores.view(np.uint32), whole_scores.view(np.uint32))
     assert split_text == whole_text
+
+
+def test_run_and_serve_give_the_split_model_the_text_of_the_one_file(split):
+    """`hobbitpy run` and `hobbitpy serve` take the first part: at temperature 0 both give the
+    text the one file gives under `run`, offloaded at 8 MB."""
+    def run(model):
+        proc = subprocess.run([sys.executable, "-m", "hobbitpy", "run", str(model), "--prompt", SPLIT_PROMPT, "-n", "12",
+                               "--no-echo", "--temp", "0", "--cache-mb", "8", "--threads", "2"],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.rstrip("\n")
+
+    whole = run(MODEL)
+    assert whole and run(split) == whole
+    proc, base = start_server(model=split)
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+        r = client.completions.create(model="ref-mixtral", prompt=SPLIT_PROMPT, max_tokens=12, temperature=0,
+                                      extra_body={"repeat_penalty": 1.0})  # run's (llama.cpp's) default
+        assert r.choices[0].text == whole
+    finally:
+        stop_server(proc)
 
 
 def _run(*args) -> subprocess.CompletedProcess:
