@@ -37,7 +37,7 @@ from .errors import BudgetError, ExpertReadError, HobbitError, ModelFileError
 from .likelihood import Comparison, Reference, ReferenceTable, compare_to_reference, scoring_windows
 from .memory import (COMPUTE_SHARE, MIN_UBATCH, ContextShape, OffloadPlan, available_memory_bytes, context_sizes,
                      fit_ubatch, plan_offload, return_freed_memory, whole_memory_budget_mb)
-from .model_file import ModelInfo, inspect_model
+from .model_file import OFFLOAD_REFUSED, ModelInfo, inspect_model
 from .placement import check_profiles, importance_of, placement_for
 from .profile import resolve_offload
 
@@ -146,6 +146,9 @@ class Llama(llama_cpp.Llama):
         self.read_error: str | None = None  # the last decode's failed expert read, until a decode succeeds
         self._decoding = threading.Lock()
         self.model_info: ModelInfo = inspect_model(model_path)
+        if offload.enabled and self.model_info.arch in OFFLOAD_REFUSED:
+            raise ModelFileError(f"{model_path}: a {self.model_info.arch} model: "
+                                 f"{OFFLOAD_REFUSED[self.model_info.arch]}; run it without offload (--no-offload)")
         default_reason = None  # what the default chose and why, when the config left it the choice
         if applies(offload) and self.model_info.is_moe and not kwargs.get("vocab_only"):
             offload, default_reason = self._default_offload(offload, kwargs)

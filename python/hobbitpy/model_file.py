@@ -8,6 +8,13 @@ import os
 from ._native import error_buffer, ffi, lib, to_str
 from .errors import ModelFileError
 
+# architectures llama.cpp runs whose experts the cache cannot serve, and why (offload refuses
+# them in one line; stock llama.cpp, --no-offload, runs them)
+OFFLOAD_REFUSED = {
+    "grovemoe": "each layer runs two expert passes over different expert tensors (GroveMoE's adjugate experts), "
+                "and the cache serves one pass per layer",
+}
+
 
 @dataclass(frozen=True)
 class ModelInfo:

@@ -1,11 +1,12 @@
 """The supported-models table (docs/MODELS.md): each architecture, models that use it, the
-routing its metadata asks for, what the tests check; each expert type; what is not covered
-and why. Rendered from the tuples the tests are parametrized with (synthetic_moe's
+routing its metadata asks for, what the tests check; each expert type; the architectures
+offload refuses and why. Rendered from the tuples the tests are parametrized with (synthetic_moe's
 ARCH_LAYOUTS, FEATURE_ARCHES and EXPERT_TYPES), so that it cannot drift from them:
 `python -m hobbitpy.supported_models > docs/MODELS.md` (a test compares)."""
 
 from __future__ import annotations
 
+from .model_file import OFFLOAD_REFUSED
 from .synthetic_moe import ARCH_LAYOUTS, EXPERT_TYPES, FEATURE_ARCHES, ArchLayout
 
 EXAMPLES = {
@@ -25,15 +26,11 @@ EXAMPLES = {
     "bailingmoe": "Ling-lite, Ling-plus",
     "bailingmoe2": "Ling-mini-2.0, Ling-flash-2.0",
     "minimax-m2": "MiniMax-M2",
+    "qwen3next": "Qwen3-Next-80B-A3B",
 }
 
-# architectures llama.cpp runs through build_moe_ffn that no test runs, and why
-NOT_COVERED = {
-    "qwen3next": "Qwen3-Next-80B-A3B: linear-attention layers with a recurrent state beside the MoE; the synthetic "
-                 "writer does not make those layers yet, so nothing has run it",
-    "grovemoe": "GroveMoE: two expert passes per layer over different expert tensors; the cache serves one pass per "
-                "layer, and nothing has run it",
-}
+# models of the architectures offload refuses (model_file.OFFLOAD_REFUSED)
+REFUSED_EXAMPLES = {"grovemoe": "GroveMoE-Inst"}
 
 
 MODELS_PAGE_HEAD = """# Supported models
@@ -82,6 +79,8 @@ def _structure(arch: str, layout: ArchLayout) -> str:
         parts.append("shared expert" + (" (gated)" if layout.shared == "sigmoid" else ""))
     if arch == "gpt-oss":
         parts.append("expert biases, attention sinks")
+    if layout.delta_net:
+        parts.append("linear attention (Gated DeltaNet) in 3 of 4 layers")
     if arch == "llama4":
         parts.append("router weights scale each expert's input")
     return ", ".join(parts) or "routed experts only"
@@ -94,8 +93,9 @@ def models_table() -> str:
         tested = ("every feature's tests (exact at four budgets, mixed precision, cooperative, prefetch, placement, "
                   "neurons, beam search, ...)" if arch in FEATURE_ARCHES else "exact at a tight budget and at 60 %")
         lines.append(f"| `{arch}` | {EXAMPLES[arch]} | {_routing(arch, layout)} | {_structure(arch, layout)} | {tested} |")
-    for arch, why in NOT_COVERED.items():
-        lines.append(f"| `{arch}` | {why.split(':')[0]} | | | **not covered**: {why.split(': ', 1)[1]} |")
+    for arch, why in OFFLOAD_REFUSED.items():
+        lines.append(f"| `{arch}` | {REFUSED_EXAMPLES[arch]} | | | **refused** in one line (stock runs it, "
+                     f"`--no-offload`): {why} |")
     lines += ["", "| expert type | tested |", "|---|---|"]
     for name in EXPERT_TYPES:
         lines.append(f"| `{name}` | exact at a tight budget (one precision) |")

@@ -52,6 +52,8 @@ class ArchLayout:
     weights_scale: float | None = None  # {arch}.expert_weights_scale
     groups: tuple[int, int] | None = None  # {arch}.expert_group_count and _used_count: group-limited selection
     extra: tuple = ()                # other keys the loader requires: (name, value) pairs (floats and ints)
+    delta_net: bool = False          # Gated DeltaNet linear-attention layers (a recurrent state), every 4th layer
+                                     # full attention with a gated query (qwen3next)
 
 
 # Supported architectures: the loader's keys and tensors of each, and the routing of a
@@ -79,6 +81,7 @@ ARCH_LAYOUTS = {
     "bailingmoe2": ArchLayout(qk_norm="head", fused_qkv=True, dense_lead=1, shared="plain", shared_count=True,
                               probs_bias=True, gating=2, weights_norm=True, weights_scale=2.5, groups=(4, 2)),
     "minimax-m2": ArchLayout(qk_norm="full", probs_bias=True, gating=2),
+    "qwen3next": ArchLayout(qk_norm="head", ffn_norm="post_attention_norm", shared="sigmoid", delta_net=True),
 }
 ARCHES = tuple(ARCH_LAYOUTS)
 # the architectures every feature's tests run on (routed experts only; a gated shared expert;
@@ -87,6 +90,9 @@ FEATURE_ARCHES = ("llama", "qwen2moe", "gpt-oss")
 # MLA's dimensions (DeepSeek-V2/V3's shape, small): no-rope and rope parts of a query and key
 # head, a value head, the compressed key-value width
 MLA_QK_NOPE, MLA_QK_ROPE, MLA_V, MLA_KV_LORA = 32, 16, 32, 64
+# Gated DeltaNet's (Qwen3-Next's shape, small): the state of a head, key heads, value heads,
+# the convolution's width; every DELTA_FULL_EVERY-th layer is full attention
+DELTA_STATE, DELTA_K_HEADS, DELTA_V_HEADS, DELTA_CONV, DELTA_FULL_EVERY = 16, 2, 4, 4, 4
 
 # the expert types the tests run at one precision against stock: those of the published
 # quants (k-quants, the IQ family of the "dynamic" quants, gpt-oss's MXFP4, the BF16
@@ -263,6 +269,12 @@ def make_synthetic_moe(path, arch="llama", *, vocab_gguf=None, n_layer=4, n_expe
     if lay.groups:
         w.add_uint32(f"{arch}.expert_group_count", lay.groups[0])
         w.add_uint32(f"{arch}.expert_group_used_count", lay.groups[1])
+    if lay.delta_net:
+        w.add_uint32(f"{arch}.ssm.conv_kernel", DELTA_CONV)
+        w.add_uint32(f"{arch}.ssm.inner_size", DELTA_STATE * DELTA_V_HEADS)
+        w.add_uint32(f"{arch}.ssm.state_size", DELTA_STATE)
+        w.add_uint32(f"{arch}.ssm.time_step_rank", DELTA_V_HEADS)
+        w.add_uint32(f"{arch}.ssm.group_count", DELTA_K_HEADS)
     for key, value in lay.extra:
         (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
     if arch == "gpt-oss":
@@ -305,11 +317,22 @@ def make_synthetic_moe(path, arch="llama", *, vocab_gguf=None, n_layer=4, n_expe
             add(p + "attn_k_b.weight", normal(n_head, MLA_KV_LORA, MLA_QK_NOPE, std=1.0 / np.sqrt(MLA_QK_NOPE)), "F16")
             add(p + "attn_v_b.weight", normal(n_head, MLA_V, MLA_KV_LORA, std=1.0 / np.sqrt(MLA_KV_LORA)), "F16")
             add(p + "attn_output.weight", linear(n_embd, n_head * MLA_V), "F16")
+        elif lay.delta_net and (i + 1) % DELTA_FULL_EVERY:
+            key_dim, value_dim = DELTA_STATE * DELTA_K_HEADS, DELTA_STATE * DELTA_V_HEADS
+            add(p + "attn_qkv.weight", linear(2 * key_dim + value_dim, n_embd), "F16")
+            add(p + "attn_gate.weight", linear(value_dim, n_embd), "F16")
+            add(p + "ssm_conv1d.weight", normal(2 * key_dim + value_dim, DELTA_CONV, std=0.5))
+            add(p + "ssm_dt.bias", normal(DELTA_V_HEADS, std=0.1))
+            add(p + "ssm_a", -np.exp(normal(DELTA_V_HEADS, std=0.3)))
+            add(p + "ssm_ba.weight", linear(2 * DELTA_V_HEADS, n_embd), "F16")
+            add(p + "ssm_norm.weight", np.ones(DELTA_STATE, np.float32))
+            add(p + "ssm_out.weight", linear(n_embd, value_dim), "F16")
         else:
             if lay.fused_qkv:
                 add(p + "attn_qkv.weight", linear(n_head * head_dim + 2 * n_embd_kv, n_embd), "F16")
             else:
-                add(p + "attn_q.weight", linear(n_head * head_dim, n_embd), "F16")
+                # Qwen3-Next's full-attention query carries a gate of the same width
+                add(p + "attn_q.weight", linear((2 if lay.delta_net else 1) * n_head * head_dim, n_embd), "F16")
                 add(p + "attn_k.weight", linear(n_embd_kv, n_embd), "F16")
                 add(p + "attn_v.weight", linear(n_embd_kv, n_embd), "F16")
             add(p + "attn_output.weight", linear(n_embd, n_head * head_dim), "F16")
