@@ -95,9 +95,10 @@ MLA_QK_NOPE, MLA_QK_ROPE, MLA_V, MLA_KV_LORA = 32, 16, 32, 64
 DELTA_STATE, DELTA_K_HEADS, DELTA_V_HEADS, DELTA_CONV, DELTA_FULL_EVERY = 16, 2, 4, 4, 4
 
 # the expert types the tests run at one precision against stock: those of the published
-# quants (k-quants, the IQ family of the "dynamic" quants, gpt-oss's MXFP4, the BF16
-# originals), those the CPU repacks (Q4_0, Q4_K, IQ4_NL), and Q8_0
-EXPERT_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ3_S", "IQ4_XS", "IQ4_NL", "MXFP4", "BF16", "F16")
+# quants (k-quants, the whole IQ family of the "dynamic" quants, gpt-oss's MXFP4, the BF16
+# originals), those the CPU repacks (Q4_0, Q4_K, IQ4_NL), the legacy ones
+EXPERT_TYPES = ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS",
+                "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS", "IQ4_NL", "MXFP4", "BF16", "F16")
 
 
 
