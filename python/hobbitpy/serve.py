@@ -14,6 +14,7 @@ no answer names a file, and /health says 503 while the model cannot read its exp
 
 from __future__ import annotations
 
+import gc
 import hmac
 import json
 import os
@@ -32,7 +33,27 @@ def _proxy_class():
 
         def __init__(self, models, offload: OffloadConfig):
             self.offload = offload  # read by the load in LlamaProxy.__init__
+            self.load_error: str | None = None  # why the model could not be loaded again, until it can
             super().__init__(models)
+
+        def __call__(self, model=None):
+            # (called by the routes under the server's lock: no request is decoding)
+            if self._current_model is not None and self._current_model.read_error is not None:
+                # an expert could not be read: the file it mapped was cut, written to or unreadable,
+                # and the runtime serves only the model it loaded. It is let go first (its memory
+                # is the budget the new one takes; freed as soon as no scrape of /metrics still
+                # reads it, never under one), then the file is loaded again as it is now
+                self._current_model = None
+                gc.collect()
+            if self._current_model is None:
+                try:
+                    self._current_model = self.load_llama_from_model_settings(self._default_model_settings)
+                except Exception as e:  # still cut or unreadable: 503 until a load succeeds
+                    self.load_error = str(e)
+                    raise
+                self._current_model_alias = self._default_model_alias
+                self.load_error = None
+            return super().__call__(model)
 
         def load_llama_from_model_settings(self, settings):
             # the ubatch only when asked for: left open, the planner narrows it when memory is short
@@ -264,7 +285,7 @@ class RequestGuard:
             said = _error_message(bytes(body))
             if said.startswith(ChatTemplateError.PREFIX):
                 await _refuse(send, 400, said)
-            elif llm is not None and llm.read_error is not None:
+            elif (llm is not None and llm.read_error is not None) or self.proxy.load_error is not None:
                 await _refuse(send, 503, "an expert could not be read (the model file changed, or the disk failed); "
                                          "GET /health says when the model serves again", "server_error")
             else:
@@ -335,8 +356,9 @@ def create_app(model_path: str, offload: OffloadConfig, *, n_ctx: int, n_threads
     @app.get("/health")
     def health():
         llm = proxy.current
-        # a failed expert read: unhealthy until a decode succeeds (the file back, the disk well)
-        failing = llm is not None and llm.read_error is not None
+        # a failed expert read: unhealthy until the model is loaded again from its file (whole
+        # again, the disk well) and a decode succeeds
+        failing = (llm is not None and llm.read_error is not None) or proxy.load_error is not None
         status = {"status": "loading" if llm is None else "error" if failing else "ok"}
         if api_key is None:  # with a key, open to anyone: whether it is up, nothing more
             status |= {"model": alias or os.path.basename(model_path),  # its name, not where it lives

@@ -178,8 +178,9 @@ def test_bad_requests_leave_the_server_answering(server):
 
 def test_a_failed_expert_read_is_a_503_and_the_server_recovers_with_its_file(tmp_path):
     """The model's experts cut off under a running server: the request that needs them is a 503
-    naming no file, /health says 503 too; with the file whole again the next request is served
-    (the same text as before) and /health is 200."""
+    naming no file, /health says 503 too; each next request loads the file again (the runtime
+    serves only the model it loaded): still cut, a 503; whole again, it is served (the same text
+    as before) and /health is 200."""
     model = tmp_path / "model.gguf"
     model.write_bytes(MODEL.read_bytes())
     reader = gguf.GGUFReader(model)
@@ -197,6 +198,12 @@ def test_a_failed_expert_read_is_a_503_and_the_server_recovers_with_its_file(tmp
         with pytest.raises(urllib.error.HTTPError) as unhealthy:
             http_get(base + "/health")
         assert unhealthy.value.code == 503 and json.loads(unhealthy.value.read())["status"] == "error"
+        # the next request loads the file again, still cut: a 503 too, and /health still says so
+        status, answer = http_post(base + "/v1/completions", json.dumps({"prompt": "And", "max_tokens": 2}).encode())
+        assert status == 503 and str(tmp_path) not in json.dumps(answer), answer
+        with pytest.raises(urllib.error.HTTPError) as unhealthy:
+            http_get(base + "/health")
+        assert unhealthy.value.code == 503
         with open(model, "r+b") as f:  # whole again, in place
             f.write(whole)
         assert still_answers(base) == before
