@@ -17,7 +17,7 @@ import hobbitpy  # noqa: E402  (sets LLAMA_CPP_LIB_PATH before llama_cpp loads)
 from hobbitpy._native import DATA_DIR  # noqa: E402
 from hobbitpy.gguf_fields import field_value  # noqa: E402
 from hobbitpy.synthetic_moe import FEATURE_ARCHES, make_synthetic_moe  # noqa: E402
-from hobbitpy.trace_file import Trace  # noqa: E402
+from hobbitpy.trace_file import TRACE_VERSION, Trace  # noqa: E402
 
 VOCAB = DATA_DIR / "ggml-vocab-llama-spm.gguf"
 # the architectures every feature's tests run on; the others have their exactness test
@@ -108,13 +108,15 @@ def hand_trace(experts, *, n_expert: int = 8, predicted=None, seq_start=None, we
     none), prompts starting where seq_start says (default one prompt)."""
     experts = np.asarray(experts, np.int32)
     n, n_layer, k = experts.shape
+    lookahead = 0 if predicted is None else np.asarray(predicted).shape[2]
     return Trace(experts=experts, weights=np.full(experts.shape, 1.0 / k if weight is None else weight, np.float32),
                  probs=np.zeros((n, n_layer, n_expert), np.float16),
                  predicted=np.full((n, n_layer, 0, k), -1, np.int32) if predicted is None else predicted,
                  seq_start=np.zeros(n, np.uint8) if seq_start is None else np.asarray(seq_start, np.uint8),
                  tokens=np.zeros(n, np.int32),
-                 meta={"model": "hand-made", "n_expert": n_expert, "n_moe_layer": n_layer, "n_expert_used": k,
-                       "expert_bytes": expert_bytes, "uniform": True})
+                 meta={"trace_version": TRACE_VERSION, "model": "hand-made", "n_expert": n_expert, "n_moe_layer": n_layer,
+                       "n_expert_used": k, "expert_bytes": expert_bytes, "expert_bytes_total": expert_bytes * n_expert * n_layer,
+                       "lookahead": lookahead, "uniform": True})
 
 
 def hobbitpy_cli(*args, timeout: float = 300, **kw) -> subprocess.CompletedProcess:

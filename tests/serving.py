@@ -43,13 +43,13 @@ def metrics_of(base: str) -> dict[str, float]:
     return out
 
 
-def start_server(*flags: str, model: pathlib.Path = MODEL):
-    """A server of the shipped model (or `model`) on a free port: its process and base URL,
-    once /health answers."""
+def start_server(*flags: str, model: pathlib.Path = MODEL, alias: str | None = "ref-mixtral"):
+    """A server of the shipped model (or `model`) on a free port, named `alias` in the API
+    (None: its default name): its process and base URL, once /health answers."""
     port = free_port()
+    named = ["--alias", alias] if alias is not None else []
     proc = subprocess.Popen([sys.executable, "-m", "hobbitpy", "serve", str(model), "--cache-mb", "8", "--port", str(port),
-                             "--threads", "2", "--alias", "ref-mixtral", *flags], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             "--threads", "2", *named, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while True:

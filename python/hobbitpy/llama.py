@@ -109,6 +109,9 @@ class Routing:
     seq_start: list[int]   # 1 at the first token of every prompt
 
 
+CONTEXT_PAD = 256  # llama.cpp's llama_context rounds n_ctx up to a multiple of this
+
+
 class Llama(llama_cpp.Llama):
     """A drop-in for ``llama_cpp.Llama`` whose keywords also say how experts are served:
     ``cache_mb``, ``low``, ``mid``, ``high``, ``policy``, ``prefetch_layers``, ``t1``, ``t2``,
@@ -121,6 +124,8 @@ class Llama(llama_cpp.Llama):
     ``repack=False``: llama.cpp's ``--no-repack`` (the CPU backend leaves Q4_0/Q4_K/IQ4_NL weights
     mapped instead of copying them repacked into its own memory: stock's setting under a cap)."""
 
+    _closed = False  # set by close(): every later call says so
+
     def __init__(self, model_path: str | os.PathLike, *, offload: OffloadConfig | dict | bool | None = None,
                  profile: str | os.PathLike | None = None, preset: str | None = None, **kwargs):
         model_path = os.fspath(model_path)
@@ -132,6 +137,11 @@ class Llama(llama_cpp.Llama):
         if not 1 <= n_seq_max <= llama_cpp.llama_max_parallel_sequences():
             raise ValueError(f"n_seq_max must be 1..{llama_cpp.llama_max_parallel_sequences()}, got {n_seq_max}")
         keywords = {k: kwargs.pop(k) for k in OFFLOAD_KEYWORDS if k in kwargs}
+        if isinstance(kwargs.get("n_ctx"), int) and kwargs["n_ctx"] > 0:
+            # llama.cpp rounds a context up to a multiple of CONTEXT_PAD; llama_cpp sizes its token
+            # arrays by the n_ctx it is given: given the same, a prompt longer than the one asked
+            # (but within llama.cpp's) cannot overflow them
+            kwargs["n_ctx"] = -(-kwargs["n_ctx"] // CONTEXT_PAD) * CONTEXT_PAD
         for k in kwargs:
             # a misspelling is an error; another unknown keyword goes to llama_cpp.Llama, which
             # ignores it as it always has (its own server passes some: rpc_servers, mul_mat_q)
@@ -314,10 +324,16 @@ class Llama(llama_cpp.Llama):
         finally:
             self._decoding.release()
 
+    def _check_open(self) -> None:
+        # llama_cpp's freed model would answer with a misleading TokenizeError, or crash
+        if self._closed:
+            raise HobbitError("this Llama is closed; make a new one to use the model again")
+
     def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
         # llama.cpp's own tokenizer through hobbit_tokenize: a character the vocabulary cannot
         # encode is a TokenizeError, not an abort of the process (another tokenizer, such as a
         # Hugging Face one given as tokenizer=, is left to llama_cpp)
+        self._check_open()
         if type(self.tokenizer_) is not llama_cpp.LlamaTokenizer:
             return super().tokenize(text, add_bos, special)
         return tokens.tokenize(self._model.vocab, self.model_path, text, add_bos, special)
@@ -327,9 +343,14 @@ class Llama(llama_cpp.Llama):
         """True when the experts run through the expert cache."""
         return self._runtime != ffi.NULL
 
+    def detokenize(self, tokens, prev_tokens=None, special: bool = False) -> bytes:
+        self._check_open()
+        return super().detokenize(tokens, prev_tokens, special)
+
     def eval(self, tokens):
         # one decode at a time: a second thread in llama_decode on the same context (and the
         # same expert cache) would corrupt both, or crash
+        self._check_open()
         if not self._decoding.acquire(blocking=False):
             raise HobbitError("this Llama is decoding in another thread; use one Llama per thread, or a lock "
                               "around its calls")
@@ -406,6 +427,7 @@ class Llama(llama_cpp.Llama):
     def close(self) -> None:
         # the runtime belongs to the model and goes with it
         self._runtime = ffi.NULL
+        self._closed = True
         if hasattr(self, "_stack"):  # not there when __init__ failed before llama_cpp's part
             super().close()
 

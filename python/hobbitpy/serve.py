@@ -17,11 +17,13 @@ from __future__ import annotations
 import gc
 import hmac
 import json
-import os
+import pathlib
+import socket
 
 from . import __version__
 from .config import MAX_BODY_MB, OffloadConfig
 from .errors import ChatTemplateError, HobbitError
+from .grammars import grammar_error
 from .llama import Llama
 
 
@@ -127,20 +129,6 @@ class ExpertCacheCollector:
                                 value=stats["budget_bytes"])
 
 
-def grammar_error(llm: Llama, grammar: str) -> str | None:
-    """Why llama.cpp cannot parse a GBNF grammar (None: it can). Its sampler is made and freed
-    here, before the request's own: llama-cpp-python uses the sampler llama.cpp returns for a
-    bad grammar (none) and the process dies (SIGSEGV)."""
-    import llama_cpp
-
-    vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
-    sampler = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode("utf-8", "replace"), b"root")
-    if not sampler:
-        return "the grammar does not parse (GBNF, with a root rule; llama.cpp's log says where)"
-    llama_cpp.llama_sampler_free(sampler)
-    return None
-
-
 # the routes whose bodies are checked here, by the request model of llama-cpp-python's server
 # that the route itself parses them with
 _REQUEST_MODELS = {"/v1/completions": "CreateCompletionRequest", "/v1/chat/completions": "CreateChatCompletionRequest",
@@ -213,6 +201,30 @@ def request_error(path: str, body: bytes, llm: Llama | None) -> str | None:
     return None
 
 
+# llama.cpp's sampling defaults where llama-cpp-python's request models say otherwise
+# (repeat_penalty 1.1): the `openai` client at temperature 0 gets `hobbitpy run`'s text
+SERVER_SAMPLING_DEFAULTS = {"repeat_penalty": 1.0}
+
+
+def with_server_defaults(path: str, body: bytes) -> bytes:
+    """A completion's or chat's body (request_error found it sound) with llama.cpp's defaults
+    for the sampling fields it leaves out."""
+    if path not in ("/v1/completions", "/v1/chat/completions"):
+        return body
+    request = json.loads(body)
+    missing = {k: v for k, v in SERVER_SAMPLING_DEFAULTS.items() if k not in request}
+    return json.dumps(request | missing).encode() if missing else body
+
+
+def other_model(body: bytes, names: tuple[str, ...]) -> str | None:
+    """The model a sound request names when it is not this server's (None: none named, or it)."""
+    try:
+        asked = json.loads(body).get("model")
+    except (ValueError, AttributeError):
+        return None
+    return asked if isinstance(asked, str) and asked not in names else None
+
+
 class RequestGuard:
     """ASGI middleware before every route: with an API key, refuses a request without it (401;
     /health alone is open, and says nothing but whether the model is up); refuses a body over
@@ -220,9 +232,10 @@ class RequestGuard:
     it came. A route's failure (5xx) is told without the server's internals: 503 while the
     model cannot read its experts (/health says the same), else 500; the log has the details."""
 
-    def __init__(self, app, proxy, max_body_bytes: int, api_key: str | None):
+    def __init__(self, app, proxy, max_body_bytes: int, api_key: str | None, model_names: tuple[str, ...]):
         self.app, self.proxy, self.max_body_bytes = app, proxy, max_body_bytes
         self.authorization = f"Bearer {api_key}".encode() if api_key else None
+        self.model_names = model_names  # what a request may call the model (its id first)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -251,6 +264,12 @@ class RequestGuard:
         why = request_error(scope["path"], bytes(body), self.proxy.current)
         if why is not None:
             return await _refuse(send, 400, why)
+        if scope["path"] in _REQUEST_MODELS and (asked := other_model(bytes(body), self.model_names)) is not None:
+            return await _refuse(send, 404, f"the model {asked!r} is not served here; this server serves "
+                                            f"{self.model_names[0]!r} (GET /v1/models)", "model_not_found")
+        body = with_server_defaults(scope["path"], bytes(body))
+        scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k != b"content-length"] +
+                     [(b"content-length", str(len(body)).encode())])
         sent = False
 
         async def replay():
@@ -330,6 +349,8 @@ def create_app(model_path: str, offload: OffloadConfig, *, n_ctx: int, n_threads
         raise HobbitError(f"serving needs llama-cpp-python's server extra and prometheus_client ({e}); "
                           "pip install 'hobbitpy[server]'") from None
 
+    # the model's id in the API: the alias, or the file's name without .gguf (not where it lives)
+    alias = alias or pathlib.Path(model_path).name.removesuffix(".gguf")
     model_settings = ModelSettings(model=model_path, model_alias=alias, n_ctx=n_ctx, n_threads=n_threads,
                                    n_threads_batch=n_threads, n_gpu_layers=n_gpu_layers, chat_format=chat_format,
                                    verbose=verbose)
@@ -345,7 +366,8 @@ def create_app(model_path: str, offload: OffloadConfig, *, n_ctx: int, n_threads
                   title="hobbitpy", version=__version__)
     if cors_origins:  # else none: any web page open in a local browser could drive the server
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"])
-    app.add_middleware(RequestGuard, proxy=proxy, max_body_bytes=int(max_body_mb * 1024 * 1024), api_key=api_key)
+    app.add_middleware(RequestGuard, proxy=proxy, max_body_bytes=int(max_body_mb * 1024 * 1024), api_key=api_key,
+                       model_names=(alias, model_path))
     app.include_router(server_app.router)
     server_app._llama_proxy = proxy  # the model every route of the router uses (set_llama_proxy takes settings)
 
@@ -361,7 +383,7 @@ def create_app(model_path: str, offload: OffloadConfig, *, n_ctx: int, n_threads
         failing = (llm is not None and llm.read_error is not None) or proxy.load_error is not None
         status = {"status": "loading" if llm is None else "error" if failing else "ok"}
         if api_key is None:  # with a key, open to anyone: whether it is up, nothing more
-            status |= {"model": alias or os.path.basename(model_path),  # its name, not where it lives
+            status |= {"model": alias,
                        "offloaded": bool(llm is not None and llm.offloaded)}
         return JSONResponse(status, status_code=503 if failing else 200)
 
@@ -371,10 +393,18 @@ def create_app(model_path: str, offload: OffloadConfig, *, n_ctx: int, n_threads
 def serve(model_path: str, offload: OffloadConfig, *, host: str, port: int, n_ctx: int, n_threads: int,
           n_gpu_layers: int = 0, alias: str | None = None, chat_format: str | None = None, api_key: str | None = None,
           verbose: bool = False, cors_origins: tuple[str, ...] = (), max_body_mb: float = MAX_BODY_MB) -> None:
-    """Load the model and serve it until interrupted."""
+    """Load the model and serve it until interrupted. The port is taken first: a busy one is
+    said before minutes of loading."""
     import uvicorn
 
-    app = create_app(model_path, offload, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, alias=alias,
-                     chat_format=chat_format, api_key=api_key, verbose=verbose, cors_origins=cors_origins,
-                     max_body_mb=max_body_mb)
-    uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning")
+    try:
+        listening = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                         reuse_port=False)
+    except OSError as e:
+        raise HobbitError(f"{host}:{port}: cannot listen there ({e.strerror}); choose another --port or --host") from None
+    with listening:
+        app = create_app(model_path, offload, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, alias=alias,
+                         chat_format=chat_format, api_key=api_key, verbose=verbose, cors_origins=cors_origins,
+                         max_body_mb=max_body_mb)
+        config = uvicorn.Config(app, log_level="info" if verbose else "warning")
+        uvicorn.Server(config).run(sockets=[listening])

@@ -31,8 +31,11 @@ def read_prompts(path: str | os.PathLike) -> list[str]:
     return prompts
 
 
+TRACE_CTX = 512  # the default context's upper end: room for a prompt and its generation
+
+
 def record_trace(model_path: str | os.PathLike, prompts: list[str], *, n_predict: int = 32, lookahead: int = 4,
-                 n_ctx: int = 512, n_threads: int | None = None, cache_mb: float | None = None,
+                 n_ctx: int | None = None, n_threads: int | None = None, cache_mb: float | None = None,
                  policy: str = "lru", n_batch: int = 512, neuron_thetas: tuple[float, ...] = (), progress=None,
                  keep_inputs: bool = False, shallow_layers: int | None = None) -> Trace:
     """Generate greedily from each prompt and record the routing of every token.
@@ -40,6 +43,7 @@ def record_trace(model_path: str | os.PathLike, prompts: list[str], *, n_predict
     neuron_thetas: also measure CORM's neuron statistics at these thresholds (neurons.py;
     SwiGLU models), from the router inputs; keep_inputs: keep those inputs in
     ``trace.inputs`` (float32 [tokens, moe_layers, n_embd]; not saved with the trace).
+    n_ctx: the context (None: the model's training context, at most TRACE_CTX).
 
     The run's own cache (cache_mb, policy, shallow_layers: a pool per layer) does not change
     the trace, only how fast it is recorded; its hit and miss counts are kept in
@@ -53,6 +57,8 @@ def record_trace(model_path: str | os.PathLike, prompts: list[str], *, n_predict
     info = inspect_model(model_path)
     if not info.is_moe:
         raise HobbitError(f"{model_path} is a dense model: it has no routing to trace")
+    # a prompt and its generation at a time: the model's training context, at most TRACE_CTX
+    n_ctx = n_ctx or min(TRACE_CTX, info.n_ctx_train or TRACE_CTX)
     if neuron_thetas:
         check_arch(model_path, info.arch)
     # the trace comes from the runtime, so it must attach: as much cache as memory allows,

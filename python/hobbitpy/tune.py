@@ -321,6 +321,9 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: f
     deadline = started + time_limit_s
     base = process_resident_bytes() if process_bytes is None else process_bytes
     available = None if memory_bytes is None else memory_bytes - base
+    if available is not None and available <= 0:  # said before any pass or file
+        raise HobbitError(f"a memory of {memory_bytes / MB:.0f} MB is less than the {base / MB:.0f} MB a run's process "
+                          "holds before it loads a model: nothing can fit")
     threads = threads or os.cpu_count() or 1
     info = inspect_model(model)
     if not info.is_moe:

@@ -60,7 +60,12 @@ def add_sampling_args(p) -> None:
     g.add_argument("--top-p", type=finite_arg, default=0.95, help="nucleus sampling threshold (default 0.95)")
     g.add_argument("--min-p", type=finite_arg, default=0.05, help="drop tokens below this share of the best one's probability (default 0.05)")
     g.add_argument("--repeat-penalty", type=finite_arg, default=1.0, help="penalty for repeated tokens; 1 = none (default 1.0)")
-    g.add_argument("-r", "--stop", action="append", default=None, metavar="TEXT", help="stop at this text (repeatable)")
+    g.add_argument("--presence-penalty", type=finite_arg, default=0.0,
+                   help="penalty for a token that appeared at all; 0 = none (default 0)")
+    g.add_argument("--frequency-penalty", type=finite_arg, default=0.0,
+                   help="penalty per earlier appearance of a token; 0 = none (default 0)")
+    g.add_argument("-r", "--reverse-prompt", "--stop", dest="stop", action="append", default=None, metavar="TEXT",
+                   help="stop at this text (repeatable)")
     g.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (default: a random one each run)")
 
 
@@ -73,12 +78,13 @@ def add_verbosity_args(p) -> None:
 def sampling_keywords(args) -> dict:
     """create_completion's sampling keywords from the flags."""
     return {"temperature": args.temp, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
-            "repeat_penalty": args.repeat_penalty, "stop": args.stop, "seed": args.seed}
+            "repeat_penalty": args.repeat_penalty, "presence_penalty": args.presence_penalty,
+            "frequency_penalty": args.frequency_penalty, "stop": args.stop, "seed": args.seed}
 
 
 def sampling_error(args) -> str | None:
-    if args.n_predict < 1:
-        return f"-n must be at least 1, got {args.n_predict}"
+    if args.n_predict < 1 and args.n_predict != -1:
+        return f"-n must be at least 1, or -1 (until the end of the text or of the context), got {args.n_predict}"
     if args.temp < 0 or args.top_k < 0 or not 0 <= args.top_p <= 1 or not 0 <= args.min_p <= 1 or args.repeat_penalty <= 0:
         return "sampling flags out of range (--temp >= 0, --top-k >= 0, --top-p and --min-p in [0, 1], --repeat-penalty > 0)"
     if args.stop is not None and any(not s for s in args.stop):

@@ -34,6 +34,11 @@ def _plot(args) -> int:
     from hobbitpy.neuron_plot import plot_neurons
     from hobbitpy.trace_plot import plot_trace
 
+    try:
+        import matplotlib  # the [bench] extra
+        del matplotlib
+    except ImportError:
+        return fail("plot draws with matplotlib, which is not installed: pip install 'hobbitpy[bench]'")
     out = pathlib.Path(args.out) if args.out else pathlib.Path(args.trace).with_suffix(".png")
     if why := new_output_error(out):
         return fail(why)

@@ -15,13 +15,25 @@ def add_parser(sub) -> None:
                        description="Generate text from a prompt (or chat with --chat); routed experts run through a "
                                    "budgeted expert cache. Flags as llama.cpp names them.")
     p.add_argument("model", nargs="?", help="GGUF model file (default: the small mixtral-style model shipped with hobbitpy)")
+    p.add_argument("-m", "--model", dest="model_flag", metavar="FILE", help="the model, as llama.cpp takes it")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("-p", "--prompt", help="prompt text")
+    what.add_argument("-f", "--file", metavar="FILE", help="read the prompt from FILE")
     what.add_argument("--chat", action="store_true", help="an interactive chat with history (Ctrl-D or Ctrl-C ends it)")
-    p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (per reply with --chat; default 64)")
+    p.add_argument("-sys", "--system-prompt", metavar="TEXT",
+                   help="a system message: the prompt (or the chat) goes to the model as a conversation")
+    p.add_argument("-n", "--n-predict", type=int, default=64,
+                   help="tokens to generate (per reply with --chat); -1: until the end of the text or of the context "
+                        "(default 64)")
     add_sampling_args(p)
+    g = p.add_argument_group("constrained output")
+    shape = g.add_mutually_exclusive_group()
+    shape.add_argument("--grammar", metavar="GBNF", help="sample only text this GBNF grammar allows")
+    shape.add_argument("--grammar-file", metavar="FILE", help="the GBNF grammar from FILE")
+    shape.add_argument("-j", "--json-schema", metavar="SCHEMA", help="sample only JSON of this JSON schema")
     p.add_argument("-t", "--threads", type=threads_arg, default=os.cpu_count() or 1, help="CPU threads (default: all cores)")
-    p.add_argument("-c", "--ctx", type=int, default=None, help="context length in tokens (default: the model's training context)")
+    p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=None,
+                   help="context length in tokens (default: the model's training context)")
     add_gpu_layers_arg(p)
     p.add_argument("--no-echo", action="store_true", help="print only the generated text, not the prompt before it")
     add_offload_args(p)
@@ -30,14 +42,32 @@ def add_parser(sub) -> None:
     p.set_defaults(func=_run)
 
 
+def _read_text(path: str, what: str) -> tuple[str | None, str | None]:
+    """(the file's text, None) or (None, why not)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(), None
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"{path}: cannot read the {what}: {e.strerror if isinstance(e, OSError) else 'not UTF-8 text'}"
+
+
 def _run(args) -> int:
     import hobbitpy
     from hobbitpy import HobbitError
+    from hobbitpy.grammars import checked_grammar
 
+    if args.model_flag is not None:
+        if args.model is not None and args.model != args.model_flag:
+            return fail(f"two models given ({args.model} and -m {args.model_flag}): give one")
+        args.model = args.model_flag
     if args.model is None:
         args.model = default_model()
         if args.model is None:
             return fail("no model given and no default model installed")
+    if args.file is not None:
+        args.prompt, why = _read_text(args.file, "prompt")
+        if why:
+            return fail(why)
     if args.prompt == "":
         return fail("--prompt is empty: give the text to continue (or --chat)")
     if args.prompt is not None:
@@ -48,17 +78,15 @@ def _run(args) -> int:
     if why := sampling_error(args):
         return fail(why)
     if args.ctx is not None and args.ctx < 16:
-        return fail(f"--ctx must be at least 16, got {args.ctx}")
+        return fail(f"--ctx-size must be at least 16, got {args.ctx}")
     if args.stats_json and (why := json_target_error(args.stats_json)):
         return fail(why)
+    grammar_text = args.grammar
+    if args.grammar_file is not None:
+        grammar_text, why = _read_text(args.grammar_file, "grammar")
+        if why:
+            return fail(why)
 
-    if args.seed is None:
-        # llama-cpp-python would sample with the same seed every run
-        import secrets
-
-        args.seed = secrets.randbits(31)
-        if args.temp > 0:
-            log.info(f"sampling seed {args.seed} (--seed {args.seed} repeats this run)")
     try:
         n_ctx = args.ctx or hobbitpy.inspect_model(args.model).n_ctx_train or 512
         offload = offload_config_from_args(args, args.model, auto_profile=True)
@@ -66,41 +94,96 @@ def _run(args) -> int:
                              seed=args.seed, n_gpu_layers=gpu_layers(args))
     except (ValueError, HobbitError) as e:
         return fail(str(e))
-    log.info(llm.offload_plan.reason)
+    log.info(llm.offload_plan.reason + ("" if llm.offloaded else
+             "; --cache-mb N or --memory N runs the experts through a cache of that size"))
 
     with llm:
-        if args.chat:
-            return _chat(llm, args)
-        import llama_cpp
-
-        ctx = llm._ctx.ctx
-        llama_cpp.llama_perf_context_reset(ctx)
-        if not args.no_echo:
-            sys.stdout.write(args.prompt)
         try:
-            for chunk in llm.create_completion(args.prompt, max_tokens=args.n_predict, stream=True, **sampling_keywords(args)):
-                sys.stdout.write(chunk["choices"][0]["text"])
-                sys.stdout.flush()
-        except (HobbitError, ValueError) as e:  # ValueError: llama_cpp's "exceed context window"
-            sys.stdout.write("\n")
-            return fail(str(e) if isinstance(e, HobbitError) else f"{args.model}: {e}")
-        except KeyboardInterrupt:
-            # what was generated stays on screen; no traceback
-            sys.stdout.write("\n")
-            log.info("interrupted")
-            return 130
+            grammar = checked_grammar(llm, gbnf=grammar_text, json_schema=args.json_schema)
+        except HobbitError as e:
+            return fail(f"--grammar{'-file' if args.grammar_file else ''}{' / --json-schema' if args.json_schema else ''}"
+                        f": {e}")
+        if args.seed is None:
+            # llama-cpp-python would sample with the same seed every run
+            import secrets
+
+            args.seed = secrets.randbits(31)
+            if args.temp > 0:
+                log.info(f"sampling seed {args.seed} (--seed {args.seed} repeats this run)")
+        if args.chat:
+            return _chat(llm, args, grammar)
+        return _generate(llm, args, grammar)
+
+
+def _generate(llm, args, grammar) -> int:
+    """--prompt: the completion streamed to stdout (after the prompt, unless --no-echo)."""
+    import llama_cpp
+    from hobbitpy import HobbitError
+
+    messages = None
+    if args.system_prompt is not None:
+        messages = [{"role": "system", "content": args.system_prompt}, {"role": "user", "content": args.prompt}]
+    n_prompt = len(llm.tokenize(args.prompt.encode("utf-8"), add_bos=True, special=True))
+    if messages is None and n_prompt >= llm.n_ctx():
+        return fail(f"{args.model}: the prompt is {n_prompt} tokens, as long as the context of {llm.n_ctx()} or longer; "
+                    "use a larger --ctx-size or a shorter prompt")
+    llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
+    if not args.no_echo and messages is None:
+        sys.stdout.write(args.prompt)
+    max_tokens = None if args.n_predict == -1 else args.n_predict
+    finish, n_generated = None, 0
+    try:
+        if messages is None:
+            chunks = llm.create_completion(args.prompt, max_tokens=max_tokens, stream=True, grammar=grammar,
+                                           **sampling_keywords(args))
+        else:
+            chunks = llm.create_chat_completion(messages, max_tokens=max_tokens, stream=True, grammar=grammar,
+                                                **sampling_keywords(args))
+        for chunk in chunks:
+            choice = chunk["choices"][0]
+            piece = choice["text"] if messages is None else choice["delta"].get("content") or ""
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            finish = choice.get("finish_reason") or finish
+            n_generated += 1
+    except (HobbitError, ValueError) as e:  # ValueError: llama_cpp's "exceed context window"
         sys.stdout.write("\n")
-        stats = _run_stats(llm, args.model) | {"seed": args.seed}
+        return fail(str(e) if isinstance(e, HobbitError) else f"{args.model}: {e}")
+    except KeyboardInterrupt:
+        # what was generated stays on screen; no traceback
+        sys.stdout.write("\n")
+        log.info("interrupted")
+        return 130
+    sys.stdout.write("\n")
+    stats = _run_stats(llm, args.model) | {"seed": args.seed}
+    if finish == "length" and (max_tokens is None or stats["n_prompt_tokens"] + stats["n_tokens"] >= llm.n_ctx()):
+        log.info(f"stopped at the end of the context ({llm.n_ctx()} tokens); --ctx-size allows more")
+    log.info(_summary(stats))
     if args.stats_json and (why := write_json(args.stats_json, stats)):
         return fail(why)
     return 0
 
 
-def _chat(llm, args) -> int:
-    """An interactive chat with history: a line from the user, the reply streamed."""
+def _summary(stats: dict) -> str:
+    """The run in one line: speeds, and what the expert cache did."""
+    prompt_s = stats["prefill_ms"] / 1000.0
+    line = (f"decode {stats['decode_tok_s'] or 0:.1f} tok/s, prompt "
+            f"{stats['n_prompt_tokens'] / prompt_s if prompt_s > 0 else 0:.1f} tok/s")
+    if stats["offload"]:
+        selections = stats["expert_hits"] + stats["expert_misses"] + stats["expert_inplace"]
+        line += (f"; experts: {stats['expert_hits'] / selections if selections else 0:.0%} hits, "
+                 f"{stats['bytes_read'] / 2**20:.1f} MB read, cache {stats['budget_bytes'] / 2**20:.1f} MB")
+    return line
+
+
+def _chat(llm, args, grammar) -> int:
+    """An interactive chat with history: a line from the user, the reply streamed. A
+    conversation grown longer than the context loses its oldest turns (the system message
+    stays), and says so."""
     from hobbitpy import HobbitError
 
-    messages = []
+    system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
+    turns = []
     try:
         while True:
             try:
@@ -110,20 +193,40 @@ def _chat(llm, args) -> int:
                 return 0
             if not line.strip():
                 continue
-            messages.append({"role": "user", "content": line})
+            turns.append({"role": "user", "content": line})
+            while True:
+                try:
+                    chunks = llm.create_chat_completion(system + turns, max_tokens=None if args.n_predict == -1 else
+                                                        args.n_predict, stream=True, grammar=grammar,
+                                                        **sampling_keywords(args))
+                    first = next(chunks, None)  # the prompt is checked against the context here
+                    break
+                except ValueError:  # llama_cpp: "Requested tokens (...) exceed context window of ..."
+                    if len(turns) <= 1:
+                        return fail(f"{args.model}: this message alone is longer than the context of {llm.n_ctx()} "
+                                    "tokens; use a larger --ctx-size")
+                    del turns[:2]  # the oldest exchange
+                    log.info(f"the conversation is longer than the context ({llm.n_ctx()} tokens): its oldest "
+                             "turn is dropped")
             reply = []
-            for chunk in llm.create_chat_completion(messages, max_tokens=args.n_predict, stream=True, **sampling_keywords(args)):
+            for chunk in _chain(first, chunks):
                 piece = chunk["choices"][0]["delta"].get("content") or ""
                 reply.append(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
-            messages.append({"role": "assistant", "content": "".join(reply)})
+            turns.append({"role": "assistant", "content": "".join(reply)})
     except KeyboardInterrupt:
         sys.stdout.write("\n")
         return 130
     except HobbitError as e:  # the model's chat template failed, an expert could not be read
         return fail(f"{args.model}: {e}")
+
+
+def _chain(first, rest):
+    if first is not None:
+        yield first
+    yield from rest
 
 
 def _run_stats(llm, model: str) -> dict:

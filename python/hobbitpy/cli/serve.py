@@ -19,7 +19,8 @@ def add_parser(sub) -> None:
     p.add_argument("--ctx", type=int, default=None, help="context length in tokens (default: the model's training context)")
     p.add_argument("--threads", type=threads_arg, default=os.cpu_count() or 1, help="CPU threads (default: all cores)")
     add_gpu_layers_arg(p)
-    p.add_argument("--alias", help="the model's name in the API (default: the file path)")
+    p.add_argument("--alias", help="the model's id in the API (default: the file's name without .gguf); a request "
+                                   "naming another model is a 404")
     p.add_argument("--chat-format", help="llama-cpp-python chat format (default: the model's template)")
     key = p.add_mutually_exclusive_group()
     key.add_argument("--api-key", help="require this bearer token on every route but /health (visible to `ps`: "

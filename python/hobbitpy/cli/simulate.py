@@ -90,6 +90,8 @@ def _simulate(args) -> int:
           f"{m['n_expert']} experts (top-{m['n_expert_used']}), {m['expert_bytes'] / MB:.2f} MB per expert, "
           f"{m['expert_bytes_total'] / MB:.0f} MB of experts")
     print(format_table(results))
+    for note in _zero_hit_notes(results, m):
+        print(note)
     if t.predicted.shape[2] > 0:
         from hobbitpy.shallow_layers import layer_prediction_accuracy, shallow_boundary
 
@@ -114,3 +116,20 @@ def _simulate_neurons(t, args) -> int:
     if args.json and (why := write_json(args.json, [r.as_dict() for r in results])):
         return fail(why)
     return 0
+
+
+def _zero_hit_notes(results, meta) -> list[str]:
+    """Why a policy hit nothing: a cache with fewer slots than one token selects over every
+    layer is cycled through by each token, so LRU (and its kind) evict an expert before the
+    next token can want it again."""
+    per_token = meta["n_expert_used"] * meta["n_moe_layer"]
+    notes = []
+    for budget in dict.fromkeys(r.budget_mb for r in results):
+        zero = [r.policy for r in results if r.budget_mb == budget and r.accesses and r.hit_ratio == 0]
+        n_slot = next(r.n_slot for r in results if r.budget_mb == budget)
+        if zero and n_slot < per_token:
+            notes.append(f"at {budget:g} MB, {', '.join(zero)} hit nothing: the cache's {n_slot} slots are fewer than "
+                         f"the {per_token} experts one token selects over all layers ({meta['n_expert_used']} in each "
+                         f"of {meta['n_moe_layer']}), so each expert is evicted before the next token wants it")
+    return notes
+

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from hobbitpy.trace import record_trace
+from hobbitpy.trace import TRACE_CTX, record_trace
 
 from .common import default_of, fail, threads_arg
 
@@ -22,7 +22,8 @@ def add_parser(sub) -> None:
                    help="tokens to generate per prompt (default %(default)s)")
     p.add_argument("--lookahead", type=int, default=default_of(record_trace, "lookahead"),
                    help="layers ahead to record router predictions for (0-4; default %(default)s)")
-    p.add_argument("--ctx", type=int, default=default_of(record_trace, "n_ctx"), help="context length (default %(default)s)")
+    p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=default_of(record_trace, "n_ctx"),
+                   help=f"context length (default: the model's training context, at most {TRACE_CTX})")
     p.add_argument("--threads", type=threads_arg, default=os.cpu_count() or 1)
     p.add_argument("--neurons", metavar="THETA[,THETA...]", default=None,
                    help="also measure CORM's neuron sparsity at these thresholds (e.g. 0.1,0.175,0.25,0.35): per "
