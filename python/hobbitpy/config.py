@@ -138,6 +138,7 @@ class Option:
     group: str | None = None       # flags of one group exclude each other
     alias: tuple[str, object] | None = None  # another flag that sets a fixed value (--prefetch = --prefetch-layers 1)
     default_text: str | None = None  # how the default reads in help, where the value alone says little
+    brief: str | None = None       # the flag's one line in --help, where help is longer (docs/OPTIONS.md has help)
 
 
 def option(default, help: str, **kw):
@@ -235,20 +236,21 @@ class OffloadConfig:
     (`hobbitpy options` prints them all; docs/OPTIONS.md is that table)."""
 
     enabled: bool = option(True, "run stock llama.cpp instead (every expert mapped from the file): the reference",
-                           flag="--no-offload", negate=True, group="memory")
+                           flag="--no-offload", negate=True, group="memory", brief="stock llama.cpp (the reference)")
     cache_mb: float | None = option(None, "expert cache budget in MiB", flag="--cache-mb", group="memory", parse="float",
-                                    default_text="sized from the memory available (cgroup limit or MemAvailable)")
+                                    default_text="sized from the memory available (cgroup limit or MemAvailable)",
+                                    metavar="MB", brief="expert cache in MiB (default: what memory allows)")
     auto: bool = option(True, "serve the model's own experts only (stock's logits bit for bit), instead of what runs "
                               "by default when they do not all fit and nothing else is asked for (no --cache-mb, "
                               "precision level, preset or profile): the experts the routers weigh most on a "
                               "calibration text that ships with hobbitpy at the model's precision and the rest from a "
                               "Q2_K copy (every expert resident where the copy fits), when on that text its next-token "
                               f"distributions stay within {MAX_MEAN_KL} nats of the model's (lossy; default_ladder.py)",
-                        flag="--exact", negate=True)
+                        flag="--exact", negate=True, brief="the model's own experts: stock's logits bit for bit")
     prepare: bool = option(True, "do not make the Q2_K copy of the experts that the default ladder needs when it is "
                                  "missing (it is made next to the model on first use, the disk it needs checked "
                                  "first): without it, the model's own experts are served",
-                           flag="--no-prepare", negate=True)
+                           flag="--no-prepare", negate=True, brief="never make the default's Q2_K copy of the experts")
     prefetch_layers: int = option(
         _C_DEFAULTS.prefetch_layers, "during decode, also prefetch the experts the next P layers' routers pick on "
         "the current layer's input, one layer deeper only while those predicted are all cached (HOBBIT's adaptive "

@@ -62,7 +62,7 @@ def test_grammar_and_json_schema_constrain_the_output_and_a_bad_one_is_one_line(
 def test_every_run_ends_with_a_summary_and_the_first_says_how_to_see_offloading(model_dir):
     whole = hobbitpy_cli("run", MODEL, "-p", PROMPT, "-n", "4", "--temp", "0")
     assert whole.returncode == 0, whole.stderr
-    assert "--cache-mb N or --memory N runs the experts through a cache" in whole.stderr
+    assert "--cache-mb N runs the experts through a cache of N MB instead" in whole.stderr
     assert "decode" in whole.stderr.splitlines()[-1] and "tok/s, prompt" in whole.stderr.splitlines()[-1]
     cached = hobbitpy_cli("run", MODEL, "-p", PROMPT, "-n", "4", "--temp", "0", "--cache-mb", "8")
     last = cached.stderr.splitlines()[-1]
@@ -154,3 +154,17 @@ def test_tune_says_nothing_fits_before_it_makes_a_file(tmp_path):
     proc = hobbitpy_cli("tune", model, "--text", text, "--memory", "20", "--threads", "2")
     assert proc.returncode == 2 and "nothing can fit" in proc.stderr, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "t.txt"]
+
+
+def test_run_help_shows_what_a_person_needs_first():
+    """Model, prompt, generation, sampling, memory and output flags in the first 60 lines of
+    `run --help`; the papers' techniques after them."""
+    proc = hobbitpy_cli("run", "--help")
+    assert proc.returncode == 0
+    first = "\n".join(proc.stdout.splitlines()[:60])
+    for flag in ("--model", "--prompt", "--file", "--chat", "--system-prompt", "--n-predict", "--ctx-size", "--threads",
+                 "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--reverse-prompt", "--seed",
+                 "--grammar", "--cache-mb", "--no-offload", "--exact", "--preset", "--no-echo", "--stats-json", "--quiet"):
+        assert flag in first, flag
+    assert "--prefetch-layers" not in first and "--prefetch-layers" in proc.stdout
+

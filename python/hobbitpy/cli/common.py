@@ -43,8 +43,7 @@ def finite_arg(text: str) -> float:
 
 def add_gpu_layers_arg(p) -> None:
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=None, metavar="N",
-                   help="layers whose non-expert weights go to the GPU, as llama.cpp's -ngl (-1: all; default: all "
-                        "when a GPU is usable, else none); the experts' pools are on the GPU whenever there is one")
+                   help="layers on the GPU (-1: all; default: all with a GPU)")
 
 
 def gpu_layers(args) -> int:
@@ -55,18 +54,20 @@ def gpu_layers(args) -> int:
 
 def add_sampling_args(p) -> None:
     g = p.add_argument_group("sampling (llama.cpp's names and defaults)")
-    g.add_argument("--temp", type=finite_arg, default=0.8, help="temperature; 0 = greedy and deterministic (default 0.8)")
-    g.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens; 0 = all (default 40)")
-    g.add_argument("--top-p", type=finite_arg, default=0.95, help="nucleus sampling threshold (default 0.95)")
-    g.add_argument("--min-p", type=finite_arg, default=0.05, help="drop tokens below this share of the best one's probability (default 0.05)")
-    g.add_argument("--repeat-penalty", type=finite_arg, default=1.0, help="penalty for repeated tokens; 1 = none (default 1.0)")
-    g.add_argument("--presence-penalty", type=finite_arg, default=0.0,
-                   help="penalty for a token that appeared at all; 0 = none (default 0)")
-    g.add_argument("--frequency-penalty", type=finite_arg, default=0.0,
-                   help="penalty per earlier appearance of a token; 0 = none (default 0)")
+    g.add_argument("--temp", type=finite_arg, default=0.8, metavar="T", help="temperature; 0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, default=40, metavar="K", help="sample among the k likeliest; 0 = all (default 40)")
+    g.add_argument("--top-p", type=finite_arg, default=0.95, metavar="P", help="nucleus sampling threshold (default 0.95)")
+    g.add_argument("--min-p", type=finite_arg, default=0.05, metavar="P",
+                   help="drop tokens below P times the best one (default 0.05)")
+    g.add_argument("--repeat-penalty", type=finite_arg, default=1.0, metavar="X",
+                   help="penalty for repeated tokens; 1 = none (default 1)")
+    g.add_argument("--presence-penalty", type=finite_arg, default=0.0, metavar="X",
+                   help="penalty for a token seen at all (default 0)")
+    g.add_argument("--frequency-penalty", type=finite_arg, default=0.0, metavar="X",
+                   help="penalty per earlier use of a token (default 0)")
     g.add_argument("-r", "--reverse-prompt", "--stop", dest="stop", action="append", default=None, metavar="TEXT",
                    help="stop at this text (repeatable)")
-    g.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (default: a random one each run)")
+    g.add_argument("-s", "--seed", type=int, default=None, metavar="N", help="sampling seed (default: a new one each run)")
 
 
 def add_verbosity_args(p) -> None:
@@ -156,6 +157,8 @@ def _help(f) -> str:
     from hobbitpy.config import default_text, option_of
 
     opt = option_of(f)
+    if opt.brief is not None:
+        return opt.brief.replace("%", "%%")
     if opt.negate or f.default is False:
         return opt.help
     return f"{opt.help} (default: {default_text(f)})".replace("%", "%%")
@@ -166,19 +169,48 @@ def _dest(f) -> str:
     return f"offload_{f.name}"
 
 
+# the offload flags a user needs first (how much memory, or none of it); the rest are the
+# papers' techniques
+MEMORY_FLAGS = ("--no-offload", "--cache-mb", "--exact", "--no-prepare")
+
+
 def add_offload_args(p) -> None:
     """The flags that choose how experts are served (run, eval, serve, and bench's --config),
     made from OffloadConfig's Options; each is None unless given, so that a profile and the
     built-in defaults can lie under it."""
+    add_memory_args(p)
+    add_technique_args(p)
+
+
+def add_memory_args(p) -> None:
+    """MEMORY_FLAGS, the profile and the presets, in a group of their own."""
+    from hobbitpy.presets import PRESETS
+
+    g = p.add_argument_group("memory (by default, what the run finds)")
+    _add_option_flags(g, lambda flag: flag in MEMORY_FLAGS)
+    prof = g.add_mutually_exclusive_group()
+    prof.add_argument("--profile", metavar="FILE",
+                      help="settings of `hobbitpy tune` (MODEL.hobbit-profile.json applies by itself; flags win)")
+    prof.add_argument("--no-profile", action="store_true", help="ignore the profile next to the model")
+    g.add_argument("--preset", choices=tuple(PRESETS), metavar="NAME",
+                   help=f"one paper's method: {', '.join(PRESETS)} (flags win; no profile)")
+
+
+def add_technique_args(p) -> None:
+    """The other offload flags: the papers' techniques, each with one line (docs/OPTIONS.md has more)."""
+    g = p.add_argument_group("expert cache: the papers' techniques (docs/OPTIONS.md)")
+    _add_option_flags(g, lambda flag: flag not in MEMORY_FLAGS)
+
+
+def _add_option_flags(p, wanted) -> None:
     import dataclasses
 
     from hobbitpy.config import OffloadConfig, option_of
-    from hobbitpy.presets import PRESETS
 
     groups = {}
     for f in dataclasses.fields(OffloadConfig):
         opt = option_of(f)
-        if opt.flag is None:
+        if opt.flag is None or not wanted(opt.flag):
             continue
         target = p
         if opt.group is not None:
@@ -197,14 +229,6 @@ def add_offload_args(p) -> None:
             alias, value = opt.alias
             target.add_argument(alias, action="store_const", const=value, dest=_dest(f),
                                 help=f"the same as {opt.flag} {value}")
-    prof = p.add_mutually_exclusive_group()
-    prof.add_argument("--profile", metavar="FILE",
-                      help="settings from a profile written by `hobbitpy tune` or `calibrate` (run applies "
-                           "MODEL.hobbit-profile.json by itself); flags given here win over it")
-    prof.add_argument("--no-profile", action="store_true", help="ignore the profile next to the model")
-    p.add_argument("--preset", choices=tuple(PRESETS),
-                   help="every setting of one paper's method (docs/OPTIONS.md); flags given here win over it, and "
-                        "the profile next to the model is not applied")
 
 
 def offload_config_from_args(args, model_path: str | None = None, *, auto_profile: bool = False):

@@ -5,40 +5,44 @@ from __future__ import annotations
 import os
 import sys
 
-from .common import (add_gpu_layers_arg, add_offload_args, add_sampling_args, add_verbosity_args, default_model, fail,
-                    gpu_layers, json_target_error, log, offload_config_from_args, sampling_error, sampling_keywords,
-                    threads_arg, write_json)
+from .common import (add_gpu_layers_arg, add_memory_args, add_sampling_args, add_technique_args, add_verbosity_args,
+                    default_model, fail, gpu_layers, json_target_error, log, offload_config_from_args, sampling_error,
+                    sampling_keywords, threads_arg, write_json)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("run", help="generate text from a prompt, or chat",
-                       description="Generate text from a prompt (or chat with --chat); routed experts run through a "
-                                   "budgeted expert cache. Flags as llama.cpp names them.")
-    p.add_argument("model", nargs="?", help="GGUF model file (default: the small mixtral-style model shipped with hobbitpy)")
-    p.add_argument("-m", "--model", dest="model_flag", metavar="FILE", help="the model, as llama.cpp takes it")
-    what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("-p", "--prompt", help="prompt text")
+    p = sub.add_parser("run", help="generate text from a prompt, or chat", add_help=False,
+                       usage="hobbitpy run [-m] MODEL (-p PROMPT | -f FILE | --chat) [options]",
+                       description="Generate text from a prompt, or chat, with llama.cpp's flags.")
+    model = p.add_argument_group("model and prompt")
+    model.add_argument("model", nargs="?", help="GGUF model file (default: the small one shipped here)")
+    model.add_argument("-m", "--model", dest="model_flag", metavar="FILE", help="the model, as llama.cpp takes it")
+    what = model.add_mutually_exclusive_group(required=True)
+    what.add_argument("-p", "--prompt", metavar="TEXT", help="prompt text")
     what.add_argument("-f", "--file", metavar="FILE", help="read the prompt from FILE")
-    what.add_argument("--chat", action="store_true", help="an interactive chat with history (Ctrl-D or Ctrl-C ends it)")
-    p.add_argument("-sys", "--system-prompt", metavar="TEXT",
-                   help="a system message: the prompt (or the chat) goes to the model as a conversation")
-    p.add_argument("-n", "--n-predict", type=int, default=64,
-                   help="tokens to generate (per reply with --chat); -1: until the end of the text or of the context "
-                        "(default 64)")
+    what.add_argument("--chat", action="store_true", help="a chat with history (Ctrl-D ends it)")
+    model.add_argument("-sys", "--system-prompt", metavar="TEXT", help="a system message: the prompt goes as a chat")
+    generation = p.add_argument_group("generation")
+    generation.add_argument("-n", "--n-predict", type=int, default=64, metavar="N",
+                            help="tokens to generate (64); -1: to the end or the context")
+    generation.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=None, metavar="N",
+                            help="context length (default: the model's training one)")
+    generation.add_argument("-t", "--threads", type=threads_arg, default=os.cpu_count() or 1, metavar="N",
+                            help="CPU threads (default: all cores)")
+    add_gpu_layers_arg(generation)
     add_sampling_args(p)
     g = p.add_argument_group("constrained output")
     shape = g.add_mutually_exclusive_group()
     shape.add_argument("--grammar", metavar="GBNF", help="sample only text this GBNF grammar allows")
     shape.add_argument("--grammar-file", metavar="FILE", help="the GBNF grammar from FILE")
     shape.add_argument("-j", "--json-schema", metavar="SCHEMA", help="sample only JSON of this JSON schema")
-    p.add_argument("-t", "--threads", type=threads_arg, default=os.cpu_count() or 1, help="CPU threads (default: all cores)")
-    p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=None,
-                   help="context length in tokens (default: the model's training context)")
-    add_gpu_layers_arg(p)
-    p.add_argument("--no-echo", action="store_true", help="print only the generated text, not the prompt before it")
-    add_offload_args(p)
-    p.add_argument("--stats-json", metavar="FILE", help="write run statistics as JSON to FILE (a new file)")
-    add_verbosity_args(p)
+    add_memory_args(p)
+    output = p.add_argument_group("output")
+    output.add_argument("-h", "--help", action="help", help="show this help")
+    output.add_argument("--no-echo", action="store_true", help="print the generated text only, not the prompt")
+    output.add_argument("--stats-json", metavar="FILE", help="the run's statistics as JSON to FILE (a new file)")
+    add_verbosity_args(output)
+    add_technique_args(p)
     p.set_defaults(func=_run)
 
 
@@ -95,7 +99,7 @@ def _run(args) -> int:
     except (ValueError, HobbitError) as e:
         return fail(str(e))
     log.info(llm.offload_plan.reason + ("" if llm.offloaded else
-             "; --cache-mb N or --memory N runs the experts through a cache of that size"))
+             "; --cache-mb N runs the experts through a cache of N MB instead"))
 
     with llm:
         try:
