@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import pathlib
 import re
 import subprocess
@@ -29,9 +30,15 @@ def test_docs_options_page_is_the_table():
     from hobbitpy.presets import presets_table
 
     tables = options_table() + "\n" + presets_table()
-    assert page.endswith(tables), "docs/OPTIONS.md is stale: regenerate it from `hobbitpy options`"
-    p = subprocess.run([sys.executable, "-m", "hobbitpy", "options"], capture_output=True, text=True, timeout=60)
+    assert page.endswith(tables), "docs/OPTIONS.md is stale: regenerate it from `hobbitpy options --markdown`"
+    p = subprocess.run([sys.executable, "-m", "hobbitpy", "options", "--markdown"], capture_output=True, text=True,
+                       timeout=60)
     assert p.returncode == 0 and p.stdout == tables
+    # for a terminal: no line wider than it, every flag and preset named
+    p = subprocess.run([sys.executable, "-m", "hobbitpy", "options"], capture_output=True, text=True, timeout=60,
+                       env=os.environ | {"COLUMNS": "80"})
+    assert p.returncode == 0 and max(map(len, p.stdout.splitlines())) <= 80
+    assert all(option_of(f).flag is None or option_of(f).flag in p.stdout for f in dataclasses.fields(OffloadConfig))
 
 
 def test_every_flag_and_keyword_comes_from_the_table():
