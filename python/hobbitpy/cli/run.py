@@ -91,6 +91,11 @@ def _run(args) -> int:
         if why:
             return fail(why)
 
+    drawn = args.seed is None
+    if drawn:  # llama-cpp-python would sample with the same seed every run
+        import secrets
+
+        args.seed = secrets.randbits(31)
     try:
         n_ctx = args.ctx or hobbitpy.inspect_model(args.model).n_ctx_train or 512
         offload = offload_config_from_args(args, args.model, auto_profile=True)
@@ -107,13 +112,8 @@ def _run(args) -> int:
         except HobbitError as e:
             return fail(f"--grammar{'-file' if args.grammar_file else ''}{' / --json-schema' if args.json_schema else ''}"
                         f": {e}")
-        if args.seed is None:
-            # llama-cpp-python would sample with the same seed every run
-            import secrets
-
-            args.seed = secrets.randbits(31)
-            if args.temp > 0:
-                log.info(f"sampling seed {args.seed} (--seed {args.seed} repeats this run)")
+        if drawn and args.temp > 0:  # said once generation is about to start
+            log.info(f"sampling seed {args.seed} (--seed {args.seed} repeats this run)")
         if args.chat:
             return _chat(llm, args, grammar)
         return _generate(llm, args, grammar)
