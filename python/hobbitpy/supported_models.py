@@ -99,7 +99,7 @@ def models_table() -> str:
     lines += ["", "| expert type | tested |", "|---|---|"]
     for name in EXPERT_TYPES:
         lines.append(f"| `{name}` | exact at a tight budget (one precision) |")
-    lines.append("| a mix by layer (`Q4_K`, `IQ2_XXS`, `Q6_K`, `IQ4_XS`, down projections `Q5_K`) | exact at the "
+    lines.append("| a mix by layer (`Q4_K`, `IQ3_S`, `Q6_K`, `IQ4_XS`, down projections `Q5_K`) | exact at the "
                  "minimum and at half the experts, with one level and with two |")
     return "\n".join(lines) + "\n"
 
