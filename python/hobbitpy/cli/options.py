@@ -40,11 +40,11 @@ def terminal_listing(width: int) -> str:
         opt = option_of(f)
         flag = (opt.flag + (f" {opt.metavar}" if opt.metavar else "")) if opt.flag else "(Python and profiles only)"
         default = "on" if f.default is True else "off" if f.default is False else default_text(f)
-        out.append(f"{flag}  ({f.name}; default {default})")
+        out += textwrap.wrap(f"{flag}  ({f.name}; default {default})", width, subsequent_indent=indent)
         out += textwrap.wrap(opt.help, width, initial_indent=indent, subsequent_indent=indent)
     out += ["", "presets (--preset NAME):", ""]
     for name, preset in PRESETS.items():
-        out.append(name)
+        out.append(name[:width])
         settings = ", ".join(f"{k}={v}" for k, v in preset.settings.items())
         out += textwrap.wrap(f"{preset.what} ({settings})", width, initial_indent=indent, subsequent_indent=indent)
     return "\n".join(out) + "\n"

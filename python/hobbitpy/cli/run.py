@@ -127,7 +127,10 @@ def _generate(llm, args, grammar) -> int:
     messages = None
     if args.system_prompt is not None:
         messages = [{"role": "system", "content": args.system_prompt}, {"role": "user", "content": args.prompt}]
-    n_prompt = len(llm.tokenize(args.prompt.encode("utf-8"), add_bos=True, special=True))
+    try:
+        n_prompt = len(llm.tokenize(args.prompt.encode("utf-8"), add_bos=True, special=True))
+    except HobbitError as e:  # a character the vocabulary cannot encode
+        return fail(str(e))
     if messages is None and n_prompt >= llm.n_ctx():
         return fail(f"{args.model}: the prompt is {n_prompt} tokens, as long as the context of {llm.n_ctx()} or longer; "
                     "use a larger --ctx-size or a shorter prompt")
