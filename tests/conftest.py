@@ -41,6 +41,13 @@ def model_dir(tmp_path_factory) -> pathlib.Path:
 _built: dict[tuple, pathlib.Path] = {}
 
 
+def fast_first(values, keep: int = 1) -> list:
+    """Parameters whose first `keep` run in the README's test command and the rest in the slow
+    run (the same check on other architectures or shapes: CI runs them all)."""
+    return [v if i < keep else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
+            for i, v in enumerate(values)]
+
+
 def tiny_model(model_dir: pathlib.Path, arch: str = "llama", **kw) -> pathlib.Path:
     """Build (once per session) a tiny MoE of this arch and shape."""
     key = (arch, tuple(sorted(kw.items())))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from conftest import MB, run_logits, tiny_model
+from conftest import MB, fast_first, run_logits, tiny_model
 from hobbitpy.inflate import inflate
 
 CASES = {
@@ -26,7 +26,7 @@ def same_bits(a, b) -> bool:
     return np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", fast_first(list(CASES), keep=2))
 def test_inflated_logits_are_identical(model_dir, tmp_path, case):
     arch, kw, n_ff = CASES[case]
     src = tiny_model(model_dir, arch, **kw)
@@ -83,7 +83,7 @@ def test_cli_and_bad_input(model_dir, tmp_path):
     assert not (tmp_path / "narrow.gguf").exists() and not (tmp_path / "odd.gguf").exists()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt-oss"])
+@pytest.mark.parametrize("arch", fast_first(["llama", "gpt-oss"]))
 def test_a_padded_hidden_size_keeps_the_logits_bit_for_bit(model_dir, tmp_path, arch):
     from hobbitpy.inflate import pad_embedding
 

@@ -6,6 +6,7 @@ import gguf
 import pytest
 
 import hobbitpy
+from conftest import fast_first
 from hobbitpy.synthetic_moe import make_synthetic_moe
 
 
@@ -21,7 +22,7 @@ def test_deterministic_and_shaped(tmp_path):
     assert [int(x) for x in up.shape] == [64, 96, 6]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2moe", "gpt-oss"])
+@pytest.mark.parametrize("arch", fast_first(["llama", "qwen2moe", "gpt-oss"]))
 def test_each_arch_generates_text(tmp_path, arch):
     path = make_synthetic_moe(tmp_path / f"{arch}.gguf", arch)
     with hobbitpy.Llama(path, offload=hobbitpy.OffloadConfig(enabled=False), n_ctx=64, verbose=False) as llm:

@@ -10,7 +10,7 @@ import pytest
 import hobbitpy
 from hobbitpy.config import MODES
 from hobbitpy.disk import drop_from_page_cache
-from conftest import ARCHES, CONTINUATION, MB, PROMPT, reference, run_logits, tiny_model
+from conftest import ARCHES, CONTINUATION, MB, PROMPT, identical_companion, reference, run_logits, tiny_model
 
 
 @pytest.mark.parametrize("mode", ["cooperative", "auto", "balanced"])
@@ -53,7 +53,6 @@ def test_balanced_splits_misses_both_ways(model_dir, arch):
 
 
 def test_cooperative_with_prefetch_and_mixed_precision(model_dir):
-    from conftest import identical_companion
 
     path = tiny_model(model_dir, "llama", n_layer=6)
     low = identical_companion(path, model_dir / f"{path.stem}.copy.gguf")

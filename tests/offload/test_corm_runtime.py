@@ -10,13 +10,12 @@ import pytest
 
 import hobbitpy
 from hobbitpy.cli import main as cli_main
-from conftest import ARCHES, EVAL_TEXT, MB, evaluate_text, run_logits, tiny_model
+from conftest import ARCHES, BUDGETS, EVAL_TEXT, MB, evaluate_text, fast_first, reference, run_logits, tiny_model
 
-from conftest import BUDGETS, reference
 
 
 @pytest.mark.parametrize("budget", ["min", "half", "all"])
-@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("arch", fast_first(ARCHES))
 def test_theta_zero_keeps_every_neuron_bit_for_bit(model_dir, arch, budget):
     path = tiny_model(model_dir, arch)
     ref_scores, ref_text, _, info = reference(path)
@@ -76,7 +75,7 @@ def test_the_corm_preset_and_its_flags_on_the_command_line(model_dir, tmp_path, 
         assert len(err) == 1 and "neuron" in err[0], err
 
 
-@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("arch", fast_first(ARCHES))
 def test_a_generation_whose_last_layer_computes_only_the_output_row(model_dir, arch):
     """A prompt's last layer computes only the rows that have outputs: the prediction takes the
     same rows of the previous MoE layer's input. θ = 0 prints stock's greedy text; θ > 0 runs."""

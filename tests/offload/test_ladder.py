@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from conftest import ARCHES, MB, run_logits, tiny_model
+from conftest import (ARCHES, EXPERT_SUFFIXES, MB, assert_bit_equal, fast_first, identical_companion, reference,
+                      run_logits, tiny_model)
 from hobbitpy.quants import make_uniform_quant
-from conftest import EXPERT_SUFFIXES, assert_bit_equal, identical_companion, reference
 
 
 def with_garbage_experts(model: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
@@ -30,7 +30,7 @@ def with_garbage_experts(model: pathlib.Path, out: pathlib.Path) -> pathlib.Path
     return out
 
 
-@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("arch", fast_first(ARCHES))
 def test_high_companion_serves_every_expert_and_the_model_experts_are_never_read(model_dir, arch):
     path = tiny_model(model_dir, arch)
     high = identical_companion(path, model_dir / f"{path.stem}.high.gguf")

@@ -14,9 +14,8 @@ import pytest
 import hobbitpy
 from hobbitpy.cli import main as cli_main
 from hobbitpy.prepare import prepare_companion
-from conftest import EVAL_TEXT, MB, evaluate_text, run_logits, tiny_model
+from conftest import EVAL_TEXT, MB, evaluate_text, fast_first, reference, run_logits, tiny_model
 
-from conftest import reference
 
 
 def _layout(model_dir, path):
@@ -80,7 +79,7 @@ def _with_float_experts(path, out):
     return out
 
 
-@pytest.mark.parametrize("arch,budget", [("llama", "half"), ("gpt-oss", "half"), ("llama", "minimum")])
+@pytest.mark.parametrize("arch,budget", fast_first([("llama", "half"), ("gpt-oss", "half"), ("llama", "minimum")]))
 def test_theta_zero_reads_every_neuron_and_computes_the_experts(model_dir, arch, budget):
     """Every neuron read and kept, down through the runtime's kernel: about as close to the
     experts' exact product (their F32 twin on stock) as stock's own Q8_0 kernels come, which

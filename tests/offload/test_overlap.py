@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from conftest import MB, run_logits, tiny_model
+from conftest import MB, fast_first, identical_companion, run_logits, tiny_model
 
 # prefetch is what these tests measure: with memory to spare, auto mode would compute the
 # (page-cached) experts in place and have nothing to prefetch
@@ -77,7 +77,6 @@ def test_prefetch_never_reads_an_expert_twice_when_all_fit(model_dir):
 
 
 def test_mixed_precision_prefetch_is_exact_with_identical_levels(model_dir):
-    from conftest import identical_companion
 
     path = tiny_model(model_dir, "llama", n_layer=6)
     low = identical_companion(path, model_dir / f"{path.stem}.copy.gguf")
@@ -111,7 +110,7 @@ def test_widened_prefetch_is_exact_and_fetches_past_the_top_k(model_dir):
         hobbitpy.OffloadConfig(prefetch_width=-2)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2moe", "gpt-oss"])
+@pytest.mark.parametrize("arch", fast_first(["llama", "qwen2moe", "gpt-oss"]))
 def test_a_long_prompt_keeps_experts_from_one_ubatch_to_the_next(model_dir, arch):
     # a prompt of 4 ubatches, each selecting (nearly) every expert of every layer, through a
     # pool of 3 of the 4 layers' experts (the layer computing, the next one loading, one

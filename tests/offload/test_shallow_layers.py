@@ -13,13 +13,14 @@ from hobbitpy.config import PREFILL_ORDERS, OffloadConfig
 from hobbitpy.errors import BudgetError
 from hobbitpy.presets import FATE_LOW_SHARE, preset_settings
 
-from conftest import ARCHES, CONTINUATION, MB, PROMPT, hand_trace, run_logits, tiny_model
+from conftest import (ARCHES, CONTINUATION, MB, PROMPT, fast_first, hand_trace, identical_companion, run_logits,
+                      tiny_model)
 
 # the fate preset at one precision (its prompts' low-precision share left out): exact
 FATE_EXACT = {k: v for k, v in preset_settings("fate").items() if k not in FATE_LOW_SHARE}
 
 
-@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("arch", fast_first(ARCHES))
 def test_the_fate_preset_is_exact_to_stock(model_dir, arch):
     path = tiny_model(model_dir, arch, n_layer=4)
     info = hobbitpy.inspect_model(path)
@@ -37,7 +38,7 @@ def test_the_fate_preset_is_exact_to_stock(model_dir, arch):
 
 
 @pytest.mark.parametrize("order", PREFILL_ORDERS)
-@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("arch", fast_first(ARCHES))
 def test_a_prompt_wider_than_the_pools_loads_the_next_layer_in_either_order_exactly(model_dir, arch, order):
     # Q4_K experts are repacked for the CPU's kernels and never run in place: a prompt wider
     # than a layer's pool goes through it in waves, and while a layer computes the next one's
@@ -89,9 +90,8 @@ def _fate_with_low_copies(path, low, share: float, **kw) -> OffloadConfig:
                             "level_shares": (0.75, 0.25), "prefill_low_share": share, **kw})
 
 
-@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("arch", fast_first(ARCHES))
 def test_a_prompt_serves_its_least_popular_experts_from_the_low_level_and_decode_never(model_dir, arch):
-    from conftest import identical_companion
 
     # the low level holds byte copies of the experts: which level serves what is seen in the
     # counters while the logits stay stock's (the plumbing checked exactly)
@@ -125,7 +125,6 @@ def test_a_prompt_serves_its_least_popular_experts_from_the_low_level_and_decode
 
 @pytest.mark.parametrize("share", [0.0, 0.3])
 def test_a_prompt_wider_than_the_high_pools_runs_in_waves_with_exact_hits(model_dir, share):
-    from conftest import identical_companion
 
     # repacked Q4_K experts never run in place: a prompt wider than a layer's slots runs in
     # waves, counted on every level's slots; with hits "exact" and every selection wanting the
@@ -191,7 +190,6 @@ def test_simulate_prints_the_boundary(model_dir, tmp_path):
     import subprocess
     import sys
 
-    from conftest import PROMPT
 
     path = tiny_model(model_dir, "llama", n_layer=4)
     prompts = tmp_path / "p.txt"

@@ -14,7 +14,7 @@ from hobbitpy.placement import expert_popularity
 from hobbitpy.presets import preset_settings
 from hobbitpy.trace import record_trace
 
-from conftest import ARCHES, MB, PROMPT, tiny_model
+from conftest import ARCHES, MB, PROMPT, fast_first, tiny_model
 
 
 def _search(path, offload: OffloadConfig, width: int, n_predict: int = 10):
@@ -28,7 +28,7 @@ def _search(path, offload: OffloadConfig, width: int, n_predict: int = 10):
         return result, after, llm.offload_stats()
 
 
-@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("arch", fast_first(ARCHES))
 def test_beam_search_with_offload_is_stocks(model_dir, arch):
     path = tiny_model(model_dir, arch, n_layer=4)
     info = hobbitpy.inspect_model(path)

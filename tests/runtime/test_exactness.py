@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from conftest import (ARCHES, BUDGETS, MB, assert_bit_equal, identical_companion, prompt_logits, reference, run_logits,
-                      tiny_model)
+from conftest import (ARCHES, BUDGETS, MB, assert_bit_equal, fast_first, identical_companion, prompt_logits,
+                      reference, run_logits, tiny_model)
 from hobbitpy.synthetic_moe import EXPERT_TYPES
 
 # these tests check the pool path: every missed expert is loaded (the cooperative and auto
@@ -91,7 +91,7 @@ def test_mixed_expert_types_get_one_pool_each(model_dir, budget):
 
 
 @pytest.mark.parametrize("budget", list(BUDGETS))
-@pytest.mark.parametrize("arch", ["llama", "gpt-oss"])
+@pytest.mark.parametrize("arch", fast_first(["llama", "gpt-oss"]))
 def test_types_the_cpu_repacks_stay_exact(model_dir, arch, budget):
     # stock llama.cpp repacks Q4_K experts for its AVX2 kernels (CPU_REPACK buffer); the
     # pool uses the same buffer type, so the same kernels and the same bits. Such experts

@@ -15,7 +15,7 @@ import pytest
 import hobbitpy
 from hobbitpy.memory import ContextShape, context_sizes
 
-from conftest import ARCHES, MB, tiny_model
+from conftest import ARCHES, MB, PROMPT, tiny_model
 
 LLAMA_SIZES = """
 import sys, hobbitpy
@@ -135,7 +135,6 @@ def test_stock_logits_do_not_depend_on_the_ubatch(model_dir, arch):
     # what lets the planner narrow a ubatch the caller left open without a bit of difference
     import numpy as np
 
-    from conftest import PROMPT
 
     path = tiny_model(model_dir, arch)
     logits = []
