@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import hobbitpy
 
@@ -127,3 +128,23 @@ def test_every_module_imports_from_its_own_layer_or_below():
     upward = [f"{a} ({names[layer_of[a]]}) -> {b} ({names[layer_of[b]]})" for a, path in files.items()
               for b in sorted(_imports_of(a, path, set(files))) if layer_of[b] > layer_of[a]]
     assert not upward, "imports up the layers: " + "; ".join(upward)
+
+
+def test_the_architecture_picture_is_the_table():
+    """docs/ARCHITECTURE.md draws LAYERS, the top layer first: each layer's lines name its modules."""
+    page = (PACKAGE.parents[1] / "docs" / "ARCHITECTURE.md").read_text()
+    picture = page[page.index("## The Python package in layers"):page.index("## Where each paper's mechanism lives")]
+    rows = {}
+    layer = None
+    for line in picture.splitlines():
+        for name in LAYERS:
+            if line.startswith(" " + name):
+                layer = name
+        if layer is not None and not line.strip().startswith("│"):
+            rows.setdefault(layer, "")
+            rows[layer] += " " + line
+    assert list(rows) == list(reversed(LAYERS))
+    for name, modules in LAYERS.items():
+        for module in modules:
+            shown = module.replace(".*", "/")
+            assert re.search(rf"(?<![\w.]){re.escape(shown)}", rows[name]), (name, module)
