@@ -154,11 +154,41 @@ BUDGETS = {
 EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_up_exps.weight")
 
 
+def copy_gguf(src: pathlib.Path, dst: pathlib.Path, *, arch: str | None = None, keep=lambda name: True,
+              **writer_kw) -> pathlib.Path:
+    """src's metadata and the tensors `keep` accepts, written again by gguf-py (under another
+    architecture's name, its keys renamed, when arch is given; writer_kw to GGUFWriter, e.g.
+    split_max_tensors for llama.cpp's split format). The written path (a split's first part
+    is named by the writer)."""
+    reader = gguf.GGUFReader(src)
+    old = field_value(reader.fields["general.architecture"])[0].decode()
+    arch = arch or old
+    writer = gguf.GGUFWriter(dst, arch, **writer_kw)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value, vtype, sub = field_value(field)
+        if key == "general.alignment":
+            writer.add_custom_alignment(int(value))
+        else:
+            writer.add_key_value(arch + key[len(old):] if key.startswith(old + ".") else key, value, vtype, sub)
+    for t in reader.tensors:
+        if keep(t.name):
+            # t.data of a quantized tensor is its bytes, shaped [..., bytes per row]
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=gguf.GGMLQuantizationType(t.tensor_type))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
 def identical_companion(model: pathlib.Path, out: pathlib.Path, *, drop: str | None = None) -> pathlib.Path:
     """An expert-only GGUF with the model's metadata and byte copies of its expert
     tensors (minus the tensor named drop, to make a broken one)."""
     if out.exists():
         return out
+    return copy_gguf(model, out, keep=lambda name: name.endswith(EXPERT_SUFFIXES) and name != drop)
     reader = gguf.GGUFReader(model)
     arch = field_value(reader.fields["general.architecture"])[0].decode()
     writer = gguf.GGUFWriter(out, arch)

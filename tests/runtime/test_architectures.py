@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import pathlib
 
-import gguf
-import numpy as np
 import pytest
 
 import hobbitpy
-from conftest import ARCHES, MB, assert_bit_equal, hobbitpy_cli, prompt_logits, tiny_model
-from hobbitpy.gguf_fields import field_value
+from conftest import ARCHES, MB, assert_bit_equal, copy_gguf, hobbitpy_cli, prompt_logits, tiny_model
 from hobbitpy.model_file import OFFLOAD_REFUSED
 from hobbitpy.supported_models import models_table
 from hobbitpy.synthetic_moe import ARCH_LAYOUTS, EXPERT_TYPES
@@ -52,30 +49,11 @@ def test_the_models_page_is_the_table_of_what_the_tests_run():
         assert f"`{name}`" in page
 
 
-def _renamed(src: pathlib.Path, dst: pathlib.Path, arch: str) -> pathlib.Path:
-    """src's metadata and tensors under another architecture's name (its keys renamed)."""
-    reader = gguf.GGUFReader(src)
-    old = field_value(reader.fields["general.architecture"])[0].decode()
-    writer = gguf.GGUFWriter(dst, arch)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value, vtype, sub = field_value(field)
-        writer.add_key_value(arch + key[len(old):] if key.startswith(old + ".") else key, value, vtype, sub)
-    for t in reader.tensors:
-        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
-
-
 @pytest.mark.parametrize("arch", list(OFFLOAD_REFUSED))
 def test_an_architecture_the_cache_cannot_serve_is_refused_in_one_line(model_dir, tmp_path, arch):
     """Before llama.cpp loads anything (a file under that architecture's name is enough): one
     line naming the file, the architecture and why, exit 2."""
-    path = _renamed(tiny_model(model_dir, "llama"), tmp_path / f"{arch}.gguf", arch)
+    path = copy_gguf(tiny_model(model_dir, "llama"), tmp_path / f"{arch}.gguf", arch=arch)
     proc = hobbitpy_cli("run", path, "--prompt", "Hi", "-n", "1")
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(f"hobbitpy: error: {path}: a {arch} model: ")

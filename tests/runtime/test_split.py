@@ -15,11 +15,10 @@ import openai
 import pytest
 
 import hobbitpy
-from hobbitpy.gguf_fields import field_value
 from hobbitpy.model_file import model_fingerprint, model_parts
 from hobbitpy.prepare import EXPERT_SUFFIXES, prepare_companion
 
-from conftest import MB, run_logits
+from conftest import MB, copy_gguf, run_logits
 from serving import start_server, stop_server
 
 MODEL = pathlib.Path(__file__).resolve().parents[2] / "models" / "ref-mixtral-Q8_0.gguf"
@@ -31,23 +30,7 @@ def split_model(src: pathlib.Path, name: pathlib.Path, n_parts: int) -> pathlib.
     """`src` written again split into n_parts files, as llama.cpp's gguf-split writes one (the
     metadata in the first, the tensors in order over all, split.* keys in each); returns the
     first part, name's stem + -00001-of-0000N.gguf."""
-    reader = gguf.GGUFReader(src)
-    arch = field_value(reader.fields["general.architecture"])[0].decode()
-    writer = gguf.GGUFWriter(name, arch, split_max_tensors=-(-len(reader.tensors) // n_parts))
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value, vtype, sub_type = field_value(field)
-        if key == "general.alignment":
-            writer.add_custom_alignment(int(value))
-        else:
-            writer.add_key_value(key, value, vtype, sub_type=sub_type)
-    for t in reader.tensors:
-        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    copy_gguf(src, name, split_max_tensors=-(-len(gguf.GGUFReader(src).tensors) // n_parts))
     return name.with_name(f"{name.stem}-00001-of-{n_parts:05d}.gguf")
 
 
