@@ -109,7 +109,16 @@ class Routing:
     seq_start: list[int]   # 1 at the first token of every prompt
 
 
-CONTEXT_PAD = 256  # llama.cpp's llama_context rounds n_ctx up to a multiple of this
+# llama.cpp's llama_context rounds n_ctx up to a multiple of this, while llama_cpp sizes its
+# token arrays by the n_ctx it was given: text past the one asked (within llama.cpp's) overflows
+# them. The commands ask for whole multiples (padded_context); the API takes n_ctx as given, as
+# a smaller context keeps llama_cpp's logits arrays (n_ctx x n_vocab) small under a tight cap
+CONTEXT_PAD = 256
+
+
+def padded_context(n_ctx: int) -> int:
+    """n_ctx rounded up as llama.cpp rounds it."""
+    return -(-n_ctx // CONTEXT_PAD) * CONTEXT_PAD
 
 
 class Llama(llama_cpp.Llama):
@@ -137,11 +146,6 @@ class Llama(llama_cpp.Llama):
         if not 1 <= n_seq_max <= llama_cpp.llama_max_parallel_sequences():
             raise ValueError(f"n_seq_max must be 1..{llama_cpp.llama_max_parallel_sequences()}, got {n_seq_max}")
         keywords = {k: kwargs.pop(k) for k in OFFLOAD_KEYWORDS if k in kwargs}
-        if isinstance(kwargs.get("n_ctx"), int) and kwargs["n_ctx"] > 0:
-            # llama.cpp rounds a context up to a multiple of CONTEXT_PAD; llama_cpp sizes its token
-            # arrays by the n_ctx it is given: given the same, a prompt longer than the one asked
-            # (but within llama.cpp's) cannot overflow them
-            kwargs["n_ctx"] = -(-kwargs["n_ctx"] // CONTEXT_PAD) * CONTEXT_PAD
         for k in kwargs:
             # a misspelling is an error; another unknown keyword goes to llama_cpp.Llama, which
             # ignores it as it always has (its own server passes some: rpc_servers, mul_mat_q)

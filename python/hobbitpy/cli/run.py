@@ -59,6 +59,7 @@ def _run(args) -> int:
     import hobbitpy
     from hobbitpy import HobbitError
     from hobbitpy.grammars import checked_grammar
+    from hobbitpy.llama import padded_context
 
     if args.model_flag is not None:
         if args.model is not None and args.model != args.model_flag:
@@ -97,7 +98,7 @@ def _run(args) -> int:
 
         args.seed = secrets.randbits(31)
     try:
-        n_ctx = args.ctx or hobbitpy.inspect_model(args.model).n_ctx_train or 512
+        n_ctx = padded_context(args.ctx or hobbitpy.inspect_model(args.model).n_ctx_train or 512)
         offload = offload_config_from_args(args, args.model, auto_profile=True)
         llm = hobbitpy.Llama(args.model, offload=offload, n_ctx=n_ctx, n_threads=args.threads, verbose=args.verbose,
                              seed=args.seed, n_gpu_layers=gpu_layers(args))

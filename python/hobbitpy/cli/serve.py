@@ -40,6 +40,7 @@ def add_parser(sub) -> None:
 
 def _serve(args) -> int:
     from hobbitpy import HobbitError, inspect_model
+    from hobbitpy.llama import padded_context
     from hobbitpy.serve import serve
 
     if args.model is None:
@@ -65,6 +66,7 @@ def _serve(args) -> int:
         n_ctx = args.ctx or info.n_ctx_train or 2048
         if n_ctx < 16:
             return fail(f"--ctx must be at least 16, got {n_ctx}")
+        n_ctx = padded_context(n_ctx)
         offload = offload_config_from_args(args, args.model, auto_profile=True)
         log.info(f"serving {args.model} on http://{args.host}:{args.port} (OpenAI API under /v1, /health, /metrics)")
         serve(args.model, offload, host=args.host, port=args.port, n_ctx=n_ctx, n_threads=args.threads,
