@@ -85,8 +85,10 @@ def test_wheel_installs_without_a_compiler_and_is_exact(dist, tmp_path, version)
     assert where[0].startswith(str(venv)), where
     assert where[1] == repr(tuple(int(x) for x in version.split("."))), where
     tests = ROOT / "tests"
-    proc = _run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", tmp_path,
-                 tests / "test_exactness.py", tests / "test_native.py", tests / "test_dropin.py"],
+    # (--confcutdir: tests/conftest.py, above the files' folders, is loaded though the root is elsewhere)
+    proc = _run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", tmp_path, "--confcutdir", tests,
+                 tests / "runtime" / "test_exactness.py", tests / "package" / "test_native.py",
+                 tests / "runtime" / "test_dropin.py"],
                 cwd=tmp_path, env=env, timeout=1800)
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
     sys.stdout.write(proc.stdout[-400:])
