@@ -189,23 +189,6 @@ def identical_companion(model: pathlib.Path, out: pathlib.Path, *, drop: str | N
     if out.exists():
         return out
     return copy_gguf(model, out, keep=lambda name: name.endswith(EXPERT_SUFFIXES) and name != drop)
-    reader = gguf.GGUFReader(model)
-    arch = field_value(reader.fields["general.architecture"])[0].decode()
-    writer = gguf.GGUFWriter(out, arch)
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        value, vtype, sub = field_value(field)
-        writer.add_key_value(name, value, vtype, sub)
-    for t in reader.tensors:
-        if t.name.endswith(EXPERT_SUFFIXES) and t.name != drop:
-            # t.data of a quantized tensor is its bytes, shaped [..., bytes per row]
-            writer.add_tensor(t.name, np.array(t.data), raw_dtype=gguf.GGMLQuantizationType(t.tensor_type))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
 
 
 def assert_bit_equal(scores, ref_scores):
