@@ -97,12 +97,20 @@ class BenchResult:
     stock_compute_ms: float | None = None  # per token, warm and uncapped
     quality: dict | None = None  # tokens scored and the stock perplexity (--quality)
     tuned: dict = field(default_factory=dict)  # per cap: what `tune` chose for its memory (--tune)
+    command: str | None = None  # the command line that ran it, for a report to print above its figures
+    started: str | None = None  # local time, ISO 8601, to the minute
+    finished: str | None = None
 
     def as_dict(self) -> dict:
-        return {"model": self.model, "machine": self.machine, "disk_bytes_per_s": self.disk_bytes_per_s,
+        return {"model": self.model, "command": self.command, "started": self.started, "finished": self.finished,
+                "machine": self.machine, "disk_bytes_per_s": self.disk_bytes_per_s,
                 "disk_direct": self.disk_direct, "cap_method": self.cap_method,
                 "stock_compute_ms": self.stock_compute_ms, "quality": self.quality, "tuned": self.tuned,
                 "rows": self.rows}
+
+
+def now_to_the_minute() -> str:
+    return time.strftime("%Y-%m-%d %H:%M")
 
 
 def _machine() -> dict:
@@ -475,9 +483,14 @@ def score_quality(result: BenchResult, model: str, row_configs: list[list[BenchC
                 # (with what the default added: the run chose it from the memory it found)
                 offload = (dataclasses.replace(cfg.offload_config(s["budget_mb"]), **s["default_settings"])
                            if s["offloaded"] else OffloadConfig(enabled=False))
-                r = evaluate_against(model, reference, offload, n_ubatch=1, n_threads=threads, progress=bar)
-                score = scored[key] = {"perplexity": r.perplexity, "mean_kl": r.mean_kl,
-                                       "top1_agreement": r.top1_agreement, "ppl_increase_se": r.log_ppl_ratio_se}
+                if not offload.lossy:
+                    # one precision, nothing substituted: stock's logits bit for bit (the exactness tests); scoring
+                    # it token by token would price only ubatch 1's order of sums against the batched reference
+                    score = {**stock_scores[STOCK], "exact": True}
+                else:
+                    r = evaluate_against(model, reference, offload, n_ubatch=1, n_threads=threads, progress=bar)
+                    score = scored[key] = {"perplexity": r.perplexity, "mean_kl": r.mean_kl,
+                                           "top1_agreement": r.top1_agreement, "ppl_increase_se": r.log_ppl_ratio_se}
             if score is not None:
                 s.update(score, ppl_increase=score["perplexity"] / reference.perplexity - 1.0)
         mark_dominated(row)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
+import sys
 
 from hobbitpy.bench import TuneRequest, run_bench
 
@@ -143,12 +145,15 @@ def _bench(args) -> int:
         # SIGTERM unwinds like Ctrl-C: the running worker is killed and the cgroup removed
         # (run_bench's finally); only SIGKILL leaves one, removed by the next bench
         signal.signal(signal.SIGTERM, interrupt)
+        command = shlex.join(["hobbitpy", *sys.argv[1:]])
         for model, caps in plans:
+            started = bench.now_to_the_minute()
             result = bench.run_bench(model, configs, caps, repeats=args.repeats, n_predict=args.n_predict,
                                      threads=args.threads, progress=not args.no_progress, quants=quants,
                                      quant_dir=args.quant_dir, quality_text=quality_text,
                                      quality_tokens=args.quality_tokens, tune_request=tune_request,
                                      prompt_tokens=args.prompt_tokens or bench.PROMPT_TOKENS, beams=args.beams)
+            result.command, result.started, result.finished = command, started, bench.now_to_the_minute()
             # one model: its files in the output folder; several: a folder per model
             target = out if len(plans) == 1 else out / pathlib.Path(model).stem
             for path in bench.write_outputs(result, target):
