@@ -29,7 +29,7 @@ static constexpr size_t DIRECT_IO_ALIGN = 4096;
 // device's logical block, 512 bytes on most disks), else a page. Why it matters: a neuron read is a
 // run of a few 8.5 KB neurons, and rounding each to pages reads ~4 KB more per run (7 % of a missed
 // expert on the tall model); at 512-byte granules a neuron layout's runs (aligned so) read only the
-// neurons, straight into the row cache's pages (docs/BENCHMARKS.md, CORM's reads at the disk's granule)
+// neurons, straight into the row cache's pages (docs/BENCHMARKS.md at 5f63b2a, CORM's reads at the disk's granule)
 static void file_direct_io_granules(int fd, uint64_t & offset_granule, uint64_t & memory_granule) {
     offset_granule = memory_granule = DIRECT_IO_ALIGN;
 #if defined(__GLIBC__) && defined(STATX_DIOALIGN)

@@ -94,6 +94,6 @@ private:
 // held are the wrong ones: per byte a gate saves about twice what rows do. Measured on the tall
 // model at cap 0.55 (one invocation each, disk MiB per token): room for the rows at half their
 // neurons, 18 gates, hit 0.33, 44.3; at a fifth, hit 0.48, 48.4; gates first, hit 0.79, 40.6
-// (docs/BENCHMARKS.md, CORM's row readers).
+// (docs/BENCHMARKS.md at 5f63b2a, CORM's row readers).
 bool neuron_rows_split(int64_t bytes, int64_t gate_bytes, int n_ff, uint64_t row_bytes, int n_min, int n_max,
                        int & n_gate_slot, int64_t & n_page);

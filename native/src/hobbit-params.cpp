@@ -149,7 +149,7 @@ struct hobbit_params hobbit_default_params(void) {
     p.skip_cached     = false;
     p.hit_policy      = HOBBIT_HIT_UPGRADE;
     p.warm_low        = true;
-    p.mode            = HOBBIT_MODE_GPU_CENTRIC; // auto measured slower under tight caps (docs/BENCHMARKS.md)
+    p.mode            = HOBBIT_MODE_GPU_CENTRIC; // auto measured slower under tight caps (docs/BENCHMARKS.md at 5f63b2a)
     p.page_cache_room_bytes = -1;
     p.expert_levels   = nullptr;
     p.n_expert_levels = 0;

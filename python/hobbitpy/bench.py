@@ -33,7 +33,7 @@ from .memory_cgroup import MemoryCap
 from .frontier import format_frontier, mark_dominated, plot_frontier
 from .memory import SLACK_BYTES, ContextShape, context_sizes
 from .model_file import inspect_model, model_parts
-from .outputs import write_new
+from .outputs import new_output_error, write_new
 from .quants import default_quant_dir, make_uniform_quant, quant_name
 from .tokens import tokenize_text
 from .tune import SCORING_CTX, measure_text, tune
@@ -595,18 +595,23 @@ def plot(result: BenchResult) -> bytes | None:
     return buf.getvalue()
 
 
-def write_outputs(result: BenchResult, out_dir: pathlib.Path) -> list[pathlib.Path]:
+OUTPUT_NAMES = ("bench.json", "bench.png", "frontier.png")
+
+
+def write_outputs(result: BenchResult, out_dir: pathlib.Path, replace: bool = False) -> list[pathlib.Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    # a new file (never through a symlink planted there, nothing left of a failed write)
-    written.append(write_new(out_dir / "bench.json", json.dumps(result.as_dict(), indent=2) + "\n"))
-    # the pictures too: rendered in memory, then written as new files
+    # a new file, or with replace one renamed over the old (never through a symlink planted there, nothing
+    # left of a failed write)
+    json_name, png_name, frontier_name = OUTPUT_NAMES
+    written.append(write_new(out_dir / json_name, json.dumps(result.as_dict(), indent=2) + "\n", replace))
+    # the pictures too: rendered in memory, then written as the JSON is
     png = plot(result)
     if png is not None:
-        written.append(write_new(out_dir / "bench.png", png))
+        written.append(write_new(out_dir / png_name, png, replace))
     png = None if result.quality is None else plot_frontier(result.rows, pathlib.Path(result.model).name)
     if png is not None:
-        written.append(write_new(out_dir / "frontier.png", png))
+        written.append(write_new(out_dir / frontier_name, png, replace))
     return written
 
 
@@ -615,6 +620,13 @@ def default_out_dir(model: str) -> pathlib.Path:
     return pathlib.Path(f"bench-{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def check_out_dir(path: pathlib.Path) -> None:
-    if path.exists() and any(path.iterdir()):
-        raise HobbitError(f"{path}: the output folder exists and is not empty; bench never overwrites results")
+def check_out_dir(path: pathlib.Path, replace: bool = False) -> None:
+    """Refuse an output folder with files in it, unless replace (then its results are replaced)."""
+    if path.exists() and not path.is_dir():
+        raise HobbitError(f"{path}: exists and is not a folder")
+    if path.exists() and any(path.iterdir()) and not replace:
+        raise HobbitError(f"{path}: the output folder exists and is not empty; bench replaces results only with "
+                          "--force")
+    for name in OUTPUT_NAMES:  # a symlink or a folder at a result's name: refused before the hours of measuring
+        if os.path.lexists(path / name) and (why := new_output_error(path / name, replace)):
+            raise HobbitError(why)

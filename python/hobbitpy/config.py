@@ -18,7 +18,7 @@ MB = 1024 * 1024
 # model's next-token distributions on the calibration text is at most this many nats a token:
 # the perplexity increase to expect where the model predicts the text well, about the 1 %
 # `tune` and the benchmarks hold a lossy configuration to (on ref-mixtral's held-out text,
-# 0.0116 went with +0.83 %, 0.0139 with +1.29 %: docs/BENCHMARKS.md)
+# 0.0116 went with +0.83 %, 0.0139 with +1.29 %: docs/BENCHMARKS.md at 5f63b2a)
 MAX_MEAN_KL = 0.01
 # `serve` refuses a request body larger than this (413) before reading it whole: a 50 MB prompt
 # held 3 GB while llama-cpp-python tokenized it, in a process whose point is a memory budget
@@ -292,7 +292,7 @@ class OffloadConfig:
               "whose |SiLU(W1 x')| is below THETA add nothing, x' the token's input to the previous MoE layer (CORM's "
               "prediction one layer ahead, through the layer's own W1); the paper runs 0.1-0.35. Experts are still "
               "read and multiplied whole, the prediction adds a gate projection; with --neuron-layout they are read "
-              "neuron by neuron instead (docs/BENCHMARKS.md, CORM); 0 keeps every neuron (exact)", flag="--neurons",
+              "neuron by neuron instead (docs/BENCHMARKS.md at 5f63b2a, CORM); 0 keeps every neuron (exact)", flag="--neurons",
         metavar="THETA", parse="float", profile=True, default_text="off (exact)")
     neuron_limit: float = option(NEURON_LIMIT_CORM, "with --neurons: an expert keeping more than this share of its "
                                                     "neurons runs whole (CORM's upper limit)",
@@ -313,7 +313,7 @@ class OffloadConfig:
     row_readers: int = option(
         _C_DEFAULTS.n_row_readers, "with --neuron-layout: threads reading neuron rows beside --io-threads, each with "
         "a 64 KB buffer (counted in the budget): rows are many reads of tens of KB, which a disk serves at its "
-        "bandwidth only with many in flight (docs/BENCHMARKS.md, CORM); 0: the --io-threads read them",
+        "bandwidth only with many in flight (docs/BENCHMARKS.md at 5f63b2a, CORM); 0: the --io-threads read them",
         flag="--row-readers", metavar="N")
     neuron_bridge: int = option(
         _C_DEFAULTS.neuron_bridge, "with --neuron-layout: read a gap of at most N rows between two runs of kept "

@@ -3,7 +3,7 @@ model's experts do not all fit in memory and nothing else was asked for.
 
 Served at one precision, the experts that do not fit are read from the disk, token after
 token: exact, and as slow as the disk. The frontier measured on the reference models
-(docs/BENCHMARKS.md) is elsewhere: the experts the routers weigh most at the model's own
+(docs/BENCHMARKS.md at 5f63b2a) is elsewhere: the experts the routers weigh most at the model's own
 precision and the rest from a low-precision copy (placement.py, HOBBIT's premise placed
 once), every expert in memory where the copy fits, else the copy read through the expert
 cache in fewer bytes than the model's own experts. Whether that ladder costs too much is
@@ -347,7 +347,7 @@ def placed_bytes(info: ModelInfo, budget: int, calibration: Calibration) -> int:
     """The bytes a budget's ladder is placed for: the budget's, or only the low copy's where every
     expert at the low copy measured within the limit. An expert at the model's precision streams
     more bytes a token through the matmuls than its copy, so a ladder keeps no more of them than
-    the limit needs: more memory then never decodes slower (docs/BENCHMARKS.md, the default's
+    the limit needs: more memory then never decodes slower (docs/BENCHMARKS.md at 5f63b2a, the default's
     ladder)."""
     low_total = int(low_copy_layer_bytes(info).sum()) * info.n_expert
     every_low = calibration.verdict(0)

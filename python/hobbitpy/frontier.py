@@ -46,46 +46,94 @@ def format_frontier(row: dict) -> str:
     return "\n".join(lines)
 
 
+def is_stock_run(s: dict) -> bool:
+    """Did stock llama.cpp run it (the model's file or a uniform quant), not hobbitpy?"""
+    return s.get("settings") is None
+
+
+def config_label(s: dict) -> str:
+    """A configuration's name as a reader knows it: stock's runs by the file they ran,
+    hobbitpy's default and tune's pick by what they are, the others by the name their
+    --config gave them."""
+    name = s["config"]
+    if is_stock_run(s):
+        return "stock llama.cpp, the model's file" if name == "stock" else f"stock llama.cpp, a uniform {name} file"
+    return {"default": "hobbitpy's default (no options)", "tuned": "hobbitpy, tune's pick"}.get(name, f"hobbitpy, {name}")
+
+
+def cap_label(row: dict) -> str:
+    """'no cap', '12 GiB', or a fraction of the model's file with its MB."""
+    if not row["cap_mb"]:
+        return "no cap"
+    if not row["cap"][0].isdigit() or row["cap"].endswith("MB"):
+        gib = row["cap_mb"] / 1024
+        return f"{gib:g} GiB" if gib == int(gib) else f"{row['cap_mb']:.0f} MB"
+    return f"{row['cap']} of the file ({row['cap_mb']:.0f} MB)"
+
+
+_STOCK_MARKERS = "osv^<>Dph"
+_OUR_STYLES = [("tab:red", "*"), ("tab:blue", "D"), ("tab:green", "P"), ("tab:purple", "X"), ("tab:orange", "h"),
+               ("tab:brown", "d"), ("tab:pink", "8"), ("tab:olive", "H"), ("tab:cyan", "p")]
+
+
 def plot_frontier(rows: list[dict], title: str) -> bytes | None:
-    """One panel per cap: x = perplexity increase (%), y = decode tok/s (log); stock runs
-    (the model and its uniform quants) joined as a line, hobbitpy configurations as labelled
-    points, as PNG bytes. None if matplotlib is missing or nothing was scored."""
+    """One panel per cap: x = perplexity increase (%), y = decode tok/s (log); stock's runs
+    (the model and its uniform quants) joined as a gray line, hobbitpy's configurations as
+    coloured points. Every point is named in one legend under the panels, so that no label
+    lies on another; a configuration whose every run failed is named in its panel's title.
+    PNG bytes; None if matplotlib is missing or nothing was scored."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib import ticker
     except ImportError:
         return None
     rows = [r for r in rows if any(_point(s) for s in r["configs"])]
     if not rows:
         return None
-    fig, axes = plt.subplots(1, len(rows), figsize=(4.6 * len(rows), 4.2), squeeze=False)
+    styles = {}  # label: plot keywords, the same in every panel
+    for s in (s for r in rows for s in r["configs"]):
+        label = config_label(s)
+        if label in styles:
+            continue
+        if is_stock_run(s):
+            n = sum(1 for st in styles.values() if st["color"] == "gray")
+            styles[label] = {"color": "gray", "marker": _STOCK_MARKERS[n % len(_STOCK_MARKERS)], "markersize": 6}
+        else:
+            n = sum(1 for st in styles.values() if st["color"] != "gray")
+            color, marker = _OUR_STYLES[n % len(_OUR_STYLES)]
+            styles[label] = {"color": color, "marker": marker, "markersize": 10 if marker == "*" else 7}
+    fig, axes = plt.subplots(1, len(rows), figsize=(4.4 * len(rows) + 0.6, 4.6), squeeze=False)
     for ax, row in zip(axes[0], rows):
-        stock = sorted(((s["ppl_increase"] * 100, s["decode_tok_s"], s["config"]) for s in row["configs"]
-                        if _point(s) and not s["offloaded"]), key=lambda p: p[0])
-        ours = [(s["ppl_increase"] * 100, s["decode_tok_s"], s["config"]) for s in row["configs"]
-                if _point(s) and s["offloaded"]]
-        ax.plot([p[0] for p in stock], [p[1] for p in stock], "o-", color="gray", label="stock llama.cpp")
-        for x, y, name in stock:
-            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7, color="gray")
-        ax.plot([p[0] for p in ours], [p[1] for p in ours], "D", color="tab:red", label="hobbitpy")
-        for x, y, name in ours:
-            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color="tab:red")
-        failed = [s["config"] for s in row["configs"] if s.get("decode_tok_s") is None]
-        if failed:
-            ax.text(0.02, 0.02, "every run failed: " + ", ".join(failed), transform=ax.transAxes, fontsize=7,
-                    color="black")
+        scored = [s for s in row["configs"] if _point(s)]
+        stock = sorted((s for s in scored if is_stock_run(s)), key=lambda s: s["ppl_increase"])
+        ax.plot([100 * s["ppl_increase"] for s in stock], [s["decode_tok_s"] for s in stock], "-", color="gray",
+                alpha=0.5, zorder=1)
+        for s in scored:
+            ax.plot([100 * s["ppl_increase"]], [s["decode_tok_s"]], linestyle="none", label=config_label(s),
+                    zorder=2, **styles[config_label(s)])
+        failed = [config_label(s).removeprefix("stock llama.cpp, ") for s in row["configs"]
+                  if s.get("decode_tok_s") is None]
+        ax.set_title(cap_label(row) + ("\nfailed at every run: " + ", ".join(failed) if failed else ""), fontsize=9)
         ax.set_yscale("log")
-        ax.set_xlabel("perplexity increase vs the model (%)")
-        ax.set_title(f"cap {row['cap']}" + (f" ({row['cap_mb']:.0f} MB)" if row["cap_mb"] else ""), fontsize=9)
+        ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.set_xlabel("perplexity over the model's (%)")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("decode tokens/s (median)")
-    axes[0][0].legend(fontsize=8)
-    sep = " " if len(rows) > 1 else "\n"  # one panel is narrower than the title: two lines there
-    fig.suptitle(f"{title}:{sep}quality-speed frontier under a memory cap", fontsize=10)
-    fig.tight_layout()
+    axes[0][0].set_ylabel("decode tokens/s (median of the runs)")
+    handles = {}
+    for ax in axes[0]:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    fig.suptitle(f"{title}: speed and quality under a memory cap (up and left is better)", fontsize=10)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(3, len(handles)), fontsize=8,
+               frameon=False)
+    n_legend_rows = -(-len(handles) // min(3, len(handles)))
+    fig.tight_layout(rect=(0, 0.05 * n_legend_rows + 0.02, 1, 1))
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
     return buf.getvalue()

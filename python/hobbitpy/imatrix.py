@@ -39,16 +39,18 @@ def default_imatrix_path(model_path: str | os.PathLike) -> pathlib.Path:
 
 
 def collect_imatrix(model_path: str | os.PathLike, text_path: str | os.PathLike, out_path: str | os.PathLike | None = None,
-                    *, n_ctx: int | None = None, max_tokens: int | None = None, n_threads: int | None = None) -> pathlib.Path:
+                    *, n_ctx: int | None = None, max_tokens: int | None = None, n_threads: int | None = None,
+                    replace: bool = False) -> pathlib.Path:
     """Run the model (stock llama.cpp, every expert mapped) over the text in windows of n_ctx
     tokens (default 512, at most the model's training context) and write the experts'
-    importance matrix; return its path. Never overwrites."""
+    importance matrix; return its path. A new file (with replace, over a regular file; never
+    through a symlink)."""
     import llama_cpp
     from llama_cpp import _internals
 
     model_path = pathlib.Path(model_path)
     out = default_imatrix_path(model_path) if out_path is None else pathlib.Path(out_path)
-    error = new_output_error(out)  # checked before minutes of work, and again when written
+    error = new_output_error(out, replace)  # checked before minutes of work, and again when written
     if error is not None:
         raise OutputExistsError(error) if os.path.lexists(out) else ValueError(error)
     info = inspect_model(model_path)  # a missing, truncated or foreign file: one clear error
@@ -99,7 +101,7 @@ def collect_imatrix(model_path: str | os.PathLike, text_path: str | os.PathLike,
     entries = _entries(collector)
     if not entries:
         raise HobbitError(f"{model_path}: no expert matmul was seen while decoding; no importance matrix")
-    return write_imatrix(out, entries, dataset=pathlib.Path(text_path).name, chunk_count=n_chunks, chunk_size=n_ctx)
+    return write_imatrix(out, entries, dataset=pathlib.Path(text_path).name, chunk_count=n_chunks, chunk_size=n_ctx, replace=replace)
 
 
 def _entries(collector) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -119,9 +121,9 @@ def _entries(collector) -> dict[str, tuple[np.ndarray, np.ndarray]]:
 
 
 def write_imatrix(out: str | os.PathLike, entries: dict[str, tuple[np.ndarray, np.ndarray]], *, dataset: str,
-                  chunk_count: int, chunk_size: int) -> pathlib.Path:
+                  chunk_count: int, chunk_size: int, replace: bool = False) -> pathlib.Path:
     """Write entries (weight name -> ([n_mat, n_col] sums of squares, [n_mat, 1] token counts))
-    as a new file in llama.cpp's GGUF imatrix layout; never overwrites (outputs.write_new)."""
+    in llama.cpp's GGUF imatrix layout (outputs.write_new: a new file unless replace)."""
     import gguf
 
     with tempfile.TemporaryDirectory() as folder:  # GGUFWriter writes to a path: staged, then written new
@@ -139,7 +141,7 @@ def write_imatrix(out: str | os.PathLike, entries: dict[str, tuple[np.ndarray, n
         writer.write_tensors_to_file()
         writer.close()
         data = staging.read_bytes()
-    return write_new(out, data)
+    return write_new(out, data, replace)
 
 
 def load_imatrix(path: str | os.PathLike) -> dict[str, np.ndarray]:

@@ -36,7 +36,7 @@ from .devices import say_if_gpu_unusable
 from .errors import BudgetError, ExpertReadError, HobbitError, ModelFileError
 from .likelihood import Comparison, Reference, ReferenceTable, compare_to_reference, scoring_windows
 from .memory import (COMPUTE_SHARE, MIN_UBATCH, ContextShape, OffloadPlan, available_memory_bytes, context_sizes,
-                     fit_ubatch, plan_offload, return_freed_memory, whole_memory_budget_mb)
+                     default_context, fit_ubatch, plan_offload, return_freed_memory, whole_memory_budget_mb)
 from .model_file import OFFLOAD_REFUSED, ModelInfo, inspect_model
 from .placement import check_profiles, importance_of, placement_for
 from .profile import resolve_offload
@@ -109,18 +109,6 @@ class Routing:
     seq_start: list[int]   # 1 at the first token of every prompt
 
 
-# llama.cpp's llama_context rounds n_ctx up to a multiple of this, while llama_cpp sizes its
-# token arrays by the n_ctx it was given: text past the one asked (within llama.cpp's) overflows
-# them. The commands ask for whole multiples (padded_context); the API takes n_ctx as given, as
-# a smaller context keeps llama_cpp's logits arrays (n_ctx x n_vocab) small under a tight cap
-CONTEXT_PAD = 256
-
-
-def padded_context(n_ctx: int) -> int:
-    """n_ctx rounded up as llama.cpp rounds it."""
-    return -(-n_ctx // CONTEXT_PAD) * CONTEXT_PAD
-
-
 class Llama(llama_cpp.Llama):
     """A drop-in for ``llama_cpp.Llama`` whose keywords also say how experts are served:
     ``cache_mb``, ``low``, ``mid``, ``high``, ``policy``, ``prefetch_layers``, ``t1``, ``t2``,
@@ -160,6 +148,8 @@ class Llama(llama_cpp.Llama):
         self.read_error: str | None = None  # the last decode's failed expert read, until a decode succeeds
         self._decoding = threading.Lock()
         self.model_info: ModelInfo = inspect_model(model_path)
+        if "n_ctx" not in kwargs and not kwargs.get("vocab_only"):  # llama_cpp's would be 512, whatever the model
+            kwargs["n_ctx"] = default_context(self.model_info, available_memory_bytes(), ContextShape.of(kwargs))
         if offload.enabled and self.model_info.arch in OFFLOAD_REFUSED:
             raise ModelFileError(f"{model_path}: a {self.model_info.arch} model: "
                                  f"{OFFLOAD_REFUSED[self.model_info.arch]}; run it without offload (--no-offload)")

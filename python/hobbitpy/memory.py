@@ -24,7 +24,7 @@ SLACK_BYTES = 24 * MB
 # MB larger than the page cache is missed whole, token after token, under the kernel's LRU.
 # At real size (Qwen3-30B-A3B's shape, 12 GiB cap) the planned process was 20-40 MB larger
 # than its estimate: 770 MB of page faults a token, 0.18-0.24 tok/s against 1.04 at 8 GiB
-# (docs/BENCHMARKS.md). So a budget derived from the memory leaves this share of it free.
+# (docs/BENCHMARKS.md at 5f63b2a). So a budget derived from the memory leaves this share of it free.
 HEADROOM_SHARE = 0.02
 # the O_DIRECT alignment a reader's bounce buffer adds to a slice (hobbit-expert-store.cpp)
 READER_ALIGN_BYTES = 3 * 4096
@@ -87,6 +87,41 @@ def context_sizes(info: ModelInfo, shape: ContextShape) -> ContextSizes:
     # llama.cpp's output buffer, and the rows of llama_cpp's scores array they are copied to
     logits = 2 * n_outputs * info.n_vocab * f32
     return ContextSizes(kv=kv, compute=compute, logits=logits)
+
+
+# The context a model gets when none is asked (run, serve, trace and the API alike): as llama.cpp
+# gives it (n_ctx 0 with --fit), the model's training context, shrunk to fit the memory but not
+# below its fit_params_min_ctx; here the expert cache shares that memory, so the context's
+# buffers may take at most CONTEXT_SHARE of it (a 40,960-token Qwen3-30B-A3B context alone is
+# 3.8 GB of KV cache: a third of a 12 GiB machine, taken from the experts).
+CONTEXT_SHARE = 1 / 8
+MIN_DEFAULT_CTX = 4096  # llama.cpp's fit_params_min_ctx
+CONTEXT_PAD = 256  # llama.cpp rounds a context up to a multiple of this
+
+
+def default_context(info: ModelInfo, available_bytes: int, shape: ContextShape = ContextShape()) -> int:
+    """The model's training context, at most what fits in CONTEXT_SHARE of available_bytes
+    (with shape's batch and logits), at least MIN_DEFAULT_CTX (or the training context, if
+    shorter); a multiple of CONTEXT_PAD."""
+    train = info.n_ctx_train or MIN_DEFAULT_CTX
+    floor = -(-min(train, MIN_DEFAULT_CTX) // CONTEXT_PAD)
+    top = -(-train // CONTEXT_PAD)
+
+    def fits(pads: int) -> bool:
+        return context_sizes(info, dataclasses.replace(shape, n_ctx=pads * CONTEXT_PAD)).total <= CONTEXT_SHARE * available_bytes
+
+    while floor < top:  # the largest multiple that fits: the buffers grow with the context
+        mid = (floor + top + 1) // 2
+        floor, top = (mid, top) if fits(mid) else (floor, mid - 1)
+    return floor * CONTEXT_PAD
+
+
+def padded_context(n_ctx: int) -> int:
+    """n_ctx rounded up as llama.cpp rounds it. llama_cpp sizes its token arrays by the n_ctx
+    it was given, so text past the one asked (within llama.cpp's) would overflow them: the
+    commands ask for whole multiples, while the API takes n_ctx as given (a small context keeps
+    llama_cpp's logits arrays, n_ctx x n_vocab, small under a tight cap)."""
+    return -(-n_ctx // CONTEXT_PAD) * CONTEXT_PAD
 
 
 def headroom_bytes(available: int) -> int:

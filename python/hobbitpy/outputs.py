@@ -2,7 +2,11 @@
 it is new. An existing name, a symlink included (even a dangling one), is refused, checked
 before the work starts (`new_output_error`) and again when written (`write_new`), where the
 content goes to a fresh temporary file in the target folder and is linked to its name —
-a link that fails if the name appeared meanwhile, and never follows a symlink.
+a link that fails if the name appeared meanwhile, and never follows a symlink. With the
+commands' `--force` (`replace=True`) an existing regular file is replaced instead: the
+temporary file is renamed over it, so a reader sees the old file or the new one, never
+half of one; a symlink or a folder of that name is still refused, and a rename replaces
+a link that appeared meanwhile rather than writing through it.
 
 Large files written for minutes (companions, uniform quants, inflated models) go through `partial_output`:
 the partial file carries its writer's process id, so the next run removes what a killed
@@ -76,23 +80,29 @@ def _cause_of_short_write(partial: pathlib.Path) -> OSError | None:
     return None
 
 
-def new_output_error(path: str | os.PathLike) -> str | None:
-    """Why a new file cannot be written at path, or None."""
+def new_output_error(path: str | os.PathLike, replace: bool = False) -> str | None:
+    """Why the file cannot be written at path (a new one, or with replace a regular file
+    replaced), or None."""
     path = os.fspath(path)
-    if os.path.lexists(path):
-        return f"{path}: already exists; hobbitpy never overwrites a file (remove it or choose another name)"
+    if os.path.islink(path):
+        return f"{path}: already exists as a symlink; hobbitpy never writes through one (remove it or choose another name)"
+    if os.path.isdir(path):
+        return f"{path}: already exists as a folder"
+    if os.path.lexists(path) and not (replace and os.path.isfile(path)):
+        return f"{path}: already exists; hobbitpy overwrites a file only with --force (or remove it, or choose another name)"
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         return f"{path}: cannot write there (no such writable directory)"
     return None
 
 
-def write_new(path: str | os.PathLike, data: str | bytes) -> pathlib.Path:
-    """Write data to a new file at path; raises OutputExistsError if the name exists,
+def write_new(path: str | os.PathLike, data: str | bytes, replace: bool = False) -> pathlib.Path:
+    """Write data to a new file at path (with replace, over a regular file of that name);
+    raises OutputExistsError if the name exists (with replace: is a symlink or a folder),
     OutputWriteError (a full disk, a read-only folder) with nothing left behind."""
     path = pathlib.Path(path)
-    if os.path.lexists(path):
-        raise OutputExistsError(new_output_error(path))
+    if os.path.lexists(path) and (why := new_output_error(path, replace)):
+        raise OutputExistsError(why)
     raw = data.encode() if isinstance(data, str) else data
     with _naming_the_output(path):
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
@@ -100,11 +110,17 @@ def write_new(path: str | os.PathLike, data: str | bytes) -> pathlib.Path:
             os.fchmod(fd, 0o666 & ~_umask())  # as open() would create it (mkstemp makes it private)
             with os.fdopen(fd, "wb") as f:
                 f.write(raw)
-            os.link(tmp, path)
+            if replace:
+                os.rename(tmp, path)  # atomic; a symlink that appeared meanwhile is replaced, not followed
+            else:
+                os.link(tmp, path)
         except FileExistsError:
             raise OutputExistsError(new_output_error(path)) from None
+        except IsADirectoryError:
+            raise OutputExistsError(new_output_error(path, replace)) from None
         finally:
-            os.unlink(tmp)
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
     return path
 
 

@@ -16,7 +16,7 @@ import pathlib
 
 from .config import OffloadConfig, option_of, settings_of_json
 from .errors import HobbitError
-from .outputs import OutputExistsError, write_new
+from .outputs import write_new
 from .presets import preset_settings
 
 PROFILE_VERSION = 1
@@ -32,13 +32,10 @@ class Profile:
     settings: dict                 # OffloadConfig fields (PROFILE_SETTINGS)
     calibration: dict = field(default_factory=dict)  # how they were found: perplexities, sweeps, policy search
 
-    def save(self, path: str | os.PathLike) -> pathlib.Path:
-        """Write the profile to a new file (never overwriting, never through a symlink)."""
-        try:
-            return write_new(path, json.dumps({"hobbitpy_profile": PROFILE_VERSION, **asdict(self)}, indent=2) + "\n")
-        except OutputExistsError:
-            raise FileExistsError(f"{path}: already exists; a profile is never overwritten "
-                                  "(remove it or choose --out)") from None
+    def save(self, path: str | os.PathLike, replace: bool = False) -> pathlib.Path:
+        """Write the profile to a new file (with replace, over a regular file; never through a symlink)."""
+        return write_new(path, json.dumps({"hobbitpy_profile": PROFILE_VERSION, **asdict(self)}, indent=2) + "\n",
+                         replace)
 
 
 def resolve_offload(model_path: str | os.PathLike | None, *, profile: str | os.PathLike | None = None,

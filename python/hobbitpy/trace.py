@@ -13,7 +13,7 @@ import numpy as np
 from .config import OffloadConfig
 from .errors import HobbitError
 from .llama import Llama
-from .memory import ContextShape, whole_memory_budget_mb
+from .memory import ContextShape, available_memory_bytes, default_context, whole_memory_budget_mb
 from .model_file import inspect_model
 from .neurons import GateWeights, check_arch, neuron_stats
 from .trace_file import TRACE_VERSION, Trace
@@ -43,7 +43,7 @@ def record_trace(model_path: str | os.PathLike, prompts: list[str], *, n_predict
     neuron_thetas: also measure CORM's neuron statistics at these thresholds (neurons.py;
     SwiGLU models), from the router inputs; keep_inputs: keep those inputs in
     ``trace.inputs`` (float32 [tokens, moe_layers, n_embd]; not saved with the trace).
-    n_ctx: the context (None: the model's training context, at most TRACE_CTX).
+    n_ctx: the context (None: memory.default_context with every row's logits, at most TRACE_CTX).
 
     The run's own cache (cache_mb, policy, shallow_layers: a pool per layer) does not change
     the trace, only how fast it is recorded; its hit and miss counts are kept in
@@ -57,8 +57,9 @@ def record_trace(model_path: str | os.PathLike, prompts: list[str], *, n_predict
     info = inspect_model(model_path)
     if not info.is_moe:
         raise HobbitError(f"{model_path} is a dense model: it has no routing to trace")
-    # a prompt and its generation at a time: the model's training context, at most TRACE_CTX
-    n_ctx = n_ctx or min(TRACE_CTX, info.n_ctx_train or TRACE_CTX)
+    # a prompt and its generation at a time: the shared default (with every row's logits kept), at most TRACE_CTX
+    n_ctx = n_ctx or min(TRACE_CTX, default_context(info, available_memory_bytes(),
+                                                    ContextShape(n_batch=n_batch, logits_all=True)))
     if neuron_thetas:
         check_arch(model_path, info.arch)
     # the trace comes from the runtime, so it must attach: as much cache as memory allows,

@@ -32,7 +32,7 @@ import zlib
 import numpy as np
 
 from .errors import HobbitError
-from .outputs import OutputExistsError, write_new
+from .outputs import write_new
 
 TRACE_VERSION = 1
 
@@ -79,7 +79,8 @@ class Trace:
     def n_tokens(self) -> int:
         return int(self.experts.shape[0])
 
-    def save(self, path: str | os.PathLike) -> pathlib.Path:
+    def save(self, path: str | os.PathLike, replace: bool = False) -> pathlib.Path:
+        """Write the trace to a new file (with replace, over a regular file; never through a symlink)."""
         path = pathlib.Path(path)
         if path.suffix != ".npz":
             raise ValueError(f"{path}: a trace is written as .npz; name the file accordingly")
@@ -87,10 +88,7 @@ class Trace:
         np.savez_compressed(buf, experts=self.experts, weights=self.weights, probs=self.probs,
                             predicted=self.predicted, seq_start=self.seq_start, tokens=self.tokens,
                             meta=np.array(json.dumps(self.meta)), **(self.neurons.arrays() if self.neurons else {}))
-        try:
-            return write_new(path, buf.getvalue())  # never overwriting, never through a symlink
-        except OutputExistsError:
-            raise FileExistsError(f"{path} exists; a trace never overwrites a file") from None
+        return write_new(path, buf.getvalue(), replace)
 
 
 def load_trace(path: str | os.PathLike) -> Trace:

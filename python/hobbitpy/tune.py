@@ -36,6 +36,7 @@ import dataclasses
 from dataclasses import dataclass
 import math
 import os
+import pathlib
 import sys
 import time
 
@@ -56,6 +57,7 @@ from .llama import Llama
 from .memory import (ContextShape, available_memory_bytes, context_sizes, fit_ubatch, plan_offload,
                      process_resident_bytes, whole_memory_budget_mb)
 from .model_file import ModelInfo, inspect_model
+from .outputs import NotEnoughSpaceError, check_free_space
 from .placement import importance_of, layer_expert_bytes, place_by_importance
 from .prepare import prepare_companion
 from .presets import preset_settings
@@ -131,7 +133,7 @@ def candidates() -> list[Candidate]:
             for high, low in PLACED_LEVELS]
     # ... with T2's skip on resident experts too: every expert of a placed ladder is resident,
     # and a token's compute is what a skip saves (at the default T2 a tenth of the selections,
-    # within the standard error of the perplexity measured on ref-mixtral: docs/BENCHMARKS.md)
+    # within the standard error of the perplexity measured on ref-mixtral: docs/BENCHMARKS.md at 5f63b2a)
     out += [Candidate(f"{high or 'model'}/{low} placed skip",
                       {"high": high, "low": low, "hits": "found", "skip_cached": True}, placed=True)
             for high, low in PLACED_LEVELS]
@@ -245,6 +247,13 @@ def _level(model: str, info: ModelInfo, spec: str | None) -> tuple[ModelInfo, np
     path = (quant_path(model, spec, default_quant_dir(model)) if is_mix_name(spec)
             else default_companion_path(model, spec))
     return estimated_copy(info, layer_bytes, path), layer_bytes, False
+
+
+def _files_bytes(info: ModelInfo, plan: _Plan, specs: list[str]) -> int:
+    """About what the files of these levels take on disk: a companion holds the experts only,
+    a uniform quant (a mix) the whole model, its other weights counted at the model's size."""
+    return sum(plan.levels[plan.specs.index(spec)].expert_bytes_total
+               + (info.file_bytes - info.expert_bytes_total if is_mix_name(spec) else 0) for spec in specs)
 
 
 def _exists(model: str, spec: str) -> bool:
@@ -375,6 +384,12 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: f
                         f"{best['name']} ({best['cost']:.3g}), within the budget")
             continue
         making = [spec for spec in plan.missing if not _exists(model, spec)]
+        try:  # before anything of them is written: a full disk midway would leave nothing but the time lost
+            check_free_space(pathlib.Path(model).parent, _files_bytes(info, plan, making),
+                             f"making {', '.join(making)}")
+        except NotEnoughSpaceError as e:
+            leave(plan, str(e))
+            continue
         # the files to make, and a pass over the scored text (a static candidate's; a dynamic
         # one's stops where the time runs out)
         needs = sum(info.file_bytes / QUANTIZE_BYTES_PER_S if is_mix_name(spec) else

@@ -148,9 +148,9 @@ def test_trace_and_simulate_commands(model_dir, tmp_path, capsys):
         assert name in text
     rows = json.loads((tmp_path / "s.json").read_text())
     assert {r["policy"] for r in rows} >= {"lru", "belady"}
-    # an existing results file is never overwritten
+    # an existing results file is overwritten only with --force
     assert cli_main(["simulate", str(out), "--budget-mb", budget, "--json", str(tmp_path / "s.json")]) == 2
-    assert "never overwrite" in capsys.readouterr().err
+    assert "only with --force" in capsys.readouterr().err
     assert json.loads((tmp_path / "s.json").read_text()) == rows
     # a budget below one token's top-k is refused with the numbers
     assert cli_main(["simulate", str(out), "--budget-mb", f"{_slots_budget_mb(info, 1):.4f}"]) == 2

@@ -1,5 +1,5 @@
 """`hobbitpy bench` end to end on a tiny model: every configuration runs in its own
-capped process, the report has every figure, the outputs are never overwritten."""
+capped process, the report has every figure, the outputs are replaced only with --force."""
 
 from __future__ import annotations
 
@@ -58,9 +58,9 @@ def test_bench_reports_every_figure(model_dir, tmp_path):
     png = out / "bench.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    # never overwrites an earlier result
+    # overwrites an earlier result only with --force
     p = _bench([str(path), "--caps", "none", "--repeats", "1", "-n", "2", "--out", str(out), "--no-progress"])
-    assert p.returncode == 2 and "never overwrites" in p.stderr
+    assert p.returncode == 2 and "only with --force" in p.stderr
     assert json.loads((out / "bench.json").read_text()) == r
 
 

@@ -168,3 +168,54 @@ def test_run_help_shows_what_a_person_needs_first():
         assert flag in first, flag
     assert "--prefetch-layers" not in first and "--prefetch-layers" in proc.stdout
 
+
+
+def test_force_replaces_an_output_whole_and_never_through_a_symlink(tmp_path):
+    """Without --force an output that exists is refused; with it the file is replaced by a
+    rename (a reader holding the old file still reads the old one, whole); a symlink is
+    refused either way and its target kept."""
+    stats = tmp_path / "stats.json"
+    stats.write_text("old\n")
+    run = ("run", MODEL, "-p", PROMPT, "-n", "2", "--temp", "0", "--stats-json", stats)
+    refused = hobbitpy_cli(*run)
+    assert refused.returncode == 2 and "--force" in refused.stderr and stats.read_text() == "old\n"
+    with open(stats) as reader:
+        replaced = hobbitpy_cli(*run, "--force")
+        assert replaced.returncode == 0, replaced.stderr
+        assert reader.read() == "old\n"  # the old file, untouched: the new one was renamed over its name
+    assert json.loads(stats.read_text())["n_tokens"] == 2
+    target = tmp_path / "mine.png"
+    target.write_bytes(b"mine")
+    link = tmp_path / "t.png"
+    link.symlink_to(target)
+    trace = hand_trace([[[0, 1], [2, 3]]] * 4, n_expert=4).save(tmp_path / "t.npz")
+    through = hobbitpy_cli("plot", trace, "--out", link, "--force")
+    assert through.returncode == 2 and "symlink" in through.stderr and target.read_bytes() == b"mine"
+    link.unlink()
+    link.write_bytes(b"an older picture")
+    again = hobbitpy_cli("plot", trace, "--out", link, "--force")
+    assert again.returncode == 0 and link.read_bytes().startswith(b"\x89PNG"), again.stderr
+    assert [f.name for f in tmp_path.iterdir() if f.name.startswith(".")] == []  # no temporary left behind
+
+
+def test_one_context_default_for_run_and_the_api(model_dir, tmp_path):
+    """The model's training context, as far as an eighth of the memory holds it, and not below
+    4096 tokens (memory.default_context, which serve and trace ask too): the same for run and
+    the Python API."""
+    from hobbitpy.memory import CONTEXT_SHARE, MIN_DEFAULT_CTX, ContextShape, context_sizes, default_context
+
+    model = tiny_model(model_dir, "llama", n_ctx_train=8192)
+    info = hobbitpy.inspect_model(model)
+    assert default_context(info, 1 << 40) == 8192  # memory enough: the training context
+    # little memory: the largest multiple of 256 whose buffers take at most the share, and the floor below that
+    small = int(context_sizes(info, ContextShape(n_ctx=6144)).total / CONTEXT_SHARE)
+    assert default_context(info, small) == 6144
+    assert default_context(info, small // 100) == MIN_DEFAULT_CTX
+    api = hobbitpy.Llama(model, verbose=False)
+    try:
+        assert api.n_ctx() == 8192
+    finally:
+        api.close()
+    stats = tmp_path / "stats.json"
+    run = hobbitpy_cli("run", model, "-p", PROMPT, "-n", "2", "--stats-json", stats)
+    assert run.returncode == 0 and json.loads(stats.read_text())["n_ctx"] == 8192, run.stderr[-2000:]

@@ -20,7 +20,7 @@ LAYERS = {
     "files, plans and analysis": ["tokens", "memory", "companions", "prepare", "imatrix", "quants", "inflate",
                                   "profile", "presets", "trace_file", "placement", "shallow_layers", "scores", "likelihood",
                                   "neurons", "simulate", "neuron_sim", "candidate_cost", "trace_plot", "neuron_plot",
-                                  "frontier", "supported_models"],
+                                  "frontier", "bench_report", "supported_models"],
     "runtime": ["llama", "default_ladder", "beam_search", "chat_template", "grammars"],
     "tools that run the model": ["evaluate", "trace", "tune", "calibrate", "bench", "bench_worker", "serve"],
     "commands": ["cli", "cli.*", "__main__"],

@@ -65,10 +65,10 @@ def test_tune_meets_its_budget_on_held_out_text(model_dir, tmp_path):
     r = evaluate_against(path, ref, OffloadConfig(**settings, cache_mb=chosen["budget_mb"]), n_ubatch=1, n_threads=2)
     assert r.perplexity / ref.perplexity - 1 <= 0.02
 
-    # never overwrites
+    # overwrites only with --force
     before = first.read_text()
     p = _tune(path, first, "--memory", str(memory_mb))
-    assert p.returncode == 2 and "never overwritten" in p.stderr
+    assert p.returncode == 2 and "already exists" in p.stderr and "--force" in p.stderr
     assert first.read_text() == before
 
 
@@ -325,3 +325,25 @@ def test_a_model_whose_layers_mix_expert_types_is_priced_not_skipped():
     cost = modeled_cost(trace, mixed, None, budget, "lru")
     uniform = Trace(**{**trace.__dict__, "meta": {**meta, "uniform": True}})
     assert cost >= modeled_cost(uniform, [np.array([1000, 1000, 1000])], None, budget, "lru") > 0
+
+
+@pytest.mark.slow
+def test_tune_checks_the_free_disk_before_it_makes_a_file(model_dir, tmp_path, monkeypatch):
+    """A disk without room for a candidate's copy leaves the candidate unscored, said before
+    a byte of the copy is written; the model's own experts need no file and are still scored."""
+    import collections
+    import shutil
+
+    from hobbitpy.tune import tune
+
+    path = tmp_path / "m.gguf"
+    shutil.copyfile(tiny_model(model_dir, "llama", n_embd=256), path)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda folder: usage(1 << 30, (1 << 30) - 4096, 4096))
+    said = []
+    profile, _ = tune(str(path), TEXT, memory_bytes=None, max_tokens=192, threads=2, names=["model", "Q2_K"],
+                      log=said.append, max_ppl_increase=0.5)
+    q2k = next(line for line in said if "Q2_K" in line and "not scored" in line)
+    assert "making Q2_K needs" in q2k and "GB free" in q2k and str(tmp_path) in q2k, said
+    assert profile.calibration["chosen"] == "model"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]  # nothing made, nothing left half-made

@@ -10,7 +10,7 @@ import sys
 
 from hobbitpy.bench import TuneRequest, run_bench
 
-from .common import (add_offload_args, beam_width_arg, default_of, fail, interrupt, offload_config_from_args, read_text,
+from .common import (add_force_arg, add_offload_args, beam_width_arg, default_of, fail, interrupt, offload_config_from_args, read_text,
                      threads_arg)
 
 
@@ -81,7 +81,9 @@ def add_parser(sub) -> None:
                    help="tokens of --tune scored per candidate (default %(default)s)")
     p.add_argument("--max-ppl-increase", type=float, default=TuneRequest.max_ppl_increase,
                    help="tune's perplexity budget, as a fraction (default %(default)s)")
-    p.add_argument("--out", help="output folder for bench.json and the PNGs (default bench-MODEL-TIME; never overwritten)")
+    p.add_argument("--out", help="output folder for bench.json and the PNGs (default bench-MODEL-TIME; new files unless "
+                                  "--force)")
+    add_force_arg(p)
     p.add_argument("--prompt-tokens", type=_token_counts, default=None, metavar="16,128,512",
                    help="prompt lengths whose time to first token each run measures; decode follows the shortest "
                         "(default 16,128; the papers add 512)")
@@ -139,7 +141,7 @@ def _bench(args) -> int:
                 return fail("--tune needs a memory size at every cap: drop 'none' from --caps")
             plans.append((model, caps))
         out = pathlib.Path(args.out) if args.out else bench.default_out_dir(args.models[0])
-        bench.check_out_dir(out)
+        bench.check_out_dir(out, args.force)
         if len(set(pathlib.Path(m).stem for m in args.models)) != len(args.models):
             return fail("the models' file names must differ (each gets its own output folder)")
         # SIGTERM unwinds like Ctrl-C: the running worker is killed and the cgroup removed
@@ -156,7 +158,7 @@ def _bench(args) -> int:
             result.command, result.started, result.finished = command, started, bench.now_to_the_minute()
             # one model: its files in the output folder; several: a folder per model
             target = out if len(plans) == 1 else out / pathlib.Path(model).stem
-            for path in bench.write_outputs(result, target):
+            for path in bench.write_outputs(result, target, args.force):
                 print(f"wrote {path}")
     except (HobbitError, ValueError) as e:  # first: a failed write is an OSError that names its file
         return fail(str(e))

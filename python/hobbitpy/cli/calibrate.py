@@ -6,7 +6,7 @@ import os
 
 from hobbitpy.calibrate import calibrate
 
-from .common import DEFAULT_LOW, default_of, fail, profile_inputs, threads_arg
+from .common import DEFAULT_LOW, add_force_arg, default_of, fail, profile_inputs, threads_arg
 
 
 def add_parser(sub) -> None:
@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=default_of(calibrate, "max_tokens"),
                    help="tokens of the text scored per setting (default %(default)s)")
     p.add_argument("--threads", type=threads_arg, default=os.cpu_count() or 1)
-    p.add_argument("--out", help="profile file (default: next to the model; never overwritten)")
+    p.add_argument("--out", help="profile file (default: next to the model; a new file unless --force)")
+    add_force_arg(p)
     p.set_defaults(func=_calibrate)
 
 
@@ -39,7 +40,7 @@ def _calibrate(args) -> int:
         low_path = resolve_level(args.model, args.low, "--low")
         result = calibrate(args.model, text, low=args.low, low_path=low_path, max_ppl_increase=args.max_ppl_increase,
                            max_tokens=args.max_tokens, n_threads=args.threads)
-        result.profile.save(out)
+        result.profile.save(out, args.force)
     except (HobbitError, ValueError, OSError) as e:
         return fail(str(e))
     s = result.profile.settings

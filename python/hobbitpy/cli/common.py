@@ -8,7 +8,6 @@ import inspect
 import json
 import logging
 import math
-import os
 import sys
 
 MB = 1024 * 1024
@@ -260,9 +259,11 @@ def profile_inputs(args) -> tuple[str, str, str | None]:
     overwritten, not even through a symlink), the budget, the text. (out, text, why not)."""
     from hobbitpy.profile import profile_path
 
+    from hobbitpy.outputs import new_output_error
+
     out = args.out or str(profile_path(args.model))
-    if os.path.lexists(out):
-        return out, "", f"{out}: already exists; a profile is never overwritten (remove it or choose --out)"
+    if why := new_output_error(out, args.force):
+        return out, "", why
     if not 0 <= args.max_ppl_increase < 1:
         return out, "", f"--max-ppl-increase must be in [0, 1), got {args.max_ppl_increase}"
     if args.max_tokens < 16:
@@ -280,19 +281,28 @@ def read_text(path: str) -> tuple[str, str | None]:
         return "", f"{path}: cannot read the text ({e})"
 
 
-def json_target_error(path: str | None) -> str | None:
-    """Why the results cannot go to path (outputs.py: only new files), or None."""
+# --ctx's default, as memory.default_context chooses it
+CTX_HELP = "context (default: the model's, as memory allows)"
+
+
+def add_force_arg(p) -> None:
+    p.add_argument("--force", action="store_true", help="replace output files that exist")
+
+
+def json_target_error(path: str | None, force: bool) -> str | None:
+    """Why the results cannot go to path (outputs.py: a new file, or with --force a file
+    replaced), or None."""
     from hobbitpy.outputs import new_output_error
 
-    return None if path is None else new_output_error(path)
+    return None if path is None else new_output_error(path, force)
 
 
-def write_json(path: str, obj) -> str | None:
-    """Write obj as JSON to the new file path; why it could not be written, or None."""
+def write_json(path: str, obj, force: bool) -> str | None:
+    """Write obj as JSON to path (json_target_error's rule); why it could not be written, or None."""
     from hobbitpy.outputs import write_new
 
     try:
-        write_new(path, json.dumps(obj, indent=2) + "\n")
+        write_new(path, json.dumps(obj, indent=2) + "\n", force)
     except OSError as e:  # appeared meanwhile, a full disk, ...
         return str(e) if isinstance(e, FileExistsError) else f"{path}: cannot write it ({e.strerror or e})"
     return None

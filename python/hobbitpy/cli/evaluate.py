@@ -7,7 +7,7 @@ import sys
 
 from hobbitpy.evaluate import evaluate
 
-from .common import (add_offload_args, default_of, fail, json_target_error, offload_config_from_args, read_text,
+from .common import (add_force_arg, add_offload_args, default_of, fail, json_target_error, offload_config_from_args, read_text,
                     threads_arg, write_json)
 
 
@@ -26,6 +26,7 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=threads_arg, default=os.cpu_count() or 1)
     p.add_argument("--no-reference", action="store_true", help="perplexity only, no stock run to compare with")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    add_force_arg(p)
     p.add_argument("--neuron-oracle", action="store_true",
                    help="with --no-offload --neurons THETA (CORM priced on a stock context): each layer's own input "
                         "instead of the previous MoE layer's (a perfect predictor)")
@@ -39,7 +40,7 @@ def _eval(args) -> int:
 
     from tqdm import tqdm
 
-    if why := json_target_error(args.json):
+    if why := json_target_error(args.json, args.force):
         return fail(why)
     text, why = read_text(args.text)
     if why:
@@ -78,6 +79,6 @@ def _eval(args) -> int:
         elif n:  # the runtime's mask (--neurons): the layers it predicts
             print(f"neurons kept          {r.stats['neuron_kept'] / n * 100:.1f} % of each predicted selection's on "
                   f"average (MoE layers after the first); {r.stats['neuron_whole']} of {n} computed whole")
-    if args.json and (why := write_json(args.json, r.as_dict())):
+    if args.json and (why := write_json(args.json, r.as_dict(), args.force)):
         return fail(why)
     return 0

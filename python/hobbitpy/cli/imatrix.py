@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import fail, threads_arg
+from .common import add_force_arg, fail, threads_arg
 
 
 def add_parser(sub) -> None:
@@ -10,10 +10,11 @@ def add_parser(sub) -> None:
                        description="Run MODEL (stock llama.cpp) over a text in windows and write the importance "
                                    "matrix of its routed experts (per expert and column, the mean squared input), "
                                    "in llama.cpp's GGUF imatrix layout, for `prepare --imatrix`. Written next to the "
-                                   "model as MODEL.imatrix.gguf unless --out names it; never overwrites a file.")
+                                   "model as MODEL.imatrix.gguf unless --out names it; a new file unless --force.")
     p.add_argument("model", help="GGUF model file (MoE)")
     p.add_argument("--text", required=True, help="UTF-8 calibration text (not the text you evaluate on)")
     p.add_argument("--out", help="output file")
+    add_force_arg(p)
     p.add_argument("--ctx", type=int, default=None,
                    help="window length in tokens (default: 512, at most the model's training context)")
     p.add_argument("--max-tokens", type=int, default=None, help="use at most this many tokens of the text")
@@ -30,7 +31,7 @@ def _imatrix(args) -> int:
     try:
         start = time.perf_counter()
         path = collect_imatrix(args.model, args.text, args.out, n_ctx=args.ctx, max_tokens=args.max_tokens,
-                               n_threads=args.threads)
+                               n_threads=args.threads, replace=args.force)
     except (HobbitError, ValueError, OSError) as e:
         return fail(str(e))
     print(f"wrote {path} in {time.perf_counter() - start:.1f} s")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import fail
+from .common import add_force_arg, fail
 
 
 def add_parser(sub) -> None:
@@ -14,7 +14,8 @@ def add_parser(sub) -> None:
                                    "distance of every selection, and the cumulative hit ratio of cache policies at one "
                                    "budget (the runtime's own policies and Belady's optimum).")
     p.add_argument("trace", help="a trace written by `hobbitpy trace`")
-    p.add_argument("--out", help="PNG to write (default: TRACE.png beside the trace; never overwritten)")
+    p.add_argument("--out", help="PNG to write (default: TRACE.png beside the trace; a new file unless --force)")
+    add_force_arg(p)
     p.add_argument("--budget-mb", type=float, default=None,
                    help="cache budget of the hit-ratio panel (default: a quarter of every expert)")
     p.add_argument("--policy", nargs="+", choices=POLICIES, default=list(DEFAULT_PLOT_POLICIES),
@@ -40,12 +41,12 @@ def _plot(args) -> int:
     except ImportError:
         return fail("plot draws with matplotlib, which is not installed: pip install 'hobbitpy[bench]'")
     out = pathlib.Path(args.out) if args.out else pathlib.Path(args.trace).with_suffix(".png")
-    if why := new_output_error(out):
+    if why := new_output_error(out, args.force):
         return fail(why)
     try:
         trace = load_trace(args.trace)
         png = plot_neurons(trace) if args.neurons else plot_trace(trace, budget_mb=args.budget_mb, policies=args.policy)
-        write_new(out, png)
+        write_new(out, png, args.force)
     except (HobbitError, ValueError, OSError) as e:
         return fail(str(e))
     print(f"wrote {out}")

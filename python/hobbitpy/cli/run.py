@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .common import (add_gpu_layers_arg, add_memory_args, add_sampling_args, add_technique_args, add_verbosity_args,
+from .common import (CTX_HELP, add_force_arg, add_gpu_layers_arg, add_memory_args, add_sampling_args, add_technique_args, add_verbosity_args,
                     default_model, fail, gpu_layers, json_target_error, log, offload_config_from_args, sampling_error,
                     sampling_keywords, threads_arg, write_json)
 
@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
     generation.add_argument("-n", "--n-predict", type=int, default=64, metavar="N",
                             help="tokens to generate (64); -1: to the end or the context")
     generation.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=None, metavar="N",
-                            help="context length (default: the model's training one)")
+                            help=CTX_HELP)
     generation.add_argument("-t", "--threads", type=threads_arg, default=os.cpu_count() or 1, metavar="N",
                             help="CPU threads (default: all cores)")
     add_gpu_layers_arg(generation)
@@ -40,7 +40,8 @@ def add_parser(sub) -> None:
     output = p.add_argument_group("output")
     output.add_argument("-h", "--help", action="help", help="show this help")
     output.add_argument("--no-echo", action="store_true", help="print the generated text only, not the prompt")
-    output.add_argument("--stats-json", metavar="FILE", help="the run's statistics as JSON to FILE (a new file)")
+    output.add_argument("--stats-json", metavar="FILE", help="the run's statistics as JSON to FILE")
+    add_force_arg(output)
     add_verbosity_args(output)
     add_technique_args(p)
     p.set_defaults(func=_run)
@@ -59,7 +60,7 @@ def _run(args) -> int:
     import hobbitpy
     from hobbitpy import HobbitError
     from hobbitpy.grammars import checked_grammar
-    from hobbitpy.llama import padded_context
+    from hobbitpy.memory import padded_context
 
     if args.model_flag is not None:
         if args.model is not None and args.model != args.model_flag:
@@ -84,7 +85,7 @@ def _run(args) -> int:
         return fail(why)
     if args.ctx is not None and args.ctx < 16:
         return fail(f"--ctx-size must be at least 16, got {args.ctx}")
-    if args.stats_json and (why := json_target_error(args.stats_json)):
+    if args.stats_json and (why := json_target_error(args.stats_json, args.force)):
         return fail(why)
     grammar_text = args.grammar
     if args.grammar_file is not None:
@@ -98,9 +99,9 @@ def _run(args) -> int:
 
         args.seed = secrets.randbits(31)
     try:
-        n_ctx = padded_context(args.ctx or hobbitpy.inspect_model(args.model).n_ctx_train or 512)
+        n_ctx = {} if args.ctx is None else {"n_ctx": padded_context(args.ctx)}  # none: the shared default
         offload = offload_config_from_args(args, args.model, auto_profile=True)
-        llm = hobbitpy.Llama(args.model, offload=offload, n_ctx=n_ctx, n_threads=args.threads, verbose=args.verbose,
+        llm = hobbitpy.Llama(args.model, offload=offload, **n_ctx, n_threads=args.threads, verbose=args.verbose,
                              seed=args.seed, n_gpu_layers=gpu_layers(args))
     except (ValueError, HobbitError) as e:
         return fail(str(e))
@@ -167,7 +168,7 @@ def _generate(llm, args, grammar) -> int:
     if finish == "length" and (max_tokens is None or stats["n_prompt_tokens"] + stats["n_tokens"] >= llm.n_ctx()):
         log.info(f"stopped at the end of the context ({llm.n_ctx()} tokens); --ctx-size allows more")
     log.info(_summary(stats))
-    if args.stats_json and (why := write_json(args.stats_json, stats)):
+    if args.stats_json and (why := write_json(args.stats_json, stats, args.force)):
         return fail(why)
     return 0
 
@@ -245,6 +246,7 @@ def _run_stats(llm, model: str) -> dict:
     stats = {
         "model": model,
         "offload": llm.offloaded,
+        "n_ctx": llm.n_ctx(),
         "n_prompt_tokens": int(perf.n_p_eval),
         # every sampled token but the last is evaluated, one per decode step
         "n_tokens": int(perf.n_eval) + 1,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .common import (add_gpu_layers_arg, add_offload_args, add_verbosity_args, default_model, fail, gpu_layers, log,
+from .common import (CTX_HELP, add_gpu_layers_arg, add_offload_args, add_verbosity_args, default_model, fail, gpu_layers, log,
                     offload_config_from_args, threads_arg)
 
 
@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
     p.add_argument("model", nargs="?", help="GGUF model file (default: the small mixtral-style model shipped with hobbitpy)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
-    p.add_argument("--ctx", type=int, default=None, help="context length in tokens (default: the model's training context)")
+    p.add_argument("--ctx", type=int, default=None, help=CTX_HELP)
     p.add_argument("--threads", type=threads_arg, default=os.cpu_count() or 1, help="CPU threads (default: all cores)")
     add_gpu_layers_arg(p)
     p.add_argument("--alias", help="the model's id in the API (default: the file's name without .gguf); a request "
@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
 
 def _serve(args) -> int:
     from hobbitpy import HobbitError, inspect_model
-    from hobbitpy.llama import padded_context
+    from hobbitpy.memory import available_memory_bytes, default_context, padded_context
     from hobbitpy.serve import serve
 
     if args.model is None:
@@ -62,11 +62,11 @@ def _serve(args) -> int:
     if not 0 < max_body_mb < float("inf"):
         return fail(f"--max-body-mb must be a positive number, got {args.max_body_mb}")
     try:
-        info = inspect_model(args.model)
-        n_ctx = args.ctx or info.n_ctx_train or 2048
-        if n_ctx < 16:
-            return fail(f"--ctx must be at least 16, got {n_ctx}")
-        n_ctx = padded_context(n_ctx)
+        if args.ctx is not None and args.ctx < 16:
+            return fail(f"--ctx must be at least 16, got {args.ctx}")
+        # the app loads the model with the context it is given: the shared default, where none is asked
+        n_ctx = (padded_context(args.ctx) if args.ctx is not None else
+                 default_context(inspect_model(args.model), available_memory_bytes()))
         offload = offload_config_from_args(args, args.model, auto_profile=True)
         log.info(f"serving {args.model} on http://{args.host}:{args.port} (OpenAI API under /v1, /health, /metrics)")
         serve(args.model, offload, host=args.host, port=args.port, n_ctx=n_ctx, n_threads=args.threads,

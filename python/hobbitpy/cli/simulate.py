@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .common import MB, fail, json_target_error, numbers_arg, of_trace_arg, write_json
+from .common import MB, add_force_arg, fail, json_target_error, numbers_arg, of_trace_arg, write_json
 
 
 def add_parser(sub) -> None:
@@ -52,6 +52,7 @@ def add_parser(sub) -> None:
                    help="with --neurons: the smallest read of the slow tier; a neuron costs the granule it lies on "
                         "(default 4096, a page of a file; 0 = single neurons, a tier that moves bytes)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    add_force_arg(p)
     p.set_defaults(func=_simulate)
 
 
@@ -60,7 +61,7 @@ def _simulate(args) -> int:
     from hobbitpy.simulate import format_table, simulate_all, simulate_preset
     from hobbitpy.trace_file import load_trace
 
-    if why := json_target_error(args.json):
+    if why := json_target_error(args.json, args.force):
         return fail(why)
     try:
         t = load_trace(args.trace)
@@ -98,7 +99,7 @@ def _simulate(args) -> int:
         accuracy = layer_prediction_accuracy(t)
         print(f"next-layer prediction accuracy per MoE layer: {' '.join(f'{a:.2f}' for a in accuracy)}; "
               f"shallow layers (Fate §4.4): --shallow-layers {shallow_boundary(accuracy)}")
-    if args.json and (why := write_json(args.json, [r.as_dict() for r in results])):
+    if args.json and (why := write_json(args.json, [r.as_dict() for r in results], args.force)):
         return fail(why)
     return 0
 
@@ -113,7 +114,7 @@ def _simulate_neurons(t, args) -> int:
           f"{m['n_expert']} experts (top-{m['n_expert_used']}) of {m['n_ff_expert']} neurons, "
           f"{m['expert_bytes'] / MB:.2f} MB per expert, {m['expert_bytes_total'] / MB:.1f} MB of experts")
     print(format_neuron_table(results))
-    if args.json and (why := write_json(args.json, [r.as_dict() for r in results])):
+    if args.json and (why := write_json(args.json, [r.as_dict() for r in results], args.force)):
         return fail(why)
     return 0
 

@@ -7,7 +7,7 @@ import sys
 
 from hobbitpy.trace import TRACE_CTX, record_trace
 
-from .common import default_of, fail, threads_arg
+from .common import add_force_arg, default_of, fail, threads_arg
 
 
 def add_parser(sub) -> None:
@@ -17,13 +17,14 @@ def add_parser(sub) -> None:
                                    "1..4 layers' routers pick on this layer's input. Writes a .npz trace.")
     p.add_argument("model", help="GGUF model file (MoE)")
     p.add_argument("--prompts", required=True, help="text file, one prompt per line")
-    p.add_argument("--out", required=True, help="trace file to write (.npz; never overwritten)")
+    p.add_argument("--out", required=True, help="trace file to write (.npz; a new file unless --force)")
+    add_force_arg(p)
     p.add_argument("-n", "--n-predict", type=int, default=default_of(record_trace, "n_predict"),
                    help="tokens to generate per prompt (default %(default)s)")
     p.add_argument("--lookahead", type=int, default=default_of(record_trace, "lookahead"),
                    help="layers ahead to record router predictions for (0-4; default %(default)s)")
     p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=default_of(record_trace, "n_ctx"),
-                   help=f"context length (default: the model's training context, at most {TRACE_CTX})")
+                   help=f"context length (default: the model's training context as far as the memory allows, at most {TRACE_CTX})")
     p.add_argument("--threads", type=threads_arg, default=os.cpu_count() or 1)
     p.add_argument("--neurons", metavar="THETA[,THETA...]", default=None,
                    help="also measure CORM's neuron sparsity at these thresholds (e.g. 0.1,0.175,0.25,0.35): per "
@@ -45,7 +46,7 @@ def _trace(args) -> int:
     from hobbitpy.outputs import new_output_error
 
     out = pathlib.Path(args.out)
-    if why := new_output_error(out):  # before the work: a dangling symlink too
+    if why := new_output_error(out, args.force):  # before the work: a dangling symlink too
         return fail(why)
     if out.suffix != ".npz":
         return fail(f"{out}: a trace is written as .npz; name the file accordingly")
@@ -55,7 +56,7 @@ def _trace(args) -> int:
         t = record_trace(args.model, prompts, n_predict=args.n_predict, lookahead=args.lookahead, n_ctx=args.ctx,
                          n_threads=args.threads, neuron_thetas=thetas,
                          progress=lambda xs: tqdm(xs, desc="trace", unit="prompt", file=sys.stderr))
-        t.save(out)
+        t.save(out, args.force)
     except (HobbitError, ValueError) as e:
         return fail(str(e))
     print(f"{out}: {t.n_tokens} tokens x {t.meta['n_moe_layer']} MoE layers, {len(prompts)} prompts")

@@ -6,7 +6,7 @@ import os
 
 from hobbitpy.tune import tune
 
-from .common import MB, default_of, fail, profile_inputs, threads_arg
+from .common import MB, add_force_arg, default_of, fail, profile_inputs, threads_arg
 
 
 def add_parser(sub) -> None:
@@ -33,7 +33,8 @@ def add_parser(sub) -> None:
                    help="stop scoring after this long, the pass over the text and the files made included, and "
                         "choose among the candidates scored (default: tune.TIME_LIMIT_MINUTES, 15)")
     p.add_argument("--threads", type=threads_arg, default=os.cpu_count() or 1)
-    p.add_argument("--out", help="profile file (default: next to the model; never overwritten)")
+    p.add_argument("--out", help="profile file (default: next to the model; a new file unless --force)")
+    add_force_arg(p)
     p.set_defaults(func=_tune)
 
 
@@ -62,7 +63,7 @@ def _tune(args) -> int:
                           max_tokens=args.max_tokens, run_shape=ContextShape(n_ctx=args.ctx), threads=args.threads,
                           names=args.candidates,
                           time_limit_s=None if args.time_limit is None else 60 * args.time_limit)
-        profile.save(out)
+        profile.save(out, args.force)
     except (HobbitError, ValueError, OSError) as e:
         return fail(str(e))
     c = profile.calibration

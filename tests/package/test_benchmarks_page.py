@@ -1,0 +1,57 @@
+"""docs/BENCHMARKS.md is rendered from the JSON of the bench runs it reports (docs/bench/)
+and its prose, and docs/img holds exactly the pictures the docs show."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import pytest
+
+from hobbitpy.bench_report import load_runs, picture_path, render, render_verdict
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_the_benchmarks_page_is_its_rendering():
+    page, _ = render((REPO / "docs" / "bench" / "BENCHMARKS.in.md").read_text(), load_runs(REPO / "docs" / "bench"))
+    assert (REPO / "docs" / "BENCHMARKS.md").read_text() == page, \
+        "docs/BENCHMARKS.md is stale: python -m hobbitpy.bench_report"
+
+
+def test_the_pictures_kept_are_exactly_those_the_docs_show():
+    pages = [REPO / "README.md", *(REPO / "docs").glob("*.md")]
+    shown = set()
+    for page in pages:
+        for target in re.findall(r"!\[[^\]]*\]\(([^)\s]+\.png)\)", page.read_text()):
+            shown.add((page.parent / target).resolve())  # relative to the page, as a reader's browser resolves it
+    kept = {p.resolve() for p in (REPO / "docs" / "img").glob("*")}
+    assert shown == kept, {"shown, missing": shown - kept, "kept, not shown": kept - shown}
+    _, pictures = render((REPO / "docs" / "bench" / "BENCHMARKS.in.md").read_text(), load_runs(REPO / "docs" / "bench"))
+    assert {picture_path(REPO, name).resolve() for name in pictures} <= kept
+
+
+def test_a_directive_naming_no_run_is_one_clear_error():
+    with pytest.raises(ValueError, match=r"\{\{frontier nothing\}\} names no docs/bench/nothing.json"):
+        render("# page\n{{frontier nothing}}\n", {})
+
+
+def test_the_verdict_says_what_the_runs_say():
+    """A default faster than the quant a user would download and closer to the model; one failed quant."""
+    def config(name, tok_s, ppl, settings, at_cap=0, spread=0.1):
+        return {"config": name, "decode_tok_s": tok_s, "min_decode_tok_s": tok_s * (1 - spread),
+                "max_decode_tok_s": tok_s * (1 + spread), "ppl_increase": ppl, "ppl_increase_se": 0.001,
+                "bytes_per_token": 0,
+                "settings": settings, "times_at_cap": at_cap, "offloaded": settings is not None, "dominated_by": []}
+    row = {"cap": "0.5", "cap_mb": 100.0, "configs": [
+        config("stock", 1.0, 0.0, None, at_cap=5000), config("Q2_K", 10.0, 0.05, None),
+        {"config": "Q4_K_M", "settings": None, "errors": ["killed: out of memory"]},
+        config("default", 30.0, 0.01, {"enabled": True})]}
+    said = render_verdict(json.loads(json.dumps({"rows": [row]})))
+    assert "hobbitpy's default (no options): 30.0 tok/s, 30.0x stock on the same file; quality +1.00 %" in said, said
+    # no quant is as close as +1 %: the fastest one is named, with its reads and the spread of the runs
+    assert "No uniform quant is as close to the model." in said
+    assert "Against the fastest uniform quant, the Q2_K file at +5.00 %, reading" in said
+    assert "3.00x its speed (the runs' ranges apart)" in said
+    assert "Failed at every run: stock llama.cpp on the Q4_K_M file" in said and "Dominated by nothing" in said
