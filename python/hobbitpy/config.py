@@ -292,8 +292,8 @@ class OffloadConfig:
               "whose |SiLU(W1 x')| is below THETA add nothing, x' the token's input to the previous MoE layer (CORM's "
               "prediction one layer ahead, through the layer's own W1); the paper runs 0.1-0.35. Experts are still "
               "read and multiplied whole, the prediction adds a gate projection; with --neuron-layout they are read "
-              "neuron by neuron instead (docs/BENCHMARKS.md at 5f63b2a, CORM); 0 keeps every neuron (exact)", flag="--neurons",
-        metavar="THETA", parse="float", profile=True, default_text="off (exact)")
+              "neuron by neuron instead (docs/BENCHMARKS.md at 5f63b2a, CORM); 0 keeps every neuron (exact)",
+        flag="--neurons", metavar="THETA", parse="float", profile=True, default_text="off (exact)")
     neuron_limit: float = option(NEURON_LIMIT_CORM, "with --neurons: an expert keeping more than this share of its "
                                                     "neurons runs whole (CORM's upper limit)",
                                  flag="--neuron-limit", metavar="SHARE", profile=True)

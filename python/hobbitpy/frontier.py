@@ -58,7 +58,8 @@ def config_label(s: dict) -> str:
     name = s["config"]
     if is_stock_run(s):
         return "stock llama.cpp, the model's file" if name == "stock" else f"stock llama.cpp, a uniform {name} file"
-    return {"default": "hobbitpy's default (no options)", "tuned": "hobbitpy, tune's pick"}.get(name, f"hobbitpy, {name}")
+    named = {"default": "hobbitpy's default (no options)", "tuned": "hobbitpy, tune's pick"}
+    return named.get(name, f"hobbitpy, {name}")
 
 
 def cap_label(row: dict) -> str:

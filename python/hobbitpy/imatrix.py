@@ -101,7 +101,8 @@ def collect_imatrix(model_path: str | os.PathLike, text_path: str | os.PathLike,
     entries = _entries(collector)
     if not entries:
         raise HobbitError(f"{model_path}: no expert matmul was seen while decoding; no importance matrix")
-    return write_imatrix(out, entries, dataset=pathlib.Path(text_path).name, chunk_count=n_chunks, chunk_size=n_ctx, replace=replace)
+    return write_imatrix(out, entries, dataset=pathlib.Path(text_path).name, chunk_count=n_chunks, chunk_size=n_ctx,
+                         replace=replace)
 
 
 def _entries(collector) -> dict[str, tuple[np.ndarray, np.ndarray]]:

@@ -108,7 +108,8 @@ def default_context(info: ModelInfo, available_bytes: int, shape: ContextShape =
     top = -(-train // CONTEXT_PAD)
 
     def fits(pads: int) -> bool:
-        return context_sizes(info, dataclasses.replace(shape, n_ctx=pads * CONTEXT_PAD)).total <= CONTEXT_SHARE * available_bytes
+        sizes = context_sizes(info, dataclasses.replace(shape, n_ctx=pads * CONTEXT_PAD))
+        return sizes.total <= CONTEXT_SHARE * available_bytes
 
     while floor < top:  # the largest multiple that fits: the buffers grow with the context
         mid = (floor + top + 1) // 2

@@ -85,11 +85,13 @@ def new_output_error(path: str | os.PathLike, replace: bool = False) -> str | No
     replaced), or None."""
     path = os.fspath(path)
     if os.path.islink(path):
-        return f"{path}: already exists as a symlink; hobbitpy never writes through one (remove it or choose another name)"
+        return (f"{path}: already exists as a symlink; hobbitpy never writes through one (remove it or choose "
+                "another name)")
     if os.path.isdir(path):
         return f"{path}: already exists as a folder"
     if os.path.lexists(path) and not (replace and os.path.isfile(path)):
-        return f"{path}: already exists; hobbitpy overwrites a file only with --force (or remove it, or choose another name)"
+        return (f"{path}: already exists; hobbitpy overwrites a file only with --force (or remove it, or choose "
+                "another name)")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         return f"{path}: cannot write there (no such writable directory)"

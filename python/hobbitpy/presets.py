@@ -39,7 +39,8 @@ PRESETS: dict[str, Preset] = {
                    "where the budget holds less than every layer's top-k); a prompt "
                    "loads the next layer's experts most popular first, by the same gate, and reads the least popular, "
                    "a fifth of its selections, from a Q2_K copy (§4.5's INT2 share; lossy for prompts: +0.25 to "
-                   "+0.28 % perplexity under caps on ref-deepseek, docs/BENCHMARKS.md at 5f63b2a; needs `hobbitpy prepare MODEL "
+                   "+0.28 % perplexity under caps on ref-deepseek, docs/BENCHMARKS.md at 5f63b2a; "
+                   "needs `hobbitpy prepare MODEL "
                    "--low Q2_K`); "
                    "decode reads the model's own experts only, as Fate transfers INT4 only"),
     "importance": Preset({"substitute_alpha": 0.3, "prefetch_layers": 1, "policy": "score"},
@@ -55,7 +56,8 @@ PRESETS: dict[str, Preset] = {
                       "Fiddler: the experts a profile of calibration text selects most (--popularity TRACE, which "
                       "this preset needs) are loaded at start and kept for the session, the least popular evicted "
                       "(§3). Its CPU computes the misses from CPU memory; where the slow tier is a disk, computing "
-                      "in place means faulting the expert in (measured slower than loading it, docs/BENCHMARKS.md at 5f63b2a), "
+                      "in place means faulting the expert in (measured slower than loading it, "
+                      "docs/BENCHMARKS.md at 5f63b2a), "
                       "so misses are loaded: --mode cooperative computes them in place, --mode auto decides by the "
                       "latency model (its Algorithm 1). Its beam case: Llama(n_seq_max=W).beam_search, `bench "
                       "--beams W`"),

@@ -10,8 +10,8 @@ import sys
 
 from hobbitpy.bench import TuneRequest, run_bench
 
-from .common import (add_force_arg, add_offload_args, beam_width_arg, default_of, fail, interrupt, offload_config_from_args, read_text,
-                     threads_arg)
+from .common import (add_force_arg, add_offload_args, beam_width_arg, default_of, fail, interrupt,
+                     offload_config_from_args, read_text, threads_arg)
 
 
 def parse_bench_config(text: str):
@@ -81,8 +81,8 @@ def add_parser(sub) -> None:
                    help="tokens of --tune scored per candidate (default %(default)s)")
     p.add_argument("--max-ppl-increase", type=float, default=TuneRequest.max_ppl_increase,
                    help="tune's perplexity budget, as a fraction (default %(default)s)")
-    p.add_argument("--out", help="output folder for bench.json and the PNGs (default bench-MODEL-TIME; new files unless "
-                                  "--force)")
+    p.add_argument("--out", help="output folder for bench.json and the PNGs (default bench-MODEL-TIME; new "
+                                  "files unless --force)")
     add_force_arg(p)
     p.add_argument("--prompt-tokens", type=_token_counts, default=None, metavar="16,128,512",
                    help="prompt lengths whose time to first token each run measures; decode follows the shortest "

@@ -7,8 +7,8 @@ import sys
 
 from hobbitpy.evaluate import evaluate
 
-from .common import (add_force_arg, add_offload_args, default_of, fail, json_target_error, offload_config_from_args, read_text,
-                    threads_arg, write_json)
+from .common import (add_force_arg, add_offload_args, default_of, fail, json_target_error, offload_config_from_args,
+                     read_text, threads_arg, write_json)
 
 
 def add_parser(sub) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-from .common import (CTX_HELP, add_force_arg, add_gpu_layers_arg, add_memory_args, add_sampling_args, add_technique_args, add_verbosity_args,
-                    default_model, fail, gpu_layers, json_target_error, log, offload_config_from_args, sampling_error,
-                    sampling_keywords, threads_arg, write_json)
+from .common import (CTX_HELP, add_force_arg, add_gpu_layers_arg, add_memory_args, add_sampling_args,
+                     add_technique_args, add_verbosity_args, default_model, fail, gpu_layers, json_target_error, log,
+                     offload_config_from_args, sampling_error, sampling_keywords, threads_arg, write_json)
 
 
 def add_parser(sub) -> None:

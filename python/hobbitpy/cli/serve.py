@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from .common import (CTX_HELP, add_gpu_layers_arg, add_offload_args, add_verbosity_args, default_model, fail, gpu_layers, log,
-                    offload_config_from_args, threads_arg)
+from .common import (CTX_HELP, add_gpu_layers_arg, add_offload_args, add_verbosity_args, default_model, fail,
+                     gpu_layers, log, offload_config_from_args, threads_arg)
 
 
 def add_parser(sub) -> None:

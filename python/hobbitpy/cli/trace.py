@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--lookahead", type=int, default=default_of(record_trace, "lookahead"),
                    help="layers ahead to record router predictions for (0-4; default %(default)s)")
     p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=default_of(record_trace, "n_ctx"),
-                   help=f"context length (default: the model's training context as far as the memory allows, at most {TRACE_CTX})")
+                   help=f"context length (default: the model's training context as far as the memory allows, at "
+                        f"most {TRACE_CTX})")
     p.add_argument("--threads", type=threads_arg, default=os.cpu_count() or 1)
     p.add_argument("--neurons", metavar="THETA[,THETA...]", default=None,
                    help="also measure CORM's neuron sparsity at these thresholds (e.g. 0.1,0.175,0.25,0.35): per "
