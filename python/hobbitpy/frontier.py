@@ -78,19 +78,32 @@ _OUR_STYLES = [("tab:red", "*"), ("tab:blue", "D"), ("tab:green", "P"), ("tab:pu
 
 
 def plot_frontier(rows: list[dict], title: str) -> bytes | None:
-    """One panel per cap: x = perplexity increase (%), y = decode tok/s (log); stock's runs
-    (the model and its uniform quants) joined as a gray line, hobbitpy's configurations as
-    coloured points. Every point is named in one legend under the panels, so that no label
-    lies on another; a configuration whose every run failed is named in its panel's title.
-    PNG bytes; None if matplotlib is missing or nothing was scored."""
+    """frontier_figure as PNG bytes; None if matplotlib is missing or nothing was scored."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib import ticker
     except ImportError:
         return None
+    fig = frontier_figure(rows, title)
+    if fig is None:
+        return None
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def frontier_figure(rows: list[dict], title: str):
+    """One panel per cap: x = perplexity increase (%), y = decode tok/s (log); stock's runs
+    (the model and its uniform quants) joined as a gray line, hobbitpy's configurations as
+    coloured points. No text lies on the panels: every point is named (config_label) in one
+    legend under them, and a configuration whose every run failed in its panel's title. A
+    matplotlib figure (matplotlib must be importable), or None if nothing was scored."""
+    import matplotlib.pyplot as plt
+    from matplotlib import ticker
+
     rows = [r for r in rows if any(_point(s) for s in r["configs"])]
     if not rows:
         return None
@@ -134,7 +147,4 @@ def plot_frontier(rows: list[dict], title: str) -> bytes | None:
                frameon=False)
     n_legend_rows = -(-len(handles) // min(3, len(handles)))
     fig.tight_layout(rect=(0, 0.05 * n_legend_rows + 0.02, 1, 1))
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
+    return fig

@@ -55,3 +55,22 @@ def test_the_verdict_says_what_the_runs_say():
     assert "Against the fastest uniform quant, the Q2_K file at +5.00 %, reading" in said
     assert "3.00x its speed (the runs' ranges apart)" in said
     assert "Failed at every run: stock llama.cpp on the Q4_K_M file" in said and "Dominated by nothing" in said
+
+
+def test_the_frontier_picture_names_each_point_in_a_legend_in_a_readers_words():
+    """No label on the panels to lie over another (the old pictures' "hp-placed-skip90" over
+    "hp-placed"); the legend says which file stock ran and what hobbitpy was asked."""
+    import matplotlib.pyplot as plt
+
+    from hobbitpy.frontier import frontier_figure
+
+    run = load_runs(REPO / "docs" / "bench")["frontier-mixtral"]
+    fig = frontier_figure(run["rows"], "m.gguf")
+    try:
+        assert all(not ax.texts for ax in fig.axes)
+        labels = {t.get_text() for legend in fig.legends for t in legend.get_texts()}
+        assert {"stock llama.cpp, the model's file", "stock llama.cpp, a uniform Q2_K file",
+                "hobbitpy's default (no options)", "hobbitpy, Q4_K/Q2_K by router weight"} <= labels, labels
+        assert len(fig.legends) == 1 and len(labels) == len({s["config"] for r in run["rows"] for s in r["configs"]})
+    finally:
+        plt.close(fig)
