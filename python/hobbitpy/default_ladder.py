@@ -340,7 +340,8 @@ def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, 
         if made:  # made for nothing: the disk it takes is given back (the verdict is kept)
             low_path.unlink(missing_ok=True)
         return exact, _exact(f"the ladder memory allows ({n_high} experts at the model's precision, the rest at "
-                             f"{LOW_TYPE}) measured {_measured(verdict)}")
+                             f"{LOW_TYPE}) measured {_measured(verdict)}; faster at a perplexity cost you choose: "
+                             f"hobbitpy tune {model_path} --text YOUR-TEXT")
     return served, describe(info, budget, calibration.importance, placement, verdict)
 
 

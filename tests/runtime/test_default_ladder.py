@@ -183,6 +183,7 @@ def test_run_under_a_cap_measures_the_ladder_once_serves_it_within_the_limit_and
         assert tight.returncode == 0, tight.stderr[-3000:]
         assert "measuring the default ladder" in tight.stderr, tight.stderr
         assert f"(at most {MAX_MEAN_KL:g})" in tight.stderr and "(exact)" in tight.stderr, tight.stderr
+        assert f"hobbitpy tune {model} --text" in tight.stderr  # what a user who would trade some quality runs
         assert tight.stdout == stock.stdout
         # the next run with a little less memory: a verdict beyond the limit settles every ladder
         # with no more experts at the model's precision. (Under the same cap a run finds a MB or
