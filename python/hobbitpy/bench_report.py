@@ -16,6 +16,7 @@ A line `{{KIND NAME}}` of the prose becomes KIND's block for docs/bench/NAME.jso
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 import re
@@ -286,10 +287,20 @@ def write_report(repo: pathlib.Path) -> list[pathlib.Path]:
     return [repo / "docs" / "BENCHMARKS.md", *written]
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hobbitpy.bench_report",
+                                     description="Render docs/BENCHMARKS.md and its pictures from docs/bench/.")
+    parser.add_argument("repo", nargs="?", default=".", type=pathlib.Path,
+                        help="the repository's root (default: the current folder)")
+    args = parser.parse_args(argv)
     try:
-        for path in write_report(pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".")):
+        for path in write_report(args.repo):
             print(f"wrote {path}")
     except (OSError, ValueError, KeyError) as e:
         print(f"bench_report: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -35,6 +37,16 @@ def test_the_pictures_kept_are_exactly_those_the_docs_show():
 def test_a_directive_naming_no_run_is_one_clear_error():
     with pytest.raises(ValueError, match=r"\{\{frontier nothing\}\} names no docs/bench/nothing.json"):
         render("# page\n{{frontier nothing}}\n", {})
+
+
+def test_the_command_has_a_help_and_a_missing_page_is_one_line(tmp_path):
+    def report(*args):
+        return subprocess.run([sys.executable, "-m", "hobbitpy.bench_report", *args], capture_output=True, text=True)
+    shown = report("--help")
+    assert shown.returncode == 0 and shown.stdout.startswith("usage: python -m hobbitpy.bench_report"), shown
+    missing = report(str(tmp_path))
+    assert missing.returncode == 2 and missing.stdout == "", missing
+    assert missing.stderr.count("\n") == 1 and "BENCHMARKS.in.md" in missing.stderr, missing.stderr
 
 
 def test_the_verdict_says_what_the_runs_say():
