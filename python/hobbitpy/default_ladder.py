@@ -316,7 +316,6 @@ def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, 
                     continue
                 measured = _price(info, calibration, dataclasses.replace(served, placed_mb=trial_bytes / MB),
                                   n_measured, budget, score)
-                _release(model_path, low_path)  # what this pass read: the next one is given the memory
                 calibration = calibration.priced(measured)
                 _keep(model_path, info, text, calibration)
                 verdict = calibration.verdict(n_high)

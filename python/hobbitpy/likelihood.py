@@ -111,7 +111,8 @@ class Reference:
     def release_pages(self) -> None:
         """Give back the pages of the table read so far: unmapped from this process, then dropped
         from the page cache (clean: read again when asked for). Mapped, they count as memory in use,
-        and a candidate opened after them plans its cache without them (15 MB of a 75 MB cap)."""
+        and a candidate opened after them plans its cache without them (15 MB after one pass of the
+        default's calibration: the second ladder measured under a tight cap found no room)."""
         mapping = getattr(self.log_probs[0], "_mmap", None)  # None: arrays on the heap
         if mapping is not None and self.store is not None:
             mapping.madvise(mmap.MADV_DONTNEED)
