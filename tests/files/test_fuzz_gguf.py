@@ -1,7 +1,8 @@
 """A seeded mutator over the GGUF files hobbitpy reads (a model and its low-precision
 companion): header, key-value pairs and tensor infos get boundary values, flipped bytes and
 truncations. Every mutant must give a clean error or a clean run, never a signal (an abort
-of the host process). Bounded in time: the cases run in a fixed order until the time is up."""
+of the host process). Every case runs, in a fixed order: what is covered never depends on the
+machine's speed (about 40 s here)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import gguf
 import numpy as np
@@ -22,7 +22,6 @@ from conftest import tiny_model
 
 pytestmark = pytest.mark.slow  # minutes: run by `python -m pytest -m slow` (and CI)
 
-SECONDS = 45  # for the mutants, all told: the test stays within a minute with its set-up
 SEED = 12
 
 # integers a parser must not trust: zero, one, the edges of every width, and nearby values
@@ -107,10 +106,9 @@ def test_mutated_model_and_companion_headers_give_clean_errors_never_a_signal(mo
         cases.append({"i": i, "model": str(model if is_companion else mutant),
                       "low": str(mutant) if is_companion else None, "cache_mb": 1})
         what[i] = f"{'companion' if is_companion else 'model'} {how}"
-    rng.shuffle(cases)  # model and companion mutants alike within the time
-    deadline = time.monotonic() + SECONDS
+    rng.shuffle(cases)  # model and companion mutants interleaved
     done, outcomes = 0, {"ran": 0, "error": 0}
-    while done < len(cases) and time.monotonic() < deadline:
+    while done < len(cases):
         batch = cases[done:done + 40]
         child = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(batch), capture_output=True, text=True,
                                timeout=300)
@@ -125,7 +123,6 @@ def test_mutated_model_and_companion_headers_give_clean_errors_never_a_signal(mo
             if kind in outcomes:
                 outcomes[kind] += 1
         done += len(batch)
-    # the run covered a fair number of mutants, and most broke something that was caught
-    assert done >= 80, f"only {done} mutants in {SECONDS} s"
-    assert outcomes["error"] > 0
+    # every mutant loaded or was refused cleanly, and many broke something that was caught
+    assert outcomes["ran"] + outcomes["error"] == len(cases) and outcomes["error"] > 0, outcomes
     print(f"{done} mutants: {outcomes}")

@@ -1,6 +1,11 @@
-"""A model's chat template that loops without end, raises or does not parse: a ChatTemplateError
-within seconds (one line from `run --chat`, a 400 from the server, which goes on serving), never
-a core pinned for good or a traceback."""
+"""A model's chat template that loops without end, grows a value without bound, raises or does
+not parse: a ChatTemplateError within seconds (one line from `run --chat`, a 400 from the server,
+which goes on serving), never a core pinned for good or a traceback.
+
+Each bound is tested with a template that can reach only that bound, so that which bound a
+machine reaches first never decides a test: "loops" loops without making anything (the time
+bound; a loop that also grew its output reached the memory bound first on a faster machine),
+"grows" asks for gigabytes in one step (the memory bound, long before any deadline)."""
 
 from __future__ import annotations
 
@@ -13,16 +18,18 @@ import time
 import pytest
 
 import hobbitpy
+from hobbitpy import chat_template
 from hobbitpy.chat_template import RENDER_SECONDS
 
 from serving import MODEL, http_get, http_post, start_server, still_answers, stop_server
 
 TEMPLATES = {
-    "loops": "{% for a in range(100000) %}{% for b in range(100000) %}{{ '' }}{% endfor %}{% endfor %}",
+    "loops": "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
+    "grows": "{% for m in messages %}{{ m['content'] * 10**10 }}{% endfor %}",
     "raises": "{{ raise_exception('Conversation roles must alternate user/assistant') }}",
     "does not parse": "{% for %}",
 }
-SAYS = {"loops": "rendering did not finish within", "raises": "roles must alternate", "does not parse": "does not parse"}
+SAYS = {"loops": "rendering did not finish within", "grows": "rendering asked for more than", "raises": "roles must alternate", "does not parse": "does not parse"}
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
@@ -61,18 +68,30 @@ def test_run_chat_says_it_in_one_line(folder, name):
     assert "Traceback" not in proc.stderr and SAYS[name] in proc.stderr.splitlines()[-1], proc.stderr
 
 
-def test_the_server_answers_a_400_and_goes_on_serving(folder):
-    proc, base = start_server(model=with_template(folder, "loops"))
+@pytest.mark.parametrize("name", ["loops", "grows"])
+def test_the_server_answers_a_400_and_goes_on_serving(folder, name):
+    proc, base = start_server(model=with_template(folder, name))
     try:
         start = time.monotonic()
         status, answer = http_post(base + "/v1/chat/completions", json.dumps({"messages": MESSAGES, "max_tokens": 2}).encode())
-        assert status == 400 and SAYS["loops"] in answer["error"]["message"], answer
+        assert status == 400 and SAYS[name] in answer["error"]["message"], answer
         assert time.monotonic() - start < RENDER_SECONDS + 10
         assert json.loads(http_get(base + "/health")[1])["status"] == "ok"
         still_answers(base)
     finally:
         stop_server(proc)
 
+
+
+@pytest.mark.parametrize("name, tightened", [("loops", {"HEAP_BYTES": 4 << 20}), ("grows", {"RENDER_SECONDS": 0.5})])
+def test_each_template_reaches_its_own_bound_whichever_is_tighter(monkeypatch, name, tightened):
+    """The other bound made far tighter (a machine that would reach it first): the template still
+    reaches its own, so the tests above hold on machines faster and slower than this one."""
+    for bound, value in tightened.items():
+        monkeypatch.setattr(chat_template, bound, value)
+    formatter = chat_template.BoundedChatFormatter(template=TEMPLATES[name], eos_token="</s>", bos_token="<s>")
+    with pytest.raises(hobbitpy.ChatTemplateError, match=SAYS[name]):
+        formatter(messages=MESSAGES)
 
 # (Jinja's ** groups from the left, hence the parentheses)
 MEMORY_BOMBS = [
