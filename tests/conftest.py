@@ -57,6 +57,26 @@ def tiny_model(model_dir: pathlib.Path, arch: str = "llama", **kw) -> pathlib.Pa
     return _built[key]
 
 
+def model_without_byte_tokens(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A MoE whose SPM vocabulary has letters but no <0xXX> byte tokens: llama.cpp's
+    tokenizer throws on any other character (llama_vocab::byte_to_token)."""
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    tokens = ["<unk>", "<s>", "</s>", "\u2581"] + letters + ["\u2581" + c for c in letters]
+    vocab = gguf.GGUFWriter(str(tmp_path / "vocab.gguf"), "llama")
+    vocab.add_tokenizer_model("llama")
+    vocab.add_token_list(tokens)
+    vocab.add_token_scores([0.0] * 3 + [-float(i) for i in range(len(tokens) - 3)])
+    vocab.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))
+    vocab.add_bos_token_id(1)
+    vocab.add_eos_token_id(2)
+    vocab.add_unk_token_id(0)
+    vocab.write_header_to_file()
+    vocab.write_kv_data_to_file()
+    vocab.write_tensors_to_file()
+    vocab.close()
+    return make_synthetic_moe(tmp_path / "no-bytes.gguf", "llama", vocab_gguf=tmp_path / "vocab.gguf")
+
+
 def run_logits(path, offload: hobbitpy.OffloadConfig, *, n_threads: int = 2):
     """Logits of a prompt evaluated as one batch, then of single-token decode steps;
     the greedy completion; and the cache statistics."""

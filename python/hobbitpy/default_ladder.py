@@ -177,6 +177,47 @@ def _keep(model_path: str | os.PathLike, info: ModelInfo, text: str, calibration
         log.info(f"could not keep the calibration next to the model ({e}); it is measured again next time")
 
 
+@dataclass(frozen=True)
+class Failure:
+    """A measurement of the ladder that could not be made (no room for it beside the passes'
+    arrays, a read that failed, ...), kept so that a later run with no more memory does not
+    make the copy and measure again only to fail the same way."""
+
+    budget_bytes: int  # the two-level budget the run had
+    why: str
+
+
+def remembered_failure(model_path: str | os.PathLike, info: ModelInfo, text: str) -> Failure | None:
+    """The failure kept next to the model for this file and this text, if any."""
+    try:
+        data = json.loads(importance_path(model_path).read_text())
+        if data.get("model_bytes") != info.file_bytes or data.get("text") != _text_digest(text):
+            return None
+        failed = data.get("failed")
+        return None if failed is None else Failure(int(failed["budget_bytes"]), str(failed["why"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _remember_failure(model_path: str | os.PathLike, info: ModelInfo, text: str, failure: Failure) -> None:
+    """Add the failure to what is kept next to the model (the calibration, where one was measured)."""
+    path = importance_path(model_path)
+    try:
+        data = json.loads(path.read_text())
+        if data.get("model_bytes") != info.file_bytes or data.get("text") != _text_digest(text):
+            raise ValueError("another model's or text's")
+    except (OSError, ValueError, AttributeError):
+        data = {"version": IMPORTANCE_VERSION, "model": os.path.basename(model_path), "model_bytes": info.file_bytes,
+                "text": _text_digest(text)}
+    data["failed"] = dataclasses.asdict(failure)
+    try:
+        with partial_output(path) as partial:
+            partial.write_text(json.dumps(data) + "\n")
+            replace(partial, path)
+    except OSError as e:
+        log.info(f"could not keep the failed measurement next to the model ({e})")
+
+
 def _release(*paths: str | os.PathLike) -> None:
     """Evict what a measuring pass read of these files: the page cache it leaves is counted as
     used (a cgroup's active file pages), and the run planned after it would get a smaller cache."""
@@ -278,6 +319,30 @@ def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, 
         return exact, why_not
 
     text = calibration_text()
+    failure = remembered_failure(model_path, info, text)
+    if failure is not None and budget <= failure.budget_bytes:
+        return exact, _exact(f"the ladder could not be measured with as much memory or more ({failure.why}; kept in "
+                             f"{importance_path(model_path)}: delete it to measure again)")
+    made: list[pathlib.Path] = []  # the copy _choose makes, named there until it is served
+    try:
+        return _choose(info, config, exact, ladder, budget, text, measure, score, threads, made)
+    except (HobbitError, OSError) as e:  # a read that failed, the disk, no room for the passes' arrays
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        _remember_failure(model_path, info, text, Failure(budget, why))
+        return exact, _exact(f"the ladder could not be measured ({why})")
+    finally:
+        for path in made:  # made, and not served (beyond the limit, a failure, an interrupt): made for nothing
+            path.unlink(missing_ok=True)
+
+
+def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder: OffloadConfig, budget: int,
+            text: str, measure: Measure, score: Score, threads: int, made: list) -> tuple[OffloadConfig, str]:
+    """default_config's choice once a ladder fits: measures what is not known yet. The copy of the
+    experts it makes is named in `made` until it is served (the caller removes it otherwise,
+    whatever ends the choice)."""
+    model_path = info.path
+    low_path = default_companion_path(model_path, LOW_TYPE)
+    low = low_copy_layer_bytes(info)
     calibration = load_calibration(model_path, info, text)
     if calibration is None:
         calibration = _measure(model_path, info, text, measure, calibration)
@@ -285,7 +350,11 @@ def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, 
     placed = placed_bytes(info, budget, calibration)
     placement, n_high = ladder_placement(info, model_layer_bytes, placed, calibration.importance)
     verdict = calibration.verdict(n_high)
-    made = False
+    if verdict is None:
+        if calibration.reference is None:  # kept from an earlier run: its distributions are not
+            calibration = _measure(model_path, info, text, measure, calibration)
+        # no room to measure: known before the copy is made for nothing
+        _measuring_room(info, calibration.reference, dataclasses.replace(ladder, low=str(low_path)))
     if verdict is None or verdict.within:
         if not low_path.is_file():
             if not config.prepare:
@@ -301,13 +370,11 @@ def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, 
                 return exact, _exact(f"the {LOW_TYPE} copy could not be made ({e})")
             finally:
                 return_freed_memory()  # its buffers: the run planned next in this process is given them
-            made = True
+            made.append(low_path)
     # placed as measured: the run's own cache may come out a little different from this plan's
     served = dataclasses.replace(ladder, low=str(low_path), importance=tuple(map(tuple, calibration.importance.tolist())),
                                  placed_mb=placed / MB)
     if verdict is None:
-        if calibration.reference is None:  # kept from an earlier run: its distributions are not
-            calibration = _measure(model_path, info, text, measure, calibration)
         measured = None
         try:
             for trial_bytes in _ladders_to_measure(info, budget):
@@ -321,10 +388,6 @@ def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, 
                 verdict = calibration.verdict(n_high)
                 if verdict is not None:
                     break
-        except BudgetError as e:  # the passes' context leaves no room for the ladder's minimum
-            if made:
-                low_path.unlink(missing_ok=True)
-            return exact, _exact(f"the ladder could not be measured ({e})")
         finally:
             _release(model_path, low_path)
         verdict = verdict or measured  # (beyond with fewer experts at the model's precision: no risk taken)
@@ -335,12 +398,11 @@ def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, 
             verdict = calibration.verdict(n_high)
     if verdict is None:  # (every ladder to measure was measured, none settles this one: not seen)
         return exact, _exact("no measurement settles the ladder memory allows")
-    if not verdict.within:
-        if made:  # made for nothing: the disk it takes is given back (the verdict is kept)
-            low_path.unlink(missing_ok=True)
+    if not verdict.within:  # (a copy made for it is removed by the caller: the verdict is kept)
         return exact, _exact(f"the ladder memory allows ({n_high} experts at the model's precision, the rest at "
                              f"{LOW_TYPE}) measured {_measured(verdict)}; faster at a perplexity cost you choose: "
                              f"hobbitpy tune {model_path} --text YOUR-TEXT")
+    made.clear()  # served: not made for nothing
     return served, describe(info, budget, calibration.importance, placement, verdict)
 
 
@@ -377,13 +439,9 @@ def _ladders_to_measure(info: ModelInfo, budget: int) -> list[int]:
     return [low_total] + ([low_total + int(MEASURED_SHARE * extra), budget] if extra > 0 else [])
 
 
-def _price(info: ModelInfo, calibration: Calibration, ladder: OffloadConfig, n_high: int, budget: int,
-           score: Score) -> Priced:
-    """A ladder (placed as ladder.placed_mb holds it, n_high experts at the model's precision)
-    measured against the model on the calibration windows, through the cache the memory leaves
-    now beside the measurement's arrays (every token's logits: a smaller cache than the run's
-    budget, and its misses read as they come)."""
-    reference = calibration.reference
+def _measuring_room(info: ModelInfo, reference: Reference, ladder: OffloadConfig) -> int:
+    """The expert cache a ladder gets while it is measured: what the memory leaves now beside the
+    measurement's arrays (every token's logits); BudgetError where not even its minimum fits."""
     n = reference.n_ctx
     passes = ContextShape(n_ctx=n, n_batch=n, n_ubatch=n, logits_all=True)
     low_info = estimated_copy(info, low_copy_layer_bytes(info), ladder.low)
@@ -391,6 +449,16 @@ def _price(info: ModelInfo, calibration: Calibration, ladder: OffloadConfig, n_h
                              low_info)
     if room is None:
         raise BudgetError("no room for the two precisions' minimum beside the measurement's arrays")
+    return room
+
+
+def _price(info: ModelInfo, calibration: Calibration, ladder: OffloadConfig, n_high: int, budget: int,
+           score: Score) -> Priced:
+    """A ladder (placed as ladder.placed_mb holds it, n_high experts at the model's precision)
+    measured against the model on the calibration windows, through the cache the memory leaves
+    now beside the measurement's arrays (every token's logits: a smaller cache than the run's
+    budget, and its misses read as they come)."""
+    room = _measuring_room(info, calibration.reference, ladder)
     log.info(f"measuring the default ladder on hobbitpy's calibration text ({n_high} experts at the model's precision)")
-    c = score(reference, dataclasses.replace(ladder, cache_mb=min(budget, room) / MB))
+    c = score(calibration.reference, dataclasses.replace(ladder, cache_mb=min(budget, room) / MB))
     return Priced(n_high, c.mean_kl, c.ppl_increase)

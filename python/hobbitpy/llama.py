@@ -332,6 +332,11 @@ class Llama(llama_cpp.Llama):
             return super().tokenize(text, add_bos, special)
         return tokens.tokenize(self._model.vocab, self.model_path, text, add_bos, special)
 
+    def encodable(self, text: str) -> str:
+        """The text less the characters this model's vocabulary cannot encode."""
+        self._check_open()
+        return tokens.encodable(self._model.vocab, text)
+
     @property
     def offloaded(self) -> bool:
         """True when the experts run through the expert cache."""
@@ -448,7 +453,8 @@ def measure_calibration(model_path: str, text: str, n_threads: int) -> Calibrati
     offload = OffloadConfig(cache_mb=whole_memory_budget_mb(info, shape), auto=False)
     with Llama(model_path, offload=offload, n_ctx=n, n_batch=n, n_ubatch=n, logits_all=True, n_threads=n_threads,
                verbose=False) as llm:
-        ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)[:CALIBRATION_TOKENS]
+        # the characters this vocabulary cannot encode are left out (calibration text is not the user's)
+        ids = llm.tokenize(llm.encodable(text).encode("utf-8"), add_bos=False, special=False)[:CALIBRATION_TOKENS]
         windows = [window for window, _ in scoring_windows(ids, n)]
         table = ReferenceTable(ids, n, llm.n_vocab())
         try:

@@ -53,6 +53,16 @@ def tokenize(llama_vocab, model_path: str, text: bytes, add_bos: bool, special: 
     raise TokenizeError(f"{model_path}: {error}")
 
 
+def encodable(llama_vocab, text: str) -> str:
+    """The text less the characters the vocabulary of llama_vocab cannot encode (for a text of
+    hobbitpy's own, such as the calibration text, that no user asked to be read as written)."""
+    vocab = ffi.cast("const struct llama_vocab *", ctypes.cast(llama_vocab, ctypes.c_void_p).value)
+    if _tokenize_or_error(vocab, text.encode("utf-8"), False, False)[1] is None:
+        return text
+    unencodable = {ch for ch in set(text) if _tokenize_or_error(vocab, ch.encode("utf-8"), False, False)[1] is not None}
+    return "".join(ch for ch in text if ch not in unencodable)
+
+
 class Vocabulary:
     """A model's tokenizer alone: a vocabulary-only load and no context (llama_cpp.Llama makes
     one even then, whose check of a context length against the hyperparameters a vocabulary

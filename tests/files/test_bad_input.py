@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from conftest import MB, hobbitpy_cli, tiny_model
+from conftest import MB, hobbitpy_cli, model_without_byte_tokens, tiny_model
 
 CLI = [sys.executable, "-m", "hobbitpy", "run"]
 
@@ -367,30 +367,8 @@ def test_the_c_api_refuses_nan_and_infinite_weights():
     lib.hobbit_cancel_offload_request()
 
 
-def _model_without_byte_tokens(tmp_path) -> pathlib.Path:
-    """A MoE whose SPM vocabulary has letters but no <0xXX> byte tokens: llama.cpp's
-    tokenizer throws on any other character (llama_vocab::byte_to_token)."""
-    from hobbitpy.synthetic_moe import make_synthetic_moe
-
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    tokens = ["<unk>", "<s>", "</s>", "\u2581"] + letters + ["\u2581" + c for c in letters]
-    vocab = gguf.GGUFWriter(str(tmp_path / "vocab.gguf"), "llama")
-    vocab.add_tokenizer_model("llama")
-    vocab.add_token_list(tokens)
-    vocab.add_token_scores([0.0] * 3 + [-float(i) for i in range(len(tokens) - 3)])
-    vocab.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))
-    vocab.add_bos_token_id(1)
-    vocab.add_eos_token_id(2)
-    vocab.add_unk_token_id(0)
-    vocab.write_header_to_file()
-    vocab.write_kv_data_to_file()
-    vocab.write_tensors_to_file()
-    vocab.close()
-    return make_synthetic_moe(tmp_path / "no-bytes.gguf", "llama", vocab_gguf=tmp_path / "vocab.gguf")
-
-
 def test_text_the_vocabulary_cannot_encode_is_an_error_not_an_abort(tmp_path):
-    path = _model_without_byte_tokens(tmp_path)
+    path = model_without_byte_tokens(tmp_path)
     # through the API (in a child: before the fix the process died of std::terminate)
     script = textwrap.dedent(f"""
         import hobbitpy

@@ -15,15 +15,18 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from hobbitpy.default_ladder import (LOW_TYPE, MAX_MEAN_KL, Calibration, Priced, calibration_text, importance_path,
-                                     ladder_placement, load_calibration, low_copy_layer_bytes, low_weight_share,
-                                     placed_bytes, unfit_reason)
+from hobbitpy.default_ladder import (LOW_TYPE, MAX_MEAN_KL, Calibration, Priced, calibration_text, default_config,
+                                     importance_path, ladder_placement, load_calibration, low_copy_layer_bytes,
+                                     low_weight_share, placed_bytes, remembered_failure, unfit_reason)
+from hobbitpy.errors import ExpertReadError
+from hobbitpy.llama import compare_ladder, measure_calibration
+from hobbitpy.memory import ContextShape
 from hobbitpy.disk import drop_from_page_cache
 from hobbitpy.inflate import inflate
 from hobbitpy.memory_cgroup import MemoryCap
 from hobbitpy.companions import default_companion_path
 
-from conftest import MB
+from conftest import MB, model_without_byte_tokens
 
 PROMPT = "Once upon a time, in a quiet village by the sea"
 MODEL = pathlib.Path(__file__).resolve().parents[2] / "models" / "ref-mixtral-Q8_0.gguf"
@@ -107,6 +110,77 @@ def test_the_calibration_text_ships_with_the_package():
     text = calibration_text()
     assert len(text.split()) > 1000 and "def " in text and "The LORD is my shepherd" in text
 
+
+
+def test_the_calibration_leaves_out_what_the_vocabulary_cannot_encode(tmp_path):
+    """A vocabulary without "\\n" and without byte tokens: the calibration text (hobbitpy's, not
+    the user's) is measured without the characters it cannot encode, instead of failing the run."""
+    model = model_without_byte_tokens(tmp_path)
+    text = calibration_text()
+    with hobbitpy.Llama(str(model), offload=hobbitpy.OffloadConfig(cache_mb=1), n_ctx=64, verbose=False) as llm:
+        with pytest.raises(hobbitpy.TokenizeError):
+            llm.tokenize(text.encode())
+        kept = llm.encodable(text)
+        assert "\n" not in kept and "the" in kept and len(llm.tokenize(kept.encode())) > 100
+        assert llm.encodable("the cat") == "the cat"
+    calibration = measure_calibration(str(model), text, 2)
+    assert calibration.n_tokens > 100 and calibration.importance.sum() > 0
+
+
+# a memory whose two-level budget holds the Q2_K copy of ref-mixtral's experts and some at Q8_0,
+# and one with room for more of them (budgets of 10 and 14 MB for experts of 20 MB)
+SOME_MEMORY, MORE_MEMORY = 40 * MB, 45 * MB
+
+
+def _default_of(model: pathlib.Path, available: int, score, measure=None):
+    info = hobbitpy.inspect_model(model)
+    measure = measure or (lambda text: measure_calibration(str(model), text, 2))
+    return default_config(info, hobbitpy.OffloadConfig(), ContextShape(n_ctx=256), available, measure, score, 2)
+
+
+def test_a_failed_measurement_is_kept_and_the_copy_made_for_it_removed(tmp_path):
+    model = tmp_path / "m.gguf"
+    shutil.copy(MODEL, model)
+    copy = default_companion_path(model, LOW_TYPE)
+
+    def read_fails(reference, config):
+        assert copy.is_file()  # made before the ladder is measured
+        raise ExpertReadError(f"{copy}: could not read expert 3 of layer 1 (test)")
+
+    served, line = _default_of(model, SOME_MEMORY, read_fails)
+    assert served.low is None and "(exact)" in line and "could not be measured" in line and "expert 3" in line, line
+    assert not copy.exists()  # made for nothing: removed
+    info = hobbitpy.inspect_model(model)
+    assert "expert 3" in remembered_failure(model, info, calibration_text()).why
+    assert load_calibration(model, info, calibration_text()) is not None  # the model's own measurement is kept
+
+    # the next run with no more memory: no copy made, nothing measured, the same line's cause
+    def never(*args):
+        raise AssertionError("measured again")
+
+    served, line = _default_of(model, SOME_MEMORY, never, measure=never)
+    assert served.low is None and "with as much memory or more" in line and "expert 3" in line, line
+    assert not copy.exists()
+
+    # with more memory: measured again, and what it decides holds (a copy only where it is served)
+    served, line = _default_of(model, MORE_MEMORY, lambda reference, config: compare_ladder(
+        str(model), reference, config, 2))
+    assert "could not be measured" not in line and "measuring" not in line, line
+    assert copy.exists() == (served.low is not None), line
+    assert remembered_failure(model, info, calibration_text()) is None  # a measurement supersedes it
+
+
+def test_an_interrupted_measurement_removes_the_copy_and_keeps_no_failure(tmp_path):
+    model = tmp_path / "m.gguf"
+    shutil.copy(MODEL, model)
+
+    def interrupted(reference, config):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _default_of(model, SOME_MEMORY, interrupted)
+    assert not default_companion_path(model, LOW_TYPE).exists()
+    assert remembered_failure(model, hobbitpy.inspect_model(model), calibration_text()) is None
 
 def _run(model, cap: MemoryCap, *flags: str) -> subprocess.CompletedProcess:
     # the model's pages are charged to the cap only when its run reads them in
