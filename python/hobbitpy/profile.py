@@ -11,13 +11,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 import json
+import logging
 import os
 import pathlib
 
-from .config import OffloadConfig, option_of, settings_of_json
+from .config import MB, OffloadConfig, option_of, settings_of_json
 from .errors import HobbitError
+from .memory import available_memory_bytes
 from .outputs import write_new
 from .presets import preset_settings
+
+log = logging.getLogger("hobbitpy")
 
 PROFILE_VERSION = 1
 
@@ -43,7 +47,8 @@ def resolve_offload(model_path: str | os.PathLike | None, *, profile: str | os.P
                     settings: dict | None = None) -> tuple[OffloadConfig, pathlib.Path | None]:
     """The one order settings come in, for `run`, `serve`, `eval` and `hobbitpy.Llama` alike:
     the built-in defaults, under the profile (the one named, else the one next to the model
-    unless profile_next_to_model is False, a preset is asked for or offload is turned off),
+    unless profile_next_to_model is False, a preset is asked for, offload is turned off or it
+    stands aside: tuned for less memory than the whole model now has),
     under the preset, under the settings given (flags, keywords). A profile or a preset
     chooses the configuration, so the default ladder stays out (auto off). Returns the
     configuration and the profile applied, if any."""
@@ -51,13 +56,31 @@ def resolve_offload(model_path: str | os.PathLike | None, *, profile: str | os.P
     if (profile is None and profile_next_to_model and model_path is not None and preset is None
             and settings.get("enabled", True) is not False):
         beside = profile_path(model_path)
-        profile = beside if beside.exists() else None
+        profile = beside if beside.exists() and not _stands_aside(beside, model_path) else None
     chosen = {}
     if profile is not None:
         chosen.update(load_profile(profile, model_path).settings, auto=False)
     if preset is not None:
         chosen.update(preset_settings(preset), auto=False)
     return OffloadConfig(**{**chosen, **settings}), None if profile is None else pathlib.Path(profile)
+
+
+def _stands_aside(path: pathlib.Path, model_path: str | os.PathLike) -> bool:
+    """Whether the profile next to the model gives way to the default: it was tuned for a memory
+    smaller than the one available now, where the whole model fits (its lossy ladder was the
+    price of less memory; with every expert resident the default is exact). Says so."""
+    try:
+        tuned_mb = load_profile(path, model_path).calibration.get("memory_mb")
+    except HobbitError:
+        return False  # the run applies it and says what is wrong with it
+    if not isinstance(tuned_mb, (int, float)):  # tuned for the memory of its time: not known to be less
+        return False
+    available = available_memory_bytes()
+    if tuned_mb * MB >= available or os.path.getsize(model_path) >= available:
+        return False
+    log.info(f"{path} stands aside: tuned for {tuned_mb:.0f} MB, and the whole model fits in the "
+             f"{available / MB:.0f} MB available now (--profile {path} applies it)")
+    return True
 
 
 def profile_path(model_path: str | os.PathLike) -> pathlib.Path:

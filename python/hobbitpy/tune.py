@@ -264,9 +264,9 @@ def _exists(model: str, spec: str) -> bool:
         return False
 
 
-def _make_level(model: str, spec: str, threads: int, log) -> None:
+def _make_level(model: str, spec: str, threads: int, log) -> pathlib.Path:
     """Make a level's file (a `prepare` companion, quantized with the model's importance matrix
-    when `hobbitpy imatrix` wrote one next to it, or a uniform quant)."""
+    when `hobbitpy imatrix` wrote one next to it, or a uniform quant); its path."""
     if is_mix_name(spec):
         path, _ = make_uniform_quant(model, spec, default_quant_dir(model), threads)
     else:
@@ -274,6 +274,24 @@ def _make_level(model: str, spec: str, threads: int, log) -> None:
         path = prepare_companion(model, spec, default_companion_path(model, spec), threads=threads, progress=True,
                                  imatrix_path=matrix if matrix.is_file() else None)
     log(f"made {path}")
+    return pathlib.Path(path)
+
+
+def _remove_unpicked(model: str, made: list[pathlib.Path], picked: dict | None, log) -> None:
+    """Remove the files tune made that the pick does not read (all of them without a pick): at
+    real size each is gigabytes beside the model. A quants folder left empty goes too."""
+    read = set()
+    for key in ("high", "mid", "low"):
+        spec = (picked or {}).get(key)
+        if spec is not None and _exists(model, spec):
+            read.add(pathlib.Path(resolve_level(model, spec, "--high")).resolve())
+    for path in made:
+        if path.resolve() not in read:
+            path.unlink(missing_ok=True)
+            log(f"removed {path} (made for a candidate not picked; --keep keeps such files)")
+    folder = default_quant_dir(model)
+    if any(path.parent == folder for path in made) and folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
 
 
 def expert_budget(info: ModelInfo, available_bytes: int | None, shape: ContextShape, levels: tuple[ModelInfo, ...],
@@ -316,15 +334,16 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: f
          max_tokens: int = 2048, run_shape: ContextShape = ContextShape(), n_ctx: int = SCORING_CTX,
          threads: int | None = None, log=print, names: list[str] | None = None,
          process_bytes: int | None = None, measured: TextPass | None = None,
-         time_limit_s: float | None = None) -> tuple[Profile, list[dict]]:
+         time_limit_s: float | None = None, keep: bool = False) -> tuple[Profile, list[dict]]:
     """Score the candidates (or those named) cheapest first and return the profile of the
     cheapest within the budget, and every measurement. run_shape: the context the runs will
     have (their buffers come out of the memory); n_ctx: the scoring windows; process_bytes: what
     a run's process holds before it loads a model (default: this process now); measured: the
     pass over the text, when the caller has made it already (tuning for several memories);
     time_limit_s: scoring stops there, the pass over the text and the files made included
-    (default TIME_LIMIT_MINUTES). Raises HobbitError if
-    none is within the budget."""
+    (default TIME_LIMIT_MINUTES); keep: the files made for candidates not picked are kept (by
+    default they are removed, as they are when tune fails). Raises HobbitError if none is within
+    the budget."""
     started = time.monotonic()
     time_limit_s = 60 * TIME_LIMIT_MINUTES if time_limit_s is None else time_limit_s
     deadline = started + time_limit_s
@@ -370,80 +389,90 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: f
             continue
         plans.append(plan)
 
-    rows, best = [], None  # best: the cheapest candidate within the budget with confidence
-    left = []  # the candidates not scored, and why
+    made: list[pathlib.Path] = []  # the levels' files made here
+    picked = None  # the settings of the pick, once made
+    try:
+        rows, best = [], None  # best: the cheapest candidate within the budget with confidence
+        left = []  # the candidates not scored, and why
 
-    def leave(plan, why):
-        say(plan.cand.name, f"not scored: {why}")
-        left.append({"name": plan.cand.name, "cost": plan.cost, "static": plan.static, "why": why})
+        def leave(plan, why):
+            say(plan.cand.name, f"not scored: {why}")
+            left.append({"name": plan.cand.name, "cost": plan.cost, "static": plan.static, "why": why})
 
-    for plan in sorted(plans, key=lambda p: (p.cost, p.cand.name)):
-        name = plan.cand.name
-        if best is not None and plan.cost > best["cost"]:
-            leave(plan, f"costs {'at least ' if not plan.static else ''}{plan.cost:.3g} MB/token, more than "
-                        f"{best['name']} ({best['cost']:.3g}), within the budget")
-            continue
-        making = [spec for spec in plan.missing if not _exists(model, spec)]
-        try:  # before anything of them is written: a full disk midway would leave nothing but the time lost
-            check_free_space(pathlib.Path(model).parent, _files_bytes(info, plan, making),
-                             f"making {', '.join(making)}")
-        except NotEnoughSpaceError as e:
-            leave(plan, str(e))
-            continue
-        # the files to make, and a pass over the scored text (a static candidate's; a dynamic
-        # one's stops where the time runs out)
-        needs = sum(info.file_bytes / QUANTIZE_BYTES_PER_S if is_mix_name(spec) else
-                    info.expert_bytes_total / PREPARE_BYTES_PER_S for spec in making)
-        windows = len(reference.log_probs)
-        if plan.settings:  # (the model's own experts are the reference: nothing to score)
-            needs += measured.seconds_per_window * (windows if plan.static else
-                                                     _dynamic_windows(windows) * DECODE_OVER_BATCHED)
-        if time.monotonic() + needs > deadline:
-            leave(plan, f"the time limit ({time_limit_s / 60:g} min) leaves {max(0, deadline - time.monotonic()):.0f} s, "
-                        f"it needs about {needs:.0f} s{' to make ' + ', '.join(making) + ' and score' if making else ''}")
-            continue
-        try:
-            for spec in making:
-                _make_level(model, spec, threads, log)
-            if plan.missing:  # the files as made: the plan again
-                plan = _plan(model, info, plan.cand, plan.settings, available, run_shape, measured.scored)
-        except _NotCheaper:
-            say(name, "skipped: as made, a level is no smaller than the model's experts")
-            continue
-        except (HobbitError, ValueError, OSError) as e:
-            say(name, f"skipped: {e}")
-            continue
-        if plan.settings:  # (the model's own experts are the reference itself)
-            say(name, f"scoring ({'in batches' if plan.static else 'token by token'}, "
-                      f"{'' if plan.static else 'at least '}{plan.cost:.3g} MB/token) ...")
-        try:
-            row = _score(model, plan, reference, threads, deadline, info)
-        except _OutOfTime:
-            leave(plan, f"the time limit ({time_limit_s / 60:g} min) passed while it was scored")
-            continue
-        except (HobbitError, ValueError, OSError) as e:
-            say(name, f"skipped: {e}")
-            continue
-        rows.append(row)
-        say(name, f"budget {row['budget_mb']:7.1f} MB  ppl {100 * row['ppl_increase']:+6.2f} % "
-                  f"(95 % bound {100 * row['ppl_increase_upper']:+6.2f} %, {row['n_tokens']} tokens)  "
-                  f"KL {row['mean_kl']:.4f}  cost {row['cost']:.3g} MB/token")
-        if row["ppl_increase_upper"] <= max_ppl_increase and (best is None or row["cost"] < best["cost"]):
-            best = row
-    log(f"  scored {len(rows)} of {len(plans)} candidates in {time.monotonic() - started:.0f} s")
-    pick = choose(rows, max_ppl_increase, len(reference.ids), log)
-    if not rows and left:
-        raise HobbitError(f"{model}: no candidate was scored: {left[0]['why']} (give more --time-limit)")
-    if pick is None:
-        raise HobbitError(f"{model}: no candidate stays within {100 * max_ppl_increase:g} % perplexity at this memory "
-                          f"(best: {min(rows, key=lambda r: r['ppl_increase'])['name'] if rows else 'none fits'})")
-    profile = Profile(model=os.path.basename(model), model_bytes=os.path.getsize(model), settings=pick["settings"],
-                      calibration={"tool": "tune", "memory_mb": None if memory_bytes is None else memory_bytes / MB,
-                                   "run_context": run_shape.n_ctx,
-                                   "max_ppl_increase": max_ppl_increase, "n_tokens": len(reference.ids),
-                                   "reference_perplexity": reference.perplexity, "chosen": pick["name"],
-                                   "candidates": rows, "not_scored": left})
-    return profile, rows
+        for plan in sorted(plans, key=lambda p: (p.cost, p.cand.name)):
+            name = plan.cand.name
+            if best is not None and plan.cost > best["cost"]:
+                leave(plan, f"costs {'at least ' if not plan.static else ''}{plan.cost:.3g} MB/token, more than "
+                            f"{best['name']} ({best['cost']:.3g}), within the budget")
+                continue
+            making = [spec for spec in plan.missing if not _exists(model, spec)]
+            try:  # before anything of them is written: a full disk midway would leave nothing but the time lost
+                check_free_space(pathlib.Path(model).parent, _files_bytes(info, plan, making),
+                                 f"making {', '.join(making)}")
+            except NotEnoughSpaceError as e:
+                leave(plan, str(e))
+                continue
+            # the files to make, and a pass over the scored text (a static candidate's; a dynamic
+            # one's stops where the time runs out)
+            needs = sum(info.file_bytes / QUANTIZE_BYTES_PER_S if is_mix_name(spec) else
+                        info.expert_bytes_total / PREPARE_BYTES_PER_S for spec in making)
+            windows = len(reference.log_probs)
+            if plan.settings:  # (the model's own experts are the reference: nothing to score)
+                needs += measured.seconds_per_window * (windows if plan.static else
+                                                         _dynamic_windows(windows) * DECODE_OVER_BATCHED)
+            if time.monotonic() + needs > deadline:
+                to_make = f" to make {', '.join(making)} and score" if making else ""
+                leave(plan, f"the time limit ({time_limit_s / 60:g} min) leaves "
+                            f"{max(0, deadline - time.monotonic()):.0f} s, it needs about {needs:.0f} s{to_make}")
+                continue
+            try:
+                for spec in making:
+                    made.append(_make_level(model, spec, threads, log))
+                if plan.missing:  # the files as made: the plan again
+                    plan = _plan(model, info, plan.cand, plan.settings, available, run_shape, measured.scored)
+            except _NotCheaper:
+                say(name, "skipped: as made, a level is no smaller than the model's experts")
+                continue
+            except (HobbitError, ValueError, OSError) as e:
+                say(name, f"skipped: {e}")
+                continue
+            if plan.settings:  # (the model's own experts are the reference itself)
+                say(name, f"scoring ({'in batches' if plan.static else 'token by token'}, "
+                          f"{'' if plan.static else 'at least '}{plan.cost:.3g} MB/token) ...")
+            try:
+                row = _score(model, plan, reference, threads, deadline, info)
+            except _OutOfTime:
+                leave(plan, f"the time limit ({time_limit_s / 60:g} min) passed while it was scored")
+                continue
+            except (HobbitError, ValueError, OSError) as e:
+                say(name, f"skipped: {e}")
+                continue
+            rows.append(row)
+            say(name, f"budget {row['budget_mb']:7.1f} MB  ppl {100 * row['ppl_increase']:+6.2f} % "
+                      f"(95 % bound {100 * row['ppl_increase_upper']:+6.2f} %, {row['n_tokens']} tokens)  "
+                      f"KL {row['mean_kl']:.4f}  cost {row['cost']:.3g} MB/token")
+            if row["ppl_increase_upper"] <= max_ppl_increase and (best is None or row["cost"] < best["cost"]):
+                best = row
+        log(f"  scored {len(rows)} of {len(plans)} candidates in {time.monotonic() - started:.0f} s")
+        pick = choose(rows, max_ppl_increase, len(reference.ids), log)
+        if not rows and left:
+            raise HobbitError(f"{model}: no candidate was scored: {left[0]['why']} (give more --time-limit)")
+        if pick is None:
+            best_name = min(rows, key=lambda r: r['ppl_increase'])['name'] if rows else 'none fits'
+            raise HobbitError(f"{model}: no candidate stays within {100 * max_ppl_increase:g} % perplexity at this "
+                              f"memory (best: {best_name})")
+        memory_mb = None if memory_bytes is None else memory_bytes / MB
+        profile = Profile(model=os.path.basename(model), model_bytes=os.path.getsize(model), settings=pick["settings"],
+                          calibration={"tool": "tune", "memory_mb": memory_mb,
+                                       "run_context": run_shape.n_ctx,
+                                       "max_ppl_increase": max_ppl_increase, "n_tokens": len(reference.ids),
+                                       "reference_perplexity": reference.perplexity, "chosen": pick["name"],
+                                       "candidates": rows, "not_scored": left})
+        picked = profile.settings
+        return profile, rows
+    finally:
+        if not keep:
+            _remove_unpicked(model, made, picked, log)
 
 
 class _NotCheaper(Exception):

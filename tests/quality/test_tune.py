@@ -347,3 +347,52 @@ def test_tune_checks_the_free_disk_before_it_makes_a_file(model_dir, tmp_path, m
     assert "making Q2_K needs" in q2k and "GB free" in q2k and str(tmp_path) in q2k, said
     assert profile.calibration["chosen"] == "model"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]  # nothing made, nothing left half-made
+
+
+def test_tune_removes_the_files_it_made_and_did_not_pick_unless_kept(model_dir, tmp_path):
+    import shutil
+
+    from hobbitpy.companions import default_companion_path
+
+    path = tmp_path / "m.gguf"
+    shutil.copyfile(tiny_model(model_dir, "llama", n_embd=256), path)
+    (tmp_path / "tune.txt").write_text(TEXT)
+    q2 = default_companion_path(path, "Q2_K")
+    # a budget no copy meets: Q2_K made and scored, the model's own experts picked
+    p = _tune(path, tmp_path / "a.json", "--max-ppl-increase", "0.0001", candidates="model,Q2_K")
+    assert p.returncode == 0 and "chosen: model" in p.stdout, p.stderr
+    assert f"removed {q2}" in p.stdout + p.stderr and not q2.exists()
+    # kept when asked
+    p = _tune(path, tmp_path / "b.json", "--max-ppl-increase", "0.0001", "--keep", candidates="model,Q2_K")
+    assert p.returncode == 0 and q2.is_file(), p.stderr
+    q2.unlink()
+    # two copies made, one picked: the other removed
+    p = _tune(path, tmp_path / "c.json", "--max-ppl-increase", "0.0001", candidates="Q2_K,Q3_K")
+    assert p.returncode == 0, p.stderr
+    chosen = json.loads((tmp_path / "c.json").read_text())["settings"]["high"]
+    assert default_companion_path(path, chosen).is_file(), p.stdout
+    assert {f.name for f in tmp_path.iterdir()} == {"a.json", "b.json", "c.json", "m.gguf", "tune.txt",
+                                                  default_companion_path(path, chosen).name}
+
+
+def test_a_profile_tuned_for_less_memory_stands_aside_where_the_whole_model_fits(model_dir, tmp_path, caplog):
+    import shutil
+
+    from hobbitpy.profile import Profile, resolve_offload
+
+    path = tmp_path / "m.gguf"
+    shutil.copyfile(tiny_model(model_dir, "llama", n_embd=256), path)
+    beside = tmp_path / "m.hobbit-profile.json"
+    Profile(model="m.gguf", model_bytes=path.stat().st_size, settings={"high": "Q2_K"},
+            calibration={"tool": "tune", "memory_mb": 64}).save(beside)
+    # this machine has far more than 64 MB: the whole model fits, the default serves it
+    with caplog.at_level("INFO", logger="hobbitpy"):
+        config, applied = resolve_offload(path)
+    assert applied is None and config.high is None and config.auto, config
+    assert f"{beside} stands aside: tuned for 64 MB" in caplog.text and f"--profile {beside}" in caplog.text
+    # named, it applies; tuned for more memory than there is, or for "what is available", it applies too
+    assert resolve_offload(path, profile=beside)[0].high == "Q2_K"
+    for tuned in (10 ** 9, None):
+        Profile(model="m.gguf", model_bytes=path.stat().st_size, settings={"high": "Q2_K"},
+                calibration={"tool": "tune", "memory_mb": tuned}).save(beside, replace=True)
+        assert resolve_offload(path)[0].high == "Q2_K"

@@ -34,6 +34,9 @@ def add_parser(sub) -> None:
                         "choose among the candidates scored (default: tune.TIME_LIMIT_MINUTES, 15)")
     p.add_argument("--threads", type=threads_arg, default=os.cpu_count() or 1)
     p.add_argument("--out", help="profile file (default: next to the model; a new file unless --force)")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the copies and quants made for candidates not picked (by default they are removed: "
+                        "gigabytes each at real size)")
     add_force_arg(p)
     p.set_defaults(func=_tune)
 
@@ -62,7 +65,7 @@ def _tune(args) -> int:
         profile, _ = tune(args.model, text, memory_bytes=memory, max_ppl_increase=args.max_ppl_increase,
                           max_tokens=args.max_tokens, run_shape=ContextShape(n_ctx=args.ctx), threads=args.threads,
                           names=args.candidates,
-                          time_limit_s=None if args.time_limit is None else 60 * args.time_limit)
+                          time_limit_s=None if args.time_limit is None else 60 * args.time_limit, keep=args.keep)
         profile.save(out, args.force)
     except (HobbitError, ValueError, OSError) as e:
         return fail(str(e))
