@@ -17,13 +17,14 @@ A line `{{KIND NAME}}` of the prose becomes KIND's block for docs/bench/NAME.jso
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import pathlib
 import re
 import sys
 
 from .config import MB
-from .frontier import cap_label, config_label, is_stock_run, plot_frontier
+from .frontier import cap_label, config_label, is_stock_run, mark_dominated, plot_frontier
 from .outputs import write_new
 
 DIRECTIVE = re.compile(r"^\{\{(run|frontier|verdict|speed|resident|picture) ([\w.-]+)\}\}$")
@@ -37,8 +38,12 @@ def load_runs(bench_dir: pathlib.Path) -> dict[str, dict]:
 
 
 def _rows(run: dict) -> list[dict]:
-    """Caps from the most memory to the least, no cap first."""
-    return sorted(run["rows"], key=lambda r: -(r["cap_mb"] or float("inf")))
+    """Caps from the most memory to the least, no cap first; each configuration's dominated_by
+    by the rule of today (frontier.mark_dominated), whatever the run's JSON holds."""
+    rows = sorted(copy.deepcopy(run["rows"]), key=lambda r: -(r["cap_mb"] or float("inf")))
+    for row in rows:
+        mark_dominated(row)
+    return rows
 
 
 def _num(v: float) -> str:
@@ -155,8 +160,8 @@ def _file_of(s: dict) -> str:
 def _against(ours: dict, quant: dict, what: str) -> str:
     ratio = ours["decode_tok_s"] / quant["decode_tok_s"]
     apart = "the runs' ranges apart" if _apart(ours, quant) or _apart(quant, ours) else "the runs' ranges overlap"
-    return (f"Against {what}, {_file_of(quant)} at "
-            f"{_quality(quant).split(' (')[0]}, reading {_read(quant)} MB a token: {_num(ratio)}x its speed ({apart})")
+    return (f"Against {what}, {_file_of(quant)} at {quant['mean_kl']:.4f} nats "
+            f"({_quality(quant).split(' (')[0]}), reading {_read(quant)} MB a token: {_num(ratio)}x its speed ({apart})")
 
 
 def render_verdict(run: dict) -> str:
@@ -178,9 +183,9 @@ def render_verdict(run: dict) -> str:
             said = [head + f"{_num(ours['decode_tok_s'])} tok/s, {_ratio(ours, by_name)}x stock on the same file; "
                     f"quality {_quality(ours)}" + ("" if ours.get("offloaded") else
                                                    "; every expert fit, so it took stock's path") + "."]
-            if ours.get("ppl_increase") is not None:
-                as_close = [q for q in quants if q.get("ppl_increase") is not None
-                            and q["ppl_increase"] <= ours["ppl_increase"]]
+            best = None
+            if ours.get("mean_kl") is not None:  # as close: diverging no more from the model's distributions
+                as_close = [q for q in quants if q.get("mean_kl") is not None and q["mean_kl"] <= ours["mean_kl"]]
                 best = max(as_close, key=lambda q: q["decode_tok_s"], default=None)
                 said.append("  " + (_against(ours, best, "the fastest uniform quant at least as close to the model")
                                     if best else "No uniform quant is as close to the model") + ".")
@@ -264,7 +269,7 @@ def render(template: str, runs: dict[str, dict]) -> tuple[str, list[str]]:
         run = runs[name]
         if kind == "picture":
             pictures.append(name)
-            block = f"![{_title(run)}: decode speed against perplexity under each memory cap](img/{name}.png)"
+            block = f"![{_title(run)}: decode speed against mean KL from the model under each memory cap](img/{name}.png)"
         else:
             block = {"run": lambda r: render_run(name, r), "frontier": render_frontier, "verdict": render_verdict,
                      "speed": render_speed, "resident": render_resident}[kind](run)

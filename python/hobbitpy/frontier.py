@@ -1,31 +1,38 @@
-"""The quality-speed frontier under one memory cap: decode tok/s against perplexity
-increase, stock llama.cpp on every uniform quant as one curve and hobbitpy's
-configurations as points. A point is dominated when another is at least as fast and at
-least as good (and better in one of the two); that is the only comparison a user whose
-memory cannot hold the model can act on.
+"""The quality-speed frontier under one memory cap: decode tok/s against the mean KL
+divergence from the model's own next-token distributions, stock llama.cpp on every uniform
+quant as one curve and hobbitpy's configurations as points. A point is dominated when another
+is at least as fast and at most as far from the model (and better in one of the two); that is
+the only comparison a user whose memory cannot hold the model can act on.
+
+Closeness is judged by divergence, not perplexity: on a weak model a lossy configuration can
+lower the perplexity of a text (it predicts the text no better, only differently), while its
+divergence from the model's distributions only grows; perplexity and top-1 agreement are
+reported beside it.
 """
 
 from __future__ import annotations
 
 import io
+import textwrap
 
 
 def _point(s: dict) -> tuple[float, float] | None:
-    if s.get("decode_tok_s") is None or s.get("ppl_increase") is None:
+    if s.get("decode_tok_s") is None or s.get("mean_kl") is None:
         return None
-    return s["decode_tok_s"], s["ppl_increase"]
+    return s["decode_tok_s"], s["mean_kl"]
 
 
 def mark_dominated(row: dict) -> None:
-    """Set s["dominated_by"] (names) on every configuration of a cap's row with a speed and a quality."""
+    """Set s["dominated_by"] (names) on every configuration of a cap's row with a speed and a
+    divergence: those at least as fast and at most as far from the model, better in one."""
     points = [(s["config"], _point(s)) for s in row["configs"]]
     for s in row["configs"]:
         mine = _point(s)
         if mine is None:
             continue
-        speed, worse = mine
+        speed, kl = mine
         s["dominated_by"] = [name for name, p in points if p is not None and name != s["config"]
-                             and p[0] >= speed and p[1] <= worse and (p[0] > speed or p[1] < worse)]
+                             and p[0] >= speed and p[1] <= kl and (p[0] > speed or p[1] < kl)]
 
 
 def format_frontier(row: dict) -> str:
@@ -96,7 +103,7 @@ def plot_frontier(rows: list[dict], title: str) -> bytes | None:
 
 
 def frontier_figure(rows: list[dict], title: str):
-    """One panel per cap: x = perplexity increase (%), y = decode tok/s (log); stock's runs
+    """One panel per cap: x = mean KL from the model (nats), y = decode tok/s (log); stock's runs
     (the model and its uniform quants) joined as a gray line, hobbitpy's configurations as
     coloured points. No text lies on the panels: every point is named (config_label) in one
     legend under them, and a configuration whose every run failed in its panel's title. A
@@ -122,11 +129,11 @@ def frontier_figure(rows: list[dict], title: str):
     fig, axes = plt.subplots(1, len(rows), figsize=(4.4 * len(rows) + 0.6, 4.6), squeeze=False)
     for ax, row in zip(axes[0], rows):
         scored = [s for s in row["configs"] if _point(s)]
-        stock = sorted((s for s in scored if is_stock_run(s)), key=lambda s: s["ppl_increase"])
-        ax.plot([100 * s["ppl_increase"] for s in stock], [s["decode_tok_s"] for s in stock], "-", color="gray",
+        stock = sorted((s for s in scored if is_stock_run(s)), key=lambda s: s["mean_kl"])
+        ax.plot([s["mean_kl"] for s in stock], [s["decode_tok_s"] for s in stock], "-", color="gray",
                 alpha=0.5, zorder=1)
         for s in scored:
-            ax.plot([100 * s["ppl_increase"]], [s["decode_tok_s"]], linestyle="none", label=config_label(s),
+            ax.plot([s["mean_kl"]], [s["decode_tok_s"]], linestyle="none", label=config_label(s),
                     zorder=2, **styles[config_label(s)])
         failed = [config_label(s).removeprefix("stock llama.cpp, ") for s in row["configs"]
                   if s.get("decode_tok_s") is None]
@@ -135,16 +142,25 @@ def frontier_figure(rows: list[dict], title: str):
         ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
         ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.yaxis.set_minor_formatter(ticker.NullFormatter())
-        ax.set_xlabel("perplexity over the model's (%)")
+        # exact configurations sit at 0: linear up to 0.001 nats, logarithmic past it
+        ax.set_xscale("symlog", linthresh=1e-3)
+        ax.set_xlim(0, 1.6 * max([s["mean_kl"] for s in scored] + [1e-2]))  # (room for the rightmost marker)
+        ax.set_xlabel("mean KL from the model's next-token\ndistributions (nats a token)")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("decode tokens/s (median of the runs)")
     handles = {}
     for ax in axes[0]:
         for h, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, h)
-    fig.suptitle(f"{title}: speed and quality under a memory cap (up and left is better)", fontsize=10)
-    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(3, len(handles)), fontsize=8,
-               frameon=False)
-    n_legend_rows = -(-len(handles) // min(3, len(handles)))
-    fig.tight_layout(rect=(0, 0.05 * n_legend_rows + 0.02, 1, 1))
+    # the title and legend wrapped to the figure's width: one panel is narrow
+    width_chars = int(12 * fig.get_figwidth())
+    heading = textwrap.fill(f"{title}: speed and closeness to the model under a memory cap (up and left is better)",
+                            width_chars)
+    fig.suptitle(heading, fontsize=10)
+    ncol = max(1, min(3, len(handles), len(rows)))  # a column a panel: the labels are long
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    n_legend_rows = -(-len(handles) // ncol)
+    legend_share = (0.16 * n_legend_rows + 0.1) / fig.get_figheight()
+    fig.set_figheight(fig.get_figheight() + 0.16 * n_legend_rows)
+    fig.tight_layout(rect=(0, legend_share, 1, 1))
     return fig

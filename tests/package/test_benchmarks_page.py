@@ -54,6 +54,7 @@ def test_the_verdict_says_what_the_runs_say():
     def config(name, tok_s, ppl, settings, at_cap=0, spread=0.1):
         return {"config": name, "decode_tok_s": tok_s, "min_decode_tok_s": tok_s * (1 - spread),
                 "max_decode_tok_s": tok_s * (1 + spread), "ppl_increase": ppl, "ppl_increase_se": 0.001,
+                "mean_kl": ppl / 2,
                 "bytes_per_token": 0,
                 "settings": settings, "times_at_cap": at_cap, "offloaded": settings is not None, "dominated_by": []}
     row = {"cap": "0.5", "cap_mb": 100.0, "configs": [
@@ -64,7 +65,7 @@ def test_the_verdict_says_what_the_runs_say():
     assert "hobbitpy's default (no options): 30.0 tok/s, 30.0x stock on the same file; quality +1.00 %" in said, said
     # no quant is as close as +1 %: the fastest one is named, with its reads and the spread of the runs
     assert "No uniform quant is as close to the model." in said
-    assert "Against the fastest uniform quant, the Q2_K file at +5.00 %, reading" in said
+    assert "Against the fastest uniform quant, the Q2_K file at 0.0250 nats (+5.00 %), reading" in said
     assert "3.00x its speed (the runs' ranges apart)" in said
     assert "Failed at every run: stock llama.cpp on the Q4_K_M file" in said and "Dominated by nothing" in said
 
@@ -84,5 +85,29 @@ def test_the_frontier_picture_names_each_point_in_a_legend_in_a_readers_words():
         assert {"stock llama.cpp, the model's file", "stock llama.cpp, a uniform Q2_K file",
                 "hobbitpy's default (no options)", "hobbitpy, Q4_K/Q2_K by router weight"} <= labels, labels
         assert len(fig.legends) == 1 and len(labels) == len({s["config"] for r in run["rows"] for s in r["configs"]})
+    finally:
+        plt.close(fig)
+
+
+def test_a_one_cap_picture_keeps_its_title_and_legend_within_the_figure():
+    """One panel is narrow: the title and the legend are wrapped to it, not cut at its edges."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hobbitpy.frontier import frontier_figure
+
+    run = load_runs(REPO / "docs" / "bench")["frontier-mixtral"]
+    fig = frontier_figure(run["rows"][:1], "a-model-file-with-a-long-name-Q4_K_M.gguf")
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        inside = fig.bbox.padded(1)
+        for artist in [fig._suptitle, *fig.legends]:
+            box = artist.get_window_extent(renderer)
+            assert (inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1), \
+                (artist, box, fig.bbox)
+        assert "a-model-file-with-a-long-name-Q4_K_M.gguf" in fig._suptitle.get_text().replace("\n", " ")
     finally:
         plt.close(fig)
