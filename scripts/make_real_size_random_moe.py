@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write a random-weight qwen3moe GGUF of Qwen3-30B-A3B's exact shape (48 layers, 128 experts,
 top-8, hidden size 2048, expert width 768, 32 query and 4 key-value heads of 128, Qwen2's
-151,936-token vocabulary): about 17.5 GB with Q4_K experts and Q8_0 attention, embeddings and
+151,936-token vocabulary): about 18 GB with Q4_K experts and Q8_0 attention, embeddings and
 output, the shape and types a user's Q4_K_M file of that model has.
 
 Random weights are the hard case for an expert cache: every weight carries signal and the
