@@ -93,21 +93,25 @@ def main() -> int:
             types[t.name] = qtype
         pools: dict[tuple[QT, int], np.ndarray] = {}
 
-        def rows_of(qtype: QT, n_per_row: int, n_rows: int) -> np.ndarray:
-            key = (qtype, n_per_row)
-            if key not in pools:  # weights of unit variance out: std 1/sqrt(fan-in), as synthetic_moe's
-                values = rng.standard_normal((ROW_POOL, n_per_row), dtype=np.float32) / np.float32(np.sqrt(n_per_row))
+        # synthetic_moe's scales: linear weights N(0, 1/fan-in) (activations stay O(1)), the
+        # embeddings N(0, 1) (each token's own state), the router N(0, 1) (different tokens
+        # pick different experts: routing without skew), norms 1
+        def rows_of(qtype: QT, n_per_row: int, n_rows: int, std: float) -> np.ndarray:
+            key = (qtype, n_per_row, std)
+            if key not in pools:
+                values = rng.standard_normal((ROW_POOL, n_per_row), dtype=np.float32) * np.float32(std)
                 pools[key] = quantize_rows(values, int(qtype))
             return pools[key][rng.integers(0, ROW_POOL, n_rows)]
 
         def new_data(t, kind):
             shape, qtype = new_shape(t.name, n_vocab)
             n_rows = int(np.prod(shape[1:]))
+            if t.name.endswith("ffn_gate_inp.weight"):  # the router: every row its own
+                return rng.standard_normal((n_rows, shape[0]), dtype=np.float32)
             if qtype == QT.F32:
-                if t.name.endswith("ffn_gate_inp.weight"):  # the router: every row its own
-                    return rng.standard_normal((n_rows, shape[0]), dtype=np.float32) / np.float32(np.sqrt(shape[0]))
                 return np.ones(shape[0], np.float32)  # norms
-            return rows_of(qtype, shape[0], n_rows)
+            std = 1.0 if t.name == "token_embd.weight" else 1.0 / np.sqrt(shape[0])
+            return rows_of(qtype, shape[0], n_rows, std)
 
         head_keys = {f"qwen3moe.{k}": v for k, v in (
             ("embedding_length", N_EMBD), ("feed_forward_length", 6144), ("expert_feed_forward_length", N_FF_EXPERT),
