@@ -53,26 +53,29 @@ def resolve_offload(model_path: str | os.PathLike | None, *, profile: str | os.P
     chooses the configuration, so the default ladder stays out (auto off). Returns the
     configuration and the profile applied, if any."""
     settings = settings or {}
+    beside = None
     if (profile is None and profile_next_to_model and model_path is not None and preset is None
             and settings.get("enabled", True) is not False):
         beside = profile_path(model_path)
-        profile = beside if beside.exists() and not _stands_aside(beside, model_path) else None
+        profile = beside if beside.exists() else None
     chosen = {}
     if profile is not None:
-        chosen.update(load_profile(profile, model_path).settings, auto=False)
+        loaded = load_profile(profile, model_path)
+        if beside is not None and _stands_aside(loaded, beside, model_path):
+            profile = None
+        else:
+            chosen.update(loaded.settings, auto=False)
     if preset is not None:
         chosen.update(preset_settings(preset), auto=False)
     return OffloadConfig(**{**chosen, **settings}), None if profile is None else pathlib.Path(profile)
 
 
-def _stands_aside(path: pathlib.Path, model_path: str | os.PathLike) -> bool:
-    """Whether the profile next to the model gives way to the default: it was tuned for a memory
-    smaller than the one available now, where the whole model fits (its lossy ladder was the
-    price of less memory; with every expert resident the default is exact). Says so."""
-    try:
-        tuned_mb = load_profile(path, model_path).calibration.get("memory_mb")
-    except HobbitError:
-        return False  # the run applies it and says what is wrong with it
+def _stands_aside(profile: Profile, path: pathlib.Path, model_path: str | os.PathLike) -> bool:
+    """Whether the profile next to the model (read from path) gives way to the default: it was
+    tuned for a memory smaller than the one available now, where the whole model's file fits
+    (its lossy ladder was the price of less memory; with every expert resident the default is
+    exact). Says so."""
+    tuned_mb = profile.calibration.get("memory_mb")
     if not isinstance(tuned_mb, (int, float)):  # tuned for the memory of its time: not known to be less
         return False
     available = available_memory_bytes()
