@@ -160,8 +160,10 @@ def _file_of(s: dict) -> str:
 def _against(ours: dict, quant: dict, what: str) -> str:
     ratio = ours["decode_tok_s"] / quant["decode_tok_s"]
     apart = "the runs' ranges apart" if _apart(ours, quant) or _apart(quant, ours) else "the runs' ranges overlap"
-    return (f"Against {what}, {_file_of(quant)} at {quant['mean_kl']:.4f} nats "
-            f"({_quality(quant).split(' (')[0]}), reading {_read(quant)} MB a token: {_num(ratio)}x its speed ({apart})")
+    ppl = _quality(quant).split(" (")[0]
+    closeness = f"{quant['mean_kl']:.4f} nats ({ppl})" if quant.get("mean_kl") is not None else ppl  # (no --quality)
+    return (f"Against {what}, {_file_of(quant)} at {closeness}, reading {_read(quant)} MB a token: "
+            f"{_num(ratio)}x its speed ({apart})")
 
 
 def render_verdict(run: dict) -> str:

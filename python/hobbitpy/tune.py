@@ -281,10 +281,11 @@ def _remove_unpicked(model: str, made: list[pathlib.Path], picked: dict | None, 
     """Remove the files tune made that the pick does not read (all of them without a pick): at
     real size each is gigabytes beside the model. A quants folder left empty goes too."""
     read = set()
-    for key in ("high", "mid", "low"):
-        spec = (picked or {}).get(key)
-        if spec is not None and _exists(model, spec):
+    for spec in (v for k, v in (picked or {}).items() if k in ("high", "mid", "low") and v is not None):
+        try:
             read.add(pathlib.Path(resolve_level(model, spec, "--high")).resolve())
+        except ModelFileError:
+            pass  # (a level the pick names that is not there: nothing of it to keep)
     for path in made:
         if path.resolve() not in read:
             path.unlink(missing_ok=True)
