@@ -34,6 +34,7 @@ from .config import MB, OffloadConfig
 from .default_ladder import CALIBRATION_CTX, CALIBRATION_TOKENS, Calibration, applies, default_config, quiet
 from .devices import say_if_gpu_unusable
 from .errors import BudgetError, ExpertReadError, HobbitError, ModelFileError
+from .gbnf import gbnf_bound_error
 from .likelihood import Comparison, Reference, ReferenceTable, compare_to_reference, scoring_windows
 from .memory import (COMPUTE_SHARE, MIN_UBATCH, ContextShape, OffloadPlan, available_memory_bytes, context_sizes,
                      default_context, fit_ubatch, plan_offload, return_freed_memory, whole_memory_budget_mb)
@@ -336,6 +337,28 @@ class Llama(llama_cpp.Llama):
         """The text less the characters this model's vocabulary cannot encode."""
         self._check_open()
         return tokens.encodable(self._model.vocab, text)
+
+    def grammar_error(self, grammar: str, root: str = "root") -> str | None:
+        """Why llama.cpp cannot take this GBNF grammar (None: it can): too big or too deep for
+        its recursive parser (gbnf's bounds), or not parsed. Its sampler is made and freed here:
+        llama-cpp-python would chain the null sampler llama.cpp returns for a bad grammar, and
+        the process dies (SIGSEGV)."""
+        self._check_open()
+        if why := gbnf_bound_error(grammar):
+            return why
+        sampler = llama_cpp.llama_sampler_init_grammar(self._model.vocab, grammar.encode("utf-8", "replace"),
+                                                       root.encode("utf-8"))
+        if not sampler:
+            return "the grammar does not parse (GBNF, with a root rule; llama.cpp's log says where)"
+        llama_cpp.llama_sampler_free(sampler)
+        return None
+
+    def _init_sampler(self, *args, grammar=None, **kwargs):
+        # every completion, chat and stream makes its sampler here: a grammar handed in as a
+        # LlamaGrammar is checked as the CLI and the server check theirs
+        if grammar is not None and (why := self.grammar_error(grammar._grammar, grammar._root)):
+            raise HobbitError(why)
+        return super()._init_sampler(*args, grammar=grammar, **kwargs)
 
     @property
     def offloaded(self) -> bool:

@@ -23,7 +23,6 @@ import socket
 from . import __version__
 from .config import MAX_BODY_MB, OffloadConfig
 from .errors import ChatTemplateError, HobbitError
-from .grammars import grammar_error
 from .llama import Llama
 
 
@@ -197,7 +196,7 @@ def request_error(path: str, body: bytes, llm: Llama | None) -> str | None:
         return "logprobs are not served: the model keeps the last token's logits only"
     grammar = request.get("grammar")
     if isinstance(grammar, str) and llm is not None:
-        return grammar_error(llm, grammar)
+        return llm.grammar_error(grammar)
     return None
 
 

@@ -57,6 +57,14 @@ def test_grammar_and_json_schema_constrain_the_output_and_a_bad_one_is_one_line(
     grammar.write_text("root ::= (")
     bad = hobbitpy_cli("run", MODEL, "-p", "x", "-n", "2", "--grammar-file", grammar)
     assert bad.returncode == 2 and "the grammar does not parse" in bad.stderr and "Traceback" not in bad.stderr
+    # 20,000 nested groups overflowed llama.cpp's parser's stack (exit 139)
+    grammar.write_text("root ::= " + "(" * 20000 + '"a"' + ")" * 20000)
+    deep = hobbitpy_cli("run", MODEL, "-p", "x", "-n", "2", "--grammar-file", grammar)
+    assert deep.returncode == 2 and "nests groups 20000 deep" in deep.stderr and "Traceback" not in deep.stderr
+    # a schema llama-cpp-python's converter refuses by an assert: was a traceback, exit 1
+    odd = hobbitpy_cli("run", MODEL, "-p", "x", "-n", "2", "-j", '{"type": "foo"}')
+    assert odd.returncode == 2 and "Traceback" not in odd.stderr, odd.stderr
+    assert "the JSON schema cannot be turned into a grammar" in odd.stderr.strip().splitlines()[-1], odd.stderr
 
 
 def test_every_run_ends_with_a_summary_and_the_first_says_how_to_see_offloading(model_dir):

@@ -81,6 +81,17 @@ def test_a_bad_grammar_or_an_oversized_body_is_refused_and_the_server_stays_up(s
     status, body = http_post(server + "/v1/completions",
                          json.dumps({"prompt": "x", "max_tokens": 2, "grammar": 'root ::= "yes" | "no"'}).encode())
     assert status == 200 and body["choices"][0]["text"] in ("yes", "no", "y", "n", "ye"), body
+    # 20,000 nested groups (a 40 KB body) overflowed llama.cpp's recursive parser inside the
+    # check itself: the process died without a line. Chains of rules (100,000 overflowed) and
+    # size are bounded too
+    for grammar, said in (("root ::= " + "(" * 20000 + '"a"' + ")" * 20000, "nests groups 20000 deep"),
+                          ("root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(20000)) + 'r20000 ::= "a"',
+                           "defines 20002 rules"),
+                          ('root ::= "' + "a" * (2 << 20) + '"', "larger than 1 MB")):
+        status, body = http_post(server + "/v1/completions",
+                                 json.dumps({"prompt": "x", "max_tokens": 2, "grammar": grammar}).encode())
+        assert status == 400 and said in body["error"]["message"], body
+        still_answers(server)
     # a body over the limit (a 50 MB prompt held 3 GB): refused on its announced length, before
     # a byte of it is read (the client never sends it here)
     status, message = announce_an_oversized_body(server)

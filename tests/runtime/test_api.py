@@ -47,3 +47,30 @@ def test_native_defaults_are_offload_configs():
         py.prefetch_layers, py.prefetch_width, py.direct_io, py.io_threads, py.seed)
     assert abs(c.t1 - py.t1) < 1e-6 and abs(c.t2 - py.t2) < 1e-6 and abs(c.t_mid - (py.t1 + py.t2) / 2) < 1e-6
     assert HIT_POLICIES[c.hit_policy] == py.hits and MODES[c.mode] == py.mode and c.warm_low == py.warm
+
+
+def test_a_grammar_handed_to_the_api_is_checked_before_llama_cpp_parses_it(model_dir):
+    # llama-cpp-python chained the null sampler llama.cpp returns for a bad grammar: the
+    # interpreter died (SIGSEGV), as it did on one nested 20,000 deep. A child process, so a
+    # crash fails this test instead of ending the suite
+    import subprocess
+    import sys
+
+    script = f"""
+import hobbitpy
+from llama_cpp import LlamaGrammar
+llm = hobbitpy.Llama({str(tiny_model(model_dir, "llama"))!r}, n_ctx=64, verbose=False)
+for text in ("root ::= (", "root ::= " + "(" * 20000 + '"a"' + ")" * 20000):
+    try:
+        llm("x", max_tokens=2, grammar=LlamaGrammar.from_string(text, verbose=False))
+    except hobbitpy.HobbitError as e:
+        print("refused:", e)
+print(repr(llm("x", max_tokens=2, temperature=0, grammar=LlamaGrammar.from_string('root ::= "yes"', verbose=False))
+           ["choices"][0]["text"]))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "refused: the grammar does not parse (GBNF, with a root rule; llama.cpp's log says where)"
+    assert lines[1] == "refused: the grammar nests groups 20000 deep; at most 1000 are parsed"
+    assert lines[2] in ("'yes'", "'y'", "'ye'"), lines
