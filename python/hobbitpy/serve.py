@@ -24,6 +24,7 @@ from . import __version__
 from .config import MAX_BODY_MB, OffloadConfig
 from .errors import ChatTemplateError, HobbitError
 from .llama import Llama
+from .tokens import UNENCODABLE
 
 
 def _proxy_class():
@@ -185,6 +186,8 @@ def request_error(path: str, body: bytes, llm: Llama | None) -> str | None:
         return "the body is not a JSON object"
     if _has_lone_surrogate(request):
         return "a string holds a lone surrogate (\\ud800-\\udfff), which is no text"
+    if why := _prompt_shape_error(path, request):
+        return why
     try:
         getattr(types, _REQUEST_MODELS[path]).model_validate(request)
     except ValidationError as e:
@@ -194,10 +197,56 @@ def request_error(path: str, body: bytes, llm: Llama | None) -> str | None:
         return "one choice per request: n and best_of must be 1 (send several requests)"
     if request.get("logprobs") not in (None, False) or request.get("top_logprobs") is not None:
         return "logprobs are not served: the model keeps the last token's logits only"
+    if llm is None:
+        return None
+    if why := _logit_bias_error(request.get("logit_bias"), llm.n_vocab()):
+        return why
+    for field, text in _texts_of(request):
+        if unencodable := set(text) - set(llm.encodable(text)):
+            i = min(text.index(ch) for ch in unencodable)
+            return f"{field}: {UNENCODABLE} {text[i]!r} (U+{ord(text[i]):04X}, character {i + 1})"
     grammar = request.get("grammar")
-    if isinstance(grammar, str) and llm is not None:
+    if isinstance(grammar, str):
         return llm.grammar_error(grammar)
     return None
+
+
+def _prompt_shape_error(path: str, request: dict) -> str | None:
+    """What is wrong with a completion's prompt or a chat's messages that the request models
+    let through to a failure inside the route (a 500), or say as a dump of every alternative."""
+    if path == "/v1/completions":
+        prompt = request.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, int) or isinstance(p, list) for p in prompt):
+            return "prompt: token ids are not taken here; send the prompt as text"
+        if isinstance(prompt, list) and len(prompt) > 1:
+            return f"prompt: one prompt per request ({len(prompt)} were sent; send several requests)"
+    if path == "/v1/chat/completions" and request.get("messages") == []:
+        return "messages: at least one message is needed"
+    return None
+
+
+def _logit_bias_error(bias, n_vocab: int) -> str | None:
+    if not isinstance(bias, dict):
+        return None
+    for key in bias:
+        if not (key.lstrip("-").isdigit() and 0 <= int(key) < n_vocab):
+            return f"logit_bias: {key!r} is not a token id (an integer from 0 to {n_vocab - 1})"
+    return None
+
+
+def _texts_of(request: dict):
+    """(field, text) of every text the model will tokenize: the prompt, the messages' contents."""
+    prompt = request.get("prompt")
+    for i, text in enumerate([prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []):
+        if isinstance(text, str):
+            yield ("prompt" if isinstance(prompt, str) else f"prompt.{i}"), text
+    for i, message in enumerate(request.get("messages") or []):
+        content = message.get("content") if isinstance(message, dict) else None
+        parts = [content] if isinstance(content, str) else content if isinstance(content, list) else []
+        for part in parts:
+            text = part if isinstance(part, str) else part.get("text") if isinstance(part, dict) else None
+            if isinstance(text, str):
+                yield f"messages.{i}.content", text
 
 
 # llama.cpp's sampling defaults where llama-cpp-python's request models say otherwise
@@ -205,23 +254,16 @@ def request_error(path: str, body: bytes, llm: Llama | None) -> str | None:
 SERVER_SAMPLING_DEFAULTS = {"repeat_penalty": 1.0}
 
 
-def with_server_defaults(path: str, body: bytes) -> bytes:
-    """A completion's or chat's body (request_error found it sound) with llama.cpp's defaults
-    for the sampling fields it leaves out."""
+def as_served(path: str, body: bytes, model_id: str) -> bytes:
+    """A completion's or chat's body (request_error found it sound) as the route is to serve
+    it: llama.cpp's defaults for the sampling fields it leaves out, and the served model's id
+    whatever model it names (one model is served: as llama-server and llama-cpp-python's server
+    do, any name is this one, and every response says its id, not its file)."""
     if path not in ("/v1/completions", "/v1/chat/completions"):
         return body
     request = json.loads(body)
     missing = {k: v for k, v in SERVER_SAMPLING_DEFAULTS.items() if k not in request}
-    return json.dumps(request | missing).encode() if missing else body
-
-
-def other_model(body: bytes, names: tuple[str, ...]) -> str | None:
-    """The model a sound request names when it is not this server's (None: none named, or it)."""
-    try:
-        asked = json.loads(body).get("model")
-    except (ValueError, AttributeError):
-        return None
-    return asked if isinstance(asked, str) and asked not in names else None
+    return json.dumps(request | missing | {"model": model_id}).encode()
 
 
 class RequestGuard:
@@ -231,10 +273,10 @@ class RequestGuard:
     it came. A route's failure (5xx) is told without the server's internals: 503 while the
     model cannot read its experts (/health says the same), else 500; the log has the details."""
 
-    def __init__(self, app, proxy, max_body_bytes: int, api_key: str | None, model_names: tuple[str, ...]):
+    def __init__(self, app, proxy, max_body_bytes: int, api_key: str | None, model_id: str):
         self.app, self.proxy, self.max_body_bytes = app, proxy, max_body_bytes
         self.authorization = f"Bearer {api_key}".encode() if api_key else None
-        self.model_names = model_names  # what a request may call the model (its id first)
+        self.model_id = model_id  # the served model's id (/v1/models), in every response
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -263,12 +305,14 @@ class RequestGuard:
         why = request_error(scope["path"], bytes(body), self.proxy.current)
         if why is not None:
             return await _refuse(send, 400, why)
-        if scope["path"] in _REQUEST_MODELS and (asked := other_model(bytes(body), self.model_names)) is not None:
-            return await _refuse(send, 404, f"the model {asked!r} is not served here; this server serves "
-                                            f"{self.model_names[0]!r} (GET /v1/models)", "model_not_found")
-        body = with_server_defaults(scope["path"], bytes(body))
-        scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k != b"content-length"] +
-                     [(b"content-length", str(len(body)).encode())])
+        body = as_served(scope["path"], bytes(body), self.model_id)
+        # the body is JSON whatever its Content-Type said (plain `curl -d` sends a form's), as
+        # llama-server reads it
+        json_route = scope["path"] in _REQUEST_MODELS
+        scope = dict(scope, headers=[(k, v) for k, v in scope["headers"]
+                                     if k != b"content-length" and not (json_route and k == b"content-type")] +
+                     [(b"content-length", str(len(body)).encode())] +
+                     ([(b"content-type", b"application/json")] if json_route else []))
         sent = False
 
         async def replay():
@@ -303,6 +347,10 @@ class RequestGuard:
             said = _error_message(bytes(body))
             if said.startswith(ChatTemplateError.PREFIX):
                 await _refuse(send, 400, said)
+            elif UNENCODABLE in said:
+                # the request's text passed request_error, so the text the chat template wrapped it
+                # in holds the character (said without the file's path)
+                await _refuse(send, 400, "the chat template's text: " + said[said.index(UNENCODABLE):])
             elif (llm is not None and llm.read_error is not None) or self.proxy.load_error is not None:
                 await _refuse(send, 503, "an expert could not be read (the model file changed, or the disk failed); "
                                          "GET /health says when the model serves again", "server_error")
@@ -366,7 +414,7 @@ def create_app(model_path: str, offload: OffloadConfig, *, n_ctx: int, n_threads
     if cors_origins:  # else none: any web page open in a local browser could drive the server
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"])
     app.add_middleware(RequestGuard, proxy=proxy, max_body_bytes=int(max_body_mb * 1024 * 1024), api_key=api_key,
-                       model_names=(alias, model_path))
+                       model_id=alias)
     app.include_router(server_app.router)
     server_app._llama_proxy = proxy  # the model every route of the router uses (set_llama_proxy takes settings)
 

@@ -18,6 +18,9 @@ from .errors import HobbitError, ModelFileError, TokenizeError
 from .model_file import inspect_model
 
 
+# how an error about a character the vocabulary has no token for begins (the server finds it by this)
+UNENCODABLE = "the model's vocabulary cannot encode"
+
 def _tokenize_once(vocab, text: bytes, n_max: int, add_bos: bool, special: bool) -> tuple[int, list[int], str | None]:
     tokens = ffi.new("int32_t[]", max(1, n_max))
     n = ffi.new("int32_t *")
@@ -48,7 +51,7 @@ def tokenize(llama_vocab, model_path: str, text: bytes, add_bos: bool, special: 
     chars = text.decode("utf-8", errors="replace")
     for i, ch in enumerate(chars):
         if _tokenize_or_error(vocab, ch.encode("utf-8"), False, False)[1] is not None:
-            raise TokenizeError(f"{model_path}: the model's vocabulary cannot encode {ch!r} (U+{ord(ch):04X}, character "
+            raise TokenizeError(f"{model_path}: {UNENCODABLE} {ch!r} (U+{ord(ch):04X}, character "
                                 f"{i} of the text): it has no token for it and no byte token to fall back to")
     raise TokenizeError(f"{model_path}: {error}")
 

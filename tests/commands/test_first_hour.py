@@ -6,6 +6,7 @@ server sampling as `run` does."""
 from __future__ import annotations
 
 import json
+import pathlib
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from conftest import MB, hand_trace, hobbitpy_cli, tiny_model
 from serving import MODEL, start_server, stop_server
 
 PROMPT = "And God said"
+README = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
 
 
 def test_llama_cpp_spellings_give_the_same_run(tmp_path):
@@ -137,8 +139,24 @@ def test_the_server_samples_as_run_does_and_names_its_model_by_its_file():
         run = hobbitpy_cli("run", MODEL, "-p", PROMPT, "-n", "12", "--temp", "0", "--no-echo", "--cache-mb", "8",
                            "--threads", "2")
         assert run.returncode == 0 and r.choices[0].text == run.stdout.rstrip("\n")
-        with pytest.raises(openai.NotFoundError, match="is not served here"):
-            client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
+        # one model is served: whatever name a client was configured with is it (a 404 before),
+        # and every response names it by its id, not by its file (the path before)
+        other = client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=12, temperature=0)
+        chat = client.chat.completions.create(model="model", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+        assert other.choices[0].text == r.choices[0].text
+        assert r.model == other.model == chat.model == MODEL.stem
+    finally:
+        stop_server(proc)
+
+
+def test_the_readmes_client_example_runs_as_written():
+    # it names its model "model": a 404 before
+    example = README.split("```python\nfrom openai import OpenAI\n")[1].split("```")[0]
+    proc, base = start_server(alias=None)
+    try:
+        code = "from openai import OpenAI\n" + example.replace("http://127.0.0.1:8080", base)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and out.stdout.strip(), out.stderr[-2000:]
     finally:
         stop_server(proc)
 

@@ -99,6 +99,54 @@ def test_a_bad_grammar_or_an_oversized_body_is_refused_and_the_server_stays_up(s
     still_answers(server)
 
 
+def test_a_client_mistake_is_a_400_naming_the_field_and_json_is_read_whatever_its_type(server):
+    # each of these was a 500 ("its log says why") with a traceback in the log, or a dump of
+    # pydantic's alternatives
+    mistakes = [
+        ("/v1/completions", {"prompt": ["And God", "said"]}, "prompt: one prompt per request (2 were sent"),
+        ("/v1/completions", {"prompt": [1, 2, 3]}, "prompt: token ids are not taken here"),
+        ("/v1/completions", {"prompt": [[1, 2, 3]]}, "prompt: token ids are not taken here"),
+        ("/v1/chat/completions", {"messages": []}, "messages: at least one message is needed"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias: 'abc' is not a token id"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias: '99999999' is not a token id"),
+    ]
+    for path, request, said in mistakes:
+        status, body = http_post(server + path, json.dumps(request | {"max_tokens": 2}).encode())
+        assert status == 400 and body["error"]["message"].startswith(said), (request, body)
+    # plain `curl -d '{...}'` says application/x-www-form-urlencoded: read as JSON, as llama-server does
+    status, body = http_post(server + "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode(),
+                             headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert status == 200 and body["choices"][0]["text"], body
+    status, body = http_post(server + "/v1/completions", json.dumps({"prompt": [PROMPT], "max_tokens": 2}).encode())
+    assert status == 200 and body["choices"][0]["text"], body
+    still_answers(server)
+
+
+def test_text_the_vocabulary_cannot_encode_is_a_400_naming_the_character(tmp_path):
+    from conftest import model_without_byte_tokens
+
+    proc, base = start_server(model=model_without_byte_tokens(tmp_path), alias="letters")
+    try:
+        status, body = http_post(base + "/v1/completions", json.dumps({"prompt": "ab\ncd", "max_tokens": 2}).encode())
+        assert status == 400 and body["error"]["message"] == \
+            "prompt: the model's vocabulary cannot encode '\\n' (U+000A, character 3)", body
+        status, body = http_post(base + "/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi!"}],
+             "max_tokens": 2}).encode())
+        assert status == 400 and body["error"]["message"] == \
+            "messages.1.content: the model's vocabulary cannot encode '!' (U+0021, character 3)", body
+        # the request's text is sound, the chat template's is not: said as such, without the file
+        status, body = http_post(base + "/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode())
+        assert status == 400 and body["error"]["message"].startswith(
+            "the chat template's text: the model's vocabulary cannot encode '<'"), body
+        assert "gguf" not in body["error"]["message"]
+        status, body = http_post(base + "/v1/completions", json.dumps({"prompt": "ab cd", "max_tokens": 2}).encode())
+        assert status == 200, body
+    finally:
+        stop_server(proc)
+
+
 def test_concurrent_streams_take_turns_and_every_one_ends_with_a_reason(server):
     # llama-cpp-python's default ends a running stream, without a finish_reason, when another
     # request comes: each of four streams got one token
