@@ -34,6 +34,7 @@ from .frontier import format_frontier, mark_dominated, plot_frontier
 from .memory import SLACK_BYTES, ContextShape, context_sizes
 from .model_file import inspect_model, model_parts
 from .outputs import new_output_error, write_new
+from .progress import progress_bar
 from .quants import default_quant_dir, make_uniform_quant, quant_name
 from .tokens import tokenize_text
 from .tune import SCORING_CTX, measure_text, tune
@@ -371,9 +372,7 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
     total = repeats * sum(len(cs) for cs in cap_configs.values())
     bar = None
     if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr)
+        bar = progress_bar(total=total, desc="bench", unit="run")
     try:
         # compute of stock decode: a warm run with no cap (the file read once, then from memory)
         warm = [_run_one(model, BenchConfig(STOCK, None), Cap("none", None), memcap, n_predict, threads, prompt_tokens,
@@ -459,9 +458,7 @@ def score_quality(result: BenchResult, model: str, row_configs: list[list[BenchC
 
     bar = None
     if progress:
-        from tqdm import tqdm
-
-        bar = lambda xs: tqdm(xs, desc="quality", unit="window", file=sys.stderr, leave=False)  # noqa: E731
+        bar = lambda xs: progress_bar(xs, desc="quality", unit="window", leave=False)  # noqa: E731
     ids = tokenize_text(model, text, max_tokens)
     reference = measure_reference(model, ids, n_threads=threads)
     log(f"quality: {len(ids)} tokens, stock perplexity {reference.perplexity:.4f}")

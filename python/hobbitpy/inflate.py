@@ -17,12 +17,12 @@ import pathlib
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
-from tqdm import tqdm
 
 from .errors import ModelFileError
 from .gguf_fields import field_value
 from .model_file import inspect_model
 from .outputs import check_free_space, partial_output, publish
+from .progress import progress_bar
 
 _WIDENED = (".ffn_gate_exps.weight", ".ffn_up_exps.weight")
 _WIDENED_BIAS = (".ffn_gate_exps.bias", ".ffn_up_exps.bias")
@@ -151,7 +151,7 @@ def write_gguf(reader, arch: str, dst: pathlib.Path, replace: dict, add: dict, p
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        with tqdm(total=len(plan), unit="tensor", disable=not progress, desc=desc) as bar:
+        with progress_bar(total=len(plan), unit="tensor", disable=not progress, desc=desc) as bar:
             for t, kind, _ in plan:
                 data = np.asarray(t.data) if kind == "copy" else new_data(t, kind)
                 writer.write_tensor_data(np.ascontiguousarray(data).view(np.uint8))

@@ -23,7 +23,6 @@ import threading
 import gguf
 import llama_cpp
 import numpy as np
-from tqdm import tqdm
 
 from . import tokens
 from .beam_search import beam_search
@@ -41,6 +40,7 @@ from .memory import (COMPUTE_SHARE, MIN_UBATCH, ContextShape, OffloadPlan, avail
 from .model_file import OFFLOAD_REFUSED, ModelInfo, inspect_model
 from .placement import check_profiles, importance_of, placement_for
 from .profile import resolve_offload
+from .progress import progress_bar
 
 # llama_cpp.Llama's own keywords (it swallows any other one silently)
 LLAMA_KEYWORDS = frozenset(inspect.signature(llama_cpp.Llama.__init__).parameters) - {"self", "model_path", "kwargs"}
@@ -457,7 +457,7 @@ class Llama(llama_cpp.Llama):
 def _bar(what: str):
     # at real size each pass reads every expert from the disk: minutes, worth a bar (not where
     # the notes' logger was set to errors only: -q)
-    return lambda xs: tqdm(xs, desc=what, unit="pass", file=sys.stderr, leave=False, disable=quiet())
+    return lambda xs: progress_bar(xs, desc=what, unit="pass", leave=False, disable=quiet())
 
 
 def measure_calibration(model_path: str, text: str, n_threads: int) -> Calibration:

@@ -37,7 +37,6 @@ import pathlib
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
-from tqdm import tqdm
 
 from . import _native
 from ._ggml import can_read_as_float, ffi, lib, rows_as_float
@@ -50,6 +49,7 @@ from .gguf_fields import field_value
 from .imatrix import load_imatrix
 from .model_file import inspect_model, model_fingerprint, model_parts
 from .outputs import check_free_space, partial_output, publish
+from .progress import progress_bar
 
 EXPERT_SUFFIXES = (".ffn_gate_exps.weight", ".ffn_up_exps.weight", ".ffn_down_exps.weight",
                    ".ffn_gate_up_exps.weight")
@@ -167,7 +167,7 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
         writes = ThreadPoolExecutor(1)
         written = None  # the write in flight
         try:
-            with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
+            with progress_bar(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
                       desc=f"{qtype.name} experts") as bar:
                 for t, shape, row_type, down in plan:
                     if down is not None:

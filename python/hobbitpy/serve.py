@@ -275,15 +275,15 @@ class RequestGuard:
 
     def __init__(self, app, proxy, max_body_bytes: int, api_key: str | None, model_id: str):
         self.app, self.proxy, self.max_body_bytes = app, proxy, max_body_bytes
-        self.authorization = f"Bearer {api_key}".encode() if api_key else None
+        self.api_key = api_key.encode() if api_key else None
         self.model_id = model_id  # the served model's id (/v1/models), in every response
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if (self.authorization is not None and scope["path"] != "/health" and scope["method"] != "OPTIONS"
-                and not hmac.compare_digest(headers.get(b"authorization", b""), self.authorization)):
+        if (self.api_key is not None and scope["path"] != "/health" and scope["method"] != "OPTIONS"
+                and not self._has_key(headers.get(b"authorization", b""))):
             return await _refuse(send, 401, "this server needs its API key (Authorization: Bearer KEY)")
         if scope["path"] != "/health":  # its 503 is its own answer
             send = self._failures_told_plainly(send)
@@ -323,6 +323,11 @@ class RequestGuard:
             return {"type": "http.request", "body": bytes(body), "more_body": False}
 
         return await self.app(scope, replay, send)
+
+    def _has_key(self, authorization: bytes) -> bool:
+        # "Bearer KEY"; the scheme's case is free (RFC 7235: "bearer KEY" is the same)
+        scheme, _, key = authorization.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.api_key)
 
     def _failures_told_plainly(self, send):
         """send, with a 5xx response's body replaced: llama-cpp-python's carries the exception's
@@ -385,10 +390,10 @@ def create_app(model_path: str, offload: OffloadConfig, *, n_ctx: int, n_threads
     try:
         from fastapi import FastAPI
         from fastapi.middleware.cors import CORSMiddleware
-        from fastapi.responses import JSONResponse
+        from fastapi.responses import JSONResponse, Response
         from llama_cpp.server import app as server_app
         from llama_cpp.server.settings import ModelSettings, ServerSettings
-        from prometheus_client import CollectorRegistry, make_asgi_app
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
         from starlette.middleware import Middleware
         from starlette_context.middleware import RawContextMiddleware
         from starlette_context.plugins import RequestIdPlugin
@@ -420,7 +425,10 @@ def create_app(model_path: str, offload: OffloadConfig, *, n_ctx: int, n_threads
 
     registry = CollectorRegistry()
     registry.register(ExpertCacheCollector(proxy))
-    app.mount("/metrics", make_asgi_app(registry=registry))
+
+    @app.get("/metrics")  # a route, not a mount: a mount answers /metrics with a 307 to /metrics/
+    def metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     def health():

@@ -42,7 +42,6 @@ import time
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
-from tqdm import tqdm
 
 from ._ggml import lib as ggml
 from .candidate_cost import floor_cost, measured_cost, modeled_cost, routing_trace
@@ -62,6 +61,7 @@ from .placement import importance_of, layer_expert_bytes, place_by_importance
 from .prepare import prepare_companion
 from .presets import preset_settings
 from .profile import Profile
+from .progress import progress_bar
 from .quants import BASE_TYPES, default_quant_dir, is_mix_name, make_uniform_quant, quant_path
 from .tokens import tokenize_text
 from .trace_file import Trace
@@ -187,7 +187,7 @@ def measure_text(model: str, text: str, max_tokens: int, n_ctx: int, available: 
     windows = [window for window, _ in scoring_windows(ids, n_ctx)]
     placing = [rest[s: s + n_ctx] for s in range(0, len(rest), n_ctx)] if len(rest) >= MIN_PLACEMENT_TOKENS else []
     experts, weights = [], []
-    bar = tqdm(total=len(placing) + len(windows), desc="reference", unit="pass", file=sys.stderr, leave=False)
+    bar = progress_bar(total=len(placing) + len(windows), desc="reference", unit="pass", leave=False)
     with Llama(model, offload=OffloadConfig(cache_mb=cache_mb, auto=False), n_ctx=n_ctx, n_batch=n_ctx,
                n_ubatch=n_ctx, logits_all=True, n_threads=threads, verbose=False) as llm, bar:
         importance, unplaced = None, (f"placing the experts needs {MIN_PLACEMENT_TOKENS} tokens of text past the "
@@ -325,7 +325,7 @@ class _OutOfTime(Exception):
 
 def _until(deadline: float, items, desc: str):
     """The items, with a bar; _OutOfTime once the deadline has passed."""
-    for item in tqdm(items, desc=desc, unit="window", file=sys.stderr, leave=False):
+    for item in progress_bar(items, desc=desc, unit="window", leave=False):
         if time.monotonic() > deadline:
             raise _OutOfTime
         yield item

@@ -191,9 +191,15 @@ def test_with_a_key_every_route_but_a_bare_health_needs_it(tmp_path):
                 http_get(base + path)
             assert refused.value.code == 401, path
         assert json.loads(http_get(base + "/health")[1]) == {"status": "ok"}  # up or not, nothing more
-        request = urllib.request.Request(base + "/metrics", headers={"Authorization": "Bearer s3cret-key"})
-        with urllib.request.urlopen(request, timeout=10) as r:
-            assert r.status == 200 and b"hobbitpy_expert_cache_budget_bytes" in r.read()
+        # the scheme's case is free (RFC 7235; a 401 for "bearer" before), and /metrics answers
+        # itself (a 307 to /metrics/ before, which scrapers configured without redirects miss)
+        host, port = base.removeprefix("http://").split(":")
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            connection = http.client.HTTPConnection(host, int(port), timeout=10)
+            connection.request("GET", "/metrics", headers={"Authorization": f"{scheme} s3cret-key"})
+            response = connection.getresponse()
+            assert response.status == 200 and b"hobbitpy_expert_cache_budget_bytes" in response.read(), scheme
+            connection.close()
         client = openai.OpenAI(base_url=base + "/v1", api_key="s3cret-key")
         assert [m.id for m in client.models.list().data] == ["ref-mixtral"]
         with pytest.raises(openai.AuthenticationError):

@@ -6,6 +6,7 @@ import os
 import sys
 
 from hobbitpy.evaluate import evaluate
+from hobbitpy.progress import progress_bar
 
 from .common import (add_force_arg, add_offload_args, default_of, fail, json_target_error, offload_config_from_args,
                      read_text, threads_arg, write_json)
@@ -38,8 +39,6 @@ def _eval(args) -> int:
     from hobbitpy import HobbitError
     from hobbitpy.neurons import NeuronMaskSpec
 
-    from tqdm import tqdm
-
     if why := json_target_error(args.json, args.force):
         return fail(why)
     text, why = read_text(args.text)
@@ -54,7 +53,7 @@ def _eval(args) -> int:
             raise ValueError("--neuron-oracle goes with --no-offload --neurons THETA")
         r = evaluate(args.model, text, offload, n_ctx=args.ctx, max_tokens=args.max_tokens, n_threads=args.threads,
                      compare_to_reference=not args.no_reference, n_ubatch=args.ubatch, neurons=neurons,
-                     progress=lambda xs: tqdm(xs, desc="eval", unit="window", file=sys.stderr))
+                     progress=lambda xs: progress_bar(xs, desc="eval", unit="window"))
     except (HobbitError, ValueError) as e:
         return fail(str(e))
     print(f"{args.model}: {r.n_tokens} tokens scored, offload {'on' if r.offloaded else 'off'}")

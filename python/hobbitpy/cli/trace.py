@@ -6,6 +6,7 @@ import os
 import sys
 
 from hobbitpy.trace import TRACE_CTX, record_trace
+from hobbitpy.progress import progress_bar
 
 from .common import add_force_arg, default_of, fail, threads_arg
 
@@ -42,8 +43,6 @@ def _trace(args) -> int:
     from hobbitpy.neurons import format_summary, parse_thetas
     from hobbitpy.trace import read_prompts
 
-    from tqdm import tqdm
-
     from hobbitpy.outputs import new_output_error
 
     out = pathlib.Path(args.out)
@@ -56,7 +55,7 @@ def _trace(args) -> int:
         prompts = read_prompts(args.prompts)
         t = record_trace(args.model, prompts, n_predict=args.n_predict, lookahead=args.lookahead, n_ctx=args.ctx,
                          n_threads=args.threads, neuron_thetas=thetas,
-                         progress=lambda xs: tqdm(xs, desc="trace", unit="prompt", file=sys.stderr))
+                         progress=lambda xs: progress_bar(xs, desc="trace", unit="prompt"))
         t.save(out, args.force)
     except (HobbitError, ValueError) as e:
         return fail(str(e))
