@@ -187,3 +187,52 @@ def test_low_precision_applies_when_every_expert_fits(model_dir, tmp_path):
              "--stats-json", exact)
     assert p.returncode == 0, p.stderr
     assert json.loads(exact.read_text())["served_share"][1] > 0
+
+
+def test_llama_cpps_spellings_mean_what_they_mean_there(tmp_path):
+    # each misfired before: -cnv read as "-c nv", -no-cnv as "-n o-cnv", -fa as "-f a" (with -p:
+    # "not allowed"), -e, -b, -ub, --ignore-eos, --jinja missing; --color and --mlock got another
+    # flag suggested; a context rounded up was not said
+    from serving import MODEL
+
+    chat = subprocess.run([sys.executable, "-m", "hobbitpy", "run", MODEL, "-cnv", "-n", "4", "--temp", "0"],
+                          input="Who was Noah?\n", capture_output=True, text=True, timeout=300)
+    assert chat.returncode == 0 and chat.stdout.startswith("> ") and chat.stdout.count("> ") == 2, chat.stdout
+    flags = ["-no-cnv", "-fa", "-b", "64", "-ub", "32", "--ignore-eos", "--jinja", "--color", "--mlock"]
+    escaped = run(MODEL, "-p", "In\\tthe beginning", "-n", "4", "--temp", "0", "-c", "64", *flags)
+    assert escaped.stdout.startswith("In\tthe beginning"), escaped.stdout
+    assert "--ctx-size 64 rounded up to 256" in escaped.stderr
+    written = run(MODEL, "-p", "In\\tthe beginning", "-n", "4", "--temp", "0", "--no-escape", "--no-display-prompt")
+    assert not written.stdout.startswith("In")
+    # --ignore-eos: 40 tokens, whatever the model would end with
+    stats = tmp_path / "s.json"
+    run(MODEL, "-p", "Amen.", "-n", "40", "--temp", "0", "--ignore-eos", "--stats-json", stats)
+    assert json.loads(stats.read_text())["n_tokens"] == 40
+    typo = subprocess.run([sys.executable, "-m", "hobbitpy", "run", MODEL, "-p", "x", "--colr"],
+                          capture_output=True, text=True, timeout=60)
+    assert typo.returncode == 2 and "did you mean --color?" in typo.stderr, typo.stderr
+
+
+def test_serve_takes_llama_servers_model_and_context_flags():
+    from serving import MODEL, free_port, http_get
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "hobbitpy", "serve", "-m", str(MODEL), "-c", "300", "--port",
+                             str(port), "--threads", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        import time
+
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                status, body = http_get(f"http://127.0.0.1:{port}/health")
+                break
+            except OSError:
+                assert time.time() < deadline
+                time.sleep(0.5)
+        assert status == 200 and json.loads(body)["model"] == MODEL.stem
+    finally:
+        proc.terminate()
+        err = proc.communicate(timeout=30)[1]
+    assert "--ctx-size 300 rounded up to 512" in err, err

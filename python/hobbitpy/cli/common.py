@@ -82,6 +82,30 @@ def sampling_keywords(args) -> dict:
             "frequency_penalty": args.frequency_penalty, "stop": args.stop, "seed": args.seed}
 
 
+_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
+
+
+def process_escapes(text: str) -> str:
+    """The text with llama.cpp's escapes read (common.cpp's string_process_escapes): \\n, \\r,
+    \\t, \\', \\", \\\\ and \\xNN; any other backslash stays as written."""
+    out, i = [], 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\" and i + 1 < len(text):
+            nxt = text[i + 1]
+            if nxt in _ESCAPES:
+                out.append(_ESCAPES[nxt])
+                i += 2
+                continue
+            if nxt == "x" and len(text) >= i + 4 and all(h in "0123456789abcdefABCDEF" for h in text[i + 2:i + 4]):
+                out.append(chr(int(text[i + 2:i + 4], 16)))
+                i += 4
+                continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
 def sampling_error(args) -> str | None:
     if args.n_predict < 1 and args.n_predict != -1:
         return f"-n must be at least 1, or -1 (until the end of the text or of the context), got {args.n_predict}"

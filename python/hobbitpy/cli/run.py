@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
 from .common import (CTX_HELP, add_force_arg, add_gpu_layers_arg, add_memory_args, add_sampling_args,
                      add_technique_args, add_verbosity_args, default_model, fail, gpu_layers, json_target_error, log,
-                     offload_config_from_args, sampling_error, sampling_keywords, threads_arg, write_json)
+                     offload_config_from_args, process_escapes, sampling_error, sampling_keywords, threads_arg,
+                     write_json)
 
 
 def add_parser(sub) -> None:
@@ -21,6 +23,7 @@ def add_parser(sub) -> None:
     what.add_argument("-p", "--prompt", metavar="TEXT", help="prompt text")
     what.add_argument("-f", "--file", metavar="FILE", help="read the prompt from FILE")
     what.add_argument("--chat", action="store_true", help="a chat with history (Ctrl-D ends it)")
+    what.add_argument("-cnv", "--conversation", dest="chat", action="store_true", help=argparse.SUPPRESS)
     model.add_argument("-sys", "--system-prompt", metavar="TEXT", help="a system message: the prompt goes as a chat")
     generation = p.add_argument_group("generation")
     generation.add_argument("-n", "--n-predict", type=int, default=64, metavar="N",
@@ -40,10 +43,33 @@ def add_parser(sub) -> None:
     output = p.add_argument_group("output")
     output.add_argument("-h", "--help", action="help", help="show this help")
     output.add_argument("--no-echo", action="store_true", help="print the generated text only, not the prompt")
+    output.add_argument("--no-display-prompt", dest="no_echo", action="store_true", help=argparse.SUPPRESS)
     output.add_argument("--stats-json", metavar="FILE", help="the run's statistics as JSON to FILE")
     add_force_arg(output)
     add_verbosity_args(output)
     add_technique_args(p)
+    # llama.cpp's flags a person types out of habit, after what this command is about
+    more = p.add_argument_group("more of llama.cpp's flags",
+                                "-cnv and --conversation are --chat; --no-display-prompt is --no-echo")
+    more.add_argument("-no-cnv", "--no-conversation", action="store_true",
+                      help="complete the prompt, no chat (what -p does here)")
+    escape = more.add_mutually_exclusive_group()
+    escape.add_argument("-e", "--escape", action="store_true", default=True,
+                        help="read \\n, \\t, \\\\, \\\", \\' and \\xNN in -p's text (default: on, as llama.cpp)")
+    escape.add_argument("--no-escape", dest="escape", action="store_false", help="take -p's text as written")
+    more.add_argument("-b", "--batch-size", type=int, default=None, metavar="N",
+                      help="logical batch of a prompt's tokens (default: as memory allows)")
+    more.add_argument("-ub", "--ubatch-size", type=int, default=None, metavar="N",
+                      help="physical batch (default: as memory allows)")
+    more.add_argument("-fa", "--flash-attn", nargs="?", const="on", choices=("on", "off", "auto"), default="auto",
+                      metavar="on|off|auto", help="flash attention (auto: off)")
+    more.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-text tokens")
+    more.add_argument("--mlock", action="store_true",
+                      help="lock the model's mapped pages in memory (with --no-offload; the expert cache reads "
+                           "experts as they are needed)")
+    more.add_argument("--jinja", action="store_true", help="chat with the model's own Jinja template (always so here)")
+    more.add_argument("--color", nargs="?", const="on", choices=("on", "off", "auto"), default="auto",
+                      metavar="on|off|auto", help="color the output (accepted; plain text here)")
     p.set_defaults(func=_run)
 
 
@@ -81,6 +107,11 @@ def _run(args) -> int:
             args.prompt.encode("utf-8")
         except UnicodeEncodeError as e:  # argv bytes that are not UTF-8 arrive as surrogates
             return fail(f"--prompt is not valid UTF-8 (at character {e.start}); give it as UTF-8 text")
+        if args.escape and args.file is None:  # llama.cpp escapes -p's text, not a file's
+            args.prompt = process_escapes(args.prompt)
+    for flag, value in (("--batch-size", args.batch_size), ("--ubatch-size", args.ubatch_size)):
+        if value is not None and value < 1:
+            return fail(f"{flag} must be at least 1, got {value}")
     if why := sampling_error(args):
         return fail(why)
     if args.ctx is not None and args.ctx < 16:
@@ -100,9 +131,16 @@ def _run(args) -> int:
         args.seed = secrets.randbits(31)
     try:
         n_ctx = {} if args.ctx is None else {"n_ctx": padded_context(args.ctx)}  # none: the shared default
+        if args.ctx is not None and n_ctx["n_ctx"] != args.ctx:
+            log.info(f"--ctx-size {args.ctx} rounded up to {n_ctx['n_ctx']}, as llama.cpp pads a context")
+        batches = {k: v for k, v in (("n_batch", args.batch_size), ("n_ubatch", args.ubatch_size)) if v is not None}
         offload = offload_config_from_args(args, args.model, auto_profile=True)
-        llm = hobbitpy.Llama(args.model, offload=offload, **n_ctx, n_threads=args.threads, verbose=args.verbose,
-                             seed=args.seed, n_gpu_layers=gpu_layers(args))
+        if args.mlock and offload.enabled:
+            log.info("--mlock locks the pages of --no-offload's mapped model; the expert cache reads experts as "
+                     "they are needed, so nothing is locked")
+        llm = hobbitpy.Llama(args.model, offload=offload, **n_ctx, **batches, n_threads=args.threads,
+                             verbose=args.verbose, seed=args.seed, n_gpu_layers=gpu_layers(args),
+                             flash_attn=args.flash_attn == "on", use_mlock=args.mlock and not offload.enabled)
     except (ValueError, HobbitError) as e:
         return fail(str(e))
     log.info(llm.offload_plan.reason + ("" if llm.offloaded else
@@ -144,10 +182,10 @@ def _generate(llm, args, grammar) -> int:
     try:
         if messages is None:
             chunks = llm.create_completion(args.prompt, max_tokens=max_tokens, stream=True, grammar=grammar,
-                                           **sampling_keywords(args))
+                                           **_generation_keywords(llm, args))
         else:
             chunks = llm.create_chat_completion(messages, max_tokens=max_tokens, stream=True, grammar=grammar,
-                                                **sampling_keywords(args))
+                                                **_generation_keywords(llm, args))
         for chunk in chunks:
             choice = chunk["choices"][0]
             piece = choice["text"] if messages is None else choice["delta"].get("content") or ""
@@ -171,6 +209,18 @@ def _generate(llm, args, grammar) -> int:
     if args.stats_json and (why := write_json(args.stats_json, stats, args.force)):
         return fail(why)
     return 0
+
+
+def _generation_keywords(llm, args) -> dict:
+    """create_completion's keywords from the flags: sampling, and --ignore-eos as llama.cpp
+    does it (every end-of-generation token biased to -inf)."""
+    import llama_cpp
+
+    keywords = sampling_keywords(args)
+    if args.ignore_eos:
+        vocab = llm._model.vocab
+        keywords["logit_bias"] = {t: float("-inf") for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)}
+    return keywords
 
 
 def _summary(stats: dict) -> str:
@@ -207,7 +257,7 @@ def _chat(llm, args, grammar) -> int:
                 try:
                     chunks = llm.create_chat_completion(system + turns, max_tokens=None if args.n_predict == -1 else
                                                         args.n_predict, stream=True, grammar=grammar,
-                                                        **sampling_keywords(args))
+                                                        **_generation_keywords(llm, args))
                     first = next(chunks, None)  # the prompt is checked against the context here
                     break
                 except ValueError:  # llama_cpp: "Requested tokens (...) exceed context window of ..."

@@ -14,13 +14,14 @@ def add_parser(sub) -> None:
                                    "/v1/completions, /v1/chat/completions with streaming, /v1/models), its experts "
                                    "through the expert cache; /health, and Prometheus /metrics of the cache.")
     p.add_argument("model", nargs="?", help="GGUF model file (default: the small mixtral-style model shipped with hobbitpy)")
+    p.add_argument("-m", "--model", dest="model_flag", metavar="FILE", help="the model, as llama-server takes it")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
-    p.add_argument("--ctx", type=int, default=None, help=CTX_HELP)
+    p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=None, metavar="N", help=CTX_HELP)
     p.add_argument("--threads", type=threads_arg, default=os.cpu_count() or 1, help="CPU threads (default: all cores)")
     add_gpu_layers_arg(p)
-    p.add_argument("--alias", help="the model's id in the API (default: the file's name without .gguf); a request "
-                                   "naming another model is a 404")
+    p.add_argument("-a", "--alias", help="the model's id in the API (default: the file's name without .gguf); a "
+                                         "request may name the model as its client likes: one model is served")
     p.add_argument("--chat-format", help="llama-cpp-python chat format (default: the model's template)")
     key = p.add_mutually_exclusive_group()
     key.add_argument("--api-key", help="require this bearer token on every route but /health (visible to `ps`: "
@@ -43,6 +44,10 @@ def _serve(args) -> int:
     from hobbitpy.memory import available_memory_bytes, default_context, padded_context
     from hobbitpy.serve import serve
 
+    if args.model_flag is not None:
+        if args.model is not None and args.model != args.model_flag:
+            return fail(f"two models given ({args.model} and -m {args.model_flag}): give one")
+        args.model = args.model_flag
     if args.model is None:
         args.model = default_model()
         if args.model is None:
@@ -63,7 +68,9 @@ def _serve(args) -> int:
         return fail(f"--max-body-mb must be a positive number, got {args.max_body_mb}")
     try:
         if args.ctx is not None and args.ctx < 16:
-            return fail(f"--ctx must be at least 16, got {args.ctx}")
+            return fail(f"--ctx-size must be at least 16, got {args.ctx}")
+        if args.ctx is not None and padded_context(args.ctx) != args.ctx:
+            log.info(f"--ctx-size {args.ctx} rounded up to {padded_context(args.ctx)}, as llama.cpp pads a context")
         # the app loads the model with the context it is given: the shared default, where none is asked
         n_ctx = (padded_context(args.ctx) if args.ctx is not None else
                  default_context(inspect_model(args.model), available_memory_bytes()))
