@@ -338,6 +338,12 @@ class Llama(llama_cpp.Llama):
         self._check_open()
         return tokens.encodable(self._model.vocab, text)
 
+    def unencodable(self, text: str) -> str | None:
+        """The first character of the text this model's vocabulary cannot encode, said in a
+        sentence that names no file; None when it encodes all of it."""
+        self._check_open()
+        return tokens.unencodable(self._model.vocab, text)
+
     def grammar_error(self, grammar: str, root: str = "root") -> str | None:
         """Why llama.cpp cannot take this GBNF grammar (None: it can): too big or too deep for
         its recursive parser (gbnf's bounds), or not parsed. Its sampler is made and freed here:

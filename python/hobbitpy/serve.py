@@ -202,9 +202,8 @@ def request_error(path: str, body: bytes, llm: Llama | None) -> str | None:
     if why := _logit_bias_error(request.get("logit_bias"), llm.n_vocab()):
         return why
     for field, text in _texts_of(request):
-        if unencodable := set(text) - set(llm.encodable(text)):
-            i = min(text.index(ch) for ch in unencodable)
-            return f"{field}: {UNENCODABLE} {text[i]!r} (U+{ord(text[i]):04X}, character {i + 1})"
+        if why := llm.unencodable(text):
+            return f"{field}: {why}"
     grammar = request.get("grammar")
     if isinstance(grammar, str):
         return llm.grammar_error(grammar)

@@ -66,6 +66,17 @@ def encodable(llama_vocab, text: str) -> str:
     return "".join(ch for ch in text if ch not in unencodable)
 
 
+def unencodable(llama_vocab, text: str) -> str | None:
+    """What the vocabulary of llama_vocab cannot encode in the text, said as a tokenize error
+    says it but without a file ("the model's vocabulary cannot encode '!' (U+0021, character
+    3)"), or None when it encodes all of it."""
+    missing = set(text) - set(encodable(llama_vocab, text))
+    if not missing:
+        return None
+    i = min(text.index(ch) for ch in missing)
+    return f"{UNENCODABLE} {text[i]!r} (U+{ord(text[i]):04X}, character {i + 1})"
+
+
 class Vocabulary:
     """A model's tokenizer alone: a vocabulary-only load and no context (llama_cpp.Llama makes
     one even then, whose check of a context length against the hyperparameters a vocabulary

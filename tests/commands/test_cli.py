@@ -165,6 +165,51 @@ def test_chat_keeps_history_and_ends_on_eof(model_dir):
     assert p.stdout.count("> ") == 3  # two turns, then the prompt that met the end of input
 
 
+def test_chat_survives_a_person(model_dir, tmp_path):
+    # Ctrl-C during an answer ended the whole chat; it stops the answer and the chat goes on
+    import signal
+    import time
+
+    path = tiny_model(model_dir, "llama")
+    stats = tmp_path / "chat.json"
+    proc = subprocess.Popen([sys.executable, "-m", "hobbitpy", "run", str(path), "--chat", "-n", "100000", "--ctx",
+                             "8192", "--temp", "0", "--threads", "2", "--ignore-eos", "--stats-json", str(stats)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_signals)
+    proc.stdin.write("Hello there\n")
+    proc.stdin.flush()
+    assert proc.stdout.read(4).startswith("> ")  # the prompt, and the answer has begun
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)  # at the prompt: the chat ends, with its line and statistics
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    # the answer stopped, the prompt again, then the chat's end
+    assert "stopped (Ctrl-C at the prompt, or Ctrl-D, ends the chat)" in err and out.endswith("\n> \n"), (out[-200:], err)
+    assert "decode" in err.strip().splitlines()[-1] and json.loads(stats.read_text())["n_tokens"] > 1
+
+
+def test_a_message_the_model_cannot_take_is_said_and_the_chat_goes_on(model_dir, tmp_path):
+    from conftest import model_without_byte_tokens
+
+    path = tiny_model(model_dir, "llama")
+    # one over-long message (the chat ended, before), then a short one
+    p = hobbitpy_cli("run", path, "--chat", "-c", "64", "-n", "4", "--temp", "0", "--threads", "2",
+                     input="light " * 600 + "\nHello\n")
+    assert p.returncode == 0 and "this message alone is longer than the context of 256 tokens" in p.stderr, p.stderr
+    assert p.stdout.count("> ") == 3
+    # a vocabulary without "\n" or "!": said as a character it cannot encode (as "longer than the
+    # context", before), naming the template when the template's own text holds it
+    letters = model_without_byte_tokens(tmp_path)
+    p = hobbitpy_cli("run", letters, "--chat", "-n", "4", "--temp", "0", "--threads", "2", input="hi!\nhi\n")
+    assert "your message: the model's vocabulary cannot encode '!' (U+0021, character 3); it is left out" in p.stderr
+    assert p.returncode == 2 and "the chat template's text: the model's vocabulary cannot encode" in p.stderr, p.stderr
+    assert "longer than the context" not in p.stderr and "gguf: the model's" not in p.stderr
+    p = hobbitpy_cli("run", letters, "--chat", "-sys", "Be brief.", input="hi\n")
+    assert p.returncode == 2 and "--system-prompt: the model's vocabulary cannot encode 'B'" in p.stderr, p.stderr
+
+
 @pytest.mark.slow
 def test_low_precision_applies_when_every_expert_fits(model_dir, tmp_path):
     # asked for, the low copies are there even when memory holds every expert at both

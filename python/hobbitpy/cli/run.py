@@ -236,50 +236,88 @@ def _summary(stats: dict) -> str:
 
 
 def _chat(llm, args, grammar) -> int:
-    """An interactive chat with history: a line from the user, the reply streamed. A
-    conversation grown longer than the context loses its oldest turns (the system message
-    stays), and says so."""
+    """An interactive chat with history: a line from the user, the reply streamed. Ctrl-C
+    stops a reply (what came stays in the history) and returns to the prompt; at the prompt,
+    Ctrl-C or Ctrl-D ends the chat, with the run's line (and --stats-json). A message the model
+    cannot take (longer than the context, or a character its vocabulary cannot encode) is said
+    and left out; a conversation grown longer than the context loses its oldest turns (the
+    system message stays), and says so."""
+    import llama_cpp
     from hobbitpy import HobbitError
+    from hobbitpy.errors import TokenizeError
+    from hobbitpy.tokens import UNENCODABLE
 
     system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
+    if args.system_prompt is not None and (said := llm.unencodable(args.system_prompt)):
+        return fail(f"{args.model}: --system-prompt: {said}")
     turns = []
-    try:
-        while True:
-            try:
-                line = input("> ")
-            except EOFError:
-                sys.stdout.write("\n")
-                return 0
-            if not line.strip():
-                continue
-            turns.append({"role": "user", "content": line})
-            while True:
-                try:
-                    chunks = llm.create_chat_completion(system + turns, max_tokens=None if args.n_predict == -1 else
-                                                        args.n_predict, stream=True, grammar=grammar,
-                                                        **_generation_keywords(llm, args))
-                    first = next(chunks, None)  # the prompt is checked against the context here
-                    break
-                except ValueError:  # llama_cpp: "Requested tokens (...) exceed context window of ..."
-                    if len(turns) <= 1:
-                        return fail(f"{args.model}: this message alone is longer than the context of {llm.n_ctx()} "
-                                    "tokens; use a larger --ctx-size")
-                    del turns[:2]  # the oldest exchange
-                    log.info(f"the conversation is longer than the context ({llm.n_ctx()} tokens): its oldest "
-                             "turn is dropped")
-            reply = []
+    llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
+    ended = replies = 0
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt) as e:
+            sys.stdout.write("\n")
+            ended = 130 if isinstance(e, KeyboardInterrupt) else 0
+            break
+        if not line.strip():
+            continue
+        turns.append({"role": "user", "content": line})
+        try:
+            chunks, first = _reply_within_context(llm, args, grammar, system, turns)
+        except TokenizeError as e:
+            turns.pop()
+            if (said := llm.unencodable(line)) is None:  # the template's own text: no message can go
+                return fail(f"{args.model}: the chat template's text: {str(e)[str(e).index(UNENCODABLE):]}")
+            log.error(f"your message: {said}; it is left out")
+            continue
+        except HobbitError as e:  # the model's chat template failed, an expert could not be read
+            return fail(f"{args.model}: {e}")
+        if chunks is None:
+            turns.pop()
+            log.error(f"this message alone is longer than the context of {llm.n_ctx()} tokens; it is left out (a "
+                      "larger --ctx-size takes it)")
+            continue
+        reply = []
+        try:
             for chunk in _chain(first, chunks):
                 piece = chunk["choices"][0]["delta"].get("content") or ""
                 reply.append(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()
-            sys.stdout.write("\n")
-            turns.append({"role": "assistant", "content": "".join(reply)})
-    except KeyboardInterrupt:
+        except KeyboardInterrupt:
+            chunks.close()
+            log.info("stopped (Ctrl-C at the prompt, or Ctrl-D, ends the chat)")
+        except HobbitError as e:
+            return fail(f"{args.model}: {e}")
         sys.stdout.write("\n")
-        return 130
-    except HobbitError as e:  # the model's chat template failed, an expert could not be read
-        return fail(f"{args.model}: {e}")
+        turns.append({"role": "assistant", "content": "".join(reply)})
+        replies += 1
+    stats = _run_stats(llm, args.model, n_replies=replies) | {"seed": args.seed}
+    log.info(_summary(stats))
+    if args.stats_json and (why := write_json(args.stats_json, stats, args.force)):
+        return fail(why)
+    return ended
+
+
+def _reply_within_context(llm, args, grammar, system, turns):
+    """(the reply's chunks, its first chunk), the oldest exchanges dropped until the
+    conversation fits the context; (None, None) when the last message alone does not."""
+    from hobbitpy.errors import TokenizeError
+
+    while True:
+        try:
+            chunks = llm.create_chat_completion(system + turns, max_tokens=None if args.n_predict == -1 else
+                                                args.n_predict, stream=True, grammar=grammar,
+                                                **_generation_keywords(llm, args))
+            return chunks, next(chunks, None)  # the prompt is checked against the context here
+        except TokenizeError:
+            raise
+        except ValueError:  # llama_cpp: "Requested tokens (...) exceed context window of ..."
+            if len(turns) <= 1:
+                return None, None
+            del turns[:2]  # the oldest exchange
+            log.info(f"the conversation is longer than the context ({llm.n_ctx()} tokens): its oldest turn is dropped")
 
 
 def _chain(first, rest):
@@ -288,7 +326,7 @@ def _chain(first, rest):
     yield from rest
 
 
-def _run_stats(llm, model: str) -> dict:
+def _run_stats(llm, model: str, n_replies: int = 1) -> dict:
     """--stats-json: tokens, times and the expert cache's counters of the run."""
     import llama_cpp
 
@@ -298,8 +336,8 @@ def _run_stats(llm, model: str) -> dict:
         "offload": llm.offloaded,
         "n_ctx": llm.n_ctx(),
         "n_prompt_tokens": int(perf.n_p_eval),
-        # every sampled token but the last is evaluated, one per decode step
-        "n_tokens": int(perf.n_eval) + 1,
+        # every sampled token but a reply's last is evaluated, one per decode step
+        "n_tokens": int(perf.n_eval) + n_replies,
         "prefill_ms": float(perf.t_p_eval_ms),
         "decode_tok_s": (perf.n_eval / perf.t_eval_ms * 1000.0) if perf.t_eval_ms > 0 else None,
         "n_decode_evals": int(perf.n_eval),
