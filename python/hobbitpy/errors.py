@@ -27,3 +27,8 @@ class ChatTemplateError(HobbitError):
     or ran past its deadline). Its message starts with PREFIX: the server answers it as a 400."""
 
     PREFIX = "the model's chat template"
+
+
+class SettingError(HobbitError, ValueError):
+    """A generation setting out of range, or not a finite number (a ValueError, as
+    llama-cpp-python's own refusals are)."""

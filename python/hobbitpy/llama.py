@@ -32,8 +32,9 @@ from .companions import resolve_levels
 from .config import MB, OffloadConfig
 from .default_ladder import CALIBRATION_CTX, CALIBRATION_TOKENS, Calibration, applies, default_config, quiet
 from .devices import say_if_gpu_unusable
-from .errors import BudgetError, ExpertReadError, HobbitError, ModelFileError
+from .errors import BudgetError, ExpertReadError, HobbitError, ModelFileError, SettingError
 from .gbnf import gbnf_bound_error
+from .generation import DEFAULTS, for_llama_cpp_python, generation_error
 from .likelihood import Comparison, Reference, ReferenceTable, compare_to_reference, scoring_windows
 from .memory import (COMPUTE_SHARE, MIN_UBATCH, ContextShape, OffloadPlan, available_memory_bytes, context_sizes,
                      default_context, fit_ubatch, plan_offload, return_freed_memory, whole_memory_budget_mb)
@@ -358,6 +359,25 @@ class Llama(llama_cpp.Llama):
             return "the grammar does not parse (GBNF, with a root rule; llama.cpp's log says where)"
         llama_cpp.llama_sampler_free(sampler)
         return None
+
+    # generation: the settings a call leaves out are the shared defaults (generation.py), the
+    # same for a completion, a chat, `run` and the server; values out of range are refused
+    def create_completion(self, *args, **kwargs):
+        return super().create_completion(**self._generation_settings(super().create_completion, args, kwargs))
+
+    def __call__(self, *args, **kwargs):  # llama_cpp's __call__ restates create_completion's own defaults
+        return self.create_completion(*args, **kwargs)
+
+    def create_chat_completion(self, *args, **kwargs):
+        return super().create_chat_completion(**self._generation_settings(super().create_chat_completion, args, kwargs))
+
+    @staticmethod
+    def _generation_settings(method, args: tuple, kwargs: dict) -> dict:
+        given = inspect.signature(method).bind(*args, **kwargs).arguments
+        settings = {name: value for name, value in DEFAULTS.items() if name not in given} | given
+        if why := generation_error(settings):
+            raise SettingError(why)
+        return for_llama_cpp_python(settings)
 
     def _init_sampler(self, *args, grammar=None, **kwargs):
         # every completion, chat and stream makes its sampler here: a grammar handed in as a

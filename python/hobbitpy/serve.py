@@ -23,6 +23,7 @@ import socket
 from . import __version__
 from .config import MAX_BODY_MB, OffloadConfig
 from .errors import ChatTemplateError, HobbitError
+from .generation import DEFAULTS, for_llama_cpp_python, generation_error
 from .llama import Llama
 from .tokens import UNENCODABLE
 
@@ -188,6 +189,10 @@ def request_error(path: str, body: bytes, llm: Llama | None) -> str | None:
         return "a string holds a lone surrogate (\\ud800-\\udfff), which is no text"
     if why := _prompt_shape_error(path, request):
         return why
+    if path in _GENERATING:
+        if why := generation_error(_with_defaults(request)):
+            return why
+        request = as_llama_cpp_python_reads_it(request)
     try:
         getattr(types, _REQUEST_MODELS[path]).model_validate(request)
     except ValidationError as e:
@@ -248,21 +253,37 @@ def _texts_of(request: dict):
                 yield f"messages.{i}.content", text
 
 
-# llama.cpp's sampling defaults where llama-cpp-python's request models say otherwise
-# (repeat_penalty 1.1): the `openai` client at temperature 0 gets `hobbitpy run`'s text
-SERVER_SAMPLING_DEFAULTS = {"repeat_penalty": 1.0}
+_GENERATING = ("/v1/completions", "/v1/chat/completions")
+
+
+def _with_defaults(request: dict) -> dict:
+    """A completion's or chat's fields, the shared defaults (generation.py) for those it leaves
+    out, where llama-cpp-python's request models have their own (16 tokens for a completion,
+    repeat_penalty 1.1); `max_completion_tokens`, current OpenAI clients' name, read as
+    max_tokens."""
+    request = dict(request)
+    if request.get("max_tokens") is None and "max_completion_tokens" in request:
+        request["max_tokens"] = request["max_completion_tokens"]
+    request.pop("max_completion_tokens", None)
+    for name, value in DEFAULTS.items():
+        if request.get(name) is None:  # left out, or null: OpenAI's "the default"
+            request[name] = value
+    return request
+
+
+def as_llama_cpp_python_reads_it(request: dict) -> dict:
+    return for_llama_cpp_python(_with_defaults(request))
 
 
 def as_served(path: str, body: bytes, model_id: str) -> bytes:
     """A completion's or chat's body (request_error found it sound) as the route is to serve
-    it: llama.cpp's defaults for the sampling fields it leaves out, and the served model's id
-    whatever model it names (one model is served: as llama-server and llama-cpp-python's server
-    do, any name is this one, and every response says its id, not its file)."""
-    if path not in ("/v1/completions", "/v1/chat/completions"):
+    it: the shared defaults for the generation fields it leaves out, as llama-cpp-python reads
+    them, and the served model's id whatever model it names (one model is served: as
+    llama-server and llama-cpp-python's server do, any name is this one, and every response
+    says its id, not its file)."""
+    if path not in _GENERATING:
         return body
-    request = json.loads(body)
-    missing = {k: v for k, v in SERVER_SAMPLING_DEFAULTS.items() if k not in request}
-    return json.dumps(request | missing | {"model": model_id}).encode()
+    return json.dumps(as_llama_cpp_python_reads_it(json.loads(body)) | {"model": model_id}).encode()
 
 
 class RequestGuard:

@@ -211,7 +211,9 @@ def test_with_a_key_every_route_but_a_bare_health_needs_it(tmp_path):
 BAD_REQUESTS = [  # path, body, what the 400's message says (llama-cpp-python: a 500 with the server's paths, or silence)
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 2', "not JSON"),
     ("/v1/completions", b'[1, 2]', "not a JSON object"),
-    ("/v1/completions", b'{"prompt": "x", "max_tokens": -1}', "max_tokens"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": -2}', "max_tokens must be at least 1, or -1"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', "max_tokens must be at least 1, or -1"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": 1e999}', "temperature must be a finite number"),
     ("/v1/completions", b'{"prompt": "x", "temperature": "hot"}', "temperature"),
     ("/v1/completions", b'{"prompt": 7}', "prompt"),
     ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', "NaN is not a number"),

@@ -16,7 +16,7 @@ PACKAGE = pathlib.Path(hobbitpy.__file__).parent
 LAYERS = {
     "binding": ["_native", "_ggml", "errors"],
     "foundations": ["config", "model_file", "gguf_fields", "outputs", "disk", "memory_cgroup", "heap_budget", "devices",
-                    "synthetic_moe", "gbnf", "progress"],
+                    "synthetic_moe", "gbnf", "progress", "generation"],
     "files, plans and analysis": ["tokens", "memory", "companions", "prepare", "imatrix", "quants", "inflate",
                                   "profile", "presets", "trace_file", "placement", "shallow_layers", "scores", "likelihood",
                                   "neurons", "simulate", "neuron_sim", "candidate_cost", "trace_plot", "neuron_plot",

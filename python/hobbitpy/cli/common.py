@@ -51,22 +51,29 @@ def gpu_layers(args) -> int:
     return default_gpu_layers() if args.n_gpu_layers is None else args.n_gpu_layers
 
 
+_METAVARS = {"temperature": "T", "top_k": "K", "top_p": "P", "min_p": "P"}
+
+
 def add_sampling_args(p) -> None:
+    """The sampling flags, llama.cpp's names, each with the default every surface shares
+    (generation.GENERATION_DEFAULTS)."""
+    from hobbitpy.generation import GENERATION_DEFAULTS
+
     g = p.add_argument_group("sampling (llama.cpp's names and defaults)")
-    g.add_argument("--temp", type=finite_arg, default=0.8, metavar="T", help="temperature; 0 = greedy (default 0.8)")
-    g.add_argument("--top-k", type=int, default=40, metavar="K", help="sample among the k likeliest; 0 = all (default 40)")
-    g.add_argument("--top-p", type=finite_arg, default=0.95, metavar="P", help="nucleus sampling threshold (default 0.95)")
-    g.add_argument("--min-p", type=finite_arg, default=0.05, metavar="P",
-                   help="drop tokens below P times the best one (default 0.05)")
-    g.add_argument("--repeat-penalty", type=finite_arg, default=1.0, metavar="X",
-                   help="penalty for repeated tokens; 1 = none (default 1)")
-    g.add_argument("--presence-penalty", type=finite_arg, default=0.0, metavar="X",
-                   help="penalty for a token seen at all (default 0)")
-    g.add_argument("--frequency-penalty", type=finite_arg, default=0.0, metavar="X",
-                   help="penalty per earlier use of a token (default 0)")
+    for d in GENERATION_DEFAULTS:
+        if d.name != "max_tokens":  # -n, among the generation flags
+            g.add_argument(d.flag, dest=d.name, type=int if isinstance(d.value, int) else finite_arg, default=d.value,
+                           metavar=_METAVARS.get(d.name, "X"), help=f"{d.meaning} (default {d.value:g})")
     g.add_argument("-r", "--reverse-prompt", "--stop", dest="stop", action="append", default=None, metavar="TEXT",
                    help="stop at this text (repeatable)")
     g.add_argument("-s", "--seed", type=int, default=None, metavar="N", help="sampling seed (default: a new one each run)")
+
+
+def add_n_predict_arg(p) -> None:
+    from hobbitpy.generation import DEFAULTS
+
+    p.add_argument("-n", "--n-predict", type=int, default=DEFAULTS["max_tokens"], metavar="N",
+                   help="tokens to generate; -1: to the end (default -1)")
 
 
 def add_verbosity_args(p) -> None:
@@ -76,10 +83,11 @@ def add_verbosity_args(p) -> None:
 
 
 def sampling_keywords(args) -> dict:
-    """create_completion's sampling keywords from the flags."""
-    return {"temperature": args.temp, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
-            "repeat_penalty": args.repeat_penalty, "presence_penalty": args.presence_penalty,
-            "frequency_penalty": args.frequency_penalty, "stop": args.stop, "seed": args.seed}
+    """create_completion's generation keywords from the flags."""
+    from hobbitpy.generation import DEFAULTS
+
+    return {name: getattr(args, "n_predict" if name == "max_tokens" else name) for name in DEFAULTS} | \
+        {"stop": args.stop, "seed": args.seed}
 
 
 _ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
@@ -107,10 +115,13 @@ def process_escapes(text: str) -> str:
 
 
 def sampling_error(args) -> str | None:
-    if args.n_predict < 1 and args.n_predict != -1:
-        return f"-n must be at least 1, or -1 (until the end of the text or of the context), got {args.n_predict}"
-    if args.temp < 0 or args.top_k < 0 or not 0 <= args.top_p <= 1 or not 0 <= args.min_p <= 1 or args.repeat_penalty <= 0:
-        return "sampling flags out of range (--temp >= 0, --top-k >= 0, --top-p and --min-p in [0, 1], --repeat-penalty > 0)"
+    """Why the generation flags cannot be used (the shared rules, said with the flags' names)."""
+    from hobbitpy.generation import GENERATION_DEFAULTS, generation_error
+
+    if why := generation_error(sampling_keywords(args)):
+        for d in GENERATION_DEFAULTS:  # the flag a person typed, not the API's keyword
+            why = why.replace(d.name, d.flag, 1) if why.startswith(d.name + " ") else why
+        return why
     if args.stop is not None and any(not s for s in args.stop):
         return "--stop needs some text"
     return None

@@ -6,10 +6,10 @@ import argparse
 import os
 import sys
 
-from .common import (CTX_HELP, add_force_arg, add_gpu_layers_arg, add_memory_args, add_sampling_args,
-                     add_technique_args, add_verbosity_args, default_model, fail, gpu_layers, json_target_error, log,
-                     offload_config_from_args, process_escapes, sampling_error, sampling_keywords, threads_arg,
-                     write_json)
+from .common import (CTX_HELP, add_force_arg, add_gpu_layers_arg, add_memory_args, add_n_predict_arg,
+                     add_sampling_args, add_technique_args, add_verbosity_args, default_model, fail, gpu_layers,
+                     json_target_error, log, offload_config_from_args, process_escapes, sampling_error,
+                     sampling_keywords, threads_arg, write_json)
 
 
 def add_parser(sub) -> None:
@@ -26,8 +26,7 @@ def add_parser(sub) -> None:
     what.add_argument("-cnv", "--conversation", dest="chat", action="store_true", help=argparse.SUPPRESS)
     model.add_argument("-sys", "--system-prompt", metavar="TEXT", help="a system message: the prompt goes as a chat")
     generation = p.add_argument_group("generation")
-    generation.add_argument("-n", "--n-predict", type=int, default=64, metavar="N",
-                            help="tokens to generate (64); -1: to the end or the context")
+    add_n_predict_arg(generation)
     generation.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=None, metavar="N",
                             help=CTX_HELP)
     generation.add_argument("-t", "--threads", type=threads_arg, default=os.cpu_count() or 1, metavar="N",
@@ -152,7 +151,7 @@ def _run(args) -> int:
         except HobbitError as e:
             return fail(f"--grammar{'-file' if args.grammar_file else ''}{' / --json-schema' if args.json_schema else ''}"
                         f": {e}")
-        if drawn and args.temp > 0:  # said once generation is about to start
+        if drawn and args.temperature > 0:  # said once generation is about to start
             log.info(f"sampling seed {args.seed} (--seed {args.seed} repeats this run)")
         if args.chat:
             return _chat(llm, args, grammar)
@@ -177,15 +176,12 @@ def _generate(llm, args, grammar) -> int:
     llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
     if not args.no_echo and messages is None:
         sys.stdout.write(args.prompt)
-    max_tokens = None if args.n_predict == -1 else args.n_predict
     finish, n_generated = None, 0
     try:
         if messages is None:
-            chunks = llm.create_completion(args.prompt, max_tokens=max_tokens, stream=True, grammar=grammar,
-                                           **_generation_keywords(llm, args))
+            chunks = llm.create_completion(args.prompt, stream=True, grammar=grammar, **_generation_keywords(llm, args))
         else:
-            chunks = llm.create_chat_completion(messages, max_tokens=max_tokens, stream=True, grammar=grammar,
-                                                **_generation_keywords(llm, args))
+            chunks = llm.create_chat_completion(messages, stream=True, grammar=grammar, **_generation_keywords(llm, args))
         for chunk in chunks:
             choice = chunk["choices"][0]
             piece = choice["text"] if messages is None else choice["delta"].get("content") or ""
@@ -203,7 +199,7 @@ def _generate(llm, args, grammar) -> int:
         return 130
     sys.stdout.write("\n")
     stats = _run_stats(llm, args.model) | {"seed": args.seed}
-    if finish == "length" and (max_tokens is None or stats["n_prompt_tokens"] + stats["n_tokens"] >= llm.n_ctx()):
+    if finish == "length" and (args.n_predict == -1 or stats["n_prompt_tokens"] + stats["n_tokens"] >= llm.n_ctx()):
         log.info(f"stopped at the end of the context ({llm.n_ctx()} tokens); --ctx-size allows more")
     log.info(_summary(stats))
     if args.stats_json and (why := write_json(args.stats_json, stats, args.force)):
@@ -307,8 +303,7 @@ def _reply_within_context(llm, args, grammar, system, turns):
 
     while True:
         try:
-            chunks = llm.create_chat_completion(system + turns, max_tokens=None if args.n_predict == -1 else
-                                                args.n_predict, stream=True, grammar=grammar,
+            chunks = llm.create_chat_completion(system + turns, stream=True, grammar=grammar,
                                                 **_generation_keywords(llm, args))
             return chunks, next(chunks, None)  # the prompt is checked against the context here
         except TokenizeError:
