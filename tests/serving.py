@@ -43,18 +43,24 @@ def metrics_of(base: str) -> dict[str, float]:
     return out
 
 
-def start_server(*flags: str, model: pathlib.Path = MODEL, alias: str | None = "ref-mixtral"):
+def start_server(*flags: str, model: pathlib.Path = MODEL, alias: str | None = "ref-mixtral",
+                 log: pathlib.Path | None = None):
     """A server of the shipped model (or `model`) on a free port, named `alias` in the API
-    (None: its default name): its process and base URL, once /health answers."""
+    (None: its default name): its process and base URL, once /health answers. Its output goes
+    to pipes, or to the file `log` (a server logging much, as under a fuzzer, would fill a
+    pipe nobody reads and block on its next line)."""
     port = free_port()
     named = ["--alias", alias] if alias is not None else []
+    out = subprocess.PIPE if log is None else open(log, "w")
     proc = subprocess.Popen([sys.executable, "-m", "hobbitpy", "serve", str(model), "--cache-mb", "8", "--port", str(port),
-                             "--threads", "2", *named, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--threads", "2", *named, *flags], stdout=out, stderr=subprocess.STDOUT if log else out,
+                            text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while True:
         if proc.poll() is not None:
-            pytest.fail(f"the server exited ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+            said = proc.stderr.read() if log is None else log.read_text()
+            pytest.fail(f"the server exited ({proc.returncode}): {said[-2000:]}")
         try:
             if http_get(base + "/health")[0] == 200:
                 break

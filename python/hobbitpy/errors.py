@@ -14,8 +14,8 @@ class BudgetError(HobbitError):
 
 
 class TokenizeError(HobbitError, ValueError):
-    """The model's vocabulary cannot encode the text (a ValueError, as llama_cpp's own
-    tokenizer errors are to its server)."""
+    """The model's vocabulary cannot encode the text, or has no such token id (a ValueError,
+    as llama_cpp's own tokenizer errors are to its server)."""
 
 
 class ExpertReadError(HobbitError):
@@ -32,3 +32,11 @@ class ChatTemplateError(HobbitError):
 class SettingError(HobbitError, ValueError):
     """A generation setting out of range, or not a finite number (a ValueError, as
     llama-cpp-python's own refusals are)."""
+
+
+class RequestError(HobbitError):
+    """A request the served model refused on its content (llama-cpp-python's ValueError of a
+    tool choice naming no tool, a setting out of range, ...). Its message starts with PREFIX:
+    the server answers it as a 400."""
+
+    PREFIX = "the request cannot be served: "

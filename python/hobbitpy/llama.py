@@ -32,7 +32,7 @@ from .companions import resolve_levels
 from .config import MB, OffloadConfig
 from .default_ladder import CALIBRATION_CTX, CALIBRATION_TOKENS, Calibration, applies, default_config, quiet
 from .devices import say_if_gpu_unusable
-from .errors import BudgetError, ExpertReadError, HobbitError, ModelFileError, SettingError
+from .errors import BudgetError, ExpertReadError, HobbitError, ModelFileError, SettingError, TokenizeError
 from .gbnf import gbnf_bound_error
 from .generation import DEFAULTS, for_llama_cpp_python, generation_error
 from .likelihood import Comparison, Reference, ReferenceTable, compare_to_reference, scoring_windows
@@ -363,7 +363,15 @@ class Llama(llama_cpp.Llama):
     # generation: the settings a call leaves out are the shared defaults (generation.py), the
     # same for a completion, a chat, `run` and the server; values out of range are refused
     def create_completion(self, *args, **kwargs):
-        return super().create_completion(**self._generation_settings(super().create_completion, args, kwargs))
+        settings = self._generation_settings(super().create_completion, args, kwargs)
+        if settings["prompt"] in ("", []) and not self.can_start_empty():
+            # llama_cpp's sampler asserts on an empty context (an AssertionError from its depths)
+            raise SettingError("the prompt is empty, and this model adds no beginning-of-text token to continue from")
+        return super().create_completion(**settings)
+
+    def can_start_empty(self) -> bool:
+        """Whether an empty prompt leaves a token to continue from (the model adds one)."""
+        return bool(self.tokenize(b"", add_bos=True, special=True))
 
     def __call__(self, *args, **kwargs):  # llama_cpp's __call__ restates create_completion's own defaults
         return self.create_completion(*args, **kwargs)
@@ -393,6 +401,12 @@ class Llama(llama_cpp.Llama):
 
     def detokenize(self, tokens, prev_tokens=None, special: bool = False) -> bytes:
         self._check_open()
+        # llama.cpp looks a token id up with vector::at: one out of range throws through the C
+        # API, and the process aborts
+        n_vocab = self.n_vocab()
+        for t in [*tokens, *(prev_tokens or [])]:
+            if not 0 <= int(t) < n_vocab:
+                raise TokenizeError(f"token id {int(t)} is not in this model's vocabulary (0 to {n_vocab - 1})")
         return super().detokenize(tokens, prev_tokens, special)
 
     def eval(self, tokens):

@@ -22,10 +22,34 @@ import socket
 
 from . import __version__
 from .config import MAX_BODY_MB, OffloadConfig
-from .errors import ChatTemplateError, HobbitError
+from .errors import ChatTemplateError, HobbitError, RequestError
 from .generation import DEFAULTS, for_llama_cpp_python, generation_error
 from .llama import Llama
 from .tokens import UNENCODABLE
+
+
+class ServedLlama(Llama):
+    """The served model: what a request's content makes llama-cpp-python (or hobbitpy) refuse
+    by a ValueError, a TypeError, a KeyError, an IndexError or an assert becomes a RequestError,
+    which the guard answers as a 400 (the route would answer 500)."""
+
+    CLIENT_ERRORS = (ValueError, TypeError, KeyError, IndexError, AssertionError)
+
+    def create_completion(self, *args, **kwargs):
+        try:
+            return super().create_completion(*args, **kwargs)
+        except self.CLIENT_ERRORS as e:
+            raise self._refused(e) from e
+
+    def create_chat_completion(self, *args, **kwargs):
+        try:
+            return super().create_chat_completion(*args, **kwargs)
+        except self.CLIENT_ERRORS as e:
+            raise self._refused(e) from e
+
+    def _refused(self, e: Exception) -> RequestError:
+        said = (str(e) or type(e).__name__).replace(self.model_path, "the model")  # no answer names a file
+        return RequestError(RequestError.PREFIX + said)
 
 
 def _proxy_class():
@@ -61,7 +85,7 @@ def _proxy_class():
         def load_llama_from_model_settings(self, settings):
             # the ubatch only when asked for: left open, the planner narrows it when memory is short
             asked = {"n_ubatch": settings.n_ubatch} if "n_ubatch" in settings.model_fields_set else {}
-            return Llama(settings.model, offload=self.offload, n_ctx=settings.n_ctx, n_batch=settings.n_batch,
+            return ServedLlama(settings.model, offload=self.offload, n_ctx=settings.n_ctx, n_batch=settings.n_batch,
                          n_threads=settings.n_threads, n_gpu_layers=settings.n_gpu_layers,
                          n_threads_batch=settings.n_threads_batch, seed=settings.seed,
                          chat_format=settings.chat_format, flash_attn=settings.flash_attn,
@@ -146,6 +170,22 @@ def _refuse_constant(name: str):
     raise _NotANumber(f"{name} is not a number JSON allows")
 
 
+# deeper than any request needs (a JSON schema of a tool or a response format: tens of levels),
+# far below what the recursive checks and converters after this one would overflow on
+MAX_JSON_DEPTH = 100
+
+
+def _depth(value) -> int:
+    """How deep lists and objects nest in a parsed JSON value (counted without recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
 def _has_lone_surrogate(value) -> bool:
     if isinstance(value, str):
         try:
@@ -185,6 +225,8 @@ def request_error(path: str, body: bytes, llm: Llama | None) -> str | None:
         return "the body nests too deep"
     if not isinstance(request, dict):
         return "the body is not a JSON object"
+    if _depth(request) > MAX_JSON_DEPTH:
+        return f"the body nests more than {MAX_JSON_DEPTH} levels deep"
     if _has_lone_surrogate(request):
         return "a string holds a lone surrogate (\\ud800-\\udfff), which is no text"
     if why := _prompt_shape_error(path, request):
@@ -206,6 +248,10 @@ def request_error(path: str, body: bytes, llm: Llama | None) -> str | None:
         return None
     if why := _logit_bias_error(request.get("logit_bias"), llm.n_vocab()):
         return why
+    if path == "/extras/detokenize" and (why := _token_ids_error(request.get("tokens"), llm.n_vocab())):
+        return why
+    if path == "/v1/completions" and request.get("prompt", "") in ("", [""], []) and not llm.can_start_empty():
+        return "prompt: it is empty, and this model adds no beginning-of-text token to continue from"
     for field, text in _texts_of(request):
         if why := llm.unencodable(text):
             return f"{field}: {why}"
@@ -224,7 +270,7 @@ def _prompt_shape_error(path: str, request: dict) -> str | None:
             return "prompt: token ids are not taken here; send the prompt as text"
         if isinstance(prompt, list) and len(prompt) > 1:
             return f"prompt: one prompt per request ({len(prompt)} were sent; send several requests)"
-    if path == "/v1/chat/completions" and request.get("messages") == []:
+    if path == "/v1/chat/completions" and not request.get("messages"):
         return "messages: at least one message is needed"
     return None
 
@@ -238,13 +284,21 @@ def _logit_bias_error(bias, n_vocab: int) -> str | None:
     return None
 
 
+def _token_ids_error(tokens, n_vocab: int) -> str | None:
+    if isinstance(tokens, list) and any(isinstance(t, int) and not 0 <= t < n_vocab for t in tokens):
+        bad = next(t for t in tokens if isinstance(t, int) and not 0 <= t < n_vocab)
+        return f"tokens: {bad} is not a token id (an integer from 0 to {n_vocab - 1})"
+    return None
+
+
 def _texts_of(request: dict):
     """(field, text) of every text the model will tokenize: the prompt, the messages' contents."""
     prompt = request.get("prompt")
     for i, text in enumerate([prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []):
         if isinstance(text, str):
             yield ("prompt" if isinstance(prompt, str) else f"prompt.{i}"), text
-    for i, message in enumerate(request.get("messages") or []):
+    messages = request.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
         content = message.get("content") if isinstance(message, dict) else None
         parts = [content] if isinstance(content, str) else content if isinstance(content, list) else []
         for part in parts:
@@ -376,6 +430,8 @@ class RequestGuard:
                 # the request's text passed request_error, so the text the chat template wrapped it
                 # in holds the character (said without the file's path)
                 await _refuse(send, 400, "the chat template's text: " + said[said.index(UNENCODABLE):])
+            elif said.startswith(RequestError.PREFIX):
+                await _refuse(send, 400, said.removeprefix(RequestError.PREFIX))
             elif (llm is not None and llm.read_error is not None) or self.proxy.load_error is not None:
                 await _refuse(send, 503, "an expert could not be read (the model file changed, or the disk failed); "
                                          "GET /health says when the model serves again", "server_error")
