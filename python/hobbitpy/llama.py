@@ -36,8 +36,9 @@ from .errors import BudgetError, ExpertReadError, HobbitError, ModelFileError, S
 from .gbnf import gbnf_bound_error
 from .generation import DEFAULTS, for_llama_cpp_python, generation_error
 from .likelihood import Comparison, Reference, ReferenceTable, compare_to_reference, scoring_windows
-from .memory import (COMPUTE_SHARE, MIN_UBATCH, ContextShape, OffloadPlan, available_memory_bytes, context_sizes,
-                     default_context, fit_ubatch, plan_offload, return_freed_memory, whole_memory_budget_mb)
+from .memory import (COMPUTE_SHARE, MIN_UBATCH, ContextShape, OffloadPlan, available_memory_bytes, cache_too_small_note,
+                     context_sizes, default_context, fit_ubatch, plan_offload, return_freed_memory,
+                     whole_memory_budget_mb)
 from .model_file import OFFLOAD_REFUSED, ModelInfo, inspect_model
 from .placement import check_profiles, importance_of, placement_for
 from .profile import resolve_offload
@@ -223,6 +224,8 @@ class Llama(llama_cpp.Llama):
             self._abort_cb = llama_cpp.ggml_abort_callback(int(ffi.cast("uintptr_t", lib.hobbit_abort_callback)))
             runtime_ptr = ctypes.c_void_p(int(ffi.cast("uintptr_t", self._runtime)))
             llama_cpp.llama_set_abort_callback(self._ctx.ctx, self._abort_cb, runtime_ptr)
+            if note := cache_too_small_note(self.model_info, self.offload_stats()["n_slot"]):
+                self.offload_plan = dataclasses.replace(self.offload_plan, reason=f"{self.offload_plan.reason}; {note}")
 
     def _default_offload(self, offload: OffloadConfig, kwargs: dict) -> tuple[OffloadConfig, str | None]:
         """What the default serves (default_ladder.py) where the experts do not all fit; the

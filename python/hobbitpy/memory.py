@@ -333,3 +333,17 @@ def plan_offload(info: ModelInfo, config: OffloadConfig, context_bytes: int,
     return OffloadPlan(budget, f"expert cache {budget / MB:.1f} MB (from {available / MB:.0f} MB available; "
                                f"{needs / MB:.0f} MB for the rest) of {all_bytes / MB:.1f} MB of experts",
                        available - needs - budget)
+
+
+def cache_too_small_note(info: ModelInfo, n_slot: int) -> str | None:
+    """What to say when the cache holds fewer experts than one token selects (k in every MoE
+    layer): least-recently-used eviction then throws each expert out before the next token
+    needs it, and nearly every selection is a read (0 % hits on the shipped model at 4 MB);
+    None when it holds them."""
+    selected = info.n_expert_used * info.n_layer_moe
+    if not info.is_moe or n_slot >= selected:
+        return None
+    needed_mb = -(-selected * info.expert_bytes // MB)
+    return (f"the cache holds {n_slot} experts and one token selects {selected} ({info.n_expert_used} in each of "
+            f"{info.n_layer_moe} layers): each is evicted before the next token needs it, so expect few hits; "
+            f"--cache-mb {needed_mb} or more holds one token's")

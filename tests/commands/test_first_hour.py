@@ -77,6 +77,12 @@ def test_every_run_ends_with_a_summary_and_the_first_says_how_to_see_offloading(
     cached = hobbitpy_cli("run", MODEL, "-p", PROMPT, "-n", "4", "--temp", "0", "--cache-mb", "8")
     last = cached.stderr.splitlines()[-1]
     assert cached.returncode == 0 and "experts:" in last and "hits" in last and "MB read, cache 8.0 MB" in last, last
+    # a cache smaller than one token's experts: said, with the size that holds them (0 % hits and
+    # nothing said, before)
+    tiny = hobbitpy_cli("run", MODEL, "-p", PROMPT, "-n", "4", "--temp", "0", "--cache-mb", "4")
+    assert "the cache holds 10 experts and one token selects 12 (2 in each of 6 layers)" in tiny.stderr, tiny.stderr
+    assert "--cache-mb 5 or more holds one token's" in tiny.stderr
+    assert "one token selects" not in cached.stderr
     quiet = hobbitpy_cli("run", MODEL, "-p", PROMPT, "-n", "4", "--temp", "0", "--cache-mb", "8", "-q")
     assert quiet.returncode == 0 and quiet.stderr == ""
 

@@ -113,6 +113,10 @@ def test_dense_model_runs_without_offload(model_dir):
     proc = cli(path, "--prompt", "Hello", "-n", "4", "--temp", "0", "--cache-mb", "1")
     assert proc.returncode == 0, proc.stderr
     assert "dense model (no routed experts): running it without offload" in proc.stderr
+    # no hint to run the experts through a cache: there are none (and --cache-mb was given)
+    assert "--cache-mb N runs the experts" not in proc.stderr
+    plain = cli(path, "--prompt", "Hello", "-n", "4", "--temp", "0")
+    assert plain.returncode == 0 and "--cache-mb N runs the experts" not in plain.stderr
 
 
 def test_budget_below_minimum(model_dir):

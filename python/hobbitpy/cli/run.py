@@ -142,8 +142,9 @@ def _run(args) -> int:
                              flash_attn=args.flash_attn == "on", use_mlock=args.mlock and not offload.enabled)
     except (ValueError, HobbitError) as e:
         return fail(str(e))
-    log.info(llm.offload_plan.reason + ("" if llm.offloaded else
-             "; --cache-mb N runs the experts through a cache of N MB instead"))
+    # the hint only where it applies: a MoE whose experts are resident, with no --cache-mb given
+    hint = not llm.offloaded and llm.model_info.is_moe and offload.cache_mb is None and offload.enabled
+    log.info(llm.offload_plan.reason + ("; --cache-mb N runs the experts through a cache of N MB instead" if hint else ""))
 
     with llm:
         try:
