@@ -521,6 +521,9 @@ def create_app(model_path: str, offload: OffloadConfig, *, n_ctx: int, n_threads
     return app
 
 
+GRACEFUL_SHUTDOWN_S = 30  # what a stream open at SIGTERM has to finish (orchestrators SIGKILL after ~30 s)
+
+
 def serve(model_path: str, offload: OffloadConfig, *, host: str, port: int, n_ctx: int, n_threads: int,
           n_gpu_layers: int = 0, alias: str | None = None, chat_format: str | None = None, api_key: str | None = None,
           verbose: bool = False, cors_origins: tuple[str, ...] = (), max_body_mb: float = MAX_BODY_MB) -> None:
@@ -537,5 +540,12 @@ def serve(model_path: str, offload: OffloadConfig, *, host: str, port: int, n_ct
         app = create_app(model_path, offload, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, alias=alias,
                          chat_format=chat_format, api_key=api_key, verbose=verbose, cors_origins=cors_origins,
                          max_body_mb=max_body_mb)
-        config = uvicorn.Config(app, log_level="info" if verbose else "warning")
+        # SIGTERM: no new request is taken, and the open ones finish (a stream with its
+        # finish_reason) for up to GRACEFUL_SHUTDOWN_S; sse-starlette would cut every open
+        # stream at once, with no finish_reason
+        from sse_starlette.sse import AppStatus
+
+        AppStatus.disable_automatic_graceful_drain()
+        config = uvicorn.Config(app, log_level="info" if verbose else "warning",
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         uvicorn.Server(config).run(sockets=[listening])

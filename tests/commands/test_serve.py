@@ -336,3 +336,25 @@ def test_rounds_of_abuse_leave_the_server_answering_alike_in_bounded_memory_and_
         assert proc.poll() is None
     finally:
         stop_server(proc)
+
+
+def test_sigterm_lets_an_open_stream_finish_with_its_reason(tmp_path):
+    # sse-starlette cut every open stream at SIGTERM: the client got no finish_reason
+    import signal
+    import time
+
+    proc, base = start_server("--ctx", "2048", log=tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+        stream = client.completions.create(model="any", prompt=PROMPT, max_tokens=300, temperature=0, stream=True,
+                                           extra_body={"logit_bias": {str(t): -100 for t in range(3)}})
+        chunks = [next(iter(stream))]
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        chunks += list(stream)
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop"), chunks[-1]
+        assert len(chunks) > 2
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn ends by the signal it was sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
