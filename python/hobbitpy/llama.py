@@ -405,11 +405,12 @@ class Llama(llama_cpp.Llama):
     def detokenize(self, tokens, prev_tokens=None, special: bool = False) -> bytes:
         self._check_open()
         # llama.cpp looks a token id up with vector::at: one out of range throws through the C
-        # API, and the process aborts
+        # API, and the process aborts (prev_tokens are not read). min and max: this runs at
+        # every generated token, on the whole completion so far
         n_vocab = self.n_vocab()
-        for t in [*tokens, *(prev_tokens or [])]:
-            if not 0 <= int(t) < n_vocab:
-                raise TokenizeError(f"token id {int(t)} is not in this model's vocabulary (0 to {n_vocab - 1})")
+        if len(tokens) and not (0 <= min(tokens) and max(tokens) < n_vocab):
+            bad = next(int(t) for t in tokens if not 0 <= t < n_vocab)
+            raise TokenizeError(f"token id {bad} is not in this model's vocabulary (0 to {n_vocab - 1})")
         return super().detokenize(tokens, prev_tokens, special)
 
     def eval(self, tokens):

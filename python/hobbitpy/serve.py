@@ -285,10 +285,9 @@ def _logit_bias_error(bias, n_vocab: int) -> str | None:
 
 
 def _token_ids_error(tokens, n_vocab: int) -> str | None:
-    if isinstance(tokens, list) and any(isinstance(t, int) and not 0 <= t < n_vocab for t in tokens):
-        bad = next(t for t in tokens if isinstance(t, int) and not 0 <= t < n_vocab)
-        return f"tokens: {bad} is not a token id (an integer from 0 to {n_vocab - 1})"
-    return None
+    bad = next((t for t in tokens if isinstance(t, int) and not 0 <= t < n_vocab), None) \
+        if isinstance(tokens, list) else None
+    return None if bad is None else f"tokens: {bad} is not a token id (an integer from 0 to {n_vocab - 1})"
 
 
 def _texts_of(request: dict):

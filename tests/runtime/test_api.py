@@ -74,3 +74,25 @@ print(repr(llm("x", max_tokens=2, temperature=0, grammar=LlamaGrammar.from_strin
     assert lines[0] == "refused: the grammar does not parse (GBNF, with a root rule; llama.cpp's log says where)"
     assert lines[1] == "refused: the grammar nests groups 20000 deep; at most 1000 are parsed"
     assert lines[2] in ("'yes'", "'y'", "'ye'"), lines
+
+
+def test_a_token_id_out_of_range_is_refused_not_an_abort(model_dir):
+    # llama.cpp's vector::at threw through the C API: the interpreter aborted (the server too)
+    import subprocess
+    import sys
+
+    script = f"""
+import hobbitpy
+llm = hobbitpy.Llama({str(tiny_model(model_dir, "llama"))!r}, n_ctx=64, verbose=False)
+for ids in ([-266], [5, llm.n_vocab()]):
+    try:
+        llm.detokenize(ids)
+    except hobbitpy.HobbitError as e:
+        print("refused:", e)
+print(len(llm.detokenize([5, 6])) > 0)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("refused: token id -266 is not in this model's vocabulary")
+    assert lines[1].startswith("refused: token id ") and lines[2] == "True", lines

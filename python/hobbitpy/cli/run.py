@@ -262,6 +262,11 @@ def _chat(llm, args, grammar) -> int:
         turns.append({"role": "user", "content": line})
         try:
             chunks, first = _reply_within_context(llm, args, grammar, system, turns)
+        except KeyboardInterrupt:  # while the conversation was being read: no reply, the message left out
+            turns.pop()
+            sys.stdout.write("\n")
+            log.info("stopped (Ctrl-C at the prompt, or Ctrl-D, ends the chat)")
+            continue
         except TokenizeError as e:
             turns.pop()
             if (said := llm.unencodable(line)) is None:  # the template's own text: no message can go
