@@ -247,6 +247,11 @@ def test_llama_cpps_spellings_mean_what_they_mean_there(tmp_path):
     escaped = run(MODEL, "-p", "In\\tthe beginning", "-n", "4", "--temp", "0", "-c", "64", *flags)
     assert escaped.stdout.startswith("In\tthe beginning"), escaped.stdout
     assert "--ctx-size 64 rounded up to 256" in escaped.stderr
+    from hobbitpy.devices import gpu_usable
+
+    gpu = run(MODEL, "-p", "In", "-n", "2", "-ngl", "99")
+    said = "-ngl 99: no usable GPU here, every layer runs on the CPU" in gpu.stderr
+    assert said != gpu_usable(), gpu.stderr  # said where there is no GPU, and only there
     written = run(MODEL, "-p", "In\\tthe beginning", "-n", "4", "--temp", "0", "--no-escape", "--no-display-prompt")
     assert not written.stdout.startswith("In")
     # --ignore-eos: 40 tokens, whatever the model would end with

@@ -46,8 +46,10 @@ def add_gpu_layers_arg(p) -> None:
 
 
 def gpu_layers(args) -> int:
-    from hobbitpy.devices import default_gpu_layers
+    from hobbitpy.devices import default_gpu_layers, gpu_usable
 
+    if args.n_gpu_layers not in (None, 0) and not gpu_usable():
+        log.info(f"-ngl {args.n_gpu_layers}: no usable GPU here, every layer runs on the CPU")
     return default_gpu_layers() if args.n_gpu_layers is None else args.n_gpu_layers
 
 
