@@ -172,8 +172,9 @@ def test_chat_survives_a_person(model_dir, tmp_path):
 
     path = tiny_model(model_dir, "llama")
     stats = tmp_path / "chat.json"
+    # an answer of 32,768 tokens: seconds even on a machine many times faster than this one
     proc = subprocess.Popen([sys.executable, "-m", "hobbitpy", "run", str(path), "--chat", "-n", "100000", "--ctx",
-                             "8192", "--temp", "0", "--threads", "2", "--ignore-eos", "--stats-json", str(stats)],
+                             "32768", "--temp", "0", "--threads", "2", "--ignore-eos", "--stats-json", str(stats)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=default_signals)
     proc.stdin.write("Hello there\n")
