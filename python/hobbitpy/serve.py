@@ -232,9 +232,10 @@ def request_error(path: str, body: bytes, llm: Llama | None) -> str | None:
     if why := _prompt_shape_error(path, request):
         return why
     if path in _GENERATING:
-        if why := generation_error(_with_defaults(request)):
+        filled = _with_defaults(request)
+        if why := generation_error(filled):
             return why
-        request = as_llama_cpp_python_reads_it(request)
+        request = for_llama_cpp_python(filled)
     try:
         getattr(types, _REQUEST_MODELS[path]).model_validate(request)
     except ValidationError as e:
@@ -324,10 +325,6 @@ def _with_defaults(request: dict) -> dict:
     return request
 
 
-def as_llama_cpp_python_reads_it(request: dict) -> dict:
-    return for_llama_cpp_python(_with_defaults(request))
-
-
 def as_served(path: str, body: bytes, model_id: str) -> bytes:
     """A completion's or chat's body (request_error found it sound) as the route is to serve
     it: the shared defaults for the generation fields it leaves out, as llama-cpp-python reads
@@ -336,7 +333,7 @@ def as_served(path: str, body: bytes, model_id: str) -> bytes:
     says its id, not its file)."""
     if path not in _GENERATING:
         return body
-    return json.dumps(as_llama_cpp_python_reads_it(json.loads(body)) | {"model": model_id}).encode()
+    return json.dumps(for_llama_cpp_python(_with_defaults(json.loads(body))) | {"model": model_id}).encode()
 
 
 class RequestGuard:
