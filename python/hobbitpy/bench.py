@@ -24,7 +24,7 @@ import sys
 import time
 
 from .companions import default_companion_path, resolve_levels
-from .config import MB, OffloadConfig
+from .config import MAX_MEAN_KL, MB, OffloadConfig
 from .default_ladder import LOW_TYPE, applies
 from .disk import drop_from_page_cache, measure_read_bandwidth
 from .errors import HobbitError
@@ -284,13 +284,13 @@ class TuneRequest:
     text: str
     candidates: list[str] | None = None  # names as tune prints them; None: all
     max_tokens: int = 1024
-    max_ppl_increase: float = 0.01
+    max_mean_kl: float = MAX_MEAN_KL
 
 
 def tuned_configs(model: str, caps: list[Cap], request: TuneRequest, shape: ContextShape, threads: int,
                   process_bytes: int, result: BenchResult, log=print) -> dict[str, BenchConfig]:
     """Per cap label, the configuration `tune` picks for that much memory (a cap where no
-    candidate stays within the perplexity budget gets none). process_bytes: what a run's
+    candidate stays within the mean-KL limit gets none). process_bytes: what a run's
     process holds before it loads a model (this one holds far more once tune has run)."""
 
 
@@ -303,7 +303,7 @@ def tuned_configs(model: str, caps: list[Cap], request: TuneRequest, shape: Cont
         log(f"tune for cap {cap.label} ({cap.limit_bytes / MB:.1f} MB):")
         try:
             profile, rows = tune(model, request.text, memory_bytes=cap.limit_bytes,
-                                 max_ppl_increase=request.max_ppl_increase, max_tokens=request.max_tokens,
+                                 max_mean_kl=request.max_mean_kl, max_tokens=request.max_tokens,
                                  run_shape=shape, threads=threads, log=lambda m: log("  " + m), names=request.candidates,
                                  process_bytes=process_bytes, measured=measured)
         except HobbitError as e:

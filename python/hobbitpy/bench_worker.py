@@ -100,7 +100,7 @@ def run(spec: dict) -> dict:
             n_steps = max(1, n_predict - 1)
         r["decode_tok_s"] = n_steps / decode_s if decode_s > 0 else None
         r["decode_disk_bytes_per_token"] = (read_bytes_of_process() - io0) / n_steps
-        stats = llm.offload_stats()
+        stats = llm.offload_stats() if llm.offloaded else None
         r["runtime_bytes_per_token"] = stats["bytes_read"] / n_steps if stats else 0.0
         r["stall_ms_per_token"] = stats["stall_us"] / 1000.0 / n_steps if stats else 0.0
         r["dispatch_ms_per_token"] = stats["dispatch_us"] / 1000.0 / n_steps if stats else 0.0

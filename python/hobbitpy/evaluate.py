@@ -68,8 +68,10 @@ def _open(model_path: str, offload: OffloadConfig, n_ctx: int, n_ubatch: int, n_
 
 
 def _stats(llm, neurons: NeuronMaskSpec | None) -> dict | None:
-    """The candidate's counters: its expert cache's, or the neuron mask's."""
-    return neuron_mask_stats(llm) if neurons is not None else llm.offload_stats()
+    """The candidate's counters: its expert cache's (None: its experts resident), or the neuron mask's."""
+    if neurons is not None:
+        return neuron_mask_stats(llm)
+    return llm.offload_stats() if llm.offloaded else None
 
 
 

@@ -43,6 +43,7 @@ from .model_file import OFFLOAD_REFUSED, ModelInfo, inspect_model
 from .placement import check_profiles, importance_of, placement_for
 from .profile import resolve_offload
 from .progress import progress_bar
+from .tokens import out_of_vocabulary
 
 # llama_cpp.Llama's own keywords (it swallows any other one silently)
 LLAMA_KEYWORDS = frozenset(inspect.signature(llama_cpp.Llama.__init__).parameters) - {"self", "model_path", "kwargs"}
@@ -367,6 +368,9 @@ class Llama(llama_cpp.Llama):
     # same for a completion, a chat, `run` and the server; values out of range are refused
     def create_completion(self, *args, **kwargs):
         settings = self._generation_settings(super().create_completion, args, kwargs)
+        if isinstance(settings["prompt"], list) and (why := out_of_vocabulary(settings["prompt"], self.n_vocab())):
+            # llama_cpp would fail the decode with "llama_decode returned -1"
+            raise TokenizeError(f"prompt: {why}")
         if settings["prompt"] in ("", []) and not self.can_start_empty():
             # llama_cpp's sampler asserts on an empty context (an AssertionError from its depths)
             raise SettingError("the prompt is empty, and this model adds no beginning-of-text token to continue from")
@@ -405,12 +409,9 @@ class Llama(llama_cpp.Llama):
     def detokenize(self, tokens, prev_tokens=None, special: bool = False) -> bytes:
         self._check_open()
         # llama.cpp looks a token id up with vector::at: one out of range throws through the C
-        # API, and the process aborts (prev_tokens are not read). min and max: this runs at
-        # every generated token, on the whole completion so far
-        n_vocab = self.n_vocab()
-        if len(tokens) and not (0 <= min(tokens) and max(tokens) < n_vocab):
-            bad = next(int(t) for t in tokens if not 0 <= t < n_vocab)
-            raise TokenizeError(f"token id {bad} is not in this model's vocabulary (0 to {n_vocab - 1})")
+        # API, and the process aborts (prev_tokens are not read)
+        if why := out_of_vocabulary(tokens, self.n_vocab()):
+            raise TokenizeError(why)
         return super().detokenize(tokens, prev_tokens, special)
 
     def eval(self, tokens):
@@ -438,20 +439,23 @@ class Llama(llama_cpp.Llama):
             self.read_error = to_str(msg)
             raise ExpertReadError(f"an expert could not be read during decode: {self.read_error}") from cause
 
-    def offload_stats(self) -> dict | None:
-        """Counters of the expert cache since load (or the last reset); None without offload."""
-        if self._runtime == ffi.NULL:
-            return None
-        s = ffi.new("struct hobbit_stats *")
-        lib.hobbit_runtime_get_stats(self._runtime, s)
-        stats = {}
+    def offload_stats(self) -> dict:
+        """Counters of the expert cache since load (or the last reset), with "offloaded" (whether
+        the experts run through it) and "reason" (why they do, or do not: the plan's words).
+        With the experts resident every counter is 0: no expert is read, stock llama.cpp
+        computes them all in memory."""
+        s = ffi.new("struct hobbit_stats *")  # zeros
+        if self._runtime != ffi.NULL:
+            lib.hobbit_runtime_get_stats(self._runtime, s)
+        stats = {"offloaded": self.offloaded, "reason": self.offload_plan.reason}
         for name in dir(s):
             value = getattr(s, name)
             if isinstance(value, (bool, int, float)):
                 stats[name] = value
             else:  # an array, one entry per precision level
                 stats[name] = [int(v) for v in value][:s.n_level]
-        stats["pool_device"] = to_str(lib.hobbit_runtime_pool_device(self._runtime))  # "CPU", or a GPU ("CUDA0")
+        # "CPU", or a GPU ("CUDA0"); None without a cache
+        stats["pool_device"] = to_str(lib.hobbit_runtime_pool_device(self._runtime)) if self.offloaded else None
         return stats
 
     def last_logits(self) -> np.ndarray:

@@ -14,6 +14,7 @@ no answer names a file, and /health says 503 while the model cannot read its exp
 
 from __future__ import annotations
 
+import contextvars
 import gc
 import hmac
 import json
@@ -25,17 +26,27 @@ from .config import MAX_BODY_MB, OffloadConfig
 from .errors import ChatTemplateError, HobbitError, RequestError
 from .generation import DEFAULTS, for_llama_cpp_python, generation_error
 from .llama import Llama
-from .tokens import UNENCODABLE
+from .tokens import UNENCODABLE, out_of_vocabulary
+
+
+# A completion's prompt of token ids, on its way from the guard to the served model: the
+# route's request model (llama-cpp-python's) takes text only, so the route is given prompt ""
+# and ServedLlama reads the ids from here. A context variable of the request's task: the
+# thread the route calls the model in inherits it, and no other request sees it.
+_PROMPT_IDS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("prompt_ids", default=None)
 
 
 class ServedLlama(Llama):
-    """The served model: what a request's content makes llama-cpp-python (or hobbitpy) refuse
+    """The served model, which takes a completion's prompt of token ids from the request's
+    guard (_PROMPT_IDS); what a request's content makes llama-cpp-python (or hobbitpy) refuse
     by a ValueError, a TypeError, a KeyError, an IndexError or an assert becomes a RequestError,
     which the guard answers as a 400 (the route would answer 500)."""
 
     CLIENT_ERRORS = (ValueError, TypeError, KeyError, IndexError, AssertionError)
 
     def create_completion(self, *args, **kwargs):
+        if (ids := _PROMPT_IDS.get()) is not None:  # the route says prompt "" (see as_served)
+            kwargs["prompt"] = ids
         try:
             return super().create_completion(*args, **kwargs)
         except self.CLIENT_ERRORS as e:
@@ -121,7 +132,7 @@ class ExpertCacheCollector:
         yield GaugeMetricFamily("hobbitpy_offloaded", "1 when the experts run through the expert cache",
                                 value=1.0 if llm.offloaded else 0.0)
         stats = llm.offload_stats()
-        if stats is None:
+        if not stats["offloaded"]:
             return
         counters = {
             "expert_hits": ("expert_hits", "Selections of an expert found in the cache"),
@@ -236,8 +247,8 @@ def request_error(path: str, body: bytes, llm: Llama | None) -> str | None:
         if why := generation_error(filled):
             return why
         request = for_llama_cpp_python(filled)
-    try:
-        getattr(types, _REQUEST_MODELS[path]).model_validate(request)
+    try:  # (a prompt of token ids reaches the route as text: see as_served)
+        getattr(types, _REQUEST_MODELS[path]).model_validate(request | ({"prompt": ""} if prompt_ids(request) else {}))
     except ValidationError as e:
         problems = [f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()]
         return "; ".join(problems[:3]) + (f"; {len(problems) - 3} more" if len(problems) > 3 else "")
@@ -249,9 +260,12 @@ def request_error(path: str, body: bytes, llm: Llama | None) -> str | None:
         return None
     if why := _logit_bias_error(request.get("logit_bias"), llm.n_vocab()):
         return why
-    if path == "/extras/detokenize" and (why := _token_ids_error(request.get("tokens"), llm.n_vocab())):
+    if path == "/extras/detokenize" and (why := _detokenize_error(request.get("tokens"), llm)):
         return why
-    if path == "/v1/completions" and request.get("prompt", "") in ("", [""], []) and not llm.can_start_empty():
+    ids = prompt_ids(request) if path == "/v1/completions" else None
+    if ids is not None and (why := out_of_vocabulary(ids, llm.n_vocab())):
+        return f"prompt: {why}"
+    if path == "/v1/completions" and request.get("prompt", "") in ("", [""], [], [[]]) and not llm.can_start_empty():
         return "prompt: it is empty, and this model adds no beginning-of-text token to continue from"
     for field, text in _texts_of(request):
         if why := llm.unencodable(text):
@@ -262,15 +276,30 @@ def request_error(path: str, body: bytes, llm: Llama | None) -> str | None:
     return None
 
 
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def prompt_ids(request: dict) -> list[int] | None:
+    """A completion's prompt given as token ids, as OpenAI takes it (a list of integers, or a
+    list of one such list); None for a prompt of text."""
+    prompt = request.get("prompt")
+    if _is_ids(prompt) and prompt:
+        return prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and _is_ids(prompt[0]):
+        return prompt[0]
+    return None
+
+
 def _prompt_shape_error(path: str, request: dict) -> str | None:
     """What is wrong with a completion's prompt or a chat's messages that the request models
     let through to a failure inside the route (a 500), or say as a dump of every alternative."""
     if path == "/v1/completions":
         prompt = request.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(p, int) or isinstance(p, list) for p in prompt):
-            return "prompt: token ids are not taken here; send the prompt as text"
-        if isinstance(prompt, list) and len(prompt) > 1:
+        if isinstance(prompt, list) and len(prompt) > 1 and not _is_ids(prompt):
             return f"prompt: one prompt per request ({len(prompt)} were sent; send several requests)"
+        if prompt_ids(request) is not None and request.get("echo"):
+            return "echo: a prompt of token ids is not echoed (send the prompt as text to have it echoed)"
     if path == "/v1/chat/completions" and not request.get("messages"):
         return "messages: at least one message is needed"
     return None
@@ -285,10 +314,16 @@ def _logit_bias_error(bias, n_vocab: int) -> str | None:
     return None
 
 
-def _token_ids_error(tokens, n_vocab: int) -> str | None:
-    bad = next((t for t in tokens if isinstance(t, int) and not 0 <= t < n_vocab), None) \
-        if isinstance(tokens, list) else None
-    return None if bad is None else f"tokens: {bad} is not a token id (an integer from 0 to {n_vocab - 1})"
+def _detokenize_error(tokens, llm: Llama) -> str | None:
+    if not _is_ids(tokens):
+        return None
+    if why := out_of_vocabulary(tokens, llm.n_vocab()):
+        return f"tokens: {why}"
+    try:  # the route decodes the bytes strictly (a 500 on a byte token that starts a character)
+        llm.detokenize(tokens).decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"tokens: their bytes are not UTF-8 text (byte {e.start}: a character cut between tokens)"
+    return None
 
 
 def _texts_of(request: dict):
@@ -325,15 +360,18 @@ def _with_defaults(request: dict) -> dict:
     return request
 
 
-def as_served(path: str, body: bytes, model_id: str) -> bytes:
+def as_served(path: str, body: bytes, model_id: str) -> tuple[bytes, list[int] | None]:
     """A completion's or chat's body (request_error found it sound) as the route is to serve
-    it: the shared defaults for the generation fields it leaves out, as llama-cpp-python reads
-    them, and the served model's id whatever model it names (one model is served: as
-    llama-server and llama-cpp-python's server do, any name is this one, and every response
-    says its id, not its file)."""
+    it, and its prompt's token ids (None: the prompt is text): the shared defaults for the
+    generation fields it leaves out, as llama-cpp-python reads them, and the served model's id
+    whatever model it names (one model is served: as llama-server and llama-cpp-python's
+    server do, any name is this one, and every response says its id, not its file)."""
     if path not in _GENERATING:
-        return body
-    return json.dumps(for_llama_cpp_python(_with_defaults(json.loads(body))) | {"model": model_id}).encode()
+        return body, None
+    request = json.loads(body)
+    ids = prompt_ids(request) if path == "/v1/completions" else None
+    served = for_llama_cpp_python(_with_defaults(request)) | {"model": model_id}
+    return json.dumps(served | ({"prompt": ""} if ids is not None else {})).encode(), ids
 
 
 class RequestGuard:
@@ -375,7 +413,7 @@ class RequestGuard:
         why = request_error(scope["path"], bytes(body), self.proxy.current)
         if why is not None:
             return await _refuse(send, 400, why)
-        body = as_served(scope["path"], bytes(body), self.model_id)
+        body, ids = as_served(scope["path"], bytes(body), self.model_id)
         # the body is JSON whatever its Content-Type said (plain `curl -d` sends a form's), as
         # llama-server reads it
         json_route = scope["path"] in _REQUEST_MODELS
@@ -392,7 +430,11 @@ class RequestGuard:
             sent = True
             return {"type": "http.request", "body": bytes(body), "more_body": False}
 
-        return await self.app(scope, replay, send)
+        held = _PROMPT_IDS.set(ids)
+        try:
+            return await self.app(scope, replay, send)
+        finally:
+            _PROMPT_IDS.reset(held)
 
     def _has_key(self, authorization: bytes) -> bool:
         # "Bearer KEY"; the scheme's case is free (RFC 7235: "bearer KEY" is the same)

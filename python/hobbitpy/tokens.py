@@ -21,6 +21,18 @@ from .model_file import inspect_model
 # how an error about a character the vocabulary has no token for begins (the server finds it by this)
 UNENCODABLE = "the model's vocabulary cannot encode"
 
+
+def out_of_vocabulary(ids, n_vocab: int) -> str | None:
+    """What is wrong with a list of token ids for a vocabulary of n_vocab (None: nothing).
+    llama.cpp refuses an id out of range only by failing the decode (detokenize aborts the
+    process), so ids from outside are checked here. min and max: it runs at every generated token."""
+    if not len(ids):
+        return None
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in ids) and 0 <= min(ids) and max(ids) < n_vocab:
+        return None
+    bad = next(t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n_vocab))
+    return f"{bad!r} is not a token id of this model (an integer from 0 to {n_vocab - 1})"
+
 def _tokenize_once(vocab, text: bytes, n_max: int, add_bos: bool, special: bool) -> tuple[int, list[int], str | None]:
     tokens = ffi.new("int32_t[]", max(1, n_max))
     n = ffi.new("int32_t *")

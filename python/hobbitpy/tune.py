@@ -20,14 +20,13 @@ size and a quality budget, measured rather than guessed, in minutes at any model
 4. Scored cheapest first, against the reference: perplexity, KL, top-1. A static candidate in
    batches (prefill speed: its outputs are those of decoding); a dynamic one token by token,
    as it decodes, on the first DYNAMIC_SHARE of the tokens. Files a candidate needs are made
-   just before it is scored. Once one is within the budget with 95 % confidence, a candidate
-   that costs more is not scored: it could not be chosen. The time limit stops the scoring
-   where it is, and says what was left.
-5. The cheapest candidate within the perplexity budget becomes the profile next to the
-   model, which `run` and `hobbitpy.Llama` apply by themselves. "Within" means with 95 %
-   confidence (one-sided) given the tokens scored; only when none is, the choice falls to the
-   candidate closest to the model (the lowest mean KL) among those measured within
-   (choose()).
+   just before it is scored. Once one is within the limit, a candidate that costs more is not
+   scored: it could not be chosen. The time limit stops the scoring where it is, and says
+   what was left.
+5. The cheapest candidate within the limit, a mean KL from the model's own next-token
+   distributions (MAX_MEAN_KL by default, the default ladder's own), becomes the profile
+   next to the model, which `run` and `hobbitpy.Llama` apply by themselves (choose());
+   perplexity, its one-sided 95 % bound and top-1 agreement are reported beside.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from ._ggml import lib as ggml
 from .candidate_cost import floor_cost, measured_cost, modeled_cost, routing_trace
 from .companions import (companion_type, copy_layer_bytes, default_companion_path, estimated_copy, needs_imatrix,
                          resolve_level)
-from .config import MB, OffloadConfig
+from .config import MAX_MEAN_KL, MB, OffloadConfig
 from .errors import BudgetError, HobbitError, ModelFileError
 from .evaluate import REFERENCE_UBATCH, evaluate_against
 from .imatrix import default_imatrix_path
@@ -331,20 +330,21 @@ def _until(deadline: float, items, desc: str):
         yield item
 
 
-def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: float = 0.01,
+def tune(model: str, text: str, *, memory_bytes: int | None, max_mean_kl: float = MAX_MEAN_KL,
          max_tokens: int = 2048, run_shape: ContextShape = ContextShape(), n_ctx: int = SCORING_CTX,
          threads: int | None = None, log=print, names: list[str] | None = None,
          process_bytes: int | None = None, measured: TextPass | None = None,
          time_limit_s: float | None = None, keep: bool = False) -> tuple[Profile, list[dict]]:
     """Score the candidates (or those named) cheapest first and return the profile of the
-    cheapest within the budget, and every measurement. run_shape: the context the runs will
+    cheapest whose next-token distributions stay within max_mean_kl nats (mean KL from the
+    model's own, as the default's ladder is judged), and every measurement. run_shape: the context the runs will
     have (their buffers come out of the memory); n_ctx: the scoring windows; process_bytes: what
     a run's process holds before it loads a model (default: this process now); measured: the
     pass over the text, when the caller has made it already (tuning for several memories);
     time_limit_s: scoring stops there, the pass over the text and the files made included
     (default TIME_LIMIT_MINUTES); keep: the files made for candidates not picked are kept (by
     default they are removed, as they are when tune fails). Raises HobbitError if none is within
-    the budget."""
+    the limit."""
     started = time.monotonic()
     time_limit_s = 60 * TIME_LIMIT_MINUTES if time_limit_s is None else time_limit_s
     deadline = started + time_limit_s
@@ -393,7 +393,7 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: f
     made: list[pathlib.Path] = []  # the levels' files made here
     picked = None  # the settings of the pick, once made
     try:
-        rows, best = [], None  # best: the cheapest candidate within the budget with confidence
+        rows, best = [], None  # best: the cheapest candidate within the limit
         left = []  # the candidates not scored, and why
 
         def leave(plan, why):
@@ -404,7 +404,7 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: f
             name = plan.cand.name
             if best is not None and plan.cost > best["cost"]:
                 leave(plan, f"costs {'at least ' if not plan.static else ''}{plan.cost:.3g} MB/token, more than "
-                            f"{best['name']} ({best['cost']:.3g}), within the budget")
+                            f"{best['name']} ({best['cost']:.3g}), within the limit")
                 continue
             making = [spec for spec in plan.missing if not _exists(model, spec)]
             try:  # before anything of them is written: a full disk midway would leave nothing but the time lost
@@ -449,24 +449,26 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_ppl_increase: f
                 say(name, f"skipped: {e}")
                 continue
             rows.append(row)
-            say(name, f"budget {row['budget_mb']:7.1f} MB  ppl {100 * row['ppl_increase']:+6.2f} % "
-                      f"(95 % bound {100 * row['ppl_increase_upper']:+6.2f} %, {row['n_tokens']} tokens)  "
-                      f"KL {row['mean_kl']:.4f}  cost {row['cost']:.3g} MB/token")
-            if row["ppl_increase_upper"] <= max_ppl_increase and (best is None or row["cost"] < best["cost"]):
+            say(name, f"budget {row['budget_mb']:7.1f} MB  KL {row['mean_kl']:.4f}  "
+                      f"ppl {100 * row['ppl_increase']:+6.2f} % (95 % bound {100 * row['ppl_increase_upper']:+6.2f} %)  "
+                      f"top-1 {100 * row['top1_agreement']:.1f} %  {row['n_tokens']} tokens  "
+                      f"cost {row['cost']:.3g} MB/token")
+            if row["mean_kl"] <= max_mean_kl and (best is None or row["cost"] < best["cost"]):
                 best = row
         log(f"  scored {len(rows)} of {len(plans)} candidates in {time.monotonic() - started:.0f} s")
-        pick = choose(rows, max_ppl_increase, len(reference.ids), log)
+        pick = choose(rows, max_mean_kl)
         if not rows and left:
             raise HobbitError(f"{model}: no candidate was scored: {left[0]['why']} (give more --time-limit)")
         if pick is None:
-            best_name = min(rows, key=lambda r: r['ppl_increase'])['name'] if rows else 'none fits'
-            raise HobbitError(f"{model}: no candidate stays within {100 * max_ppl_increase:g} % perplexity at this "
-                              f"memory (best: {best_name})")
+            closest = min(rows, key=lambda r: r["mean_kl"]) if rows else None
+            raise HobbitError(f"{model}: no candidate stays within {max_mean_kl:g} nats of the model's next-token "
+                              "distributions at this memory (" + (f"closest: {closest['name']}, "
+                              f"{closest['mean_kl']:.4g} nats)" if closest else "none fits)"))
         memory_mb = None if memory_bytes is None else memory_bytes / MB
         profile = Profile(model=os.path.basename(model), model_bytes=os.path.getsize(model), settings=pick["settings"],
                           calibration={"tool": "tune", "memory_mb": memory_mb,
                                        "run_context": run_shape.n_ctx,
-                                       "max_ppl_increase": max_ppl_increase, "n_tokens": len(reference.ids),
+                                       "max_mean_kl": max_mean_kl, "n_tokens": len(reference.ids),
                                        "reference_perplexity": reference.perplexity, "chosen": pick["name"],
                                        "candidates": rows, "not_scored": left})
         picked = profile.settings
@@ -546,23 +548,14 @@ def _can_be_smaller(info: ModelInfo, spec: str) -> bool:
     return n_weights == 0 or bits < 8 * info.expert_bytes_total / n_weights
 
 
-def choose(rows: list[dict], max_ppl_increase: float, n_tokens: int, log=print) -> dict | None:
-    """The cheapest candidate within the budget with 95 % confidence. When none is, the text
-    scored was too short to tell the candidates apart from the budget: of those whose measured
-    increase is within, the one closest to the model (the lowest mean KL), not the cheapest nor
-    the lowest bound. The perplexity difference sums per-token log-ratios of both signs and
-    scatters; KL is never negative and ranks the candidates more steadily: on ref-deepseek
-    (1024 tokens) the cheapest within (+0.48 %) was +1.10 % on other text, the lowest bound
-    (+0.23 %, bound +1.09 %) +1.42 %, the lowest KL (+0.53 %) +0.47 %. None when no measured
-    increase is within."""
-    confident = [r for r in rows if r["ppl_increase_upper"] <= max_ppl_increase]
-    if confident:
-        return min(confident, key=lambda r: (r["cost"], r["ppl_increase"], r["name"]))
-    measured = [r for r in rows if r["ppl_increase"] <= max_ppl_increase]
-    if not measured:
-        return None
-    log(f"  no candidate is within {100 * max_ppl_increase:g} % with 95 % confidence on {n_tokens} tokens: "
-        "choosing the one closest to the model (the lowest KL; score more tokens for a cheaper choice)")
-    return min(measured, key=lambda r: (r["mean_kl"], r["cost"], r["name"]))
+def choose(rows: list[dict], max_mean_kl: float) -> dict | None:
+    """The cheapest candidate whose mean KL from the model's next-token distributions is within
+    max_mean_kl (ties: the closer, then by name); None when none is. Closeness is judged by
+    divergence, as the default's ladder is: the perplexity difference sums per-token
+    log-ratios of both signs and scatters (on ref-deepseek's 1024 tokens the cheapest candidate
+    within +1 % was +1.10 % on other text, the one lowest in KL +0.47 %), and on a weak model
+    quantization noise can even lower it; KL is never negative."""
+    within = [r for r in rows if r["mean_kl"] <= max_mean_kl]
+    return min(within, key=lambda r: (r["cost"], r["mean_kl"], r["name"])) if within else None
 
 

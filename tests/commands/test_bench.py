@@ -174,7 +174,7 @@ def test_bench_tunes_for_every_cap(model_dir, tmp_path):
     quality.write_text("The keeper climbed the stairs of the tower every evening and lit the lamp. " * 40)
     args = [str(path), "--caps", "--cap-mb", "400", "--repeats", "1", "-n", "4", "--threads", "2",
             "--tune", str(tune_text), "--tune-candidates", "Q4_K_M,Q2_K", "--tune-tokens", "96",
-            "--max-ppl-increase", "0.5", "--quality", str(quality), "--quality-tokens", "96", "--no-progress"]
+            "--max-kl", "5", "--quality", str(quality), "--quality-tokens", "96", "--no-progress"]
     out = tmp_path / "tuned"
     p = _bench(args + ["--out", str(out)])
     assert p.returncode == 0, p.stderr

@@ -59,6 +59,22 @@ def test_completion_matches_run_and_is_offloaded(server):
     assert after["hobbitpy_neuron_predicted_selections_total"] == 0  # no --neurons: no neuron left out
 
 
+def test_a_prompt_of_token_ids_is_served_as_its_text_is(server):
+    # OpenAI takes a completion's prompt as token ids too (tools that tokenize themselves send
+    # them): the same continuation as the text those ids are, whole or streamed
+    ids = http_post(server + "/extras/tokenize", json.dumps({"input": PROMPT}).encode())[1]["tokens"]
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+    greedy = {"max_tokens": 8, "temperature": 0}
+    as_text = client.completions.create(model="m", prompt=PROMPT, **greedy).choices[0].text
+    assert as_text
+    assert client.completions.create(model="m", prompt=ids, **greedy).choices[0].text == as_text
+    assert client.completions.create(model="m", prompt=[ids], **greedy).choices[0].text == as_text
+    streamed = client.completions.create(model="m", prompt=ids, stream=True, **greedy)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == as_text
+    # the next request of text is not given the ids (they belong to their request alone)
+    assert client.completions.create(model="m", prompt=PROMPT, **greedy).choices[0].text == as_text
+
+
 def test_streamed_chat(server):
     client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
     before = metrics_of(server)
@@ -104,8 +120,10 @@ def test_a_client_mistake_is_a_400_naming_the_field_and_json_is_read_whatever_it
     # pydantic's alternatives
     mistakes = [
         ("/v1/completions", {"prompt": ["And God", "said"]}, "prompt: one prompt per request (2 were sent"),
-        ("/v1/completions", {"prompt": [1, 2, 3]}, "prompt: token ids are not taken here"),
-        ("/v1/completions", {"prompt": [[1, 2, 3]]}, "prompt: token ids are not taken here"),
+        ("/v1/completions", {"prompt": [1, 2, 99999999]}, "prompt: 99999999 is not a token id of this model"),
+        ("/v1/completions", {"prompt": [[1, -2, 3]]}, "prompt: -2 is not a token id of this model"),
+        ("/v1/completions", {"prompt": [[1, 2], [3]]}, "prompt: one prompt per request (2 were sent"),
+        ("/v1/completions", {"prompt": [1, 2], "echo": True}, "echo: a prompt of token ids is not echoed"),
         ("/v1/chat/completions", {"messages": []}, "messages: at least one message is needed"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias: 'abc' is not a token id"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias: '99999999' is not a token id"),
@@ -113,6 +131,10 @@ def test_a_client_mistake_is_a_400_naming_the_field_and_json_is_read_whatever_it
     for path, request, said in mistakes:
         status, body = http_post(server + path, json.dumps(request | {"max_tokens": 2}).encode())
         assert status == 400 and body["error"]["message"].startswith(said), (request, body)
+    # a byte token that starts a character (0xc3 on this vocabulary; the fuzzer's find): the
+    # route decodes strictly, a 500
+    status, body = http_post(server + "/extras/detokenize", json.dumps({"tokens": [128]}).encode())
+    assert status == 400 and body["error"]["message"].startswith("tokens: their bytes are not UTF-8 text"), body
     # plain `curl -d '{...}'` says application/x-www-form-urlencoded: read as JSON, as llama-server does
     status, body = http_post(server + "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode(),
                              headers={"Content-Type": "application/x-www-form-urlencoded"})

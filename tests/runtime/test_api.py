@@ -89,10 +89,16 @@ for ids in ([-266], [5, llm.n_vocab()]):
         llm.detokenize(ids)
     except hobbitpy.HobbitError as e:
         print("refused:", e)
+try:  # llama_cpp's decode would fail with "llama_decode returned -1"
+    llm.create_completion([5, 99999], max_tokens=2)
+except hobbitpy.HobbitError as e:
+    print("refused:", e)
 print(len(llm.detokenize([5, 6])) > 0)
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("refused: token id -266 is not in this model's vocabulary")
-    assert lines[1].startswith("refused: token id ") and lines[2] == "True", lines
+    assert lines[0].startswith("refused: -266 is not a token id of this model")
+    assert lines[1].startswith("refused: ") and "is not a token id" in lines[1], lines
+    assert lines[2] == "refused: prompt: 99999 is not a token id of this model (an integer from 0 to 31999)", lines
+    assert lines[3] == "True", lines

@@ -92,8 +92,19 @@ def test_offload_settings_are_keywords(model_dir):
     # a dict of OffloadConfig fields, keywords on top of it
     with hobbitpy.Llama(path, offload={"cache_mb": budget_mb * 2}, cache_mb=budget_mb, n_ctx=64, verbose=False) as llm:
         assert llm.offload_stats()["budget_bytes"] == int(budget_mb * MB)
+        offloaded = llm.offload_stats()
+        assert offloaded["offloaded"] and offloaded["reason"]
     with hobbitpy.Llama(path, offload=False, n_ctx=64, verbose=False) as llm:
         assert not llm.offloaded
+    # the experts resident (every one fits: the default keeps them): the same counters, each 0,
+    # and why (the README's `print(llm.offload_stats())` on a model that fits printed None)
+    with hobbitpy.Llama(path, n_ctx=64, verbose=False) as llm:
+        llm("And God said", max_tokens=2)
+        resident = llm.offload_stats()
+        assert not llm.offloaded and resident["offloaded"] is False and "fit" in resident["reason"], resident
+        assert resident.keys() == offloaded.keys()
+        assert resident["expert_hits"] == resident["expert_misses"] == resident["bytes_read"] == 0
+        assert resident["pool_device"] is None
 
 
 def test_profile_keyword_and_keywords_on_top(model_dir, tmp_path):

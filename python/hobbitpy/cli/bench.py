@@ -79,8 +79,9 @@ def add_parser(sub) -> None:
                    metavar="NAME,...", help="the candidates tune scores (names as `hobbitpy tune` prints them; default all)")
     p.add_argument("--tune-tokens", type=int, default=TuneRequest.max_tokens,
                    help="tokens of --tune scored per candidate (default %(default)s)")
-    p.add_argument("--max-ppl-increase", type=float, default=TuneRequest.max_ppl_increase,
-                   help="tune's perplexity budget, as a fraction (default %(default)s)")
+    p.add_argument("--max-kl", type=float, default=TuneRequest.max_mean_kl, metavar="NATS",
+                   help="tune's limit: mean KL from the model's next-token distributions, nats a token "
+                        "(default %(default)s)")
     p.add_argument("--out", help="output folder for bench.json and the PNGs (default bench-MODEL-TIME; new "
                                   "files unless --force)")
     add_force_arg(p)
@@ -115,8 +116,8 @@ def _bench(args) -> int:
                 return fail(why)
         tune_request = None
         if args.tune:
-            if args.tune_tokens < 16 or not 0 <= args.max_ppl_increase < 1:
-                return fail("--tune-tokens must be >= 16 and --max-ppl-increase in [0, 1)")
+            if args.tune_tokens < 16 or not 0 <= args.max_kl < float("inf"):
+                return fail("--tune-tokens must be >= 16 and --max-kl a number of nats >= 0")
             tune_text, why = read_text(args.tune)
             if why:
                 return fail(why)
@@ -124,7 +125,7 @@ def _bench(args) -> int:
                 check_candidate_names(args.tune_candidates or [])
             except ValueError as e:
                 return fail(str(e))
-            tune_request = bench.TuneRequest(tune_text, args.tune_candidates, args.tune_tokens, args.max_ppl_increase)
+            tune_request = bench.TuneRequest(tune_text, args.tune_candidates, args.tune_tokens, args.max_kl)
         configs = [parse_bench_config(c) for c in (args.config or ([] if args.tune else ["default"]))]
         if len({c.name for c in configs}) != len(configs):
             return fail("configuration names must differ")

@@ -36,6 +36,8 @@ def _calibrate(args) -> int:
     out, text, why = profile_inputs(args)
     if why:
         return fail(why)
+    if not 0 <= args.max_ppl_increase < 1:
+        return fail(f"--max-ppl-increase must be in [0, 1), got {args.max_ppl_increase}")
     try:
         low_path = resolve_level(args.model, args.low, "--low")
         result = calibrate(args.model, text, low=args.low, low_path=low_path, max_ppl_increase=args.max_ppl_increase,

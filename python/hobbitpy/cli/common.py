@@ -301,8 +301,6 @@ def profile_inputs(args) -> tuple[str, str, str | None]:
     out = args.out or str(profile_path(args.model))
     if why := new_output_error(out, args.force):
         return out, "", why
-    if not 0 <= args.max_ppl_increase < 1:
-        return out, "", f"--max-ppl-increase must be in [0, 1), got {args.max_ppl_increase}"
     if args.max_tokens < 16:
         return out, "", f"--max-tokens must be at least 16, got {args.max_tokens}"
     text, why = read_text(args.text)

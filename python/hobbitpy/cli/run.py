@@ -343,7 +343,7 @@ def _run_stats(llm, model: str, n_replies: int = 1) -> dict:
         "decode_tok_s": (perf.n_eval / perf.t_eval_ms * 1000.0) if perf.t_eval_ms > 0 else None,
         "n_decode_evals": int(perf.n_eval),
     }
-    s = llm.offload_stats()
+    s = llm.offload_stats() if llm.offloaded else None
     stats.update({
         "expert_hits": s["expert_hits"] if s else 0,
         "expert_misses": s["expert_misses"] if s else 0,

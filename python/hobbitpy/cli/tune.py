@@ -1,4 +1,4 @@
-"""`hobbitpy tune`: the configuration for a memory size within a perplexity budget, written as the model's profile."""
+"""`hobbitpy tune`: the configuration for a memory size within a mean-KL limit, written as the model's profile."""
 
 from __future__ import annotations
 
@@ -10,19 +10,21 @@ from .common import MB, add_force_arg, default_of, fail, profile_inputs, threads
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("tune", help="choose the precision ladder for a memory size within a perplexity budget",
+    p = sub.add_parser("tune", help="choose the precision ladder for a memory size within a mean-KL limit",
                        description="Score candidate precision ladders (the model's experts, or those of smaller quants "
                                    "made by prepare or llama.cpp's quantizer, one or two levels, placed by the routers' "
                                    "weight, the presets) at the expert budget that MEMORY leaves, cheapest first, "
                                    "against the model's own experts on the text (static ones in batches, the others "
-                                   "token by token), and write the cheapest one within the perplexity budget as the "
+                                   "token by token), and write the cheapest one within --max-kl of the model's next-token "
+                                   "distributions as the "
                                    "model's profile, which run and hobbitpy.Llama apply by themselves.")
     p.add_argument("model", help="GGUF model file (MoE)")
     p.add_argument("--text", required=True, help="UTF-8 held-out text of the kind the model will see")
     p.add_argument("--memory", default="auto", metavar="MB|auto",
                    help="memory the runs will have, in MB (e.g. a container's limit); auto: what is available now")
-    p.add_argument("--max-ppl-increase", type=float, default=default_of(tune, "max_ppl_increase"),
-                   help="largest perplexity increase over stock on the model, a fraction (default %(default)s)")
+    p.add_argument("--max-kl", type=float, default=default_of(tune, "max_mean_kl"), metavar="NATS",
+                   help="largest mean KL divergence from the model's own next-token distributions on the text, "
+                        "in nats a token, the default's own limit (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=default_of(tune, "max_tokens"),
                    help="tokens of the text scored per candidate (default %(default)s)")
     p.add_argument("--ctx", type=int, default=512,
@@ -59,10 +61,12 @@ def _tune(args) -> int:
         return fail(f"--memory must be a number of MB or auto, got {args.memory!r}")
     if memory is not None and memory <= 0:
         return fail(f"--memory must be positive, got {args.memory}")
+    if not 0 <= args.max_kl < float("inf"):
+        return fail(f"--max-kl must be a number of nats >= 0, got {args.max_kl}")
     if args.time_limit is not None and not args.time_limit > 0:
         return fail(f"--time-limit must be a positive number of minutes, got {args.time_limit}")
     try:
-        profile, _ = tune(args.model, text, memory_bytes=memory, max_ppl_increase=args.max_ppl_increase,
+        profile, _ = tune(args.model, text, memory_bytes=memory, max_mean_kl=args.max_kl,
                           max_tokens=args.max_tokens, run_shape=ContextShape(n_ctx=args.ctx), threads=args.threads,
                           names=args.candidates,
                           time_limit_s=None if args.time_limit is None else 60 * args.time_limit, keep=args.keep)
@@ -71,7 +75,8 @@ def _tune(args) -> int:
         return fail(str(e))
     c = profile.calibration
     best = next(r for r in c["candidates"] if r["name"] == c["chosen"])
-    print(f"chosen: {c['chosen']} ({100 * best['ppl_increase']:+.2f} % perplexity, {best['cost']:.3g} MB per token "
+    print(f"chosen: {c['chosen']} (mean KL {best['mean_kl']:.4f} nats, {100 * best['ppl_increase']:+.2f} % perplexity, "
+          f"{best['cost']:.3g} MB per token "
           f"at {best['budget_mb']:.0f} MB of expert cache)")
     print(f"wrote {out}")
     return 0
