@@ -29,24 +29,44 @@ from .llama import Llama
 from .tokens import UNENCODABLE, out_of_vocabulary
 
 
-# A completion's prompt of token ids, on its way from the guard to the served model: the
-# route's request model (llama-cpp-python's) takes text only, so the route is given prompt ""
-# and ServedLlama reads the ids from here. A context variable of the request's task: the
-# thread the route calls the model in inherits it, and no other request sees it.
-_PROMPT_IDS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("prompt_ids", default=None)
+# A completion's prompts when the route cannot carry them, on their way from the guard to the
+# served model: llama-cpp-python's request model takes one prompt of text, OpenAI's takes token
+# ids and several prompts too. The route is given prompt "" and ServedLlama reads the prompts
+# from here. A context variable of the request's task: the thread the route calls the model in
+# inherits it, and no other request sees it.
+_PROMPTS: contextvars.ContextVar[list[str | list[int]] | None] = contextvars.ContextVar("prompts", default=None)
 
 
 class ServedLlama(Llama):
-    """The served model, which takes a completion's prompt of token ids from the request's
-    guard (_PROMPT_IDS); what a request's content makes llama-cpp-python (or hobbitpy) refuse
-    by a ValueError, a TypeError, a KeyError, an IndexError or an assert becomes a RequestError,
+    """The served model, which takes a completion's prompts from the request's guard
+    (_PROMPTS: several are answered one after the other, one choice each, as OpenAI numbers
+    them); what a request's content makes llama-cpp-python (or hobbitpy) refuse by a
+    ValueError, a TypeError, a KeyError, an IndexError or an assert becomes a RequestError,
     which the guard answers as a 400 (the route would answer 500)."""
 
     CLIENT_ERRORS = (ValueError, TypeError, KeyError, IndexError, AssertionError)
 
     def create_completion(self, *args, **kwargs):
-        if (ids := _PROMPT_IDS.get()) is not None:  # the route says prompt "" (see as_served)
-            kwargs["prompt"] = ids
+        prompts = _PROMPTS.get()
+        if prompts is None:
+            return self._one_completion(*args, **kwargs)
+        if len(prompts) == 1:
+            return self._one_completion(**kwargs | {"prompt": prompts[0]})
+        if kwargs.get("stream"):
+            return self._streams_one_after_another(prompts, kwargs)
+        answers = [self._one_completion(**kwargs | {"prompt": p}) for p in prompts]
+        usage = {k: sum(a["usage"][k] for a in answers) for k in answers[0]["usage"]}
+        return answers[0] | {"choices": [a["choices"][0] | {"index": i} for i, a in enumerate(answers)],
+                             "usage": usage}
+
+    def _streams_one_after_another(self, prompts: list, kwargs: dict):
+        first_id = None
+        for i, prompt in enumerate(prompts):
+            for chunk in self._one_completion(**kwargs | {"prompt": prompt}):
+                first_id = first_id or chunk["id"]  # one response: one id, as OpenAI's
+                yield chunk | {"id": first_id, "choices": [c | {"index": i} for c in chunk["choices"]]}
+
+    def _one_completion(self, *args, **kwargs):
         try:
             return super().create_completion(*args, **kwargs)
         except self.CLIENT_ERRORS as e:
@@ -184,6 +204,9 @@ def _refuse_constant(name: str):
 # deeper than any request needs (a JSON schema of a tool or a response format: tens of levels),
 # far below what the recursive checks and converters after this one would overflow on
 MAX_JSON_DEPTH = 100
+# prompts in one completion request: they are answered one after another (each to the end of
+# the text by default), and every other client waits meanwhile
+MAX_PROMPTS = 64
 
 
 def _depth(value) -> int:
@@ -247,8 +270,9 @@ def request_error(path: str, body: bytes, llm: Llama | None) -> str | None:
         if why := generation_error(filled):
             return why
         request = for_llama_cpp_python(filled)
-    try:  # (a prompt of token ids reaches the route as text: see as_served)
-        getattr(types, _REQUEST_MODELS[path]).model_validate(request | ({"prompt": ""} if prompt_ids(request) else {}))
+    beside = path == "/v1/completions" and carried(request)  # (prompts the route is not given: see as_served)
+    try:
+        getattr(types, _REQUEST_MODELS[path]).model_validate(request | ({"prompt": ""} if beside else {}))
     except ValidationError as e:
         problems = [f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()]
         return "; ".join(problems[:3]) + (f"; {len(problems) - 3} more" if len(problems) > 3 else "")
@@ -262,11 +286,11 @@ def request_error(path: str, body: bytes, llm: Llama | None) -> str | None:
         return why
     if path == "/extras/detokenize" and (why := _detokenize_error(request.get("tokens"), llm)):
         return why
-    ids = prompt_ids(request) if path == "/v1/completions" else None
-    if ids is not None and (why := out_of_vocabulary(ids, llm.n_vocab())):
-        return f"prompt: {why}"
-    if path == "/v1/completions" and request.get("prompt", "") in ("", [""], [], [[]]) and not llm.can_start_empty():
-        return "prompt: it is empty, and this model adds no beginning-of-text token to continue from"
+    for field, prompt in (_prompts_of(request) if path == "/v1/completions" else []):
+        if isinstance(prompt, list) and (why := out_of_vocabulary(prompt, llm.n_vocab())):
+            return f"{field}: {why}"
+        if len(prompt) == 0 and not llm.can_start_empty():
+            return f"{field}: it is empty, and this model adds no beginning-of-text token to continue from"
     for field, text in _texts_of(request):
         if why := llm.unencodable(text):
             return f"{field}: {why}"
@@ -280,25 +304,35 @@ def _is_ids(value) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def prompt_ids(request: dict) -> list[int] | None:
-    """A completion's prompt given as token ids, as OpenAI takes it (a list of integers, or a
-    list of one such list); None for a prompt of text."""
-    prompt = request.get("prompt")
-    if _is_ids(prompt) and prompt:
-        return prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and _is_ids(prompt[0]):
-        return prompt[0]
-    return None
+def _prompts_of(request: dict) -> list[tuple[str, str | list[int]]]:
+    """A completion's prompts as OpenAI takes them, each with its field's name: text, token ids
+    (a list of integers), or a list of several of either ("" when it gives none)."""
+    prompt = request.get("prompt", "")
+    if isinstance(prompt, str) or (_is_ids(prompt) and prompt):
+        return [("prompt", prompt)]
+    if isinstance(prompt, list) and prompt:
+        return [(f"prompt.{i}", p) for i, p in enumerate(prompt)]
+    return [("prompt", "")]
+
+
+def carried(request: dict) -> list[str | list[int]] | None:
+    """A completion's prompts when the route cannot take them as they are (token ids, or
+    several), to be carried beside it (_PROMPTS); None when the route can (one text)."""
+    prompts = [p for _, p in _prompts_of(request)]
+    return None if len(prompts) == 1 and isinstance(prompts[0], str) else prompts
 
 
 def _prompt_shape_error(path: str, request: dict) -> str | None:
     """What is wrong with a completion's prompt or a chat's messages that the request models
     let through to a failure inside the route (a 500), or say as a dump of every alternative."""
     if path == "/v1/completions":
-        prompt = request.get("prompt")
-        if isinstance(prompt, list) and len(prompt) > 1 and not _is_ids(prompt):
-            return f"prompt: one prompt per request ({len(prompt)} were sent; send several requests)"
-        if prompt_ids(request) is not None and request.get("echo"):
+        prompts = _prompts_of(request)
+        for field, prompt in prompts:
+            if not (isinstance(prompt, str) or _is_ids(prompt)):
+                return f"{field}: a prompt is text or a list of token ids (integers)"
+        if len(prompts) > MAX_PROMPTS:
+            return f"prompt: at most {MAX_PROMPTS} prompts in one request ({len(prompts)} were sent)"
+        if request.get("echo") and any(isinstance(p, list) for _, p in prompts):
             return "echo: a prompt of token ids is not echoed (send the prompt as text to have it echoed)"
     if path == "/v1/chat/completions" and not request.get("messages"):
         return "messages: at least one message is needed"
@@ -360,18 +394,18 @@ def _with_defaults(request: dict) -> dict:
     return request
 
 
-def as_served(path: str, body: bytes, model_id: str) -> tuple[bytes, list[int] | None]:
+def as_served(path: str, body: bytes, model_id: str) -> tuple[bytes, list[str | list[int]] | None]:
     """A completion's or chat's body (request_error found it sound) as the route is to serve
-    it, and its prompt's token ids (None: the prompt is text): the shared defaults for the
+    it, and the prompts carried beside it (carried()): the shared defaults for the
     generation fields it leaves out, as llama-cpp-python reads them, and the served model's id
     whatever model it names (one model is served: as llama-server and llama-cpp-python's
     server do, any name is this one, and every response says its id, not its file)."""
     if path not in _GENERATING:
         return body, None
     request = json.loads(body)
-    ids = prompt_ids(request) if path == "/v1/completions" else None
+    prompts = carried(request) if path == "/v1/completions" else None
     served = for_llama_cpp_python(_with_defaults(request)) | {"model": model_id}
-    return json.dumps(served | ({"prompt": ""} if ids is not None else {})).encode(), ids
+    return json.dumps(served | ({"prompt": ""} if prompts is not None else {})).encode(), prompts
 
 
 class RequestGuard:
@@ -413,7 +447,7 @@ class RequestGuard:
         why = request_error(scope["path"], bytes(body), self.proxy.current)
         if why is not None:
             return await _refuse(send, 400, why)
-        body, ids = as_served(scope["path"], bytes(body), self.model_id)
+        body, prompts = as_served(scope["path"], bytes(body), self.model_id)
         # the body is JSON whatever its Content-Type said (plain `curl -d` sends a form's), as
         # llama-server reads it
         json_route = scope["path"] in _REQUEST_MODELS
@@ -430,11 +464,11 @@ class RequestGuard:
             sent = True
             return {"type": "http.request", "body": bytes(body), "more_body": False}
 
-        held = _PROMPT_IDS.set(ids)
+        held = _PROMPTS.set(prompts)
         try:
             return await self.app(scope, replay, send)
         finally:
-            _PROMPT_IDS.reset(held)
+            _PROMPTS.reset(held)
 
     def _has_key(self, authorization: bytes) -> bool:
         # "Bearer KEY"; the scheme's case is free (RFC 7235: "bearer KEY" is the same)

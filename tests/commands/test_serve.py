@@ -59,19 +59,28 @@ def test_completion_matches_run_and_is_offloaded(server):
     assert after["hobbitpy_neuron_predicted_selections_total"] == 0  # no --neurons: no neuron left out
 
 
-def test_a_prompt_of_token_ids_is_served_as_its_text_is(server):
-    # OpenAI takes a completion's prompt as token ids too (tools that tokenize themselves send
-    # them): the same continuation as the text those ids are, whole or streamed
+def test_prompts_of_token_ids_and_several_prompts_are_served_as_openai_serves_them(server):
+    # OpenAI takes a completion's prompt as token ids (tools that tokenize themselves send them)
+    # and several prompts in one request: the same continuation as the text those ids are, one
+    # choice a prompt, whole or streamed
     ids = http_post(server + "/extras/tokenize", json.dumps({"input": PROMPT}).encode())[1]["tokens"]
     client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
     greedy = {"max_tokens": 8, "temperature": 0}
     as_text = client.completions.create(model="m", prompt=PROMPT, **greedy).choices[0].text
-    assert as_text
+    other = client.completions.create(model="m", prompt="In the beginning", **greedy)
+    assert as_text and other.choices[0].text
     assert client.completions.create(model="m", prompt=ids, **greedy).choices[0].text == as_text
     assert client.completions.create(model="m", prompt=[ids], **greedy).choices[0].text == as_text
     streamed = client.completions.create(model="m", prompt=ids, stream=True, **greedy)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == as_text
-    # the next request of text is not given the ids (they belong to their request alone)
+
+    both = client.completions.create(model="m", prompt=[ids, "In the beginning"], **greedy)
+    assert [(c.index, c.text) for c in both.choices] == [(0, as_text), (1, other.choices[0].text)]
+    assert both.usage.completion_tokens == 8 + other.usage.completion_tokens
+    chunks = list(client.completions.create(model="m", prompt=[PROMPT, "In the beginning"], stream=True, **greedy))
+    by_index = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in (0, 1)}
+    assert by_index == {0: as_text, 1: other.choices[0].text} and len({c.id for c in chunks}) == 1
+    # the next request of one text is not given the last one's prompts (they are its own)
     assert client.completions.create(model="m", prompt=PROMPT, **greedy).choices[0].text == as_text
 
 
@@ -119,10 +128,11 @@ def test_a_client_mistake_is_a_400_naming_the_field_and_json_is_read_whatever_it
     # each of these was a 500 ("its log says why") with a traceback in the log, or a dump of
     # pydantic's alternatives
     mistakes = [
-        ("/v1/completions", {"prompt": ["And God", "said"]}, "prompt: one prompt per request (2 were sent"),
+        ("/v1/completions", {"prompt": [1, "said"]}, "prompt.0: a prompt is text or a list of token ids"),
+        ("/v1/completions", {"prompt": ["x"] * 65}, "prompt: at most 64 prompts in one request (65 were sent)"),
         ("/v1/completions", {"prompt": [1, 2, 99999999]}, "prompt: 99999999 is not a token id of this model"),
-        ("/v1/completions", {"prompt": [[1, -2, 3]]}, "prompt: -2 is not a token id of this model"),
-        ("/v1/completions", {"prompt": [[1, 2], [3]]}, "prompt: one prompt per request (2 were sent"),
+        ("/v1/completions", {"prompt": [[1, -2, 3]]}, "prompt.0: -2 is not a token id of this model"),
+        ("/v1/completions", {"prompt": [[1, 2], [3, 99999999]]}, "prompt.1: 99999999 is not a token id"),
         ("/v1/completions", {"prompt": [1, 2], "echo": True}, "echo: a prompt of token ids is not echoed"),
         ("/v1/chat/completions", {"messages": []}, "messages: at least one message is needed"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias: 'abc' is not a token id"),
