@@ -89,9 +89,9 @@ bool expert_weight_repacked(int type, int64_t n_in, int64_t n_out, int n_expert_
     return expert_weight_buft(type, n_in, n_out, n_expert_used) != ggml_backend_dev_buffer_type(cpu_device());
 }
 
-expert_pool::expert_pool(const expert_layer_layout & shape, int n_layer, int n_expert, int n_expert_used, int n_slot,
-                         ggml_backend_dev_t dev, bool gate_only)
-        : slots(n_slot), n_expert(n_expert), slot_of((size_t) n_layer * n_expert, -1) {
+expert_pool::expert_pool(const expert_layer_layout & shape, int n_expert_used, int n_slot, ggml_backend_dev_t dev,
+                         bool gate_only)
+        : n_slot_(n_slot) {
     const bool on_cpu = dev == nullptr || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
     on_device_ = !on_cpu;
     ggml_init_params ip = { ggml_tensor_overhead() * (LLAMA_MOE_PROJ_COUNT * (1 + (size_t) n_slot)), nullptr, /*no_alloc*/ true };
@@ -168,32 +168,4 @@ void expert_pool::slot_targets(int slot, void * dst[LLAMA_MOE_PROJ_COUNT], ggml_
         dst[p]  = tensors[p] && !repack ? (char *) tensors[p]->data + (size_t) slot * tensors[p]->nb[2] : nullptr;
         view[p] = repack ? views[p][slot] : nullptr;
     }
-}
-
-void expert_pool::assign(int slot, int layer, int expert) {
-    pool_slot & s = slots[slot];
-    if (s.layer >= 0) {
-        slot_of[s.layer*n_expert + s.expert] = -1;
-    }
-    if (s.state == slot_state::empty) {
-        n_used_++;
-    }
-    s.layer      = layer;
-    s.expert     = expert;
-    s.state      = slot_state::loading;
-    s.prefetched = false;
-    slot_of[layer*n_expert + expert] = slot;
-}
-
-void expert_pool::clear(int slot) {
-    pool_slot & s = slots[slot];
-    if (s.layer >= 0) {
-        slot_of[s.layer*n_expert + s.expert] = -1;
-    }
-    if (s.state != slot_state::empty) {
-        n_used_--;
-    }
-    const int pins = s.pins; // released by whoever pinned it
-    s = pool_slot{};
-    s.pins = pins;
 }

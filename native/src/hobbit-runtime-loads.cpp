@@ -24,7 +24,7 @@
 #include <map>
 #include <numeric>
 
-slot_use hobbit_runtime::use_of(const pool_slot & s) const {
+slot_use hobbit_runtime::use_of(const slot_entry & s) const {
     if (s.pins > 0 || s.background_graph == graph_seq) {
         return slot_use::busy;
     }
@@ -32,30 +32,30 @@ slot_use hobbit_runtime::use_of(const pool_slot & s) const {
 }
 
 void hobbit_runtime::settle(int p, int s, std::unique_lock<std::mutex> * lock) {
-    if (pools[p].pool->slots[s].state != slot_state::loading) {
+    if (pools[p].slots[s].state != slot_state::loading) {
         return;
     }
     if (!io->drop_prefetches([&](const load_task & t) { return t.group == p && t.slot == s; }).empty()) {
-        pools[p].pool->slots[s].state = slot_state::unread;
+        pools[p].slots.drop_read(s);
         return;
     }
     if (lock != nullptr) {
-        cv_loaded.wait(*lock, [&] { return failed() || pools[p].pool->slots[s].state != slot_state::loading; });
+        cv_loaded.wait(*lock, [&] { return failed() || pools[p].slots[s].state != slot_state::loading; });
     }
 }
 
 int hobbit_runtime::take_slot(int p, std::unique_lock<std::mutex> * lock) {
-    const expert_pool & pool = *pools[p].pool;
+    const slot_table & slots = pools[p].slots;
     cache_policy_i & policy = *pools[p].policy;
     std::vector<int> candidates;
-    const auto use = [&](int s) { return use_of(pool.slots[s]); };
+    const auto use = [&](int s) { return use_of(slots[s]); };
     const int n_moe = (int) moe_layers.size();
     // a prompt's ubatch: what the sweep reaches last goes first (the layer just computed)
-    const auto ahead = [&](int s) { return (moe_rank[pool.slots[s].layer] - sweep_rank - 1 + n_moe) % n_moe; };
-    const int s = sweep_rank < 0 ? cache_take_slot(pool.n_slot(), use, policy, candidates) :
-        cache_take_slot(pool.n_slot(), use, [&](const std::vector<int> & c) { return sweep_victim(c, ahead, policy); },
+    const auto ahead = [&](int s) { return (moe_rank[slots[s].layer] - sweep_rank - 1 + n_moe) % n_moe; };
+    const int s = sweep_rank < 0 ? cache_take_slot(slots.size(), use, policy, candidates) :
+        cache_take_slot(slots.size(), use, [&](const std::vector<int> & c) { return sweep_victim(c, ahead, policy); },
                         candidates);
-    if (s >= 0 && pool.slots[s].prefetched) {
+    if (s >= 0 && slots[s].prefetched) {
         stats_.prefetch_wasted++; // evicted before any layer asked for it
     }
     if (s >= 0) {
@@ -73,7 +73,7 @@ int hobbit_runtime::take_slot_near(int il, int want, bool exact, bool allow_lowe
 
 int hobbit_runtime::find_cached(int il, int e, int & level) const {
     for (int l = 0; l < n_level; ++l) {
-        const int s = pools[pool_of[l][il]].pool->find(il, e);
+        const int s = pools[pool_of[l][il]].slots.find(il, e);
         if (s >= 0) {
             level = l;
             return s;
@@ -90,16 +90,16 @@ load_task hobbit_runtime::slot_load(int p, int s, int il, int e, bool prefetch) 
 
 int hobbit_runtime::queue_background_load(int p, int il, int e, bool prefetch, std::vector<load_task> & loads,
                                           std::unique_lock<std::mutex> * lock) {
-    expert_pool & pool = *pools[p].pool;
+    slot_table & slots = pools[p].slots;
     const int s = take_slot(p, lock);
     if (s < 0) {
         return -1;
     }
-    pool.assign(s, il, e);
-    pool.slots[s].prefetched = prefetch;
+    slots.assign(s, il, e);
+    slots.set_prefetched(s, prefetch);
     // busy until its layer's turn (a prefetch) or for the rest of this graph (an upgrade); the
     // warm-up's (no lock: before any graph) are the pools' first contents, taken like any other
-    pool.slots[s].background_graph = lock != nullptr ? graph_seq : -1;
+    slots.set_background_graph(s, lock != nullptr ? graph_seq : -1);
     if (prefetch && lock != nullptr) {
         prefetched_this_graph.push_back({ p, s, il });
     }
@@ -136,7 +136,7 @@ void hobbit_runtime::prefetch_next_layer_whole(int il, const ggml_tensor * x, st
     // no more than each pool holds beside what this layer pinned, or the loads would evict each other
     std::vector<int> room(n_level, 0);
     for (int l = 0; l < n_level; ++l) {
-        for (const pool_slot & slot : pools[pool_of[l][next]].pool->slots) {
+        for (const slot_entry & slot : pools[pool_of[l][next]].slots) {
             room[l] += use_of(slot) != slot_use::busy;
         }
     }
@@ -159,7 +159,7 @@ void hobbit_runtime::prefetch_next_layer_whole(int il, const ggml_tensor * x, st
 }
 
 void hobbit_runtime::pin_predicted(int p, int s, int il) {
-    pools[p].pool->slots[s].pins++;
+    pools[p].slots.pin(s);
     predicted_pins.push_back({ p, s, il, graph_seq });
 }
 
@@ -167,7 +167,7 @@ void hobbit_runtime::release_predicted(const std::function<bool(int p, int s, in
     auto keep = predicted_pins.begin();
     for (const predicted_pin & pp : predicted_pins) {
         if (pred(pp.pool, pp.slot, pp.layer)) {
-            pools[pp.pool].pool->slots[pp.slot].pins--;
+            pools[pp.pool].slots.unpin(pp.slot);
         } else {
             *keep++ = pp;
         }
@@ -242,7 +242,7 @@ int hobbit_runtime::lookup(int il, int e, int want, bool exact, int & level) con
         return find_cached(il, e, level);
     }
     level = want;
-    return want < n_level ? pools[pool_of[want][il]].pool->find(il, e) : -1;
+    return want < n_level ? pools[pool_of[want][il]].slots.find(il, e) : -1;
 }
 
 int hobbit_runtime::wait_for_slot(int il, int want, bool exact, const wave_selection & sel, std::unique_lock<std::mutex> & lock,
@@ -252,9 +252,10 @@ int hobbit_runtime::wait_for_slot(int il, int want, bool exact, const wave_selec
     // then chooses among them as among the rest)
     release_predicted([](int, int, int) { return true; });
     for (int l = 0; l < n_level; ++l) {
-        for (pool_slot & ps : pools[pool_of[l][il]].pool->slots) {
-            if (ps.pins == 0) {
-                ps.background_graph = -1;
+        slot_table & slots = pools[pool_of[l][il]].slots;
+        for (int s = 0; s < slots.size(); ++s) {
+            if (slots[s].pins == 0) {
+                slots.set_background_graph(s, -1);
             }
         }
     }
@@ -276,7 +277,7 @@ int hobbit_runtime::wait_for_slot(int il, int want, bool exact, const wave_selec
 int64_t hobbit_runtime::used_pool_bytes() const {
     int64_t n = 0;
     for (const auto & pg : pools) {
-        n += pg.pool->n_used() * pg.expert_bytes;
+        n += pg.slots.n_used() * pg.expert_bytes;
         if (pg.rows) {
             n += (pg.rows->n_page() - pg.rows->n_free()) * (int64_t) pg.rows->page_bytes();
         }

@@ -144,7 +144,7 @@ void hobbit_runtime::fetch_neurons(ggml_tensor * dst, int il) {
             stats_.neuron_selections++;
             stats_.neuron_whole += whole;
             stats_.neuron_kept  += (double) kept / n_ff;
-            const pool_slot & slot = pg.pool->slots[s];
+            const slot_entry & slot = pg.slots[s];
             const int64_t owner = (int64_t) slot.layer * index.info.n_expert + slot.expert;
             pair_owner[t * gate->ne[1] + k] = owner;
             auto it = need.find(owner);
@@ -174,7 +174,7 @@ void hobbit_runtime::fetch_neurons(ggml_tensor * dst, int il) {
     for (const neuron_row_run & run : runs) {
         const int e = (int) (run.owner % index.info.n_expert);
         if (loads.empty() || loads.back().expert != e) {
-            loads.push_back({ p, 0, pg.pool->find(il, e), il, e, /*prefetch*/ false, {}, {}, {} });
+            loads.push_back({ p, 0, pg.slots.find(il, e), il, e, /*prefetch*/ false, {}, {}, {} });
         }
         loads.back().ranges.push_back({ LLAMA_MOE_PROJ_UP, (uint64_t) run.first * page_bytes,
                                         (uint64_t) (run.first + run.count) * page_bytes, rows.row(0, run.first_page) });

@@ -122,7 +122,7 @@ void hobbit_runtime::begin_wave(int il, int wave, const wave_selection & sel, co
     }
     // the previous wave's or layer's matmuls are done: their slots may go
     for (const auto & [p, s] : pinned) {
-        pools[p].pool->slots[s].pins--;
+        pools[p].slots.unpin(s);
     }
     pinned.clear();
     if (wave == 0 && il <= last_dispatch_il) {
@@ -138,7 +138,7 @@ void hobbit_runtime::begin_wave(int il, int wave, const wave_selection & sel, co
         if (pp.graph == graph) {
             return false;
         }
-        pools[pp.pool].pool->slots[pp.slot].pins--;
+        pools[pp.pool].slots.unpin(pp.slot);
         return true;
     }), predicted_pins.end());
     // a prefetch for this layer whose expert was not selected was a wrong guess: its read is
@@ -147,8 +147,8 @@ void hobbit_runtime::begin_wave(int il, int wave, const wave_selection & sel, co
     // reads are not guesses: they stay
     if (wave == 0) {
         for (const load_task & t : io->drop_prefetches([&](const load_task & t) {
-                 return t.layer == il && pools[t.group].pool->slots[t.slot].prefetched && sel.n_pairs[t.expert] == 0; })) {
-            pools[t.group].pool->slots[t.slot].state = slot_state::unread;
+                 return t.layer == il && pools[t.group].slots[t.slot].prefetched && sel.n_pairs[t.expert] == 0; })) {
+            pools[t.group].slots.drop_read(t.slot);
         }
         // this layer's prefetches have had their turn: from here they are cached like any other
         prefetched_this_graph.erase(std::remove_if(prefetched_this_graph.begin(), prefetched_this_graph.end(),
@@ -156,9 +156,9 @@ void hobbit_runtime::begin_wave(int il, int wave, const wave_selection & sel, co
                 if (ps[2] != il) {
                     return false;
                 }
-                pool_slot & slot = pools[ps[0]].pool->slots[ps[1]];
-                if (slot.layer == il && slot.background_graph == graph_seq) {
-                    slot.background_graph = -1;
+                slot_table & slots = pools[ps[0]].slots;
+                if (slots[ps[1]].layer == il && slots[ps[1]].background_graph == graph_seq) {
+                    slots.set_background_graph(ps[1], -1);
                 }
                 return true;
             }), prefetched_this_graph.end());
@@ -202,7 +202,7 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
     // warm-up loads ran, failed so at a 44 MB budget on two levels)
     std::vector<int> room(n_level, 0), after_wait(n_level, 0);
     for (int l = 0; l < n_level; ++l) {
-        for (const pool_slot & s : pools[pool_of[l][il]].pool->slots) {
+        for (const slot_entry & s : pools[pool_of[l][il]].slots) {
             room[l]       += use_of(s) != slot_use::busy;
             after_wait[l] += use_of(s) == slot_use::busy;
         }
@@ -250,7 +250,7 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
         c.slot = skipped_even_cached(e) ? -1 : lookup(il, e, sel.want[e], exact_for(sel, e), c.level);
         if (c.slot >= 0) {
             c.how = serve_as::hit;
-            if (use_of(pools[pool_of[c.level][il]].pool->slots[c.slot]) != slot_use::busy) {
+            if (use_of(pools[pool_of[c.level][il]].slots[c.slot]) != slot_use::busy) {
                 room[c.level]--; // pinned from now on
             } else {
                 after_wait[c.level]--; // loading this expert already
@@ -325,13 +325,12 @@ wave_assignment hobbit_runtime::apply_wave(int il, const wave_plan & plan, const
             serve_in_place(e);
             continue;
         }
-        if (c.how == serve_as::hit && pools[pool_of[level][il]].pool->slots[s].state == slot_state::unread) {
+        if (c.how == serve_as::hit && pools[pool_of[level][il]].slots[s].state == slot_state::unread) {
             // its dropped read, now needed: read on demand, counted as the miss it is for the disk
             pool_group & pg = pools[pool_of[level][il]];
             stats_.expert_misses++;
             pg.misses++;
-            pg.pool->slots[s].prefetched = false;
-            pg.pool->slots[s].state = slot_state::loading;
+            pg.slots.read_again(s);
             pg.policy->on_access(s, /*high*/ level == 0);
             loads.push_back(slot_load(pool_of[level][il], s, il, e, /*prefetch*/ false));
             if (c.upgrade) {
@@ -341,9 +340,9 @@ wave_assignment hobbit_runtime::apply_wave(int il, const wave_plan & plan, const
             pool_group & pg = pools[pool_of[level][il]];
             stats_.expert_hits++;
             pg.hits++;
-            if (pg.pool->slots[s].prefetched) {
+            if (pg.slots[s].prefetched) {
                 stats_.prefetch_used++;
-                pg.pool->slots[s].prefetched = false;
+                pg.slots.set_prefetched(s, false);
             }
             pg.policy->on_access(s, /*high*/ level == 0);
             if (c.upgrade) {
@@ -366,14 +365,14 @@ wave_assignment hobbit_runtime::apply_wave(int il, const wave_plan & plan, const
             pool_group & pg = pools[p];
             stats_.expert_misses++;
             pg.misses++;
-            pg.pool->assign(s, il, e);
+            pg.slots.assign(s, il, e);
             pg.policy->on_insert(s, il, e);
             pg.policy->on_access(s, /*high*/ level == 0);
             loads.push_back(slot_load(p, s, il, e, /*prefetch*/ false));
             plan_loads = true;
         }
         const int p = pool_of[level][il];
-        pools[p].pool->slots[s].pins++;
+        pools[p].slots.pin(s);
         pinned.emplace_back(p, s);
         a.slot_of[e]  = s;
         a.level_of[e] = level;
@@ -389,7 +388,7 @@ wave_assignment hobbit_runtime::apply_wave(int il, const wave_plan & plan, const
         if (upgrades_this_graph > 0 || plan_loads) {
             break;
         }
-        if (pools[pool_of[level][il]].pool->find(il, e) < 0 &&
+        if (pools[pool_of[level][il]].slots.find(il, e) < 0 &&
             queue_background_load(pool_of[level][il], il, e, /*prefetch*/ false, loads, &lock) >= 0) {
             stats_.upgrades++;
             upgrades_this_graph++;
@@ -503,7 +502,7 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
         n_waiting++;
         cv_loaded.wait(lock, [&] {
             return failed() || std::all_of(pinned.begin(), pinned.end(), [&](const std::pair<int, int> & ps) {
-                return pools[ps.first].pool->slots[ps.second].state == slot_state::ready;
+                return pools[ps.first].slots[ps.second].state == slot_state::ready;
             });
         });
         n_waiting--;
@@ -537,11 +536,13 @@ void hobbit_runtime::on_load_done(const load_task & task, const std::string & er
         rows_pending -= rows ? 1 : 0;
         if (!error.empty()) {
             if (!rows) {
-                pools[task.group].pool->clear(task.slot);
+                pools[task.group].slots.clear(task.slot);
             }
             fail(error);
         } else {
-            pools[task.group].pool->slots[task.slot].state = slot_state::ready;
+            if (!rows) { // (rows are read into a slot that holds its expert, ready)
+                pools[task.group].slots.loaded(task.slot);
+            }
             stats_.bytes_read += (int64_t) n_bytes;
             stats_.demand_bytes_read += task.prefetch ? 0 : (int64_t) n_bytes;
             stats_.background_bytes_read += task.prefetch ? (int64_t) n_bytes : 0;

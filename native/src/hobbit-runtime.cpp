@@ -329,8 +329,9 @@ int64_t hobbit_runtime::make_pools(const std::vector<int64_t> & budgets, cache_p
                 pg.expert_bytes = (int64_t) shape.proj[LLAMA_MOE_PROJ_GATE].n_bytes; // a slot's
                 bytes = g.n_slot * pg.expert_bytes + pg.rows->bytes();
             }
-            pg.pool   = std::make_unique<expert_pool>(shape, info.n_layer, info.n_expert, info.n_expert_used,
-                                                      g.n_slot, pool_dev, /*gate_only*/ neuron_reads);
+            pg.pool   = std::make_unique<expert_pool>(shape, info.n_expert_used, g.n_slot, pool_dev,
+                                                      /*gate_only*/ neuron_reads);
+            pg.slots  = slot_table(info.n_layer, info.n_expert, g.n_slot);
             pg.policy = cache_policy_make(policy_kind, g.n_slot, info.n_layer, info.n_expert, weights, params.seed,
                                           popularity.empty() ? nullptr : popularity.data());
             pg.n_layer = (int) g.layers.size();
@@ -478,10 +479,9 @@ void hobbit_runtime::warm_pools() {
                 continue; // a static placement: each expert at its own level only
             }
             const int p = pool_of[l][il];
-            const expert_pool & pool = *pools[p].pool;
-            const bool has_free = std::any_of(pool.slots.begin(), pool.slots.end(),
-                                              [](const pool_slot & s) { return s.state == slot_state::empty; });
-            if (has_free && pool.find(il, e) < 0 && queue_background_load(p, il, e, /*prefetch*/ false, loads, nullptr) >= 0) {
+            const slot_table & slots = pools[p].slots;
+            if (slots.has_empty() && slots.find(il, e) < 0 &&
+                queue_background_load(p, il, e, /*prefetch*/ false, loads, nullptr) >= 0) {
                 stats_.warm_loads++;
             }
         }

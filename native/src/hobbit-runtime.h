@@ -7,6 +7,7 @@
 
 #include "hobbit-cache-policy.h"
 #include "hobbit-expert-pool.h"
+#include "hobbit-slot-table.h"
 #include "hobbit-executor-choice.h"
 #include "hobbit-expert-store.h"
 #include "hobbit-io-scheduler.h"
@@ -99,7 +100,7 @@ private:
     void begin_wave(int il, int wave, const wave_selection & sel, const ggml_tensor * dst);
     // how a plan may use a slot: by its logical state only (what it was given, its pins, a
     // background load queued this graph), never whether its bytes have arrived
-    slot_use use_of(const pool_slot & s) const;
+    slot_use use_of(const slot_entry & s) const;
     // a background read into slot s of pool p stops mattering: dropped if still queued (the slot
     // then unread: it keeps its expert, read when first used), else waited out (with lock;
     // nullptr: only while nothing reads into the pools, the warm-up)
@@ -217,7 +218,8 @@ private:
     // per level, one pool per expert signature (shapes and types of the projections): the
     // layers of a Q4_K_M model whose down projection is Q6_K share one pool, the Q4_K ones another
     struct pool_group {
-        std::unique_ptr<expert_pool>    pool;
+        std::unique_ptr<expert_pool>    pool;   // the slots' tensors
+        slot_table                      slots;  // what each slot holds
         std::unique_ptr<cache_policy_i> policy;
         int     level = 0;
         int     type  = -1;                     // ggml type of the down projection

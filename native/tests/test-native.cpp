@@ -13,6 +13,7 @@
 #include "hobbit-neuron-rows.h"
 #include "hobbit-pool-plan.h"
 #include "hobbit-precision-scorer.h"
+#include "hobbit-slot-table.h"
 #include "hobbit-predictor.h"
 #include "hobbit-substitution.h"
 
@@ -20,6 +21,8 @@
 #include "gguf.h"
 
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -29,6 +32,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -448,19 +452,64 @@ static void test_take_slot() {
     printf("ok take slot, belady policy, sweep order\n");
 }
 
+// whether fn aborts (a failed GGML_ASSERT) in a child process
+static bool aborts(const std::function<void()> & fn) {
+    fflush(stdout);
+    const pid_t pid = fork();
+    if (pid == 0) {
+        setenv("GGML_NO_BACKTRACE", "1", 1); // (a debugger attached to print it: seconds)
+        freopen("/dev/null", "w", stderr);    // the assert's message
+        fn();
+        _exit(0);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    return WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT;
+}
+
+static void test_slot_table() {
+    slot_table t(N_LAYER, N_EXPERT, 3);
+    CHECK(t.size() == 3 && t.find(2, 1) == -1 && t.n_used() == 0 && t.has_empty());
+    t.assign(1, 2, 1);
+    CHECK(t.find(2, 1) == 1 && t.n_used() == 1 && t[1].state == slot_state::loading);
+    t.loaded(1);
+    CHECK(t[1].state == slot_state::ready);
+    t.assign(1, 0, 3); // evicts (2, 1)
+    CHECK(t.find(2, 1) == -1 && t.find(0, 3) == 1 && t.n_used() == 1);
+    // a dropped background read: unread, holding the expert; read again when used
+    t.set_prefetched(1, true);
+    t.drop_read(1);
+    CHECK(t[1].state == slot_state::unread && t.find(0, 3) == 1 && t[1].prefetched);
+    t.read_again(1);
+    CHECK(t[1].state == slot_state::loading && !t[1].prefetched);
+    // a failed load empties the slot and keeps its pins for whoever pinned it
+    t.pin(1);
+    t.clear(1);
+    CHECK(t.find(0, 3) == -1 && t.n_used() == 0 && t[1].state == slot_state::empty && t[1].pins == 1);
+    t.unpin(1);
+    t.assign(0, 1, 0);
+    t.assign(1, 1, 1);
+    t.assign(2, 1, 2);
+    CHECK(!t.has_empty() && t.n_used() == 3);
+    // every transition out of order is refused
+    slot_table pinned = t;
+    pinned.pin(0);
+    CHECK(aborts([&] { pinned.assign(0, 2, 2); }));  // a pinned slot changes owner
+    CHECK(aborts([&] { pinned.unpin(1); }));          // unpinned more often than pinned
+    CHECK(aborts([&] { pinned.read_again(2); }));     // loading, not unread
+    pinned.loaded(2);
+    CHECK(aborts([&] { pinned.loaded(2); }));         // ready, not loading
+    CHECK(aborts([&] { pinned.drop_read(2); }));      // ready: no read to drop
+    CHECK(aborts([&] { pinned.assign(3, 0, 0); }));   // no such slot
+    printf("ok slot table\n");
+}
+
 static void test_pool(const std::string & path) {
     expert_index idx = expert_index::from_file(path);
-    expert_pool pool(idx.layers[0], N_LAYER, N_EXPERT, N_USED, 3);
+    expert_pool pool(idx.layers[0], N_USED, 3);
     CHECK(pool.n_slot() == 3);
     CHECK(pool.weights(LLAMA_MOE_PROJ_UP)->ne[2] == 3);
     CHECK(pool.weights(LLAMA_MOE_PROJ_GATE_UP) == nullptr);
-    CHECK(pool.find(2, 1) == -1);
-    pool.assign(1, 2, 1);
-    CHECK(pool.find(2, 1) == 1 && pool.n_used() == 1);
-    pool.assign(1, 0, 3); // evicts (2, 1)
-    CHECK(pool.find(2, 1) == -1 && pool.find(0, 3) == 1 && pool.n_used() == 1);
-    pool.clear(1);
-    CHECK(pool.find(0, 3) == -1 && pool.n_used() == 0);
     void * dst[LLAMA_MOE_PROJ_COUNT];
     ggml_tensor * view[LLAMA_MOE_PROJ_COUNT];
     pool.slot_targets(2, dst, view);
@@ -1068,6 +1117,7 @@ int main(int argc, char ** argv) {
     test_score_policy();
     test_simulator();
     test_take_slot();
+    test_slot_table();
     test_pool(path);
     test_scheduler(path);
     test_precision_scorer();
