@@ -14,7 +14,7 @@ from .outputs import partial_output, publish
 # llama.h enum llama_ftype: the uniform quant presets of llama-quantize, by their usual names
 FTYPES = {
     "Q8_0": 7, "Q6_K": 18, "Q5_K_M": 17, "Q5_K_S": 16, "Q4_K_M": 15, "Q4_K_S": 14,
-    "Q4_0": 2, "Q3_K_L": 13, "Q3_K_M": 12, "Q3_K_S": 11, "Q2_K": 10,
+    "Q4_0": 2, "IQ4_XS": 30, "Q3_K_L": 13, "Q3_K_M": 12, "Q3_K_S": 11, "Q2_K": 10,
 }
 
 
@@ -22,7 +22,7 @@ FTYPES = {
 # blocks are of it, the rest (some down projections) higher, so a mix spends at least its bits
 BASE_TYPES = {
     "Q8_0": "Q8_0", "Q6_K": "Q6_K", "Q5_K_M": "Q5_K", "Q5_K_S": "Q5_K", "Q4_K_M": "Q4_K", "Q4_K_S": "Q4_K",
-    "Q4_0": "Q4_0", "Q3_K_L": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_S": "Q3_K", "Q2_K": "Q2_K",
+    "Q4_0": "Q4_0", "IQ4_XS": "IQ4_XS", "Q3_K_L": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_S": "Q3_K", "Q2_K": "Q2_K",
 }
 
 

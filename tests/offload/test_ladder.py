@@ -77,3 +77,12 @@ def test_a_uniform_quant_of_the_model_is_a_level(model_dir):
     # another precision: close to stock, not equal
     assert not np.array_equal(scores, ref_scores)
     assert np.corrcoef(scores.ravel(), ref_scores.ravel())[0, 1] > 0.95
+
+
+def test_iq4_xs_is_a_uniform_quant_users_download(model_dir):
+    # IQ4_XS (no importance matrix needed) is among the quants people pick for a 30B MoE
+    path = tiny_model(model_dir, "llama", n_embd=256)
+    quant, made = make_uniform_quant(path, "iq4_xs", model_dir / "quants", threads=2)
+    assert made and quant.name.endswith(".IQ4_XS.gguf") and quant.stat().st_size < path.stat().st_size
+    experts = {t.tensor_type.name for t in gguf.GGUFReader(quant).tensors if "_exps" in t.name}
+    assert "IQ4_XS" in experts, experts
