@@ -21,7 +21,7 @@ wheel=$(echo "$dist"/hobbitpy-*.whl)
 "$py" -m pip install -q --only-binary :all: --find-links "$dist" "$wheel[test]"
 echo "installed in $(( $(date +%s) - start )) s"
 
-lib=$(cd "$work" && "$py" -c 'import hobbitpy._native as n; print(n.LIB_DIR)')
+lib=$(cd "$work" && "$py" -c 'import hobbitpy.binding.native as n; print(n.LIB_DIR)')
 echo "== ldd $lib/libggml-cuda.so"
 ldd "$lib/libggml-cuda.so" | grep -E "cuda|cublas"
 for so in libcudart.so.12 libcublas.so.12 libcublasLt.so.12; do

@@ -64,8 +64,8 @@ cd "$root"
 arches=(llama qwen2moe gpt-oss)
 LD_PRELOAD="$preload" python -c '
 import sys
-from hobbitpy._native import DATA_DIR
-from hobbitpy.synthetic_moe import make_synthetic_moe
+from hobbitpy.binding.native import DATA_DIR
+from hobbitpy.files.synthetic_moe import make_synthetic_moe
 for arch in sys.argv[2:]:
     make_synthetic_moe(f"{sys.argv[1]}/{arch}.gguf", arch, vocab_gguf=DATA_DIR / "ggml-vocab-llama-spm.gguf")' \
     "$work/models" "${arches[@]}"

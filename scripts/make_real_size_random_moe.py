@@ -12,7 +12,7 @@ Written tensor by tensor, never the whole model in memory, and fast: each kind o
 (its type, its length) is drawn and quantized by ggml once, as a pool of ROW_POOL distinct
 rows, and every tensor of that kind is assembled from rows drawn from the pool (two experts
 share no more rows than chance gives). The structure (names, order, keys) is that of
-hobbitpy.synthetic_moe's qwen3moe, taken from a small one made first.
+hobbitpy.files.synthetic_moe's qwen3moe, taken from a small one made first.
 
     python scripts/make_real_size_random_moe.py OUT.gguf [--n-layer 48] [--seed 0]
 """
@@ -28,9 +28,9 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from hobbitpy._ggml import quantize_rows
-from hobbitpy.inflate import write_gguf
-from hobbitpy.synthetic_moe import make_synthetic_moe
+from hobbitpy.binding.ggml import quantize_rows
+from hobbitpy.files.inflate import write_gguf
+from hobbitpy.files.synthetic_moe import make_synthetic_moe
 
 # Qwen3-30B-A3B (its config.json)
 N_EMBD, N_FF_EXPERT, N_EXPERT, N_EXPERT_USED = 2048, 768, 128, 8

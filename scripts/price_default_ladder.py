@@ -15,13 +15,14 @@ import os
 import sys
 
 from hobbitpy import OffloadConfig, inspect_model
-from hobbitpy.default_ladder import LOW_TYPE, calibration_text, ladder_placement, low_copy_layer_bytes, low_weight_share
-from hobbitpy.evaluate import evaluate_against, measure_reference
-from hobbitpy.tokens import tokenize_text
-from hobbitpy.llama import compare_ladder, measure_calibration
-from hobbitpy.placement import layer_expert_bytes
-from hobbitpy.companions import default_companion_path
-from hobbitpy.prepare import prepare_companion
+from hobbitpy.runtime.default_ladder import (LOW_TYPE, calibration_text, ladder_placement, low_copy_layer_bytes,
+                                             low_weight_share)
+from hobbitpy.measure.evaluate import evaluate_against, measure_reference
+from hobbitpy.files.tokens import tokenize_text
+from hobbitpy.runtime.llama import compare_ladder, measure_calibration
+from hobbitpy.plan.placement import layer_expert_bytes
+from hobbitpy.copies.companions import default_companion_path
+from hobbitpy.copies.prepare import prepare_companion
 
 MB = 1024 * 1024
 

@@ -17,10 +17,10 @@ import os
 import pathlib
 import sys
 
-from hobbitpy.config import OffloadConfig
-from hobbitpy.evaluate import evaluate_against, measure_reference
-from hobbitpy.quants import default_quant_dir, make_uniform_quant, quant_name
-from hobbitpy.tokens import tokenize_text
+from hobbitpy.settings.config import OffloadConfig
+from hobbitpy.measure.evaluate import evaluate_against, measure_reference
+from hobbitpy.copies.quants import default_quant_dir, make_uniform_quant, quant_name
+from hobbitpy.files.tokens import tokenize_text
 
 
 def main() -> int:

@@ -38,9 +38,9 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from hobbitpy._ggml import quantize_rows
-from hobbitpy.gguf_fields import field_value
-from hobbitpy.inflate import write_gguf
+from hobbitpy.binding.ggml import quantize_rows
+from hobbitpy.files.gguf_fields import field_value
+from hobbitpy.files.inflate import write_gguf
 
 
 def use_more_bits(i_layer: int, n_layer: int) -> bool:  # llama-quant.cpp

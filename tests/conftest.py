@@ -14,10 +14,10 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import hobbitpy  # noqa: E402  (sets LLAMA_CPP_LIB_PATH before llama_cpp loads)
-from hobbitpy._native import DATA_DIR  # noqa: E402
-from hobbitpy.gguf_fields import field_value  # noqa: E402
-from hobbitpy.synthetic_moe import FEATURE_ARCHES, make_synthetic_moe  # noqa: E402
-from hobbitpy.trace_file import TRACE_VERSION, Trace  # noqa: E402
+from hobbitpy.binding.native import DATA_DIR  # noqa: E402
+from hobbitpy.files.gguf_fields import field_value  # noqa: E402
+from hobbitpy.files.synthetic_moe import FEATURE_ARCHES, make_synthetic_moe  # noqa: E402
+from hobbitpy.files.trace_file import TRACE_VERSION, Trace  # noqa: E402
 
 VOCAB = DATA_DIR / "ggml-vocab-llama-spm.gguf"
 # the architectures every feature's tests run on; the others have their exactness test
@@ -123,7 +123,7 @@ def reference(path):
 
 def evaluate_text(path, config: hobbitpy.OffloadConfig, **kw):
     """`evaluate` of EVAL_TEXT in windows of 32 tokens."""
-    from hobbitpy.evaluate import evaluate
+    from hobbitpy.measure.evaluate import evaluate
 
     return evaluate(path, EVAL_TEXT, config, n_ctx=32, n_threads=2, **kw)
 

@@ -12,7 +12,7 @@ try:
 except _PackageNotFoundError:  # run from a source tree without an install
     __version__ = "unknown"
 
-from ._native import LIB_DIR as _LIB_DIR
+from .binding.native import LIB_DIR as _LIB_DIR
 
 # llama-cpp-python must load hobbitpy's patched libllama: it reads this variable once, at
 # import (the .pth hook hobbitpy installs sets it at interpreter start already, unless the
@@ -27,11 +27,11 @@ if "llama_cpp.llama_cpp" in _sys.modules:
         raise ImportError(f"llama_cpp was imported before hobbitpy and loaded {_loaded}; hobbitpy needs its own "
                           f"patched library in {_LIB_DIR}. Unset LLAMA_CPP_LIB_PATH, or import hobbitpy first.")
 
-from .config import OffloadConfig  # noqa: E402
-from .errors import BudgetError, ChatTemplateError, ExpertReadError, HobbitError, ModelFileError, TokenizeError  # noqa: E402
-from .llama import Llama  # noqa: E402
-from .memory import OffloadPlan, available_memory_bytes, plan_offload  # noqa: E402
-from .model_file import ModelInfo, inspect_model  # noqa: E402
+from .settings.config import OffloadConfig  # noqa: E402
+from .errors import (BudgetError, ChatTemplateError, ExpertReadError, HobbitError, ModelFileError, TokenizeError)  # noqa: E402
+from .runtime.llama import Llama  # noqa: E402
+from .plan.memory import OffloadPlan, available_memory_bytes, plan_offload  # noqa: E402
+from .files.model_file import ModelInfo, inspect_model  # noqa: E402
 
 __all__ = [
     "Llama",

@@ -12,9 +12,9 @@ import pytest
 import hobbitpy
 from hobbitpy import HobbitError
 from hobbitpy.cli import main as cli_main
-from hobbitpy.neurons import GateWeights, neuron_stats, parse_thetas
-from hobbitpy.trace import record_trace
-from hobbitpy.trace_file import load_trace
+from hobbitpy.analysis.neurons import GateWeights, neuron_stats, parse_thetas
+from hobbitpy.measure.trace import record_trace
+from hobbitpy.files.trace_file import load_trace
 
 from conftest import tiny_model
 
@@ -141,8 +141,8 @@ TEXT = ("The keeper climbed the stairs of the tower every evening, lit the lamp 
 def test_neuron_pricing_at_theta_zero_is_stock_bit_for_bit(model_dir, arch):
     """Every neuron kept: CORM's sparse compute must equal stock exactly (KL 0, all top-1s)."""
     from hobbitpy import OffloadConfig
-    from hobbitpy.evaluate import evaluate
-    from hobbitpy.neurons import NeuronMaskSpec
+    from hobbitpy.measure.evaluate import evaluate
+    from hobbitpy.analysis.neurons import NeuronMaskSpec
 
     path = tiny_model(model_dir, arch, n_layer=4, n_expert=8, n_expert_used=2)
     for predicted in (False, True):
@@ -156,8 +156,8 @@ def test_neuron_pricing_at_theta_zero_is_stock_bit_for_bit(model_dir, arch):
 
 def test_neuron_pricing_drops_neurons_and_costs_quality(model_dir):
     from hobbitpy import OffloadConfig
-    from hobbitpy.evaluate import evaluate
-    from hobbitpy.neurons import NeuronMaskSpec
+    from hobbitpy.measure.evaluate import evaluate
+    from hobbitpy.analysis.neurons import NeuronMaskSpec
 
     path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
     oracle = evaluate(path, TEXT, OffloadConfig(enabled=False), n_ctx=32, n_threads=2,
@@ -187,7 +187,7 @@ def test_eval_neurons_on_the_command_line_and_its_bad_input(model_dir, tmp_path,
 
 
 def test_the_neuron_cache_replay_reads_what_each_variant_needs(traced):
-    from hobbitpy.neuron_sim import simulate_neurons
+    from hobbitpy.analysis.neuron_sim import simulate_neurons
 
     path, t = traced
     n, L, k = t.experts.shape
@@ -234,7 +234,7 @@ def test_simulate_neurons_on_the_command_line(traced, tmp_path, capsys):
 
 
 def test_a_neuron_costs_the_granule_it_lies_on():
-    from hobbitpy.neuron_sim import widen_to_granules
+    from hobbitpy.analysis.neuron_sim import widen_to_granules
 
     bits = np.packbits(np.eye(10, dtype=np.uint8)[[5, 9]], axis=-1, bitorder="little")  # neuron 5; neuron 9
     wide = np.unpackbits(widen_to_granules(bits, 10, 4), axis=-1, count=10, bitorder="little")

@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from hobbitpy.simulate import simulate
-from hobbitpy.trace import read_prompts, record_trace
-from hobbitpy.trace_plot import hit_ratio_curves, reuse_distances, selection_shares
+from hobbitpy.analysis.simulate import simulate
+from hobbitpy.measure.trace import read_prompts, record_trace
+from hobbitpy.analysis.trace_plot import hit_ratio_curves, reuse_distances, selection_shares
 
 from conftest import hand_trace
 
@@ -37,7 +37,7 @@ def trace_file(tmp_path_factory):
 
 
 def test_curves_end_at_the_simulators_hit_ratio(trace_file):
-    from hobbitpy.trace_file import load_trace
+    from hobbitpy.files.trace_file import load_trace
 
     t = load_trace(trace_file)
     ends, curves = hit_ratio_curves(t, 8.0, ("lru", "belady"))

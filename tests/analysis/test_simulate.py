@@ -12,9 +12,9 @@ import pytest
 import hobbitpy
 from hobbitpy import HobbitError, OffloadConfig
 from hobbitpy.cli import main as cli_main
-from hobbitpy.simulate import simulate, simulate_all, slots_per_layer
-from hobbitpy.trace import record_trace
-from hobbitpy.trace_file import load_trace
+from hobbitpy.analysis.simulate import simulate, simulate_all, slots_per_layer
+from hobbitpy.measure.trace import record_trace
+from hobbitpy.files.trace_file import load_trace
 
 from conftest import MB, hand_trace, run_logits, tiny_model
 
@@ -195,8 +195,8 @@ def test_simulated_prefetch_of_perfect_guesses_leaves_the_first_layers_misses():
 
 
 def test_every_preset_is_replayed_with_its_rules(model_dir, tmp_path, capsys):
-    from hobbitpy.presets import PRESETS, preset_settings
-    from hobbitpy.simulate import simulate_preset
+    from hobbitpy.settings.presets import PRESETS, preset_settings
+    from hobbitpy.analysis.simulate import simulate_preset
 
     path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
     info = hobbitpy.inspect_model(path)

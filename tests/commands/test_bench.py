@@ -97,7 +97,7 @@ def test_bench_several_models_in_one_command(model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_bench_mixed_precision_config(model_dir, tmp_path):
-    from hobbitpy.prepare import prepare_companion
+    from hobbitpy.copies.prepare import prepare_companion
 
     path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
     low = prepare_companion(path, "Q4_0", out_path=tmp_path / "low.gguf", progress=False)
@@ -119,7 +119,7 @@ def test_bench_mixed_precision_config(model_dir, tmp_path):
 def test_bench_frontier_against_uniform_quants(model_dir, tmp_path):
     # stock on the model and on two uniform quants made by llama.cpp's quantizer, a
     # hobbitpy ladder, each scored against stock on the model: the frontier table and PNG
-    from hobbitpy.prepare import prepare_companion
+    from hobbitpy.copies.prepare import prepare_companion
 
     path = tiny_model(model_dir, "llama", n_embd=256)  # rows of whole K-quant blocks
     low = prepare_companion(path, "Q2_K", tmp_path / "experts-Q2_K.gguf", progress=False)
@@ -248,7 +248,7 @@ def test_an_interrupted_bench_leaves_no_cgroup_behind(model_dir, tmp_path):
     import os
     import signal
 
-    from hobbitpy.memory_cgroup import MemoryCap
+    from hobbitpy.system.memory_cgroup import MemoryCap
 
     probe = MemoryCap.create(f"hobbitpy-probe-{os.getpid()}")
     assert probe is not None, "no writable memory cgroup: the caps of every bench test would not hold either"
@@ -293,7 +293,7 @@ def test_bench_beam_search_against_stocks(model_dir, tmp_path):
 def test_a_configuration_is_lossy_when_it_substitutes_or_serves_another_precision():
     """bench checks only the exact configurations against stock's tokens: a preset that
     substitutes experts (importance) must not count as exact (it printed a false "NO")."""
-    from hobbitpy.bench import BenchConfig, _lossy
+    from hobbitpy.bench.bench import BenchConfig, _lossy
     from hobbitpy.cli.bench import parse_bench_config
 
     assert not _lossy(parse_bench_config("lru=--preset lru"))

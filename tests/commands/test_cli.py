@@ -215,7 +215,7 @@ def test_a_message_the_model_cannot_take_is_said_and_the_chat_goes_on(model_dir,
 def test_low_precision_applies_when_every_expert_fits(model_dir, tmp_path):
     # asked for, the low copies are there even when memory holds every expert at both
     # precisions, and the stats say how the selections were served
-    from hobbitpy.prepare import prepare_companion
+    from hobbitpy.copies.prepare import prepare_companion
 
     path = tiny_model(model_dir, "llama", n_embd=256)
     low = prepare_companion(path, "Q2_K", tmp_path / "low.gguf", progress=False)
@@ -248,7 +248,7 @@ def test_llama_cpps_spellings_mean_what_they_mean_there(tmp_path):
     escaped = run(MODEL, "-p", "In\\tthe beginning", "-n", "4", "--temp", "0", "-c", "64", *flags)
     assert escaped.stdout.startswith("In\tthe beginning"), escaped.stdout
     assert "--ctx-size 64 rounded up to 256" in escaped.stderr
-    from hobbitpy.devices import gpu_usable
+    from hobbitpy.system.devices import gpu_usable
 
     gpu = run(MODEL, "-p", "In", "-n", "2", "-ngl", "99")
     said = "-ngl 99: no usable GPU here, every layer runs on the CPU" in gpu.stderr

@@ -13,7 +13,7 @@ import openai
 
 import hobbitpy
 from conftest import hobbitpy_cli
-from hobbitpy.generation import defaults_table
+from hobbitpy.settings.generation import defaults_table
 from serving import MODEL, PROMPT, http_post, start_server, stop_server
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

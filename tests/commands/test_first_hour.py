@@ -234,7 +234,7 @@ def test_one_context_default_for_run_and_the_api(model_dir, tmp_path):
     """The model's training context, as far as an eighth of the memory holds it, and not below
     4096 tokens (memory.default_context, which serve and trace ask too): the same for run and
     the Python API."""
-    from hobbitpy.memory import CONTEXT_SHARE, MIN_DEFAULT_CTX, ContextShape, context_sizes, default_context
+    from hobbitpy.plan.memory import CONTEXT_SHARE, MIN_DEFAULT_CTX, ContextShape, context_sizes, default_context
 
     model = tiny_model(model_dir, "llama", n_ctx_train=8192)
     info = hobbitpy.inspect_model(model)

@@ -14,20 +14,20 @@ import sys
 
 import pytest
 
-from hobbitpy import _native
-from hobbitpy._native import error_buffer, ffi, lib, to_str
-from hobbitpy.config import (NONE_IS_OFF, RANGED_OPTIONS, HIT_POLICIES, MODES, PARAM_RANGES, POLICIES, OffloadConfig,
-                             option_of, options_table)
-from hobbitpy.llama import OFFLOAD_KEYWORDS
-from hobbitpy.memory import ROW_READ_BYTES
-from hobbitpy.profile import PROFILE_SETTINGS
+from hobbitpy.binding import native
+from hobbitpy.binding.native import error_buffer, ffi, lib, to_str
+from hobbitpy.settings.config import (NONE_IS_OFF, RANGED_OPTIONS, HIT_POLICIES, MODES, PARAM_RANGES, POLICIES,
+                                      OffloadConfig, option_of, options_table)
+from hobbitpy.runtime.llama import OFFLOAD_KEYWORDS
+from hobbitpy.plan.memory import ROW_READ_BYTES
+from hobbitpy.plan.profile import PROFILE_SETTINGS
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_docs_options_page_is_the_table():
     page = (REPO / "docs" / "OPTIONS.md").read_text()
-    from hobbitpy.presets import presets_table
+    from hobbitpy.settings.presets import presets_table
 
     tables = options_table() + "\n" + presets_table()
     assert page.endswith(tables), "docs/OPTIONS.md is stale: regenerate it from `hobbitpy options --markdown`"
@@ -83,7 +83,7 @@ def test_the_binding_is_the_header_itself():
     function, enum value and integer constant of the source header is in the binding, with
     the header's value, and the option names are the enums'."""
     header = (REPO / "native" / "include" / "hobbit.h").read_text()
-    assert _native.HEADER.read_text() == header, "the installed header is not the source's: rebuild"
+    assert native.HEADER.read_text() == header, "the installed header is not the source's: rebuild"
     functions = re.findall(r"^HOBBIT_API [^;]*?\b(hobbit_\w+)\(", header, re.M)
     assert len(functions) > 30 and all(hasattr(lib, f) for f in functions)
     values = re.findall(r"^\s+(HOBBIT_[A-Z_]+)\s*=\s*(-?\d+)", header, re.M)
@@ -147,8 +147,8 @@ def test_every_range_is_written_once_and_both_sides_keep_it():
 
 def test_a_preset_lies_under_the_flags_and_keywords_and_replaces_the_profile(tmp_path):
     from hobbitpy.cli.common import add_offload_args, offload_config_from_args
-    from hobbitpy.llama import offload_config_of
-    from hobbitpy.presets import PRESETS, preset_settings
+    from hobbitpy.runtime.llama import offload_config_of
+    from hobbitpy.settings.presets import PRESETS, preset_settings
 
     fate = OffloadConfig(**preset_settings("fate"))
     assert fate.policy == "arc" and fate.shallow_layers == 1 and fate.prefetch_layers == 1

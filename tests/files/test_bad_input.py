@@ -314,7 +314,7 @@ def test_io_threads_out_of_range_is_one_clear_error(model_dir):
 
 @pytest.mark.slow
 def test_a_companion_of_another_model_with_the_same_shapes_is_refused(model_dir, tmp_path):
-    from hobbitpy.prepare import prepare_companion
+    from hobbitpy.copies.prepare import prepare_companion
 
     mine = tiny_model(model_dir, "llama", n_embd=256)
     other = tiny_model(model_dir, "llama", n_embd=256, seed=1)  # the same shapes, other weights
@@ -355,7 +355,7 @@ def test_out_of_range_numbers_and_odd_files_are_one_line_errors(model_dir, tmp_p
 
 
 def test_the_c_api_refuses_nan_and_infinite_weights():
-    from hobbitpy._native import error_buffer, lib, to_str
+    from hobbitpy.binding.native import error_buffer, lib, to_str
 
     for field, value in (("lru", float("nan")), ("fld", float("inf"))):
         params, _keep = hobbitpy.OffloadConfig().to_native(8 * MB)

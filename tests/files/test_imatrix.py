@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from hobbitpy.config import OffloadConfig
-from hobbitpy.evaluate import evaluate_against, measure_reference
-from hobbitpy.tokens import tokenize_text
-from hobbitpy.imatrix import collect_imatrix, load_imatrix, write_imatrix
-from hobbitpy.companions import KEY_IMATRIX
-from hobbitpy.prepare import prepare_companion
+from hobbitpy.settings.config import OffloadConfig
+from hobbitpy.measure.evaluate import evaluate_against, measure_reference
+from hobbitpy.files.tokens import tokenize_text
+from hobbitpy.copies.imatrix import collect_imatrix, load_imatrix, write_imatrix
+from hobbitpy.copies.companions import KEY_IMATRIX
+from hobbitpy.copies.prepare import prepare_companion
 
 from conftest import MB, hobbitpy_cli
 

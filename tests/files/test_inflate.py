@@ -12,7 +12,7 @@ import pytest
 
 import hobbitpy
 from conftest import MB, fast_first, run_logits, tiny_model
-from hobbitpy.inflate import inflate
+from hobbitpy.files.inflate import inflate
 
 CASES = {
     "llama-q8_0": ("llama", {}, 512),
@@ -85,7 +85,7 @@ def test_cli_and_bad_input(model_dir, tmp_path):
 
 @pytest.mark.parametrize("arch", fast_first(["llama", "gpt-oss"]))
 def test_a_padded_hidden_size_keeps_the_logits_bit_for_bit(model_dir, tmp_path, arch):
-    from hobbitpy.inflate import pad_embedding
+    from hobbitpy.files.inflate import pad_embedding
 
     src = tiny_model(model_dir, arch)
     dst = tmp_path / "tall.gguf"
@@ -104,7 +104,7 @@ def test_a_padded_hidden_size_keeps_the_logits_bit_for_bit(model_dir, tmp_path, 
 
 @pytest.mark.slow
 def test_a_padded_hidden_size_must_be_a_power_of_four_times(model_dir, tmp_path):
-    from hobbitpy.inflate import pad_embedding
+    from hobbitpy.files.inflate import pad_embedding
 
     src = tiny_model(model_dir, "llama")
     n = hobbitpy.inspect_model(src).n_embd

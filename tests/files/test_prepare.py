@@ -15,11 +15,13 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from hobbitpy import _ggml, cli, companions, prepare
-from hobbitpy.gguf_fields import field_value
-from hobbitpy.companions import companion_fallbacks
-from hobbitpy.prepare import EXPERT_SUFFIXES, prepare_companion
-from hobbitpy.synthetic_moe import make_synthetic_moe
+from hobbitpy.binding import ggml
+from hobbitpy import cli
+from hobbitpy.copies import companions, prepare
+from hobbitpy.files.gguf_fields import field_value
+from hobbitpy.copies.companions import companion_fallbacks
+from hobbitpy.copies.prepare import EXPERT_SUFFIXES, prepare_companion
+from hobbitpy.files.synthetic_moe import make_synthetic_moe
 
 from conftest import default_signals
 
@@ -79,7 +81,7 @@ def check_companion(companion, model, reference, target: str, fallback: dict[str
     own = set(reader.fields) - set(model_reader.fields)
     assert own <= {companions.KEY_OF, companions.KEY_SOURCE, companions.KEY_TYPE, companions.KEY_FALLBACKS, companions.KEY_OF_FINGERPRINT}
     assert field_value(reader.fields[companions.KEY_OF])[0] == pathlib.Path(model).name.encode()
-    assert field_value(reader.fields[companions.KEY_OF_FINGERPRINT])[0] == hobbitpy.model_file.model_fingerprint(model).encode()
+    assert field_value(reader.fields[companions.KEY_OF_FINGERPRINT])[0] == hobbitpy.files.model_file.model_fingerprint(model).encode()
     assert field_value(reader.fields[companions.KEY_TYPE])[0] == target.encode()
     assert companion_fallbacks(companion) == {t.name: fallback[t.name.split(".", 2)[2]]
                                               for t in reader.tensors if t.name.split(".", 2)[2] in fallback}
@@ -184,14 +186,14 @@ def test_cli(tmp_path, capsys):
 
 
 def _ggml_q2_k(values: np.ndarray) -> np.ndarray:
-    return _ggml.quantize_rows(values, gguf.GGMLQuantizationType.Q2_K)
+    return ggml.quantize_rows(values, gguf.GGMLQuantizationType.Q2_K)
 
 
 def test_ggml_quantizes_as_gguf_does():
     # the binding of ggml's quantizer, against gguf-py's numpy Q8_0 (the same rounding)
     values = np.random.default_rng(3).standard_normal((8, 512)).astype(np.float32)
     q8 = gguf.GGMLQuantizationType.Q8_0
-    assert np.array_equal(_ggml.quantize_rows(values, q8), gguf.quants.quantize(values, q8))
+    assert np.array_equal(ggml.quantize_rows(values, q8), gguf.quants.quantize(values, q8))
 
 
 def test_fast_q2_k_writes_ggml_bytes():
@@ -228,7 +230,7 @@ def test_ggml_reads_back_what_gguf_reads():
         for t in list(tensors(path).values())[:12]:
             raw = np.asarray(t.data).view(np.uint8).reshape(-1, t.n_bytes // (t.n_elements // int(t.shape[0])))
             n_per_row = int(t.shape[0])
-            got = _ggml.rows_as_float(raw, int(t.tensor_type), n_per_row)
+            got = ggml.rows_as_float(raw, int(t.tensor_type), n_per_row)
             assert np.array_equal(got, values(t).reshape(got.shape).astype(np.float32)), t.name
 
 

@@ -7,7 +7,7 @@ import pytest
 
 import hobbitpy
 from conftest import fast_first
-from hobbitpy.synthetic_moe import make_synthetic_moe
+from hobbitpy.files.synthetic_moe import make_synthetic_moe
 
 
 @pytest.mark.slow

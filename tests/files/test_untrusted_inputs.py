@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 
 from hobbitpy import HobbitError
-from hobbitpy.bench import BenchResult, write_outputs
-from hobbitpy.outputs import OutputExistsError, OutputWriteError
-from hobbitpy.profile import load_profile, profile_path, resolve_offload
-from hobbitpy.trace import record_trace
-from hobbitpy.trace_file import load_trace
+from hobbitpy.bench.bench import BenchResult, write_outputs
+from hobbitpy.system.outputs import OutputExistsError, OutputWriteError
+from hobbitpy.plan.profile import load_profile, profile_path, resolve_offload
+from hobbitpy.measure.trace import record_trace
+from hobbitpy.files.trace_file import load_trace
 
 from conftest import tiny_model
 
@@ -155,7 +155,7 @@ BOUNDED_READ = """
 import resource, sys
 from hobbitpy import HobbitError
 from hobbitpy.cli import main
-from hobbitpy.trace_file import load_trace
+from hobbitpy.files.trace_file import load_trace
 vm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:"))
 resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20), resource.RLIM_INFINITY))
 if sys.argv[1] == "api":

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from hobbitpy.config import MODES
-from hobbitpy.disk import drop_from_page_cache
+from hobbitpy.settings.config import MODES
+from hobbitpy.system.disk import drop_from_page_cache
 from conftest import ARCHES, CONTINUATION, MB, PROMPT, identical_companion, reference, run_logits, tiny_model
 
 

@@ -34,7 +34,7 @@ def test_neurons_left_out_cost_what_the_stock_pricing_says(model_dir):
     """The runtime's mask and the pricing callback apply one rule (the callback dots in float32,
     the graph on ggml's quantized activations, so a neuron within rounding of θ may differ): both
     lose quality, by about as much, and a limit of 0 keeps every expert that keeps any neuron."""
-    from hobbitpy.neurons import NeuronMaskSpec
+    from hobbitpy.analysis.neurons import NeuronMaskSpec
 
     path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
     info = hobbitpy.inspect_model(path)

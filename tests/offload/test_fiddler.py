@@ -10,11 +10,11 @@ import pytest
 
 import hobbitpy
 from hobbitpy.cli import main as cli_main
-from hobbitpy.config import OffloadConfig
-from hobbitpy.placement import expert_popularity
-from hobbitpy.presets import preset_settings
-from hobbitpy.simulate import simulate
-from hobbitpy.trace import record_trace
+from hobbitpy.settings.config import OffloadConfig
+from hobbitpy.plan.placement import expert_popularity
+from hobbitpy.settings.presets import preset_settings
+from hobbitpy.analysis.simulate import simulate
+from hobbitpy.measure.trace import record_trace
 
 from conftest import ARCHES, MB, PROMPT, hand_trace, run_logits, tiny_model
 

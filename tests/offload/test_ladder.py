@@ -14,7 +14,7 @@ import pytest
 import hobbitpy
 from conftest import (ARCHES, EXPERT_SUFFIXES, MB, assert_bit_equal, fast_first, identical_companion, reference,
                       run_logits, tiny_model)
-from hobbitpy.quants import make_uniform_quant
+from hobbitpy.copies.quants import make_uniform_quant
 
 
 def with_garbage_experts(model: pathlib.Path, out: pathlib.Path) -> pathlib.Path:

@@ -169,7 +169,7 @@ def test_default_split_keeps_every_expert_at_low_precision(model_dir):
     # by default the lowest level gets room for a copy of every expert and fills it in the
     # background (then the free slots above it): once warm, a decode finds every selection
     # in memory at some precision
-    from hobbitpy.prepare import prepare_companion
+    from hobbitpy.copies.prepare import prepare_companion
 
     path = tiny_model(model_dir, "llama")
     low = model_dir / f"{path.stem}.q4_0.gguf"
@@ -196,7 +196,7 @@ def test_exact_hits_serve_the_wanted_level_at_any_budget(model_dir):
     # of a few slots (every low copy resident, room for about five high ones) give the same
     # tokens as a cache that holds every copy; a miss with no room at its level was once
     # served lower, by which slots loads and predictions held (the first token differed)
-    from hobbitpy.prepare import prepare_companion
+    from hobbitpy.copies.prepare import prepare_companion
 
     path = tiny_model(model_dir, "llama", n_embd=256, n_ff=1024, n_expert=32)
     low = model_dir / f"{path.stem}.q2_k.gguf"
@@ -231,7 +231,7 @@ def test_the_same_text_gives_the_same_logits_whatever_the_disks_timing(model_dir
     run (one reader, or four); with upgrades gated on the disk being idle and slots still
     loading counted as unavailable, two runs of the shipped model gave different text. Auto and
     balanced choose by timings, so they serve hits at the wanted precision only."""
-    from hobbitpy.prepare import prepare_companion
+    from hobbitpy.copies.prepare import prepare_companion
 
     path = tiny_model(model_dir, "llama", n_embd=256, n_ff=1024, n_expert=32)
     low = model_dir / f"{path.stem}.q2_k.gguf"

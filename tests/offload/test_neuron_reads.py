@@ -13,7 +13,7 @@ import pytest
 
 import hobbitpy
 from hobbitpy.cli import main as cli_main
-from hobbitpy.prepare import prepare_companion
+from hobbitpy.copies.prepare import prepare_companion
 from conftest import EVAL_TEXT, MB, evaluate_text, fast_first, reference, run_logits, tiny_model
 
 
@@ -59,7 +59,7 @@ def test_the_layout_keeps_gate_and_up_and_bundles_down_transposed_with_up(model_
 def _with_float_experts(path, out):
     """The model with its experts dequantized to F32: the same weights, multiplied without
     quantizing the activations (what stock's Q8_0 kernels do)."""
-    from hobbitpy.gguf_fields import field_value
+    from hobbitpy.files.gguf_fields import field_value
 
     reader = gguf.GGUFReader(path)
     writer = gguf.GGUFWriter(out, bytes(field_value(reader.fields["general.architecture"])[0]).decode())
@@ -100,7 +100,7 @@ def test_theta_zero_reads_every_neuron_and_computes_the_experts(model_dir, arch,
 
 
 def test_neurons_read_cost_what_the_exact_pricing_says_and_read_fewer_bytes(model_dir):
-    from hobbitpy.neurons import NeuronMaskSpec
+    from hobbitpy.analysis.neurons import NeuronMaskSpec
 
     path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
     layout = _layout(model_dir, path)

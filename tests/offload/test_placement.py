@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from hobbitpy.config import OffloadConfig
-from hobbitpy.evaluate import evaluate_against, measure_reference
-from hobbitpy.tokens import tokenize_text
-from hobbitpy.placement import expert_importance, layer_expert_bytes, place_by_importance, placement_bytes
-from hobbitpy.prepare import prepare_companion
-from hobbitpy.trace import read_prompts, record_trace
+from hobbitpy.settings.config import OffloadConfig
+from hobbitpy.measure.evaluate import evaluate_against, measure_reference
+from hobbitpy.files.tokens import tokenize_text
+from hobbitpy.plan.placement import expert_importance, layer_expert_bytes, place_by_importance, placement_bytes
+from hobbitpy.copies.prepare import prepare_companion
+from hobbitpy.measure.trace import read_prompts, record_trace
 
 from conftest import MB, run_logits
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from hobbitpy.shallow_layers import layer_prediction_accuracy, shallow_boundary
-from hobbitpy.config import PREFILL_ORDERS, OffloadConfig
+from hobbitpy.plan.shallow_layers import layer_prediction_accuracy, shallow_boundary
+from hobbitpy.settings.config import PREFILL_ORDERS, OffloadConfig
 from hobbitpy.errors import BudgetError
-from hobbitpy.presets import FATE_LOW_SHARE, preset_settings
+from hobbitpy.settings.presets import FATE_LOW_SHARE, preset_settings
 
 from conftest import (ARCHES, CONTINUATION, MB, PROMPT, fast_first, hand_trace, identical_companion, run_logits,
                       tiny_model)
@@ -146,7 +146,7 @@ def test_a_prompt_wider_than_the_high_pools_runs_in_waves_with_exact_hits(model_
 
 
 def test_the_low_share_is_lossy_with_real_low_copies(model_dir):
-    from hobbitpy.prepare import prepare_companion
+    from hobbitpy.copies.prepare import prepare_companion
 
     path = tiny_model(model_dir, "llama", n_layer=4)
     low = model_dir / f"{path.stem}.share-Q2_K.gguf"

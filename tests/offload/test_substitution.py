@@ -12,10 +12,10 @@ import math
 import pytest
 
 import hobbitpy
-from hobbitpy.config import OffloadConfig
-from hobbitpy.evaluate import evaluate_against, measure_reference
-from hobbitpy.tokens import tokenize_text
-from hobbitpy.presets import preset_settings
+from hobbitpy.settings.config import OffloadConfig
+from hobbitpy.measure.evaluate import evaluate_against, measure_reference
+from hobbitpy.files.tokens import tokenize_text
+from hobbitpy.settings.presets import preset_settings
 
 from conftest import ARCHES, MB, PROMPT, tiny_model
 

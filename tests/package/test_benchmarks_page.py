@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from hobbitpy.bench_report import load_runs, picture_path, render, render_verdict
+from hobbitpy.bench.bench_report import load_runs, picture_path, render, render_verdict
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -19,7 +19,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 def test_the_benchmarks_page_is_its_rendering():
     page, _ = render((REPO / "docs" / "bench" / "BENCHMARKS.in.md").read_text(), load_runs(REPO / "docs" / "bench"))
     assert (REPO / "docs" / "BENCHMARKS.md").read_text() == page, \
-        "docs/BENCHMARKS.md is stale: python -m hobbitpy.bench_report"
+        "docs/BENCHMARKS.md is stale: python -m hobbitpy.bench.bench_report"
 
 
 def test_the_pictures_kept_are_exactly_those_the_docs_show():
@@ -41,9 +41,9 @@ def test_a_directive_naming_no_run_is_one_clear_error():
 
 def test_the_command_has_a_help_and_a_missing_page_is_one_line(tmp_path):
     def report(*args):
-        return subprocess.run([sys.executable, "-m", "hobbitpy.bench_report", *args], capture_output=True, text=True)
+        return subprocess.run([sys.executable, "-m", "hobbitpy.bench.bench_report", *args], capture_output=True, text=True)
     shown = report("--help")
-    assert shown.returncode == 0 and shown.stdout.startswith("usage: python -m hobbitpy.bench_report"), shown
+    assert shown.returncode == 0 and shown.stdout.startswith("usage: python -m hobbitpy.bench.bench_report"), shown
     missing = report(str(tmp_path))
     assert missing.returncode == 2 and missing.stdout == "", missing
     assert missing.stderr.count("\n") == 1 and "BENCHMARKS.in.md" in missing.stderr, missing.stderr
@@ -75,7 +75,7 @@ def test_the_frontier_picture_names_each_point_in_a_legend_in_a_readers_words():
     "hp-placed"); the legend says which file stock ran and what hobbitpy was asked."""
     import matplotlib.pyplot as plt
 
-    from hobbitpy.frontier import frontier_figure
+    from hobbitpy.bench.frontier import frontier_figure
 
     run = load_runs(REPO / "docs" / "bench")["frontier-mixtral"]
     fig = frontier_figure(run["rows"], "m.gguf")
@@ -96,7 +96,7 @@ def test_a_one_cap_picture_keeps_its_title_and_legend_within_the_figure():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from hobbitpy.frontier import frontier_figure
+    from hobbitpy.bench.frontier import frontier_figure
 
     run = load_runs(REPO / "docs" / "bench")["frontier-mixtral"]
     fig = frontier_figure(run["rows"][:1], "a-model-file-with-a-long-name-Q4_K_M.gguf")

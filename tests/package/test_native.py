@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from hobbitpy._native import LIB_DIR
+from hobbitpy.binding.native import LIB_DIR
 from conftest import ARCHES, tiny_model
 
 

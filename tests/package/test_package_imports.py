@@ -12,19 +12,23 @@ import hobbitpy
 
 PACKAGE = pathlib.Path(hobbitpy.__file__).parent
 
-# docs/ARCHITECTURE.md's picture of the package: a module imports from its own layer or below
-LAYERS = {
-    "binding": ["_native", "_ggml", "errors"],
-    "foundations": ["config", "model_file", "gguf_fields", "outputs", "disk", "memory_cgroup", "heap_budget", "devices",
-                    "synthetic_moe", "gbnf", "progress", "generation"],
-    "files, plans and analysis": ["tokens", "memory", "companions", "prepare", "imatrix", "quants", "inflate",
-                                  "profile", "presets", "trace_file", "placement", "shallow_layers", "scores", "likelihood",
-                                  "neurons", "simulate", "neuron_sim", "candidate_cost", "trace_plot", "neuron_plot",
-                                  "frontier", "bench_report", "supported_models"],
-    "runtime": ["llama", "default_ladder", "beam_search", "chat_template", "grammars"],
-    "tools that run the model": ["evaluate", "trace", "tune", "calibrate", "bench", "bench_worker", "serve"],
-    "commands": ["cli", "cli.*", "__main__"],
-}
+# docs/ARCHITECTURE.md's picture of the package: its folders are its layers, the lowest first
+# (errors.py, the exceptions users see, under them all; __main__ with cli/). A module imports
+# from its own layer or below. Which modules a layer holds is read from its folder.
+LAYER_ORDER = ["errors", "binding", "system", "files", "settings", "copies", "plan", "analysis", "runtime", "measure",
+               "bench", "cli"]
+MAX_TOP_LEVEL_MODULES = 8
+
+
+def layers() -> dict[str, list[str]]:
+    """Each layer's modules by their dotted names under the package, from the folders."""
+    found = {name: [] for name in LAYER_ORDER}
+    for module in _module_names(PACKAGE):
+        head = module.split(".")[0]
+        layer = "cli" if module == "__main__" else head
+        assert layer in found, f"{module}: a folder (or top-level module) in no layer of LAYER_ORDER"
+        found[layer].append(module)
+    return found
 
 
 def _module_names(root: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -97,7 +101,7 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def test_no_module_of_the_package_imports_one_that_imports_it_back():
     files = _module_names(PACKAGE)
     edges = {name: _imports_of(name, path, set(files)) for name, path in files.items()}
-    assert {"cli.run", "cli.common"} <= edges["cli"] and "bench" in edges["cli.bench"] and edges["llama"], \
+    assert {"cli.run", "cli.common"} <= edges["cli"] and "bench.bench" in edges["cli.bench"] and edges["runtime.llama"], \
         "the walk misses imports: it would pass on anything"
     cycles = _cycles(edges)
     detail = [", ".join(f"{a} -> {b}" for a in c for b in sorted(edges[a] & set(c))) for c in cycles]
@@ -118,33 +122,37 @@ def test_the_walk_finds_a_cycle_hidden_in_a_function(tmp_path):
 
 def test_every_module_imports_from_its_own_layer_or_below():
     files = _module_names(PACKAGE)
-    layer_of = {}
-    for rank, modules in enumerate(LAYERS.values()):
-        for name in files:
-            if name in modules or any(m.endswith(".*") and name.startswith(m[:-1]) for m in modules):
-                layer_of[name] = rank
-    assert set(layer_of) == set(files), f"modules in no layer of LAYERS: {sorted(set(files) - set(layer_of))}"
-    names = list(LAYERS)
-    upward = [f"{a} ({names[layer_of[a]]}) -> {b} ({names[layer_of[b]]})" for a, path in files.items()
+    layer_of = {module: rank for rank, modules in enumerate(layers().values()) for module in modules}
+    assert set(layer_of) == set(files)
+    upward = [f"{a} ({LAYER_ORDER[layer_of[a]]}) -> {b} ({LAYER_ORDER[layer_of[b]]})" for a, path in files.items()
               for b in sorted(_imports_of(a, path, set(files))) if layer_of[b] > layer_of[a]]
     assert not upward, "imports up the layers: " + "; ".join(upward)
 
 
+def test_the_package_is_its_folders():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+    folders = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
+    assert folders == sorted(LAYER_ORDER[1:]), folders  # every folder a layer, every layer but the base a folder
+
+
 def test_the_architecture_picture_is_the_table():
-    """docs/ARCHITECTURE.md draws LAYERS, the top layer first: each layer's lines name its modules."""
+    """docs/ARCHITECTURE.md draws the layers, the top one first: each layer's lines name its modules."""
     page = (PACKAGE.parents[1] / "docs" / "ARCHITECTURE.md").read_text()
     picture = page[page.index("## The Python package in layers"):page.index("## Where each paper's mechanism lives")]
     rows = {}
     layer = None
     for line in picture.splitlines():
-        for name in LAYERS:
-            if line.startswith(" " + name):
+        for name in LAYER_ORDER:
+            if line.startswith(" " + name + " "):
                 layer = name
         if layer is not None and not line.strip().startswith("│"):
             rows.setdefault(layer, "")
             rows[layer] += " " + line
-    assert list(rows) == list(reversed(LAYERS))
-    for name, modules in LAYERS.items():
+    assert list(rows) == list(reversed(LAYER_ORDER))
+    for name, modules in layers().items():
         for module in modules:
-            shown = module.replace(".*", "/")
-            assert re.search(rf"(?<![\w.]){re.escape(shown)}", rows[name]), (name, module)
+            if module == name and name != "errors":  # the folder's own __init__
+                continue
+            shown = "cli/" if module.startswith("cli.") else module.split(".")[-1]
+            assert re.search(rf"(?<![\w.]){re.escape(shown)}(?![\w])", rows[name]), (name, module)

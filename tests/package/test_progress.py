@@ -9,7 +9,7 @@ import pty
 import subprocess
 import sys
 
-from hobbitpy.progress import progress_bar
+from hobbitpy.system.progress import progress_bar
 from serving import MODEL
 
 

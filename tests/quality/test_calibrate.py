@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from hobbitpy.calibrate import selection_scores, threshold_for_share
+from hobbitpy.measure.calibrate import selection_scores, threshold_for_share
 from hobbitpy.cli import main
-from hobbitpy.prepare import prepare_companion
-from hobbitpy.profile import load_profile, profile_path
+from hobbitpy.copies.prepare import prepare_companion
+from hobbitpy.plan.profile import load_profile, profile_path
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODEL = REPO / "models" / "ref-mixtral-Q8_0.gguf"

@@ -11,7 +11,7 @@ import pytest
 import hobbitpy
 from hobbitpy import OffloadConfig
 from hobbitpy.cli import main as cli_main
-from hobbitpy.evaluate import evaluate
+from hobbitpy.measure.evaluate import evaluate
 
 from conftest import MB, tiny_model
 
@@ -92,7 +92,7 @@ def test_eval_under_a_memory_cap_scores_the_reference_first_and_the_candidate_al
     import subprocess
     import sys
 
-    from hobbitpy.memory_cgroup import MemoryCap
+    from hobbitpy.system.memory_cgroup import MemoryCap
 
     # the candidate sizes its cache from the memory left when it opens; side by side with the
     # stock reference, the two competed for the cap (the reference's compute buffer got the
@@ -126,8 +126,8 @@ def test_tokenizing_the_text_makes_no_context_and_prints_nothing(model_dir, tmp_
     """The text is cut by a vocabulary-only load (tokens.Vocabulary): llama_cpp.Llama made a
     context for it, whose length check printed "n_ctx_seq (512) > n_ctx_train (0)" on every eval."""
     from hobbitpy import ModelFileError
-    from hobbitpy.tokens import tokenize_text
-    from hobbitpy.tokens import Vocabulary
+    from hobbitpy.files.tokens import tokenize_text
+    from hobbitpy.files.tokens import Vocabulary
 
     path = tiny_model(model_dir, "llama", n_layer=2, n_expert=4, n_expert_used=2)
     capfd.readouterr()

@@ -12,10 +12,10 @@ import sys
 import pytest
 
 import hobbitpy
-from hobbitpy.config import OffloadConfig
-from hobbitpy.evaluate import evaluate_against, measure_reference
-from hobbitpy.tokens import tokenize_text
-from hobbitpy.tune import candidates, choose, measure_text, quality_is_static
+from hobbitpy.settings.config import OffloadConfig
+from hobbitpy.measure.evaluate import evaluate_against, measure_reference
+from hobbitpy.files.tokens import tokenize_text
+from hobbitpy.measure.tune import candidates, choose, measure_text, quality_is_static
 
 from conftest import PROMPT, tiny_model
 
@@ -168,7 +168,7 @@ def test_the_lowest_bit_ladder_needs_the_models_matrix_and_an_unknown_candidate_
     p = _tune(path, out, "--max-kl", "5", candidates="Q4_K/IQ2_XXS placed")
     assert p.returncode == 0, p.stderr
     assert "Q4_K/IQ2_XXS placed" in p.stdout and "budget" in p.stdout
-    from hobbitpy.companions import KEY_IMATRIX
+    from hobbitpy.copies.companions import KEY_IMATRIX
     import gguf
     companion = gguf.GGUFReader(tmp_path / "m.experts-IQ2_XXS.gguf")
     assert companion.get_field(KEY_IMATRIX).contents() == "m.imatrix.gguf"
@@ -191,7 +191,7 @@ def test_a_placed_ladder_is_not_placed_by_the_tokens_it_is_scored_on(model_dir, 
 
 
 def test_the_presets_are_candidates_and_their_profile_applies(model_dir, tmp_path):
-    from hobbitpy.presets import preset_settings
+    from hobbitpy.settings.presets import preset_settings
 
     # every setting of a preset goes into the profile, and a run applies them all
     path = _tune_a_copy(model_dir, tmp_path, "preset importance")
@@ -202,8 +202,8 @@ def test_the_presets_are_candidates_and_their_profile_applies(model_dir, tmp_pat
 
 
 def test_a_profile_of_the_fate_preset_loads_as_the_preset(tmp_path):
-    from hobbitpy.presets import preset_settings
-    from hobbitpy.profile import Profile, load_profile
+    from hobbitpy.settings.presets import preset_settings
+    from hobbitpy.plan.profile import Profile, load_profile
 
     model = tmp_path / "m.gguf"
     model.write_bytes(b"x")
@@ -247,10 +247,10 @@ def test_the_pass_over_the_text_is_stocks_and_static_candidates_score_alike_in_b
 
     import numpy as np
 
-    from hobbitpy.candidate_cost import modeled_cost
-    from hobbitpy.placement import layer_expert_bytes, place_by_importance
-    from hobbitpy.companions import default_companion_path
-    from hobbitpy.prepare import prepare_companion
+    from hobbitpy.analysis.candidate_cost import modeled_cost
+    from hobbitpy.plan.placement import layer_expert_bytes, place_by_importance
+    from hobbitpy.copies.companions import default_companion_path
+    from hobbitpy.copies.prepare import prepare_companion
 
     path = tmp_path / "m.gguf"
     shutil.copyfile(tiny_model(model_dir, "llama", n_embd=256), path)
@@ -306,8 +306,8 @@ def test_a_model_whose_layers_mix_expert_types_is_priced_not_skipped():
     than the same trace priced as uniform at that size."""
     import numpy as np
 
-    from hobbitpy.candidate_cost import modeled_cost
-    from hobbitpy.trace_file import Trace
+    from hobbitpy.analysis.candidate_cost import modeled_cost
+    from hobbitpy.files.trace_file import Trace
 
     rng = np.random.default_rng(0)
     n_tokens, n_layer, n_expert, k = 64, 3, 8, 2
@@ -332,7 +332,7 @@ def test_tune_checks_the_free_disk_before_it_makes_a_file(model_dir, tmp_path, m
     import collections
     import shutil
 
-    from hobbitpy.tune import tune
+    from hobbitpy.measure.tune import tune
 
     path = tmp_path / "m.gguf"
     shutil.copyfile(tiny_model(model_dir, "llama", n_embd=256), path)
@@ -350,7 +350,7 @@ def test_tune_checks_the_free_disk_before_it_makes_a_file(model_dir, tmp_path, m
 def test_tune_removes_the_files_it_made_and_did_not_pick_unless_kept(model_dir, tmp_path):
     import shutil
 
-    from hobbitpy.companions import default_companion_path
+    from hobbitpy.copies.companions import default_companion_path
 
     path = tmp_path / "m.gguf"
     shutil.copyfile(tiny_model(model_dir, "llama", n_embd=256), path)
@@ -376,7 +376,7 @@ def test_tune_removes_the_files_it_made_and_did_not_pick_unless_kept(model_dir, 
 def test_a_profile_tuned_for_less_memory_stands_aside_where_the_whole_model_fits(model_dir, tmp_path, caplog):
     import shutil
 
-    from hobbitpy.profile import Profile, resolve_offload
+    from hobbitpy.plan.profile import Profile, resolve_offload
 
     path = tmp_path / "m.gguf"
     shutil.copyfile(tiny_model(model_dir, "llama", n_embd=256), path)

@@ -37,8 +37,8 @@ def test_is_a_llama_cpp_llama(model_dir):
 
 def test_native_defaults_are_offload_configs():
     # a C caller of hobbit_default_params() and a Python one of OffloadConfig() get the same runtime
-    from hobbitpy._native import lib
-    from hobbitpy.config import HIT_POLICIES, MODES, OffloadConfig
+    from hobbitpy.binding.native import lib
+    from hobbitpy.settings.config import HIT_POLICIES, MODES, OffloadConfig
 
     c, py = lib.hobbit_default_params(), OffloadConfig()
     assert (c.policy_weights.lru, c.policy_weights.lfu, c.policy_weights.lhu, c.policy_weights.fld) == py.policy_weights

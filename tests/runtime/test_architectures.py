@@ -1,4 +1,4 @@
-"""Every MoE architecture the synthetic writer makes (hobbitpy.synthetic_moe.ARCH_LAYOUTS:
+"""Every MoE architecture the synthetic writer makes (hobbitpy.files.synthetic_moe.ARCH_LAYOUTS:
 each as llama.cpp's loader reads it, with its own routing: sigmoid scores, a selection bias,
 expert groups, leading dense layers, interleaved MoE layers, shared experts, latent
 attention) runs offloaded bit-exact to stock, at a tight budget and at 60 % of its experts.
@@ -12,9 +12,9 @@ import pytest
 
 import hobbitpy
 from conftest import ARCHES, MB, assert_bit_equal, copy_gguf, hobbitpy_cli, prompt_logits, tiny_model
-from hobbitpy.model_file import OFFLOAD_REFUSED
-from hobbitpy.supported_models import models_table
-from hobbitpy.synthetic_moe import ARCH_LAYOUTS, EXPERT_TYPES
+from hobbitpy.files.model_file import OFFLOAD_REFUSED
+from hobbitpy.files.supported_models import models_table
+from hobbitpy.files.synthetic_moe import ARCH_LAYOUTS, EXPERT_TYPES
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # the architectures the feature tests do not run (those run them all, exactness included)
@@ -41,10 +41,10 @@ def test_each_architecture_is_exact_at_a_tight_budget_and_at_60_percent(model_di
 
 def test_the_models_page_is_the_table_of_what_the_tests_run():
     """docs/MODELS.md is rendered from the architectures and expert types the tests are
-    parametrized with (`python -m hobbitpy.supported_models` writes it)."""
+    parametrized with (`python -m hobbitpy.files.supported_models` writes it)."""
     assert {a if isinstance(a, str) else a.values[0] for a in OTHER_ARCHES} | set(ARCHES) == set(ARCH_LAYOUTS)
     page = (REPO / "docs" / "MODELS.md").read_text()
-    assert page.endswith(models_table()), "docs/MODELS.md is stale: python -m hobbitpy.supported_models"
+    assert page.endswith(models_table()), "docs/MODELS.md is stale: python -m hobbitpy.files.supported_models"
     for name in list(ARCH_LAYOUTS) + list(EXPERT_TYPES):
         assert f"`{name}`" in page
 

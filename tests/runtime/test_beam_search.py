@@ -9,10 +9,10 @@ import pytest
 
 import hobbitpy
 from hobbitpy.cli import main as cli_main
-from hobbitpy.config import OffloadConfig
-from hobbitpy.placement import expert_popularity
-from hobbitpy.presets import preset_settings
-from hobbitpy.trace import record_trace
+from hobbitpy.settings.config import OffloadConfig
+from hobbitpy.plan.placement import expert_popularity
+from hobbitpy.settings.presets import preset_settings
+from hobbitpy.measure.trace import record_trace
 
 from conftest import ARCHES, MB, PROMPT, fast_first, tiny_model
 

@@ -18,8 +18,8 @@ import time
 import pytest
 
 import hobbitpy
-from hobbitpy import chat_template
-from hobbitpy.chat_template import RENDER_SECONDS
+from hobbitpy.runtime import chat_template
+from hobbitpy.runtime.chat_template import RENDER_SECONDS
 
 from serving import MODEL, http_get, http_post, start_server, still_answers, stop_server
 
@@ -118,7 +118,7 @@ RENDER_BOMBS = """
 import json, resource, sys, time
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
 import hobbitpy
-from hobbitpy.chat_template import BoundedChatFormatter
+from hobbitpy.runtime.chat_template import BoundedChatFormatter
 out = []
 for template in json.loads(sys.argv[1]):
     started = time.monotonic()
@@ -139,7 +139,7 @@ print(json.dumps({"renders": out, "max_rss_kb": peak_kb}))
 
 
 def test_a_template_that_would_take_memory_or_time_without_end_is_stopped_within_its_bounds():
-    from hobbitpy.chat_template import HEAP_BYTES
+    from hobbitpy.runtime.chat_template import HEAP_BYTES
 
     proc = subprocess.run([sys.executable, "-c", RENDER_BOMBS, json.dumps(MEMORY_BOMBS + INTEGER_BOMBS)],
                           capture_output=True, text=True, timeout=300)

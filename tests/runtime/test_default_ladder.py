@@ -15,16 +15,17 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from hobbitpy.default_ladder import (LOW_TYPE, MAX_MEAN_KL, Calibration, Priced, calibration_text, default_config,
-                                     importance_path, ladder_placement, load_calibration, low_copy_layer_bytes,
-                                     low_weight_share, placed_bytes, remembered_failure, unfit_reason)
+from hobbitpy.runtime.default_ladder import (LOW_TYPE, MAX_MEAN_KL, Calibration, Priced, calibration_text,
+                                             default_config, importance_path, ladder_placement, load_calibration,
+                                             low_copy_layer_bytes, low_weight_share, placed_bytes, remembered_failure,
+                                             unfit_reason)
 from hobbitpy.errors import ExpertReadError
-from hobbitpy.llama import compare_ladder, measure_calibration
-from hobbitpy.memory import ContextShape
-from hobbitpy.disk import drop_from_page_cache
-from hobbitpy.inflate import inflate
-from hobbitpy.memory_cgroup import MemoryCap
-from hobbitpy.companions import default_companion_path
+from hobbitpy.runtime.llama import compare_ladder, measure_calibration
+from hobbitpy.plan.memory import ContextShape
+from hobbitpy.system.disk import drop_from_page_cache
+from hobbitpy.files.inflate import inflate
+from hobbitpy.system.memory_cgroup import MemoryCap
+from hobbitpy.copies.companions import default_companion_path
 
 from conftest import MB, model_without_byte_tokens
 

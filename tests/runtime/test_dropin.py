@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 import hobbitpy
-from hobbitpy._native import LIB_DIR
+from hobbitpy.binding.native import LIB_DIR
 from conftest import MB, tiny_model
 
 # the libllama files this interpreter has mapped
@@ -108,7 +108,7 @@ def test_offload_settings_are_keywords(model_dir):
 
 
 def test_profile_keyword_and_keywords_on_top(model_dir, tmp_path):
-    from hobbitpy.profile import Profile
+    from hobbitpy.plan.profile import Profile
 
     path = tiny_model(model_dir, "llama")
     budget_mb = hobbitpy.inspect_model(path).min_budget_bytes * 2 / MB

@@ -10,7 +10,7 @@ import pytest
 import hobbitpy
 from conftest import (ARCHES, BUDGETS, MB, assert_bit_equal, fast_first, identical_companion, prompt_logits,
                       reference, run_logits, tiny_model)
-from hobbitpy.synthetic_moe import EXPERT_TYPES
+from hobbitpy.files.synthetic_moe import EXPERT_TYPES
 
 # these tests check the pool path: every missed expert is loaded (the cooperative and auto
 # modes, which may compute it in place instead, have their own tests in test_cooperative.py)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 from conftest import tiny_model
-from hobbitpy._native import LIB_DIR
+from hobbitpy.binding.native import LIB_DIR
 
 
 def _module_needing_the_driver(tmp_path, lib_dir):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hobbitpy
 from conftest import tiny_model
-from hobbitpy.gbnf import MAX_GRAMMAR_BYTES, MAX_NESTING, MAX_RULES, gbnf_bound_error
+from hobbitpy.runtime.gbnf import MAX_GRAMMAR_BYTES, MAX_NESTING, MAX_RULES, gbnf_bound_error
 
 
 def nested(depth: int) -> str:

@@ -89,7 +89,7 @@ def test_a_ladder_leaves_the_models_expert_bytes_on_disk_when_checking_its_compa
     # the first and last 4 KB of every expert tensor of the model, without the readahead that
     # once pulled megabytes of the model's experts into the page cache (charged to a cap,
     # counted by no budget: 4.4 MB of the inflated ref-mixtral's, 288 KB since)
-    from hobbitpy.prepare import prepare_companion
+    from hobbitpy.copies.prepare import prepare_companion
 
     path = tmp_path / "fresh.gguf"
     shutil.copy(tiny_model(model_dir, "llama", n_layer=8), path)

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import hobbitpy
-from hobbitpy.memory import ContextShape, context_sizes
+from hobbitpy.plan.memory import ContextShape, context_sizes
 
 from conftest import ARCHES, MB, PROMPT, tiny_model
 
@@ -71,7 +71,7 @@ def test_run_with_a_derived_budget_never_reaches_its_cap(model_dir, tmp_path):
     out2 = tmp_path / "c"
     # the fate preset reads a prompt's least popular experts from the Q2_K copy: two levels under the cap
     if not path.with_name(f"{path.stem}.experts-Q2_K.gguf").exists():
-        from hobbitpy.prepare import prepare_companion
+        from hobbitpy.copies.prepare import prepare_companion
 
         prepare_companion(path, "Q2_K", progress=False)
     # (lru: the model's own experts through an LRU cache, --exact: what the default measures on
@@ -99,8 +99,8 @@ def test_run_with_a_derived_budget_never_reaches_its_cap(model_dir, tmp_path):
 
 
 def test_a_ubatch_left_open_narrows_only_when_the_experts_do_not_all_fit(model_dir):
-    from hobbitpy.memory import (COMPUTE_SHARE, HEADROOM_SHARE, SLACK_BYTES, fit_ubatch, headroom_bytes,
-                                 io_buffer_bytes, plan_offload)
+    from hobbitpy.plan.memory import (COMPUTE_SHARE, HEADROOM_SHARE, SLACK_BYTES, fit_ubatch, headroom_bytes,
+                                      io_buffer_bytes, plan_offload)
 
     path = tiny_model(model_dir, "llama", n_embd=256, n_ff=1024, n_expert=32)
     info = hobbitpy.inspect_model(path)
@@ -153,7 +153,7 @@ def test_page_cache_no_process_maps_counts_as_free_whichever_list_it_is_on(tmp_p
     """A cgroup's clean, unmapped file pages are free to a new run, active or inactive: the
     kernel reclaims both lists (which list holds a page depends on how often and how recently
     it was read, and counting one list made a run's budget hang on that timing)."""
-    from hobbitpy.memory import _reclaimable_file_bytes
+    from hobbitpy.plan.memory import _reclaimable_file_bytes
 
     stat = tmp_path / "memory.stat"
     stat.write_text("total_cache 900\ntotal_active_file 500\ntotal_inactive_file 300\ntotal_mapped_file 150\n"
@@ -166,14 +166,14 @@ def test_page_cache_no_process_maps_counts_as_free_whichever_list_it_is_on(tmp_p
 def test_a_run_after_another_in_its_cgroup_finds_the_same_memory(tmp_path):
     """The page cache a finished run left charged to the cgroup (read twice: most of it on the
     active list) is counted as free by the next run, as it is after a reclaim."""
-    from hobbitpy.memory_cgroup import MemoryCap
+    from hobbitpy.system.memory_cgroup import MemoryCap
 
     data = tmp_path / "data.bin"
     data.write_bytes(b"\1" * (96 * MB))
     cap = MemoryCap.create(f"hobbitpy-test-reclaim-{os.getpid()}")
     if cap is None:
         pytest.fail("no writable memory cgroup here: the test needs one")
-    probe = "from hobbitpy.memory import available_memory_bytes; print(available_memory_bytes())"
+    probe = "from hobbitpy.plan.memory import available_memory_bytes; print(available_memory_bytes())"
     try:
         cap.set_limit(512 * MB)  # reclaims whatever the cgroup held
         fresh = int(subprocess.run([sys.executable, "-c", probe], preexec_fn=cap.enter, capture_output=True,

@@ -13,8 +13,8 @@ import textwrap
 import pytest
 
 import hobbitpy
-from hobbitpy.disk import drop_from_page_cache
-from hobbitpy.memory_cgroup import MemoryCap
+from hobbitpy.system.disk import drop_from_page_cache
+from hobbitpy.system.memory_cgroup import MemoryCap
 
 from conftest import MB, tiny_model
 

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 import hobbitpy
-from hobbitpy.model_file import model_fingerprint, model_parts
-from hobbitpy.prepare import EXPERT_SUFFIXES, prepare_companion
+from hobbitpy.files.model_file import model_fingerprint, model_parts
+from hobbitpy.copies.prepare import EXPERT_SUFFIXES, prepare_companion
 
 from conftest import MB, copy_gguf, run_logits
 from serving import start_server, stop_server

@@ -8,7 +8,7 @@ import shlex
 import signal
 import sys
 
-from hobbitpy.bench import TuneRequest, run_bench
+from hobbitpy.bench.bench import TuneRequest, run_bench
 
 from .common import (add_force_arg, add_offload_args, beam_width_arg, default_of, fail, interrupt,
                      offload_config_from_args, read_text, threads_arg)
@@ -21,7 +21,7 @@ def parse_bench_config(text: str):
     import shlex
 
     from hobbitpy import HobbitError
-    from hobbitpy.bench import STOCK, BenchConfig
+    from hobbitpy.bench.bench import STOCK, BenchConfig
 
     name, _, flags = text.partition("=")
     name = name.strip()
@@ -99,14 +99,14 @@ def _bench(args) -> int:
     import pathlib
 
     from hobbitpy import HobbitError
-    from hobbitpy import bench
-    from hobbitpy.tune import check_candidate_names
+    from hobbitpy.bench import bench
+    from hobbitpy.measure.tune import check_candidate_names
 
     if args.repeats < 1 or args.n_predict < 2 or args.quality_tokens < 2:
         return fail("--repeats must be >= 1, -n >= 2 and --quality-tokens >= 2")
     model = args.models[0]
     try:
-        from hobbitpy.quants import quant_name
+        from hobbitpy.copies.quants import quant_name
 
         quants = [quant_name(q) for q in args.quants]
         quality_text = None

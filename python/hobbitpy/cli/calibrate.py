@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from hobbitpy.calibrate import calibrate
+from hobbitpy.measure.calibrate import calibrate
 
 from .common import DEFAULT_LOW, add_force_arg, default_of, fail, profile_inputs, threads_arg
 
@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
 
 def _calibrate(args) -> int:
     from hobbitpy import HobbitError
-    from hobbitpy.companions import resolve_level
+    from hobbitpy.copies.companions import resolve_level
 
     out, text, why = profile_inputs(args)
     if why:

@@ -46,7 +46,7 @@ def add_gpu_layers_arg(p) -> None:
 
 
 def gpu_layers(args) -> int:
-    from hobbitpy.devices import default_gpu_layers, gpu_usable
+    from hobbitpy.system.devices import default_gpu_layers, gpu_usable
 
     if args.n_gpu_layers not in (None, 0) and not gpu_usable():
         log.info(f"-ngl {args.n_gpu_layers}: no usable GPU here, every layer runs on the CPU")
@@ -59,7 +59,7 @@ _METAVARS = {"temperature": "T", "top_k": "K", "top_p": "P", "min_p": "P"}
 def add_sampling_args(p) -> None:
     """The sampling flags, llama.cpp's names, each with the default every surface shares
     (generation.GENERATION_DEFAULTS)."""
-    from hobbitpy.generation import GENERATION_DEFAULTS
+    from hobbitpy.settings.generation import GENERATION_DEFAULTS
 
     g = p.add_argument_group("sampling (llama.cpp's names and defaults)")
     for d in GENERATION_DEFAULTS:
@@ -72,7 +72,7 @@ def add_sampling_args(p) -> None:
 
 
 def add_n_predict_arg(p) -> None:
-    from hobbitpy.generation import DEFAULTS
+    from hobbitpy.settings.generation import DEFAULTS
 
     p.add_argument("-n", "--n-predict", type=int, default=DEFAULTS["max_tokens"], metavar="N",
                    help="tokens to generate; -1: to the end (default -1)")
@@ -86,7 +86,7 @@ def add_verbosity_args(p) -> None:
 
 def sampling_keywords(args) -> dict:
     """create_completion's generation keywords from the flags."""
-    from hobbitpy.generation import DEFAULTS
+    from hobbitpy.settings.generation import DEFAULTS
 
     return {name: getattr(args, "n_predict" if name == "max_tokens" else name) for name in DEFAULTS} | \
         {"stop": args.stop, "seed": args.seed}
@@ -118,7 +118,7 @@ def process_escapes(text: str) -> str:
 
 def sampling_error(args) -> str | None:
     """Why the generation flags cannot be used (the shared rules, said with the flags' names)."""
-    from hobbitpy.generation import GENERATION_DEFAULTS, generation_error
+    from hobbitpy.settings.generation import GENERATION_DEFAULTS, generation_error
 
     if why := generation_error(sampling_keywords(args)):
         for d in GENERATION_DEFAULTS:  # the flag a person typed, not the API's keyword
@@ -131,7 +131,7 @@ def sampling_error(args) -> str | None:
 
 def default_model() -> str | None:
     """The small model shipped with hobbitpy, if installed."""
-    from hobbitpy._native import DATA_DIR
+    from hobbitpy.binding.native import DATA_DIR
 
     default = DATA_DIR / DEFAULT_MODEL
     return str(default) if default.exists() else None
@@ -152,7 +152,7 @@ def numbers_arg(n: int | None, what: str):
 
 def beam_width_arg(text: str) -> int:
     """--beams: a width 1..beam_search.MAX_WIDTH, or a one-line argparse error."""
-    from hobbitpy.beam_search import MAX_WIDTH
+    from hobbitpy.runtime.beam_search import MAX_WIDTH
 
     try:
         width = int(text)
@@ -168,8 +168,8 @@ def of_trace_arg(measure: str):
     one-line argparse error."""
     def parse(path: str):
         from hobbitpy import HobbitError
-        from hobbitpy import placement
-        from hobbitpy.trace_file import load_trace
+        from hobbitpy.plan import placement
+        from hobbitpy.files.trace_file import load_trace
 
         try:
             return tuple(tuple(row) for row in getattr(placement, measure)(load_trace(path)).tolist())
@@ -190,7 +190,7 @@ PARSERS = {
 
 
 def _help(f) -> str:
-    from hobbitpy.config import default_text, option_of
+    from hobbitpy.settings.config import default_text, option_of
 
     opt = option_of(f)
     if opt.brief is not None:
@@ -220,7 +220,7 @@ def add_offload_args(p) -> None:
 
 def add_memory_args(p) -> None:
     """MEMORY_FLAGS, the profile and the presets, in a group of their own."""
-    from hobbitpy.presets import PRESETS
+    from hobbitpy.settings.presets import PRESETS
 
     g = p.add_argument_group("memory (by default, what the run finds)")
     _add_option_flags(g, lambda flag: flag in MEMORY_FLAGS)
@@ -241,7 +241,7 @@ def add_technique_args(p) -> None:
 def _add_option_flags(p, wanted) -> None:
     import dataclasses
 
-    from hobbitpy.config import OffloadConfig, option_of
+    from hobbitpy.settings.config import OffloadConfig, option_of
 
     groups = {}
     for f in dataclasses.fields(OffloadConfig):
@@ -274,8 +274,8 @@ def offload_config_from_args(args, model_path: str | None = None, *, auto_profil
     import dataclasses
 
     from hobbitpy import OffloadConfig
-    from hobbitpy.config import option_of
-    from hobbitpy.profile import resolve_offload
+    from hobbitpy.settings.config import option_of
+    from hobbitpy.plan.profile import resolve_offload
 
     flags = {f.name: getattr(args, _dest(f)) for f in dataclasses.fields(OffloadConfig)
              if option_of(f).flag is not None and getattr(args, _dest(f)) is not None}
@@ -294,9 +294,9 @@ def interrupt(signum, frame):
 def profile_inputs(args) -> tuple[str, str, str | None]:
     """calibrate's and tune's shared checks, before any work: the profile file (never
     overwritten, not even through a symlink), the budget, the text. (out, text, why not)."""
-    from hobbitpy.profile import profile_path
+    from hobbitpy.plan.profile import profile_path
 
-    from hobbitpy.outputs import new_output_error
+    from hobbitpy.system.outputs import new_output_error
 
     out = args.out or str(profile_path(args.model))
     if why := new_output_error(out, args.force):
@@ -327,14 +327,14 @@ def add_force_arg(p) -> None:
 def json_target_error(path: str | None, force: bool) -> str | None:
     """Why the results cannot go to path (outputs.py: a new file, or with --force a file
     replaced), or None."""
-    from hobbitpy.outputs import new_output_error
+    from hobbitpy.system.outputs import new_output_error
 
     return None if path is None else new_output_error(path, force)
 
 
 def write_json(path: str, obj, force: bool) -> str | None:
     """Write obj as JSON to path (json_target_error's rule); why it could not be written, or None."""
-    from hobbitpy.outputs import write_new
+    from hobbitpy.system.outputs import write_new
 
     try:
         write_new(path, json.dumps(obj, indent=2) + "\n", force)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from hobbitpy.evaluate import evaluate
-from hobbitpy.progress import progress_bar
+from hobbitpy.measure.evaluate import evaluate
+from hobbitpy.system.progress import progress_bar
 
 from .common import (add_force_arg, add_offload_args, default_of, fail, json_target_error, offload_config_from_args,
                      read_text, threads_arg, write_json)
@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
 
 def _eval(args) -> int:
     from hobbitpy import HobbitError
-    from hobbitpy.neurons import NeuronMaskSpec
+    from hobbitpy.analysis.neurons import NeuronMaskSpec
 
     if why := json_target_error(args.json, args.force):
         return fail(why)

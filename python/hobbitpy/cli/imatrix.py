@@ -26,7 +26,7 @@ def _imatrix(args) -> int:
     import time
 
     from hobbitpy import HobbitError
-    from hobbitpy.imatrix import collect_imatrix
+    from hobbitpy.copies.imatrix import collect_imatrix
 
     try:
         start = time.perf_counter()

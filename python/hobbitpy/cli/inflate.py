@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
 
 def _inflate(args) -> int:
     from hobbitpy import HobbitError
-    from hobbitpy.inflate import inflate, pad_embedding
+    from hobbitpy.files.inflate import inflate, pad_embedding
 
     try:
         out = inflate(args.src, args.dst, args.n_ff) if args.n_ff else pad_embedding(args.src, args.dst, args.n_embd)

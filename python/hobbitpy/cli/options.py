@@ -15,8 +15,8 @@ def add_parser(sub) -> None:
 
 
 def _options(args) -> int:
-    from hobbitpy.config import options_table
-    from hobbitpy.presets import presets_table
+    from hobbitpy.settings.config import options_table
+    from hobbitpy.settings.presets import presets_table
 
     if args.markdown:
         print(options_table() + "\n" + presets_table(), end="")
@@ -30,8 +30,8 @@ def terminal_listing(width: int) -> str:
     then what it does, indented."""
     import dataclasses
 
-    from hobbitpy.config import OffloadConfig, default_text, option_of
-    from hobbitpy.presets import PRESETS
+    from hobbitpy.settings.config import OffloadConfig, default_text, option_of
+    from hobbitpy.settings.presets import PRESETS
 
     width = max(40, width)
     indent = "    "

@@ -6,8 +6,8 @@ from .common import add_force_arg, fail
 
 
 def add_parser(sub) -> None:
-    from hobbitpy.simulate import POLICIES
-    from hobbitpy.trace_plot import DEFAULT_PLOT_POLICIES
+    from hobbitpy.analysis.simulate import POLICIES
+    from hobbitpy.analysis.trace_plot import DEFAULT_PLOT_POLICIES
 
     p = sub.add_parser("plot", help="draw where the experts go in a trace (PNG)",
                        description="Draw a routing trace: each layer's selections per expert (heat map), the reuse "
@@ -30,10 +30,10 @@ def _plot(args) -> int:
     import pathlib
 
     from hobbitpy import HobbitError
-    from hobbitpy.outputs import new_output_error, write_new
-    from hobbitpy.trace_file import load_trace
-    from hobbitpy.neuron_plot import plot_neurons
-    from hobbitpy.trace_plot import plot_trace
+    from hobbitpy.system.outputs import new_output_error, write_new
+    from hobbitpy.files.trace_file import load_trace
+    from hobbitpy.analysis.neuron_plot import plot_neurons
+    from hobbitpy.analysis.trace_plot import plot_trace
 
     try:
         import matplotlib  # the [bench] extra

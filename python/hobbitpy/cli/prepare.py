@@ -40,9 +40,9 @@ def _prepare(args) -> int:
     import time
 
     from hobbitpy import HobbitError
-    from hobbitpy.companions import companion_fallbacks, default_companion_path
-    from hobbitpy.prepare import prepare_companion
-    from hobbitpy.quants import default_quant_dir, is_mix_name, make_uniform_quant
+    from hobbitpy.copies.companions import companion_fallbacks, default_companion_path
+    from hobbitpy.copies.prepare import prepare_companion
+    from hobbitpy.copies.quants import default_quant_dir, is_mix_name, make_uniform_quant
 
     if args.neuron_layout:
         if args.mid or args.high or args.imatrix or args.low:

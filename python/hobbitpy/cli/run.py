@@ -84,8 +84,8 @@ def _read_text(path: str, what: str) -> tuple[str | None, str | None]:
 def _run(args) -> int:
     import hobbitpy
     from hobbitpy import HobbitError
-    from hobbitpy.grammars import checked_grammar
-    from hobbitpy.memory import padded_context
+    from hobbitpy.runtime.grammars import checked_grammar
+    from hobbitpy.plan.memory import padded_context
 
     if args.model_flag is not None:
         if args.model is not None and args.model != args.model_flag:
@@ -242,7 +242,7 @@ def _chat(llm, args, grammar) -> int:
     import llama_cpp
     from hobbitpy import HobbitError
     from hobbitpy.errors import TokenizeError
-    from hobbitpy.tokens import UNENCODABLE
+    from hobbitpy.files.tokens import UNENCODABLE
 
     system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
     if args.system_prompt is not None and (said := llm.unencodable(args.system_prompt)):

@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="a browser origin allowed to call the server, e.g. http://localhost:3000 (repeatable; "
                         "default none: no web page can)")
-    from hobbitpy.config import MAX_BODY_MB
+    from hobbitpy.settings.config import MAX_BODY_MB
 
     p.add_argument("--max-body-mb", type=float, default=MAX_BODY_MB,
                    help=f"refuse a request body larger than this many MB (413; default {MAX_BODY_MB:g})")
@@ -41,8 +41,8 @@ def add_parser(sub) -> None:
 
 def _serve(args) -> int:
     from hobbitpy import HobbitError, inspect_model
-    from hobbitpy.memory import available_memory_bytes, default_context, padded_context
-    from hobbitpy.serve import serve
+    from hobbitpy.plan.memory import available_memory_bytes, default_context, padded_context
+    from hobbitpy.runtime.serve import serve
 
     if args.model_flag is not None:
         if args.model is not None and args.model != args.model_flag:

@@ -8,8 +8,8 @@ from .common import MB, add_force_arg, fail, json_target_error, numbers_arg, of_
 
 
 def add_parser(sub) -> None:
-    from hobbitpy.presets import PRESETS
-    from hobbitpy.simulate import DEFAULT_POLICIES, POLICIES
+    from hobbitpy.settings.presets import PRESETS
+    from hobbitpy.analysis.simulate import DEFAULT_POLICIES, POLICIES
 
     p = sub.add_parser("simulate", help="replay a trace through the cache policies and Belady's optimum",
                        description="Replay a routing trace through the runtime's own cache policies (the C++ code) "
@@ -58,8 +58,8 @@ def add_parser(sub) -> None:
 
 def _simulate(args) -> int:
     from hobbitpy import HobbitError
-    from hobbitpy.simulate import format_table, simulate_all, simulate_preset
-    from hobbitpy.trace_file import load_trace
+    from hobbitpy.analysis.simulate import format_table, simulate_all, simulate_preset
+    from hobbitpy.files.trace_file import load_trace
 
     if why := json_target_error(args.json, args.force):
         return fail(why)
@@ -94,7 +94,7 @@ def _simulate(args) -> int:
     for note in _zero_hit_notes(results, m):
         print(note)
     if t.predicted.shape[2] > 0:
-        from hobbitpy.shallow_layers import layer_prediction_accuracy, shallow_boundary
+        from hobbitpy.plan.shallow_layers import layer_prediction_accuracy, shallow_boundary
 
         accuracy = layer_prediction_accuracy(t)
         print(f"next-layer prediction accuracy per MoE layer: {' '.join(f'{a:.2f}' for a in accuracy)}; "
@@ -105,7 +105,7 @@ def _simulate(args) -> int:
 
 
 def _simulate_neurons(t, args) -> int:
-    from hobbitpy.neuron_sim import DEFAULT_GRANULE_BYTES, format_neuron_table, simulate_neurons
+    from hobbitpy.analysis.neuron_sim import DEFAULT_GRANULE_BYTES, format_neuron_table, simulate_neurons
 
     granule = DEFAULT_GRANULE_BYTES if args.read_granule is None else args.read_granule
     results = [r for budget in args.budget_mb for r in simulate_neurons(t, budget, args.neurons, granule_bytes=granule)]

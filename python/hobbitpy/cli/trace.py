@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from hobbitpy.trace import TRACE_CTX, record_trace
-from hobbitpy.progress import progress_bar
+from hobbitpy.measure.trace import TRACE_CTX, record_trace
+from hobbitpy.system.progress import progress_bar
 
 from .common import add_force_arg, default_of, fail, threads_arg
 
@@ -39,11 +39,11 @@ def _trace(args) -> int:
     import pathlib
 
     from hobbitpy import HobbitError
-    from hobbitpy.config import NEURON_LIMIT_CORM
-    from hobbitpy.neurons import format_summary, parse_thetas
-    from hobbitpy.trace import read_prompts
+    from hobbitpy.settings.config import NEURON_LIMIT_CORM
+    from hobbitpy.analysis.neurons import format_summary, parse_thetas
+    from hobbitpy.measure.trace import read_prompts
 
-    from hobbitpy.outputs import new_output_error
+    from hobbitpy.system.outputs import new_output_error
 
     out = pathlib.Path(args.out)
     if why := new_output_error(out, args.force):  # before the work: a dangling symlink too

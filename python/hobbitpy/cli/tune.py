@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from hobbitpy.tune import tune
+from hobbitpy.measure.tune import tune
 
 from .common import MB, add_force_arg, default_of, fail, profile_inputs, threads_arg
 
@@ -45,8 +45,8 @@ def add_parser(sub) -> None:
 
 def _tune(args) -> int:
     from hobbitpy import HobbitError
-    from hobbitpy.memory import ContextShape
-    from hobbitpy.tune import check_candidate_names
+    from hobbitpy.plan.memory import ContextShape
+    from hobbitpy.measure.tune import check_candidate_names
 
     out, text, why = profile_inputs(args)
     if why:

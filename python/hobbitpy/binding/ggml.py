@@ -1,0 +1,80 @@
+"""cffi binding of ggml's quantizer and type traits (libggml-base, the pinned llama.cpp's own).
+
+`hobbitpy prepare` quantizes with the very code `llama-quantize` runs, so a companion
+file's blocks are what llama.cpp itself would write, and reads any type back as numbers with
+ggml's own `to_float`. Types are passed as the integer
+values of `enum ggml_type` (an int in the C ABI), which `gguf.GGMLQuantizationType`
+mirrors.
+"""
+
+from __future__ import annotations
+
+import cffi
+import numpy as np
+
+from .native import LIB_DIR
+
+# mirrors ggml/include/ggml.h of the pinned llama.cpp
+_CDEF = """
+const char * ggml_type_name(int type);
+int64_t ggml_blck_size(int type);
+size_t  ggml_type_size(int type);
+size_t  ggml_row_size(int type, int64_t ne);
+bool    ggml_quantize_requires_imatrix(int type);
+void    ggml_quantize_init(int type);
+size_t  ggml_quantize_chunk(int type, const float * src, void * dst, int64_t start, int64_t nrows,
+                            int64_t n_per_row, const float * imatrix);
+bool    ggml_validate_row_data(int type, const void * data, size_t nbytes);
+typedef void (*ggml_to_float_t)(const void * x, float * y, int64_t k);
+typedef void (*ggml_from_float_t)(const float * x, void * y, int64_t k);
+struct ggml_type_traits {
+    const char *      type_name;
+    int64_t           blck_size;
+    int64_t           blck_size_interleave;
+    size_t            type_size;
+    bool              is_quantized;
+    ggml_to_float_t   to_float;
+    ggml_from_float_t from_float_ref;
+};
+const struct ggml_type_traits * ggml_get_type_traits(int type);
+"""
+GGML_TYPE_F32 = 0
+
+ffi = cffi.FFI()
+ffi.cdef(_CDEF)
+# already loaded by libllama and libhobbit: dlopen returns the same library
+lib = ffi.dlopen(str(LIB_DIR / "libggml-base.so"))
+
+
+def type_name(type_id: int) -> str:
+    return ffi.string(lib.ggml_type_name(type_id)).decode()
+
+
+def can_read_as_float(type_id: int) -> bool:
+    return type_id == GGML_TYPE_F32 or lib.ggml_get_type_traits(type_id).to_float != ffi.NULL
+
+
+def rows_as_float(raw: np.ndarray, type_id: int, n_per_row: int) -> np.ndarray:
+    """Rows of a tensor of this type (uint8, one row of bytes each) as float32 [rows,
+    n_per_row], by ggml's to_float (cffi releases the GIL: threads run it in parallel)."""
+    if type_id == GGML_TYPE_F32:
+        return raw.view(np.float32).reshape(len(raw), n_per_row)
+    out = np.empty((len(raw), n_per_row), np.float32)
+    to_float = lib.ggml_get_type_traits(type_id).to_float
+    if to_float == ffi.NULL:
+        raise ValueError(f"ggml cannot read type {type_name(type_id)} back as numbers")
+    to_float(ffi.from_buffer(np.ascontiguousarray(raw)), ffi.from_buffer("float[]", out), out.size)
+    return out
+
+
+def quantize_rows(values: np.ndarray, type_id: int, importance: np.ndarray | None = None) -> np.ndarray:
+    """float32 [rows, n_per_row] as rows of bytes of this type, by ggml's own quantizer (what
+    llama-quantize writes; importance: a weight per column, as an importance matrix gives,
+    which the lowest-bit types require)."""
+    values = np.ascontiguousarray(values, np.float32)
+    rows, n_per_row = values.shape
+    out = np.empty((rows, lib.ggml_row_size(type_id, n_per_row)), np.uint8)
+    weights = ffi.NULL if importance is None else ffi.from_buffer("float[]", np.ascontiguousarray(importance, np.float32))
+    lib.ggml_quantize_init(type_id)
+    lib.ggml_quantize_chunk(type_id, ffi.from_buffer("float[]", values), ffi.from_buffer(out), 0, rows, n_per_row, weights)
+    return out

@@ -1,0 +1,1 @@
+"""Lower-precision copies of a model's experts: uniform quants, companions, importance matrices, prepare."""

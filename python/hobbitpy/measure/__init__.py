@@ -1,0 +1,1 @@
+"""Tools that run the model to measure it: evaluate, trace, tune, calibrate."""

@@ -1,0 +1,464 @@
+"""The configuration `run`, `serve` and `hobbitpy.Llama(MODEL)` choose by themselves when a
+model's experts do not all fit in memory and nothing else was asked for.
+
+Served at one precision, the experts that do not fit are read from the disk, token after
+token: exact, and as slow as the disk. The frontier measured on the reference models
+(docs/BENCHMARKS.md at 5f63b2a) is elsewhere: the experts the routers weigh most at the model's own
+precision and the rest from a low-precision copy (placement.py, HOBBIT's premise placed
+once), every expert in memory where the copy fits, else the copy read through the expert
+cache in fewer bytes than the model's own experts. Whether that ladder costs too much is
+measured, not guessed, on a text that ships with hobbitpy (data/calibration.txt: prose,
+dialogue, code, arithmetic, three languages, scripture):
+
+- one batched run of the model's own experts over the text gives how much the routers weigh
+  each expert (kept next to the model, MODEL.hobbit-importance.json) and its next-token
+  distributions (kept for the run, in a temporary file);
+- the low copy is `prepare`'s Q2_K companion next to the model, made on first use (a
+  progress bar; the disk it needs checked and said first; never with `--no-prepare`);
+- the ladder the memory allows is run over the same text (after the one with every expert at
+  the low copy: within, so is any ladder); it is served when its next-token distributions are
+  within MAX_MEAN_KL of the model's, else the model's own experts are (and a copy made for
+  nothing is removed). The divergence, not the perplexity, decides: it is the
+  perplexity increase to expect on text the model predicts well, and it does not hide behind
+  a text the model predicts badly (on the KJV-trained ref-mixtral, Q2_K for every expert
+  measured -1.1 % perplexity on the calibration text and +4.6 % on held-out scripture; its
+  divergence was 0.038 nats). What was measured is kept with the importance: a later run
+  whose memory allows at least as many experts at the model's precision as a ladder found
+  within reuses the verdict, as does one allowing at most as many as a ladder found beyond.
+
+Otherwise, or with `--exact`, a preset, a profile, an expert cache size (`--cache-mb`) or a
+precision level asked for, the experts are served at the model's own precision: stock's
+logits bit for bit. One line always says which and why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import dataclasses
+from dataclasses import dataclass
+import hashlib
+import importlib.resources
+import json
+import logging
+import math
+import os
+import pathlib
+
+import numpy as np
+
+from ..settings.config import MAX_MEAN_KL, MB, OffloadConfig
+from ..system.disk import drop_from_page_cache
+from ..errors import BudgetError, HobbitError, ModelFileError
+from ..analysis.likelihood import Comparison, Reference, scoring_bytes
+from ..plan.memory import (ContextShape, available_memory_bytes, context_sizes, fit_ubatch, plan_offload,
+                           return_freed_memory)
+from ..files.model_file import ModelInfo, model_parts
+from ..system.outputs import partial_output, replace
+from ..plan.placement import layer_expert_bytes, place_by_importance
+from ..copies.companions import copy_layer_bytes, default_companion_path, estimated_copy
+from ..copies.prepare import prepare_companion
+
+log = logging.getLogger("hobbitpy")
+
+
+def quiet() -> bool:
+    """Notes' progress bars off: the notes' logger set to errors only (-q)."""
+    return log.level >= logging.ERROR
+
+
+# the low copy the default ladder makes (the one type `prepare` writes at disk speed)
+LOW_TYPE = "Q2_K"
+# the calibration passes: prompts of at most this many tokens, at most CALIBRATION_TOKENS in
+# all (at real size each pass reads every expert once: two passes of 512 tokens)
+CALIBRATION_CTX = 512
+CALIBRATION_TOKENS = 1024
+# a first run measures the ladder its budget gives for this share of the bytes above the low
+# copy: a later run finding a little less memory (fewer experts at the model's precision)
+# takes the verdict instead of measuring again
+MEASURED_SHARE = 0.9
+IMPORTANCE_VERSION = 2
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A ladder measured on the calibration text."""
+
+    n_high: int           # experts at the model's precision
+    mean_kl: float        # from the model's next-token distributions, nats a token
+    ppl_increase: float   # on the calibration text (shown, not decided on)
+
+    @property
+    def within(self) -> bool:
+        return self.mean_kl <= MAX_MEAN_KL
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the model's own experts measured on the calibration text, and the ladders priced on it."""
+
+    importance: np.ndarray  # [moe_layers][n_expert]: the routers' squared gate weights (placement.importance_of)
+    n_tokens: int           # tokens evaluated
+    ladders: tuple[Priced, ...] = ()  # fewest experts at the model's precision first
+    # the model's next-token distributions, which a ladder is compared with (this process only)
+    reference: Reference | None = dataclasses.field(default=None, compare=False)
+
+    def verdict(self, n_high: int) -> Priced | None:
+        """The measurement that settles a ladder of n_high experts at the model's precision
+        (more of them never diverge more: a placement raises the most weighed first), or None."""
+        within = [p for p in self.ladders if p.n_high <= n_high and p.within]
+        beyond = [p for p in self.ladders if p.n_high >= n_high and not p.within]
+        return within[-1] if within else beyond[0] if beyond else None
+
+    def priced(self, measured: Priced) -> "Calibration":
+        kept = {p.n_high: p for p in self.ladders} | {measured.n_high: measured}
+        return dataclasses.replace(self, ladders=tuple(kept[n] for n in sorted(kept)))
+
+
+def applies(config: OffloadConfig) -> bool:
+    """Whether the config leaves the choice to the default: offload on, no `--exact`, no
+    cache size and nothing that chooses precisions or placement (a preset or a profile
+    turns `auto` off)."""
+    return (config.enabled and config.auto and config.cache_mb is None and config.high is None
+            and config.low is None and config.mid is None and config.importance is None
+            and config.popularity is None and config.neurons is None and config.neuron_layout is None
+            and config.shallow_layers is None and config.substitute_alpha == 0.0)
+
+
+def calibration_text() -> str:
+    return importlib.resources.files("hobbitpy").joinpath("data/calibration.txt").read_text(encoding="utf-8")
+
+
+def importance_path(model_path: str | os.PathLike) -> pathlib.Path:
+    model = pathlib.Path(model_path)
+    return model.with_name(f"{model.stem}.hobbit-importance.json")
+
+
+def _text_digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def load_calibration(model_path: str | os.PathLike, info: ModelInfo, text: str) -> Calibration | None:
+    """The calibration kept next to the model (without the reference), or None when there is
+    none for this model file and this text (another file of the same name, another text:
+    measured again)."""
+    path = importance_path(model_path)
+    try:
+        data = json.loads(path.read_text())
+        if (data.get("version") != IMPORTANCE_VERSION or data.get("model_bytes") != info.file_bytes
+                or data.get("text") != _text_digest(text)):
+            return None
+        ladders = tuple(Priced(int(p["n_high"]), float(p["mean_kl"]), float(p["ppl_increase"]))
+                        for p in data["ladders"])
+        calibration = Calibration(np.array(data["importance"], np.float64), int(data["n_tokens"]), ladders)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    ok = (calibration.importance.shape == (info.n_layer_moe, info.n_expert)
+          and all(math.isfinite(p.mean_kl) for p in ladders))
+    return calibration if ok else None
+
+
+def save_calibration(model_path: str | os.PathLike, info: ModelInfo, text: str,
+                     calibration: Calibration) -> pathlib.Path:
+    """Write the calibration next to the model (replacing a stale one: it is hobbitpy's own cache)."""
+    path = importance_path(model_path)
+    data = {"version": IMPORTANCE_VERSION, "model": os.path.basename(model_path), "model_bytes": info.file_bytes,
+            "text": _text_digest(text), "n_tokens": calibration.n_tokens,
+            "ladders": [dataclasses.asdict(p) for p in calibration.ladders],
+            "importance": [[float(f"{x:.6g}") for x in row] for row in calibration.importance.tolist()]}
+    with partial_output(path) as partial:
+        partial.write_text(json.dumps(data) + "\n")
+        return replace(partial, path)
+
+
+def _keep(model_path: str | os.PathLike, info: ModelInfo, text: str, calibration: Calibration) -> None:
+    try:
+        save_calibration(model_path, info, text, calibration)
+    except OSError as e:
+        log.info(f"could not keep the calibration next to the model ({e}); it is measured again next time")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A measurement of the ladder that could not be made (no room for it beside the passes'
+    arrays, a read that failed, ...), kept so that a later run with no more memory does not
+    make the copy and measure again only to fail the same way."""
+
+    budget_bytes: int  # the two-level budget the run had
+    why: str
+
+
+def remembered_failure(model_path: str | os.PathLike, info: ModelInfo, text: str) -> Failure | None:
+    """The failure kept next to the model for this file and this text, if any."""
+    try:
+        data = json.loads(importance_path(model_path).read_text())
+        if data.get("model_bytes") != info.file_bytes or data.get("text") != _text_digest(text):
+            return None
+        failed = data.get("failed")
+        return None if failed is None else Failure(int(failed["budget_bytes"]), str(failed["why"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _remember_failure(model_path: str | os.PathLike, info: ModelInfo, text: str, failure: Failure) -> None:
+    """Add the failure to what is kept next to the model (the calibration, where one was measured)."""
+    path = importance_path(model_path)
+    try:
+        data = json.loads(path.read_text())
+        if data.get("model_bytes") != info.file_bytes or data.get("text") != _text_digest(text):
+            raise ValueError("another model's or text's")
+    except (OSError, ValueError, AttributeError):
+        data = {"version": IMPORTANCE_VERSION, "model": os.path.basename(model_path), "model_bytes": info.file_bytes,
+                "text": _text_digest(text)}
+    data["failed"] = dataclasses.asdict(failure)
+    try:
+        with partial_output(path) as partial:
+            partial.write_text(json.dumps(data) + "\n")
+            replace(partial, path)
+    except OSError as e:
+        log.info(f"could not keep the failed measurement next to the model ({e})")
+
+
+def _release(*paths: str | os.PathLike) -> None:
+    """Evict what a measuring pass read of these files: the page cache it leaves is counted as
+    used (a cgroup's active file pages), and the run planned after it would get a smaller cache."""
+    for path in paths:
+        try:
+            for part in model_parts(path):
+                drop_from_page_cache(part)
+        except (OSError, ModelFileError):
+            pass
+
+
+def low_copy_layer_bytes(info: ModelInfo) -> np.ndarray:
+    """[moe_layers]: one expert's bytes in the LOW_TYPE copy `prepare` will write (0: rows not whole blocks)."""
+    return copy_layer_bytes(info, LOW_TYPE)
+
+
+def low_weight_share(importance: np.ndarray, placement: tuple[tuple[int, ...], ...]) -> float:
+    """The share of the routers' weight that a placement serves from the lowest level."""
+    levels = np.array(placement)
+    total = importance.sum()
+    return float(importance[levels == levels.max()].sum() / total) if total > 0 and levels.max() > 0 else 0.0
+
+
+def _exact(why: str) -> str:
+    return f"serving the model's own experts (exact): {why}"
+
+
+def unfit_reason(info: ModelInfo, budget_bytes: int | None) -> str | None:
+    """Why no ladder can be served here, from the bytes alone (None: one can; budget_bytes: what
+    two levels would get, None where not even their minimum fits)."""
+    low = low_copy_layer_bytes(info)
+    if not low.any():
+        return _exact(f"its experts' rows are not whole {LOW_TYPE} blocks")
+    if int(low.sum()) * info.n_expert >= info.expert_bytes_total:
+        return _exact(f"a {LOW_TYPE} copy would be no smaller than its experts")
+    if budget_bytes is None:
+        return _exact("no room for an expert cache of two precisions")
+    return None
+
+
+def ladder_placement(info: ModelInfo, model_layer_bytes: np.ndarray, budget_bytes: int,
+                     importance: np.ndarray) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """The ladder a budget gives (the level of every expert, 0: the model's precision) and how
+    many experts it keeps at the model's precision."""
+    placement = place_by_importance(importance, [model_layer_bytes, low_copy_layer_bytes(info)], budget_bytes)
+    return placement, sum(level == 0 for row in placement for level in row)
+
+
+def describe(info: ModelInfo, budget_bytes: int, importance: np.ndarray, placement, verdict: Priced) -> str:
+    """The line a served ladder is announced with."""
+    low_total = int(low_copy_layer_bytes(info).sum()) * info.n_expert
+    n_experts = info.n_layer_moe * info.n_expert
+    n_high = sum(level == 0 for row in placement for level in row)
+    where = ("every expert in memory" if budget_bytes >= low_total else
+             f"the {LOW_TYPE} copy ({low_total / MB:.0f} MB) read through the expert cache ({budget_bytes / MB:.0f} MB)")
+    what = (f"every expert from a {LOW_TYPE} copy (the fewest bytes a token within the limit)" if n_high == 0 else
+            f"the {n_high} of {n_experts} experts the routers weigh most at the model's precision, the rest "
+            f"({100 * low_weight_share(importance, placement):.0f} % of the routers' weight) from a {LOW_TYPE} copy")
+    return f"{where}: {what}; {_measured(verdict)} (lossy; --exact serves the model's own experts only)"
+
+
+def _measured(p: Priced) -> str:
+    return (f"on hobbitpy's calibration text {p.mean_kl:.4f} nats from the model's next-token distributions "
+            f"(at most {MAX_MEAN_KL:g}), perplexity {100 * p.ppl_increase:+.2f} %")
+
+
+def _two_level_budget(info: ModelInfo, config: OffloadConfig, shape: ContextShape, available: int,
+                      low_info: ModelInfo) -> int | None:
+    """The expert cache a run with the low copy would get (None: not even its minimum)."""
+    levels = (info, low_info)
+    if shape.n_ubatch is None:
+        shape = dataclasses.replace(shape, n_ubatch=fit_ubatch(info, shape, config, levels, available))
+    try:
+        return plan_offload(info, config, context_sizes(info, shape).total, levels, available_bytes=available).budget_bytes
+    except BudgetError:
+        return None
+
+
+# measure(text): the model's own experts over the calibration text; score(reference, config):
+# a ladder against them (llama.py runs both)
+Measure = Callable[[str], Calibration]
+Score = Callable[[Reference, OffloadConfig], Comparison]
+
+
+def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, available: int,
+                   measure: Measure, score: Score, threads: int) -> tuple[OffloadConfig, str]:
+    """The config a run left to the default serves (applies(config) holds, the experts do not
+    all fit), and the line saying what and why. Measures and makes what the ladder needs on
+    first use: the calibration, the low copy, the ladder's divergence."""
+    exact = dataclasses.replace(config, auto=False)
+    model_path = info.path
+    low_path = default_companion_path(model_path, LOW_TYPE)
+    low = low_copy_layer_bytes(info)
+    ladder = dataclasses.replace(config, low=LOW_TYPE, hits="found", auto=False)
+    budget = (_two_level_budget(info, ladder, shape, available, estimated_copy(info, low, low_path))
+              if low.any() else None)
+    why_not = unfit_reason(info, budget)
+    if why_not is not None:
+        return exact, why_not
+
+    text = calibration_text()
+    failure = remembered_failure(model_path, info, text)
+    if failure is not None and budget <= failure.budget_bytes:
+        return exact, _exact(f"the ladder could not be measured with as much memory or more ({failure.why}; kept in "
+                             f"{importance_path(model_path)}: delete it to measure again)")
+    made: list[pathlib.Path] = []  # the copy _choose makes, named there until it is served
+    try:
+        return _choose(info, config, exact, ladder, budget, text, measure, score, threads, made)
+    except (HobbitError, OSError) as e:  # a read that failed, the disk, no room for the passes' arrays
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        _remember_failure(model_path, info, text, Failure(budget, why))
+        return exact, _exact(f"the ladder could not be measured ({why})")
+    finally:
+        for path in made:  # made, and not served (beyond the limit, a failure, an interrupt): made for nothing
+            path.unlink(missing_ok=True)
+
+
+def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder: OffloadConfig, budget: int,
+            text: str, measure: Measure, score: Score, threads: int, made: list) -> tuple[OffloadConfig, str]:
+    """default_config's choice once a ladder fits: measures what is not known yet. The copy of the
+    experts it makes is named in `made` until it is served (the caller removes it otherwise,
+    whatever ends the choice)."""
+    model_path = info.path
+    low_path = default_companion_path(model_path, LOW_TYPE)
+    low = low_copy_layer_bytes(info)
+    calibration = load_calibration(model_path, info, text)
+    if calibration is None:
+        calibration = _measure(model_path, info, text, measure, calibration)
+    model_layer_bytes = layer_expert_bytes(model_path, info.n_expert)
+    placed = placed_bytes(info, budget, calibration)
+    placement, n_high = ladder_placement(info, model_layer_bytes, placed, calibration.importance)
+    verdict = calibration.verdict(n_high)
+    if verdict is None:
+        if calibration.reference is None:  # kept from an earlier run: its distributions are not
+            calibration = _measure(model_path, info, text, measure, calibration)
+        # no room to measure: known before the copy is made for nothing
+        _measuring_room(info, calibration.reference, dataclasses.replace(ladder, low=str(low_path)))
+    if verdict is None or verdict.within:
+        if not low_path.is_file():
+            if not config.prepare:
+                return exact, _exact(f"the default ladder needs a {LOW_TYPE} copy of the experts, {low_path} does not "
+                                     "exist and --no-prepare was given")
+            need = int(low.sum()) * info.n_expert
+            log.info(f"making a {LOW_TYPE} copy of the experts for the default ladder ({need / 1e9:.2f} GB, once): "
+                     f"{low_path}")
+            try:
+                prepare_companion(model_path, LOW_TYPE, low_path, threads=threads,
+                                  progress=not quiet())
+            except (OSError, ValueError, HobbitError) as e:  # the disk full, the folder read-only, ...
+                return exact, _exact(f"the {LOW_TYPE} copy could not be made ({e})")
+            finally:
+                return_freed_memory()  # its buffers: the run planned next in this process is given them
+            made.append(low_path)
+    # placed as measured: the run's own cache may come out a little different from this plan's
+    served = dataclasses.replace(ladder, low=str(low_path), importance=tuple(map(tuple, calibration.importance.tolist())),
+                                 placed_mb=placed / MB)
+    if verdict is None:
+        measured = None
+        try:
+            for trial_bytes in _ladders_to_measure(info, budget):
+                _, n_measured = ladder_placement(info, model_layer_bytes, trial_bytes, calibration.importance)
+                if any(p.n_high == n_measured for p in calibration.ladders):
+                    continue
+                measured = _price(info, calibration, dataclasses.replace(served, placed_mb=trial_bytes / MB),
+                                  n_measured, budget, score)
+                calibration = calibration.priced(measured)
+                _keep(model_path, info, text, calibration)
+                verdict = calibration.verdict(n_high)
+                if verdict is not None:
+                    break
+        finally:
+            _release(model_path, low_path)
+        verdict = verdict or measured  # (beyond with fewer experts at the model's precision: no risk taken)
+        if verdict is not None and verdict.within:  # what was measured may allow fewer at the model's precision
+            placed = placed_bytes(info, budget, calibration)
+            placement, n_high = ladder_placement(info, model_layer_bytes, placed, calibration.importance)
+            served = dataclasses.replace(served, placed_mb=placed / MB)
+            verdict = calibration.verdict(n_high)
+    if verdict is None:  # (every ladder to measure was measured, none settles this one: not seen)
+        return exact, _exact("no measurement settles the ladder memory allows")
+    if not verdict.within:  # (a copy made for it is removed by the caller: the verdict is kept)
+        return exact, _exact(f"the ladder memory allows ({n_high} experts at the model's precision, the rest at "
+                             f"{LOW_TYPE}) measured {_measured(verdict)}; faster at a perplexity cost you choose: "
+                             f"hobbitpy tune {model_path} --text YOUR-TEXT")
+    made.clear()  # served: not made for nothing
+    return served, describe(info, budget, calibration.importance, placement, verdict)
+
+
+def placed_bytes(info: ModelInfo, budget: int, calibration: Calibration) -> int:
+    """The bytes a budget's ladder is placed for: the budget's, or only the low copy's where every
+    expert at the low copy measured within the limit. An expert at the model's precision streams
+    more bytes a token through the matmuls than its copy, so a ladder keeps no more of them than
+    the limit needs: more memory then never decodes slower (docs/BENCHMARKS.md at 5f63b2a, the default's
+    ladder)."""
+    low_total = int(low_copy_layer_bytes(info).sum()) * info.n_expert
+    every_low = calibration.verdict(0)
+    return min(budget, low_total) if every_low is not None and every_low.within else budget
+
+
+def _measure(model_path: str | os.PathLike, info: ModelInfo, text: str, measure: Measure,
+             kept: Calibration | None) -> Calibration:
+    """The model's own experts on the calibration text (the ladders kept priced stay priced)."""
+    log.info(f"measuring the model on hobbitpy's calibration text (kept in {importance_path(model_path)})")
+    calibration = measure(text)
+    if kept is not None:
+        calibration = dataclasses.replace(calibration, ladders=kept.ladders)
+    _keep(model_path, info, text, calibration)
+    _release(model_path)
+    return calibration
+
+
+def _ladders_to_measure(info: ModelInfo, budget: int) -> list[int]:
+    """The placements (as budgets) a run measures, until one settles the budget's ladder: every
+    expert at the low copy first (within: so is any ladder, and no later run measures); then
+    the budget's for MEASURED_SHARE of the bytes it gives above the copy (within: a later run
+    that finds a little less memory takes the verdict); then the budget's own."""
+    low_total = int(low_copy_layer_bytes(info).sum()) * info.n_expert
+    extra = budget - low_total
+    return [low_total] + ([low_total + int(MEASURED_SHARE * extra), budget] if extra > 0 else [])
+
+
+def _measuring_room(info: ModelInfo, reference: Reference, ladder: OffloadConfig) -> int:
+    """The expert cache a ladder gets while it is measured: what the memory leaves now beside the
+    measurement's arrays (every token's logits); BudgetError where not even its minimum fits."""
+    n = reference.n_ctx
+    passes = ContextShape(n_ctx=n, n_batch=n, n_ubatch=n, logits_all=True)
+    low_info = estimated_copy(info, low_copy_layer_bytes(info), ladder.low)
+    room = _two_level_budget(info, ladder, passes, available_memory_bytes() - scoring_bytes(n, reference.n_vocab),
+                             low_info)
+    if room is None:
+        raise BudgetError("no room for the two precisions' minimum beside the measurement's arrays")
+    return room
+
+
+def _price(info: ModelInfo, calibration: Calibration, ladder: OffloadConfig, n_high: int, budget: int,
+           score: Score) -> Priced:
+    """A ladder (placed as ladder.placed_mb holds it, n_high experts at the model's precision)
+    measured against the model on the calibration windows, through the cache the memory leaves
+    now beside the measurement's arrays (every token's logits: a smaller cache than the run's
+    budget, and its misses read as they come)."""
+    room = _measuring_room(info, calibration.reference, ladder)
+    log.info(f"measuring the default ladder on hobbitpy's calibration text ({n_high} experts at the model's precision)")
+    c = score(calibration.reference, dataclasses.replace(ladder, cache_mb=min(budget, room) / MB))
+    return Priced(n_high, c.mean_kl, c.ppl_increase)

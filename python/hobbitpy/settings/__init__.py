@@ -1,0 +1,1 @@
+"""Every setting, defined once: the offload configuration, the presets, the generation defaults."""
