@@ -156,3 +156,19 @@ def test_the_architecture_picture_is_the_table():
                 continue
             shown = "cli/" if module.startswith("cli.") else module.split(".")[-1]
             assert re.search(rf"(?<![\w.]){re.escape(shown)}(?![\w])", rows[name]), (name, module)
+
+
+def test_only_the_binding_folder_calls_the_native_libraries():
+    """libhobbit and ggml are called through binding/'s functions (hobbit.py, ggml.py), which
+    own the error buffers and raise what a status means; no other module touches `lib`."""
+    callers = []
+    for name, path in _module_names(PACKAGE).items():
+        if name.startswith("binding"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] in ("native", "ggml"):
+                callers += [f"{name} imports lib" for a in node.names if a.name == "lib"]
+            if isinstance(node, ast.Attribute) and node.attr == "lib" and isinstance(node.value, ast.Name) \
+                    and node.value.id in ("native", "ggml", "hobbit"):
+                callers.append(f"{name} uses {node.value.id}.lib")
+    assert not callers, callers

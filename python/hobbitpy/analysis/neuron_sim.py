@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ..binding import hobbit
+from ..binding.native import ffi
 from ..settings.config import MB, NEURON_LIMIT_CORM
 from ..errors import HobbitError
 from ..files.trace_file import Trace
@@ -82,8 +84,6 @@ def simulate_neurons(trace: Trace, budget_mb: float, theta: float, variants=NEUR
                      limit: float = NEURON_LIMIT_CORM, granule_bytes: int = DEFAULT_GRANULE_BYTES) -> list[NeuronSimResult]:
     """Each variant's replay at one budget and threshold (one the trace recorded), reading in
     granules of granule_bytes (0: single neurons)."""
-    from ..binding.native import error_buffer, ffi, lib, to_str
-
     s = trace.neurons
     if s is None or s.active_bits is None:
         raise HobbitError(f"{trace.meta['model']}: this trace has no neuron sets (record it with "
@@ -112,10 +112,7 @@ def simulate_neurons(trace: Trace, budget_mb: float, theta: float, variants=NEUR
         sim.need_rest = ffi.NULL if rest is None else ffi.cast("const uint8_t *", rest.ctypes.data)
         sim.neuron_bytes, sim.budget_bytes = neuron_bytes, budget
         sim.limit = 0.0 if variant == "expert" else limit
-        out = ffi.new("struct hobbit_neuron_sim_result *")
-        err = error_buffer()
-        if lib.hobbit_simulate_neurons(sim, out, err, len(err)) != 0:
-            raise HobbitError(to_str(err))
+        out = hobbit.simulate_neurons(sim)
         results.append(NeuronSimResult(budget_mb, float(s.thetas[j]), variant, out.accesses, out.hits, out.whole,
                                        out.bytes_read / max(1, n), out.requests / max(1, n)))
     base = next((r.bytes_per_token for r in results if r.variant == "expert"), None)

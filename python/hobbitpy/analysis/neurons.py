@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import os
 import numpy as np
 
+from ..binding import hobbit
 from ..settings.config import NEURON_LIMIT_CORM
 from ..errors import HobbitError
 from ..files.model_file import model_parts
@@ -60,29 +61,22 @@ def attach_neuron_mask(llm, spec: NeuronMaskSpec) -> None:
     counters go to neuron_mask_stats(llm)."""
     import llama_cpp
 
-    from ..binding.native import ffi, lib
-
     if llm.offloaded:
         raise ValueError(NEURONS_ON_STOCK)
     check_arch(llm.model_path, llm.model_info.arch)  # elsewhere the mask would find no gate and price nothing
-    mask = lib.hobbit_neuron_mask_new(spec.theta, spec.predicted, spec.limit)
-    if mask == ffi.NULL:
-        raise MemoryError("no memory for the neuron mask")
-    llm._neuron_mask = ffi.gc(mask, lib.hobbit_neuron_mask_free)  # as long as the context
-    llm._neuron_mask_cb = llama_cpp.ggml_backend_sched_eval_callback(
-        int(ffi.cast("uintptr_t", lib.hobbit_neuron_mask_apply)))
-    llm._reopen_context(1, llm._neuron_mask_cb, ctypes.c_void_p(int(ffi.cast("uintptr_t", mask))))
+    llm._neuron_mask = hobbit.neuron_mask(spec.theta, spec.predicted, spec.limit)  # as long as the context
+    llm._neuron_mask_cb = llama_cpp.ggml_backend_sched_eval_callback(hobbit.NEURON_MASK_CALLBACK)
+    llm._reopen_context(1, llm._neuron_mask_cb, ctypes.c_void_p(hobbit.address(llm._neuron_mask)))
 
 
 def neuron_mask_stats(llm) -> dict:
     """Selections the mask saw, how many it computed whole, and the mean share of neurons kept."""
-    from ..binding.native import ffi, lib
-
-    n, whole, kept = ffi.new("int64_t *"), ffi.new("int64_t *"), ffi.new("double *")
-    if not lib.hobbit_neuron_mask_stats(llm._neuron_mask, n, whole, kept):
+    counted = hobbit.neuron_mask_stats(llm._neuron_mask)
+    if counted is None:
         raise HobbitError(f"{llm.model_path}: the neuron mask could not read a gate projection's output (or ran out "
                           "of memory): these logits are not CORM's")
-    return {"neuron_selections": n[0], "neuron_whole": whole[0], "neuron_kept_share": kept[0]}
+    n, whole, kept = counted
+    return {"neuron_selections": n, "neuron_whole": whole, "neuron_kept_share": kept}
 
 
 def parse_thetas(text: str) -> tuple[float, ...]:

@@ -16,7 +16,8 @@ from dataclasses import dataclass, asdict
 
 import numpy as np
 
-from ..binding.native import error_buffer, ffi, lib, to_str
+from ..binding import hobbit
+from ..binding.native import ffi
 from ..settings.config import DEFAULT_T1, MB, POLICIES as RUNTIME_POLICIES
 from ..errors import HobbitError
 from ..plan.placement import expert_popularity
@@ -68,12 +69,11 @@ def slots_per_layer(trace: Trace, budget_mb: float, shallow_layers: int = 0) -> 
     while the budget lasts, then the others a slot each in turn."""
     slots_for_budget(trace, budget_mb)  # a uniform model, at least one token's top-k
     m = trace.meta
-    slots = ffi.new("int32_t[]", m["n_moe_layer"])
-    err = error_buffer()
-    if lib.hobbit_pool_plan_per_layer(m["n_moe_layer"], m["expert_bytes"], m["n_expert_used"], m["n_expert"],
-                                      int(budget_mb * MB), shallow_layers, slots, err, len(err)) != 0:
-        raise HobbitError(f"{budget_mb:g} MB: {to_str(err)}")
-    return list(slots)
+    try:
+        return hobbit.pool_plan_per_layer(m["n_moe_layer"], m["expert_bytes"], m["n_expert_used"], m["n_expert"],
+                                          int(budget_mb * MB), shallow_layers)
+    except HobbitError as e:
+        raise HobbitError(f"{budget_mb:g} MB: {e}") from None
 
 
 def router_scores(trace: Trace) -> np.ndarray:
@@ -147,11 +147,7 @@ def simulate(trace: Trace, budget_mb: float, policy: str, *, weights=(0.25, 0.25
         t.predicted = ffi.cast("const int32_t *", predicted.ctypes.data)
         t.n_lookahead, t.prefetch_layers = lookahead, prefetch_layers
     w = ffi.new("struct hobbit_policy_weights *", dict(zip(("lru", "lfu", "lhu", "fld"), weights)))
-    r = ffi.new("struct hobbit_sim_result *")
-    err = error_buffer()
-    if lib.hobbit_simulate_cache(t, native_policy.encode(), w, n_slot, seed, low_miss_cost, alpha, r, err,
-                                 len(err)) != 0:
-        raise HobbitError(to_str(err))
+    r = hobbit.simulate_cache(t, native_policy, w, n_slot, seed, low_miss_cost, alpha)
     misses = int(r.misses_high + r.misses_low)
     return SimResult(policy=label or policy, budget_mb=budget_mb, n_slot=n_slot, accesses=int(r.accesses),
                      hits=int(r.hits), misses=misses, bytes_read=(misses + int(r.prefetched)) * trace.meta["expert_bytes"],

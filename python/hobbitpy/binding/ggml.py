@@ -50,6 +50,45 @@ def type_name(type_id: int) -> str:
     return ffi.string(lib.ggml_type_name(type_id)).decode()
 
 
+def block_size(type_id: int) -> int:
+    """Values a block of this type holds."""
+    return int(lib.ggml_blck_size(type_id))
+
+
+def type_size(type_id: int) -> int:
+    """Bytes of one block of this type."""
+    return int(lib.ggml_type_size(type_id))
+
+
+def row_size(type_id: int, n_per_row: int) -> int:
+    """Bytes of a row of n_per_row values of this type."""
+    return int(lib.ggml_row_size(type_id, n_per_row))
+
+
+def requires_imatrix(type_id: int) -> bool:
+    """Whether ggml's quantizer refuses this type without an importance matrix."""
+    return bool(lib.ggml_quantize_requires_imatrix(type_id))
+
+
+def prepare_quantizer(type_id: int) -> None:
+    """ggml's tables for this type, made once before threads quantize into it."""
+    lib.ggml_quantize_init(type_id)
+
+
+def quantize_into(values: np.ndarray, type_id: int, dst: np.ndarray, importance: np.ndarray | None = None) -> int:
+    """float32 [rows, n_per_row] (contiguous) into dst, rows of bytes of this type, by ggml's
+    quantizer (prepare_quantizer first); the bytes written. cffi releases the GIL."""
+    rows, n_per_row = values.shape
+    weights = ffi.NULL if importance is None else ffi.from_buffer("float[]", importance)
+    return int(lib.ggml_quantize_chunk(type_id, ffi.from_buffer("float[]", values), ffi.from_buffer(dst), 0, rows,
+                                       n_per_row, weights))
+
+
+def valid_rows(type_id: int, data: np.ndarray, n_bytes: int) -> bool:
+    """Whether the first n_bytes of data are valid blocks of this type (finite scales)."""
+    return bool(lib.ggml_validate_row_data(type_id, ffi.from_buffer(data), n_bytes))
+
+
 def can_read_as_float(type_id: int) -> bool:
     return type_id == GGML_TYPE_F32 or lib.ggml_get_type_traits(type_id).to_float != ffi.NULL
 
@@ -73,8 +112,7 @@ def quantize_rows(values: np.ndarray, type_id: int, importance: np.ndarray | Non
     which the lowest-bit types require)."""
     values = np.ascontiguousarray(values, np.float32)
     rows, n_per_row = values.shape
-    out = np.empty((rows, lib.ggml_row_size(type_id, n_per_row)), np.uint8)
-    weights = ffi.NULL if importance is None else ffi.from_buffer("float[]", np.ascontiguousarray(importance, np.float32))
-    lib.ggml_quantize_init(type_id)
-    lib.ggml_quantize_chunk(type_id, ffi.from_buffer("float[]", values), ffi.from_buffer(out), 0, rows, n_per_row, weights)
+    out = np.empty((rows, row_size(type_id, n_per_row)), np.uint8)
+    prepare_quantizer(type_id)
+    quantize_into(values, type_id, out, None if importance is None else np.ascontiguousarray(importance, np.float32))
     return out

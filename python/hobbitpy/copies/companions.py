@@ -20,7 +20,7 @@ import gguf
 from gguf import GGMLQuantizationType as QT
 import numpy as np
 
-from ..binding.ggml import lib, type_name
+from ..binding.ggml import block_size, requires_imatrix, type_name, type_size
 from ..errors import ModelFileError
 from ..files.gguf_fields import field_value
 from ..files.model_file import ModelInfo
@@ -49,7 +49,7 @@ _NEEDS_IMATRIX = ("IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_M", "IQ1_S")
 
 
 def needs_imatrix(qtype: QT) -> bool:
-    return qtype.name in _NEEDS_IMATRIX or bool(lib.ggml_quantize_requires_imatrix(qtype))
+    return qtype.name in _NEEDS_IMATRIX or requires_imatrix(qtype)
 
 
 def companion_type(name: str, with_imatrix: bool = False) -> QT:
@@ -92,7 +92,7 @@ def copy_layer_bytes(info: ModelInfo, type_name: str) -> np.ndarray:
     """[moe_layers]: one expert's bytes in a copy of this ggml type (gate and up rows n_embd
     long, down rows n_ff long), as `prepare` writes it; 0 where the rows are not whole blocks."""
     qtype = QT[type_name]
-    block, block_bytes = lib.ggml_blck_size(qtype), lib.ggml_type_size(qtype)
+    block, block_bytes = block_size(qtype), type_size(qtype)
     if info.n_embd % block or info.n_ff_expert % block:
         return np.zeros(info.n_layer_moe, np.int64)
     one = 3 * info.n_ff_expert * info.n_embd // block * block_bytes  # gate, up and down: n_embd x n_ff each
@@ -113,7 +113,7 @@ def checked_type(name: str) -> QT:
     """gguf's view of the type must be ggml's, or the file's sizes would be wrong."""
     qtype = QT[name]
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    if type_name(qtype).upper() != qtype.name or (lib.ggml_blck_size(qtype), lib.ggml_type_size(qtype)) != (block, size):
+    if type_name(qtype).upper() != qtype.name or (block_size(qtype), type_size(qtype)) != (block, size):
         raise RuntimeError(f"the gguf package and ggml disagree about type {name} (value {qtype.value}); "
                            "install a gguf matching hobbitpy's llama.cpp")
     return qtype

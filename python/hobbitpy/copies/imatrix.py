@@ -18,7 +18,7 @@ import tempfile
 
 import numpy as np
 
-from ..binding.native import ffi, lib
+from ..binding import hobbit
 from ..errors import HobbitError, ModelFileError
 from ..files.model_file import inspect_model
 from ..system.outputs import OutputExistsError, new_output_error, write_new
@@ -66,9 +66,7 @@ def collect_imatrix(model_path: str | os.PathLike, text_path: str | os.PathLike,
         raise HobbitError(f"{text_path}: cannot read it as UTF-8 text ({e})") from None
     ids = tokenize_text(model_path, text, max_tokens)
 
-    collector = ffi.gc(lib.hobbit_imatrix_new(), lib.hobbit_imatrix_free)
-    if collector == ffi.NULL:
-        raise MemoryError("no memory for the importance matrix collector")
+    collector = hobbit.imatrix_collector()
     # the backends, as llama_cpp.Llama loads them first (a portable build's CPU backend is a
     # module nothing has loaded yet); loading again later is a no-op
     llama_cpp.llama_backend_init()
@@ -78,8 +76,8 @@ def collect_imatrix(model_path: str | os.PathLike, text_path: str | os.PathLike,
     params = llama_cpp.llama_context_default_params()
     params.n_ctx = params.n_batch = params.n_ubatch = n_ctx
     params.n_threads = params.n_threads_batch = n_threads or os.cpu_count() or 1
-    params.cb_eval = llama_cpp.ggml_backend_sched_eval_callback(int(ffi.cast("uintptr_t", lib.hobbit_imatrix_collect)))
-    params.cb_eval_user_data = ctypes.c_void_p(int(ffi.cast("uintptr_t", collector)))
+    params.cb_eval = llama_cpp.ggml_backend_sched_eval_callback(hobbit.IMATRIX_CALLBACK)
+    params.cb_eval_user_data = ctypes.c_void_p(hobbit.address(collector))
     with llama_cpp._utils.suppress_stdout_stderr(disable=False):
         context = _internals.LlamaContext(model=model, params=params, verbose=False)
     batch = _internals.LlamaBatch(n_tokens=n_ctx, embd=0, n_seq_max=1, verbose=False)
@@ -106,18 +104,12 @@ def collect_imatrix(model_path: str | os.PathLike, text_path: str | os.PathLike,
 
 
 def _entries(collector) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    n = lib.hobbit_imatrix_count(collector)
-    if n < 0:
-        raise HobbitError("an expert matmul had a layout the importance matrix collector does not know")
     entries = {}
-    name = ffi.new("char[]", 256)
-    n_col, n_mat = ffi.new("int64_t *"), ffi.new("int64_t *")
-    for i in range(n):
-        lib.hobbit_imatrix_entry(collector, i, name, len(name), n_col, n_mat)
-        sums = np.zeros((n_mat[0], n_col[0]), np.float32)
-        counts = np.zeros((n_mat[0], 1), np.float32)
-        lib.hobbit_imatrix_copy(collector, i, ffi.from_buffer("float[]", sums), ffi.from_buffer("float[]", counts))
-        entries[ffi.string(name).decode()] = (sums, counts)
+    for name, n_col, n_mat, copy in hobbit.imatrix_entries(collector):
+        sums = np.zeros((n_mat, n_col), np.float32)
+        counts = np.zeros((n_mat, 1), np.float32)
+        copy(sums, counts)
+        entries[name] = (sums, counts)
     return entries
 
 

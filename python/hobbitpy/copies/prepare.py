@@ -38,8 +38,9 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from ..binding import native
-from ..binding.ggml import can_read_as_float, ffi, lib, rows_as_float
+from ..binding import hobbit
+from ..binding.ggml import (block_size, can_read_as_float, prepare_quantizer, quantize_into, row_size, rows_as_float,
+                            valid_rows)
 from .companions import (KEY_FALLBACKS, KEY_IMATRIX, KEY_NEURON_LAYOUT, KEY_OF, KEY_OF_FINGERPRINT, KEY_SOURCE,
                          KEY_TYPE, NEURON_LAYOUT_ALIGNMENT, NEURON_LAYOUT_TYPE, checked_type, companion_type,
                          default_companion_path, default_neuron_layout_path, needs_imatrix)
@@ -133,7 +134,7 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
     importance = _importance_of(imatrix_path, plan) if imatrix_path is not None else {}
 
     header_bytes = model.header_bytes  # the model's metadata, copied, and its tensor infos (more than ours)
-    data_bytes = sum(lib.ggml_row_size(row_type, shape[0]) * int(np.prod(shape[1:])) for _, shape, row_type, _ in plan)
+    data_bytes = sum(row_size(row_type, shape[0]) * int(np.prod(shape[1:])) for _, shape, row_type, _ in plan)
     check_free_space(out.parent, header_bytes + data_bytes, f"{out}")
     # an interrupted run leaves no file under the real name (the partial file is removed, or
     # by the next run if this process is killed)
@@ -150,7 +151,7 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
         if imatrix_path is not None:
             writer.add_string(KEY_IMATRIX, pathlib.Path(imatrix_path).name)
         for t, shape, row_type, _ in plan:
-            row_bytes = lib.ggml_row_size(row_type, shape[0])
+            row_bytes = row_size(row_type, shape[0])
             # numpy order with the row in bytes; GGUFWriter turns it back into elements
             writer.add_tensor_info(t.name, [*reversed(shape[1:]), row_bytes], np.dtype(np.uint8),
                                    row_bytes * int(np.prod(shape[1:])), raw_dtype=row_type)
@@ -158,7 +159,7 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for row_type in {row_type for _, _, row_type, _ in plan}:
-            lib.ggml_quantize_init(row_type)
+            prepare_quantizer(row_type)
         total = sum(int(t.n_bytes) + (int(down.n_bytes) if down is not None else 0) for t, _, _, down in plan)
         reads = _SourceReads(source)
         pool = ThreadPoolExecutor(threads)
@@ -201,7 +202,7 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
 
 def _row_type(target: QT, n_per_row: int, tensor: str, model_path: pathlib.Path) -> QT:
     """llama-quant.cpp's choice for a tensor whose rows hold n_per_row values."""
-    block = lib.ggml_blck_size(target)
+    block = block_size(target)
     if n_per_row % block == 0:
         return target
     if block <= 32:
@@ -211,7 +212,7 @@ def _row_type(target: QT, n_per_row: int, tensor: str, model_path: pathlib.Path)
     else:
         raise ValueError(f"{model_path}: tensor '{tensor}' has rows of {n_per_row} values, not whole "
                          f"{target.name} blocks of {block}, and llama.cpp defines no fallback for {target.name}")
-    if n_per_row % lib.ggml_blck_size(fallback):
+    if n_per_row % block_size(fallback):
         return QT.F16
     return fallback
 
@@ -358,11 +359,8 @@ def _quantize_rows(values: np.ndarray, row_type: QT, dst: np.ndarray, importance
     same bytes, several times faster: hobbit-quantize.cpp)."""
     rows, n_per_row = values.shape
     if row_type == QT.Q2_K and importance is None and n_per_row % 256 == 0:
-        return native.lib.hobbit_quantize_q2_K(native.ffi.from_buffer("float[]", values),
-                                                native.ffi.from_buffer(dst), rows, n_per_row)
-    weights = ffi.NULL if importance is None else ffi.from_buffer("float[]", importance)
-    return lib.ggml_quantize_chunk(row_type, ffi.from_buffer("float[]", values), ffi.from_buffer(dst), 0, rows,
-                                   n_per_row, weights)
+        return hobbit.quantize_q2_k(values, dst)
+    return quantize_into(values, row_type, dst, importance)
 
 
 def _quantize_transposed(t, n_embd: int, row_type: QT, pool: ThreadPoolExecutor, on_bytes_read,
@@ -372,7 +370,7 @@ def _quantize_transposed(t, n_embd: int, row_type: QT, pool: ThreadPoolExecutor,
     [n_expert, n_ff, row bytes]."""
     n_ff = int(t.shape[0])
     n_expert = _n_rows(t) // n_embd
-    row_bytes = lib.ggml_row_size(row_type, n_embd)
+    row_bytes = row_size(row_type, n_embd)
     quantized = np.empty((n_expert, n_ff, row_bytes), np.uint8)
 
     def quantize_expert(e: int) -> int:
@@ -380,7 +378,7 @@ def _quantize_transposed(t, n_embd: int, row_type: QT, pool: ThreadPoolExecutor,
         values = rows_as_float(raw, int(t.tensor_type), n_ff).reshape(n_embd, n_ff)
         columns = np.ascontiguousarray(values.T)
         n_bytes = _quantize_rows(columns, row_type, quantized[e])
-        if not lib.ggml_validate_row_data(row_type, ffi.from_buffer(quantized[e]), n_bytes):
+        if not valid_rows(row_type, quantized[e], n_bytes):
             raise ModelFileError(f"{reads.path(t)}: tensor '{t.name}' expert {e} gives invalid {row_type.name} blocks "
                                  "(values that are not finite?)")
         return raw.nbytes
@@ -396,7 +394,7 @@ def _quantize(t, n_per_row: int, row_type: QT, pool: ThreadPoolExecutor, on_byte
     """Tensor `t` in row_type, quantized chunk by chunk of rows on the pool's threads;
     importance: [n_expert, n_per_row] column weights (chunks then stay within one expert)."""
     n_rows = _n_rows(t)
-    row_bytes = lib.ggml_row_size(row_type, n_per_row)
+    row_bytes = row_size(row_type, n_per_row)
     quantized = np.empty((n_rows, row_bytes), np.uint8)
     step = max(1, _CHUNK_ELEMENTS // n_per_row)
     n_matrix = importance.shape[0] if importance is not None else 1
@@ -411,7 +409,7 @@ def _quantize(t, n_per_row: int, row_type: QT, pool: ThreadPoolExecutor, on_byte
         values = rows_as_float(part, int(t.tensor_type), n_per_row)
         dst = quantized[first: first + n]
         n_bytes = _quantize_rows(values, row_type, dst, None if importance is None else importance[matrix])
-        if not lib.ggml_validate_row_data(row_type, ffi.from_buffer(dst), n_bytes):
+        if not valid_rows(row_type, dst, n_bytes):
             raise ModelFileError(f"{reads.path(t)}: tensor '{t.name}' rows {first}..{first + n - 1} give "
                                  f"invalid {row_type.name} blocks (values that are not finite?)")
         return part.nbytes

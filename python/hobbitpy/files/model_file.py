@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 import os
 
-from ..binding.native import error_buffer, ffi, lib, to_str
-from ..errors import ModelFileError
+from ..binding import hobbit
+from ..binding.native import to_str
 
 # architectures llama.cpp runs whose experts the cache cannot serve, and why (offload refuses
 # them in one line; stock llama.cpp, --no-offload, runs them)
@@ -63,11 +63,7 @@ class ModelInfo:
 def inspect_model(path: str | os.PathLike) -> ModelInfo:
     """Validate a GGUF file; raises ModelFileError naming the file and the problem."""
     path = os.fspath(path)
-    info = ffi.new("struct hobbit_model_info *")
-    err = error_buffer()
-    status = lib.hobbit_inspect_model(path.encode(), info, err, len(err))
-    if status != lib.HOBBIT_STATUS_OK:
-        raise ModelFileError(to_str(err))
+    info = hobbit.inspect_model(path)
     return ModelInfo(
         path=path,
         arch=to_str(info.arch),
@@ -98,21 +94,10 @@ def model_parts(path: str | os.PathLike) -> list[str]:
     """The files the model is made of: its one file, or every part of a split model (named as
     llama.cpp finds them from the first). Raises ModelFileError as inspect_model does."""
     path = os.fspath(path)
-    n_split = inspect_model(path).n_split
-    size = n_split * (len(os.fsencode(path)) + 1) + 64  # every part's name is as long as the first's
-    out = ffi.new("char[]", size)
-    err = error_buffer()
-    if lib.hobbit_model_parts(path.encode(), out, size, err, len(err)) != lib.HOBBIT_STATUS_OK:
-        raise ModelFileError(to_str(err))
-    return [os.fsdecode(name) for name in ffi.buffer(out)[:].split(b"\0")[:n_split]]
+    return hobbit.model_parts(path, inspect_model(path).n_split)
 
 
 def model_fingerprint(path: str | os.PathLike) -> str:
     """The fingerprint of a model's experts (hobbit_model_fingerprint): what a companion
     records of the model it was made of, so that another model of the same shapes is refused."""
-    path = os.fspath(path)
-    out = ffi.new("char[]", 32)
-    err = error_buffer()
-    if lib.hobbit_model_fingerprint(path.encode(), out, len(out), err, len(err)) != lib.HOBBIT_STATUS_OK:
-        raise ModelFileError(to_str(err))
-    return ffi.string(out).decode()
+    return hobbit.model_fingerprint(os.fspath(path))

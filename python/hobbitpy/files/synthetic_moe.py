@@ -140,7 +140,7 @@ def _encode(x: np.ndarray, type_name: str) -> tuple[np.ndarray, QT | None]:
         raise ValueError(f"{type_name} needs the row length to be a multiple of {block}, "
                          f"got {x.shape[-1]} (tensor shape {x.shape})")
     n_per_row = x.shape[-1]
-    importance = np.ones(n_per_row, np.float32) if ggml.lib.ggml_quantize_requires_imatrix(int(qtype)) else None
+    importance = np.ones(n_per_row, np.float32) if ggml.requires_imatrix(int(qtype)) else None
     rows = ggml.quantize_rows(x.reshape(-1, n_per_row), int(qtype), importance)
     return rows.reshape(*x.shape[:-1], rows.shape[-1]), qtype
 

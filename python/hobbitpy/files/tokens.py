@@ -9,11 +9,9 @@ and names the first character the vocabulary cannot encode.
 
 from __future__ import annotations
 
-import ctypes
-
 import os
 
-from ..binding.native import error_buffer, ffi, lib, to_str
+from ..binding import hobbit
 from ..errors import HobbitError, ModelFileError, TokenizeError
 from .model_file import inspect_model
 
@@ -34,12 +32,11 @@ def out_of_vocabulary(ids, n_vocab: int) -> str | None:
     return f"{bad!r} is not a token id of this model (an integer from 0 to {n_vocab - 1})"
 
 def _tokenize_once(vocab, text: bytes, n_max: int, add_bos: bool, special: bool) -> tuple[int, list[int], str | None]:
-    tokens = ffi.new("int32_t[]", max(1, n_max))
-    n = ffi.new("int32_t *")
-    err = error_buffer()
-    if lib.hobbit_tokenize(vocab, text, len(text), tokens, n_max, add_bos, special, n, err, len(err)) != lib.HOBBIT_STATUS_OK:
-        return 0, [], to_str(err)
-    return n[0], list(tokens[0:max(0, n[0])]), None
+    try:
+        n, ids = hobbit.tokenize(vocab, text, n_max, add_bos, special)
+    except TokenizeError as e:
+        return 0, [], str(e)
+    return n, ids, None
 
 
 def _tokenize_or_error(vocab, text: bytes, add_bos: bool, special: bool) -> tuple[list[int], str | None]:
@@ -56,7 +53,7 @@ def tokenize(llama_vocab, model_path: str, text: bytes, add_bos: bool, special: 
     """llama_tokenize on llama_vocab (llama-cpp-python's ctypes pointer, LlamaModel.vocab);
     raises TokenizeError naming the model and the first character its vocabulary cannot
     encode."""
-    vocab = ffi.cast("const struct llama_vocab *", ctypes.cast(llama_vocab, ctypes.c_void_p).value)
+    vocab = hobbit.vocab_of(llama_vocab)
     ids, error = _tokenize_or_error(vocab, text, add_bos, special)
     if error is None:
         return ids
@@ -71,7 +68,7 @@ def tokenize(llama_vocab, model_path: str, text: bytes, add_bos: bool, special: 
 def encodable(llama_vocab, text: str) -> str:
     """The text less the characters the vocabulary of llama_vocab cannot encode (for a text of
     hobbitpy's own, such as the calibration text, that no user asked to be read as written)."""
-    vocab = ffi.cast("const struct llama_vocab *", ctypes.cast(llama_vocab, ctypes.c_void_p).value)
+    vocab = hobbit.vocab_of(llama_vocab)
     if _tokenize_or_error(vocab, text.encode("utf-8"), False, False)[1] is None:
         return text
     unencodable = {ch for ch in set(text) if _tokenize_or_error(vocab, ch.encode("utf-8"), False, False)[1] is not None}

@@ -42,7 +42,7 @@ import time
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from ..binding.ggml import lib as ggml
+from ..binding.ggml import block_size, type_size
 from ..analysis.candidate_cost import floor_cost, measured_cost, modeled_cost, routing_trace
 from ..copies.companions import (companion_type, copy_layer_bytes, default_companion_path, estimated_copy,
                                  needs_imatrix, resolve_level)
@@ -543,7 +543,7 @@ def _can_be_smaller(info: ModelInfo, spec: str) -> bool:
     if name not in QT.__members__:
         return True  # an unknown name fails later, with its own message
     qtype = QT[name]
-    bits = 8 * ggml.ggml_type_size(qtype) / ggml.ggml_blck_size(qtype)
+    bits = 8 * type_size(qtype) / block_size(qtype)
     n_weights = info.n_layer_moe * info.n_expert * 3 * info.n_embd * info.n_ff_expert
     return n_weights == 0 or bits < 8 * info.expert_bytes_total / n_weights
 

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 import pathlib
 
-from ..binding.native import lib
+from ..binding import hobbit
 from ..settings.config import MB, OffloadConfig
 from ..errors import BudgetError
 from ..files.model_file import ModelInfo
@@ -29,7 +29,7 @@ HEADROOM_SHARE = 0.02
 # the O_DIRECT alignment a reader's bounce buffer adds to a slice (hobbit-expert-store.cpp)
 READER_ALIGN_BYTES = 3 * 4096
 # a row reader's buffer (--row-readers)
-ROW_READ_BYTES = lib.HOBBIT_ROW_READ_BYTES
+ROW_READ_BYTES = hobbit.ROW_READ_BYTES
 # When the experts do not all fit, the widest ubatch's compute buffer (for a MoE, n_ubatch rows
 # of every selected expert's gate, up and activation) may take at most this share of the
 # memory left for it and the expert cache together: on the inflated ref-mixtral under a

@@ -27,7 +27,8 @@ import numpy as np
 from ..files import tokens
 from .beam_search import beam_search
 from .chat_template import bounded_templates
-from ..binding.native import error_buffer, ffi, lib, to_str
+from ..binding import hobbit
+from ..binding.native import ffi
 from ..copies.companions import resolve_levels
 from ..settings.config import MB, OffloadConfig
 from .default_ladder import CALIBRATION_CTX, CALIBRATION_TOKENS, Calibration, applies, default_config, quiet
@@ -196,34 +197,31 @@ class Llama(llama_cpp.Llama):
             raise HobbitError(f"{kwargs['lora_path']}: LoRA adapters are not supported with expert offload yet; "
                               "load the model with OffloadConfig(enabled=False)")
         if self.offload_plan.budget_bytes is not None:
-            err = error_buffer()
             self.placement = placement_for(self.model_info, offload, self.level_paths, self.offload_plan.budget_bytes)
             params, _c_strings = offload.to_native(self.offload_plan.budget_bytes, self.level_paths,
                                                    self.offload_plan.page_cache_room_bytes, self.placement)
-            if lib.hobbit_request_offload(params, err, len(err)) != 0:
-                raise HobbitError(to_str(err))
+            hobbit.request_offload(params)
         try:
             with _model_params(use_extra_bufts=repack), bounded_templates():
                 super().__init__(model_path=model_path, **kwargs)
         except ValueError as e:
-            why = error_buffer()
-            if lib.hobbit_last_attach_error(why, len(why)):
-                raise HobbitError(to_str(why)) from e
+            if why := hobbit.last_attach_error():
+                raise HobbitError(why) from e
             raise ModelFileError(f"{model_path}: llama.cpp could not load the model ({e})") from e
         finally:
-            lib.hobbit_cancel_offload_request()  # never leak the request into another load
+            hobbit.cancel_offload_request()  # never leak the request into another load
         if n_seq_max > 1:
             self._reopen_context(n_seq_max)
 
         if self.offload_plan.budget_bytes is not None:
             model_ptr = ctypes.cast(self._model.model, ctypes.c_void_p).value
-            self._runtime = lib.hobbit_runtime_of_model(ffi.cast("struct llama_model *", model_ptr))
+            self._runtime = hobbit.runtime_of_model(model_ptr)
             if self._runtime == ffi.NULL:
                 raise HobbitError(f"{model_path}: the expert runtime did not attach")
             # a failed expert read stops the decode (llama_decode returns "aborted")
             # instead of letting it finish on missing weights
-            self._abort_cb = llama_cpp.ggml_abort_callback(int(ffi.cast("uintptr_t", lib.hobbit_abort_callback)))
-            runtime_ptr = ctypes.c_void_p(int(ffi.cast("uintptr_t", self._runtime)))
+            self._abort_cb = llama_cpp.ggml_abort_callback(hobbit.ABORT_CALLBACK)
+            runtime_ptr = ctypes.c_void_p(hobbit.address(self._runtime))
             llama_cpp.llama_set_abort_callback(self._ctx.ctx, self._abort_cb, runtime_ptr)
             if note := cache_too_small_note(self.model_info, self.offload_stats()["n_slot"]):
                 self.offload_plan = dataclasses.replace(self.offload_plan, reason=f"{self.offload_plan.reason}; {note}")
@@ -271,9 +269,7 @@ class Llama(llama_cpp.Llama):
         called once prompt i is evaluated, its logits still in place (one pass serves both)."""
         if self._runtime == ffi.NULL:
             raise HobbitError(f"{self.model_path}: the expert runtime did not attach; cannot record routing")
-        err = error_buffer()
-        if lib.hobbit_runtime_trace_begin(self._runtime, lookahead, with_inputs, err, len(err)) != 0:
-            raise HobbitError(to_str(err))
+        hobbit.trace_begin(self._runtime, lookahead, with_inputs)
         try:
             tokens: list[int] = []
             seq_start: list[int] = []
@@ -293,7 +289,7 @@ class Llama(llama_cpp.Llama):
                 seq_start += [1] + [0] * (len(evaluated) - 1)
                 tokens += evaluated
             n_layer, depth = ffi.new("int32_t *"), ffi.new("int32_t *")
-            n = lib.hobbit_runtime_trace_size(self._runtime, n_layer, depth)
+            n = hobbit.trace_size(self._runtime, n_layer, depth)
             if n != len(tokens):
                 raise HobbitError(f"{self.model_path}: the runtime recorded {n} tokens, {len(tokens)} were evaluated")
             info = self.model_info
@@ -306,12 +302,12 @@ class Llama(llama_cpp.Llama):
             def ptr(a, ctype):
                 return ffi.cast(ctype, a.ctypes.data) if a.size else ffi.NULL
 
-            lib.hobbit_runtime_trace_copy(self._runtime, n, ptr(r.experts, "int32_t *"), ptr(r.weights, "float *"),
+            hobbit.trace_copy(self._runtime, n, ptr(r.experts, "int32_t *"), ptr(r.weights, "float *"),
                                           ptr(r.probs, "float *"), ptr(r.predicted, "int32_t *"),
                                           ptr(r.inputs, "float *"))
             return r
         finally:
-            lib.hobbit_runtime_trace_end(self._runtime)
+            hobbit.trace_end(self._runtime)
 
     def beam_search(self, prompt: list[int], width: int, n_predict: int):
         """A beam search of `width` beams from the prompt's tokens (beam_search.py); the Llama
@@ -433,10 +429,8 @@ class Llama(llama_cpp.Llama):
     def _raise_read_error(self, cause: Exception) -> None:
         if self._runtime == ffi.NULL:
             return
-        msg = error_buffer()
-        if lib.hobbit_runtime_get_error(self._runtime, msg, len(msg)):
-            lib.hobbit_runtime_clear_error(self._runtime)
-            self.read_error = to_str(msg)
+        if (why := hobbit.runtime_error(self._runtime)) is not None:
+            self.read_error = why
             raise ExpertReadError(f"an expert could not be read during decode: {self.read_error}") from cause
 
     def offload_stats(self) -> dict:
@@ -444,9 +438,7 @@ class Llama(llama_cpp.Llama):
         the experts run through it) and "reason" (why they do, or do not: the plan's words).
         With the experts resident every counter is 0: no expert is read, stock llama.cpp
         computes them all in memory."""
-        s = ffi.new("struct hobbit_stats *")  # zeros
-        if self._runtime != ffi.NULL:
-            lib.hobbit_runtime_get_stats(self._runtime, s)
+        s = hobbit.runtime_stats(self._runtime)  # zeros without a runtime
         stats = {"offloaded": self.offloaded, "reason": self.offload_plan.reason}
         for name in dir(s):
             value = getattr(s, name)
@@ -455,7 +447,7 @@ class Llama(llama_cpp.Llama):
             else:  # an array, one entry per precision level
                 stats[name] = [int(v) for v in value][:s.n_level]
         # "CPU", or a GPU ("CUDA0"); None without a cache
-        stats["pool_device"] = to_str(lib.hobbit_runtime_pool_device(self._runtime)) if self.offloaded else None
+        stats["pool_device"] = hobbit.pool_device(self._runtime) if self.offloaded else None
         return stats
 
     def last_logits(self) -> np.ndarray:
@@ -469,8 +461,7 @@ class Llama(llama_cpp.Llama):
     def pool_stats(self) -> list[dict]:
         """Counters of each expert pool (one per precision level and expert signature); empty without offload."""
         pools = []
-        s = ffi.new("struct hobbit_pool_stats *")
-        while self._runtime != ffi.NULL and lib.hobbit_runtime_get_pool_stats(self._runtime, len(pools), s):
+        while self._runtime != ffi.NULL and (s := hobbit.pool_stats(self._runtime, len(pools))) is not None:
             pool = {f: int(getattr(s, f)) for f in ("hits", "misses", "bytes_read", "expert_bytes",
                                                     "n_slot", "n_layer", "level")}
             pool["type"] = gguf.GGMLQuantizationType(s.type).name
@@ -482,11 +473,11 @@ class Llama(llama_cpp.Llama):
         # (LFU, LHU) start over, as HOBBIT §3.4 does per sequence
         super().reset()
         if getattr(self, "_runtime", ffi.NULL) != ffi.NULL:
-            lib.hobbit_runtime_new_sequence(self._runtime)
+            hobbit.new_sequence(self._runtime)
 
     def reset_offload_stats(self) -> None:
         if self._runtime != ffi.NULL:
-            lib.hobbit_runtime_reset_stats(self._runtime)
+            hobbit.reset_stats(self._runtime)
 
     def __enter__(self) -> "Llama":
         return self

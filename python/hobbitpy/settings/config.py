@@ -11,7 +11,8 @@ import typing
 
 import numpy as np
 
-from ..binding.native import ffi, lib
+from ..binding import hobbit
+from ..binding.native import ffi
 
 MB = 1024 * 1024
 # the default ladder (default_ladder.py) is served when its mean KL divergence from the
@@ -62,7 +63,7 @@ HIT_POLICIES = tuple(_enum_names("hobbit_hit_policy", "HOBBIT_HIT_"))
 # the C API's defaults and ranges (hobbit_default_params, hobbit_param_ranges; hobbit-params.cpp)
 # are the one table of the runtime's: OffloadConfig's fields that the runtime reads take their
 # defaults from it and are checked by its ranges
-_C_DEFAULTS = lib.hobbit_default_params()
+_C_DEFAULTS = hobbit.default_params()
 
 
 @dataclass(frozen=True)
@@ -86,10 +87,7 @@ class ParamRange:
 
 
 def _param_ranges() -> dict[str, ParamRange]:
-    n = ffi.new("int32_t *")
-    table = lib.hobbit_param_ranges(n)
-    return {ffi.string(table[i].name).decode(): ParamRange(table[i].min, table[i].max, bool(table[i].integer))
-            for i in range(n[0])}
+    return {name: ParamRange(low, high, integer) for name, low, high, integer in hobbit.param_ranges()}
 
 
 PARAM_RANGES = _param_ranges()
@@ -109,7 +107,7 @@ NEURON_LIMIT_CORM = _c_float(_C_DEFAULTS.neuron_limit)
 DEFAULT_POLICY = next(name for name, value in _NATIVE_POLICY.items() if value == _C_DEFAULTS.policy)
 _WEIGHTS = _C_DEFAULTS.policy_weights
 DEFAULT_POLICY_WEIGHTS = tuple(_c_float(w) for w in (_WEIGHTS.lru, _WEIGHTS.lfu, _WEIGHTS.lhu, _WEIGHTS.fld))
-PREFETCH_WIDTH_FATE = lib.HOBBIT_PREFETCH_WIDTH_FATE
+PREFETCH_WIDTH_FATE = hobbit.PREFETCH_WIDTH_FATE
 MAX_CACHE_MB = PARAM_RANGES["budget_bytes"].max / MB
 
 # the options that set a ranged field of hobbit_params, and that field. The options in
@@ -493,7 +491,7 @@ class OffloadConfig:
         placement: the level of every expert (placement.place_by_importance), or None."""
         if len(level_paths) != self.n_level or None in level_paths[1:]:
             raise ValueError(f"{self.n_level} level files expected (the first may be None), got {level_paths}")
-        params = ffi.new("struct hobbit_params *", lib.hobbit_default_params())
+        params = hobbit.default_params()
         params.budget_bytes = budget_bytes
         params.prefetch_layers = self.prefetch_layers
         params.prefetch_width = self.prefetch_width

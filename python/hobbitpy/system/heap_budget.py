@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 
-from ..binding.native import ffi, lib
+from ..binding import hobbit
+from ..binding.native import ffi
 
 _PYMEM_DOMAIN_RAW = 0
 _installed = False
@@ -27,7 +28,7 @@ def _install() -> None:
     wrapped = ffi.new("struct hobbit_raw_allocator *")
     address = ctypes.c_void_p(int(ffi.cast("uintptr_t", current)))
     ctypes.pythonapi.PyMem_GetAllocator(ctypes.c_int(_PYMEM_DOMAIN_RAW), address)
-    lib.hobbit_heap_budget_wrap(current, wrapped)
+    hobbit.heap_budget_wrap(current, wrapped)
     ctypes.pythonapi.PyMem_SetAllocator(ctypes.c_int(_PYMEM_DOMAIN_RAW),
                                         ctypes.c_void_p(int(ffi.cast("uintptr_t", wrapped))))
     _installed = True
@@ -43,12 +44,12 @@ def heap_budget(max_bytes: int):
     exception that leaves the block after one did (the MemoryError, or what the code in the
     block made of it) is a HeapBudgetSpent."""
     _install()
-    lib.hobbit_heap_budget_open(max_bytes)
+    hobbit.heap_budget_open(max_bytes)
     try:
         yield
     except Exception as e:
-        if lib.hobbit_heap_budget_close():
+        if hobbit.heap_budget_close():
             raise HeapBudgetSpent(f"asked for more than {max_bytes >> 20} MB") from e
         raise
     finally:
-        lib.hobbit_heap_budget_close()
+        hobbit.heap_budget_close()
