@@ -5,7 +5,12 @@
 // token's logits must be equal bit for bit. Used where Python is not at hand: an aarch64
 // build under qemu (scripts/check-aarch64.sh), a freshly installed Jetson (docs/JETSON.md).
 //
-//   hobbit-offload-check MODEL.gguf [N_DECODE]      exit 0: equal; 1: not equal; 2: bad input
+//   hobbit-offload-check MODEL.gguf [N_DECODE] [--share S] [--mode gpu-centric|cooperative]
+//                                                   exit 0: equal; 1: not equal; 2: bad input
+//
+// --share S sizes the cache at S times the bytes of every expert (at least the smallest cache);
+// --mode says where a missed expert runs. On a GPU build both runs put every layer on the GPU
+// (llama.cpp's default) and the expert pools live in device memory.
 #include "hobbit.h"
 #include "llama.h"
 #include "ggml-backend.h"
@@ -119,14 +124,33 @@ void print_cpu_backend() {
 }  // namespace
 
 int main(int argc, char ** argv) {
-    if (argc < 2 || argc > 3) {
-        fprintf(stderr, "usage: %s MODEL.gguf [N_DECODE]\n", argv[0]);
-        return 2;
+    const char * path = argc >= 2 ? argv[1] : nullptr;
+    int n_decode = 8;
+    double share = 0.0;
+    hobbit_mode mode = HOBBIT_MODE_GPU_CENTRIC;
+    bool usage_ok = path != nullptr;
+    int i = 2;
+    if (usage_ok && i < argc && argv[i][0] != '-') {
+        n_decode = atoi(argv[i++]);
+        if (n_decode < 1 || n_decode > 200) {
+            fprintf(stderr, "%s: N_DECODE must be 1..200\n", argv[0]);
+            return 2;
+        }
     }
-    const char * path = argv[1];
-    const int n_decode = argc == 3 ? atoi(argv[2]) : 8;
-    if (n_decode < 1 || n_decode > 200) {
-        fprintf(stderr, "%s: N_DECODE must be 1..200\n", argv[0]);
+    for (; usage_ok && i < argc; i += 2) {
+        if (i + 1 < argc && strcmp(argv[i], "--share") == 0) {
+            char * end = nullptr;
+            share = strtod(argv[i + 1], &end);
+            usage_ok = end != argv[i + 1] && *end == '\0' && share >= 0.0 && share <= 1.0;
+        } else if (i + 1 < argc && strcmp(argv[i], "--mode") == 0) {
+            usage_ok = strcmp(argv[i + 1], "gpu-centric") == 0 || strcmp(argv[i + 1], "cooperative") == 0;
+            mode = strcmp(argv[i + 1], "cooperative") == 0 ? HOBBIT_MODE_COOPERATIVE : HOBBIT_MODE_GPU_CENTRIC;
+        } else {
+            usage_ok = false;
+        }
+    }
+    if (!usage_ok) {
+        fprintf(stderr, "usage: %s MODEL.gguf [N_DECODE] [--share 0..1] [--mode gpu-centric|cooperative]\n", argv[0]);
         return 2;
     }
     hobbit_model_info info = {};
@@ -150,22 +174,27 @@ int main(int argc, char ** argv) {
         return 1;
     }
     hobbit_params params = hobbit_default_params();
-    params.budget_bytes = info.min_budget_bytes;  // the smallest cache: the most reads
+    // the smallest cache (the most reads), or the share asked for
+    const int64_t shared = (int64_t) (share * (double) info.expert_bytes_total);
+    params.budget_bytes = shared > info.min_budget_bytes ? shared : info.min_budget_bytes;
+    params.mode = mode;
     if (!run(path, &params, n_decode, offloaded, err)) {
         fprintf(stderr, "%s: offloaded run: %s\n", path, err.c_str());
         return 1;
     }
-    if (!offloaded.offloaded || offloaded.stats.expert_misses == 0) {
+    if (!offloaded.offloaded || offloaded.stats.expert_misses + offloaded.stats.expert_inplace == 0) {
         fprintf(stderr, "%s: the offloaded run did not go through the expert cache\n", path);
         return 1;
     }
     const bool equal = stock.logits.size() == offloaded.logits.size() &&
                        memcmp(stock.logits.data(), offloaded.logits.data(), stock.logits.size() * sizeof(float)) == 0;
-    printf("%s: %s, %d MoE layers x %d experts; cache %.1f MB of %.1f MB on %s; %d tokens decoded; "
-           "%lld hits, %lld misses, %.1f MB read\n",
-           path, info.arch, info.n_layer_moe, info.n_expert, info.min_budget_bytes / 1048576.0, 
-           info.expert_bytes_total / 1048576.0, offloaded.pool_device.c_str(), n_decode, (long long) offloaded.stats.expert_hits,
-           (long long) offloaded.stats.expert_misses, offloaded.stats.bytes_read / 1048576.0);
+    printf("%s: %s, %d MoE layers x %d experts; cache %.1f MB of %.1f MB on %s (%s); %d tokens decoded; "
+           "%lld hits, %lld misses, %lld in place, %.1f MB read\n",
+           path, info.arch, info.n_layer_moe, info.n_expert, params.budget_bytes / 1048576.0, 
+           info.expert_bytes_total / 1048576.0, offloaded.pool_device.c_str(),
+           offloaded.stats.mode == HOBBIT_MODE_COOPERATIVE ? "cooperative" : "gpu-centric", n_decode,
+           (long long) offloaded.stats.expert_hits, (long long) offloaded.stats.expert_misses,
+           (long long) offloaded.stats.expert_inplace, offloaded.stats.bytes_read / 1048576.0);
     if (!equal) {
         printf("offloaded logits differ from stock's\n");
         return 1;
