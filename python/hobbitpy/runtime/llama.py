@@ -29,8 +29,7 @@ from .beam_search import beam_search
 from .chat_template import bounded_templates
 from ..binding import hobbit
 from ..binding.native import ffi
-from ..copies.companions import resolve_levels
-from ..settings.config import MB, OffloadConfig
+from ..settings.config import OffloadConfig
 from .default_ladder import CALIBRATION_CTX, CALIBRATION_TOKENS, Calibration, applies, default_config, quiet
 from ..system.devices import say_if_gpu_unusable
 from ..errors import BudgetError, ExpertReadError, HobbitError, ModelFileError, SettingError, TokenizeError
@@ -40,8 +39,9 @@ from ..analysis.likelihood import Comparison, Reference, ReferenceTable, compare
 from ..plan.memory import (COMPUTE_SHARE, MIN_UBATCH, ContextShape, OffloadPlan, available_memory_bytes,
                            cache_too_small_note, context_sizes, default_context, fit_ubatch, plan_offload,
                            return_freed_memory, whole_memory_budget_mb)
-from ..files.model_file import OFFLOAD_REFUSED, ModelInfo, inspect_model
-from ..plan.placement import check_profiles, importance_of, placement_for
+from ..files.model_file import ModelInfo, inspect_model
+from ..plan.placement import importance_of
+from ..plan.run_plan import check_offload_allowed, plan_run
 from ..plan.profile import resolve_offload
 from ..system.progress import progress_bar
 from ..files.tokens import out_of_vocabulary
@@ -155,51 +155,23 @@ class Llama(llama_cpp.Llama):
         self.model_info: ModelInfo = inspect_model(model_path)
         if "n_ctx" not in kwargs and not kwargs.get("vocab_only"):  # llama_cpp's would be 512, whatever the model
             kwargs["n_ctx"] = default_context(self.model_info, available_memory_bytes(), ContextShape.of(kwargs))
-        if offload.enabled and self.model_info.arch in OFFLOAD_REFUSED:
-            raise ModelFileError(f"{model_path}: a {self.model_info.arch} model: "
-                                 f"{OFFLOAD_REFUSED[self.model_info.arch]}; run it without offload (--no-offload)")
+        check_offload_allowed(self.model_info, offload)
         default_reason = None  # what the default chose and why, when the config left it the choice
         if applies(offload) and self.model_info.is_moe and not kwargs.get("vocab_only"):
             offload, default_reason = self._default_offload(offload, kwargs)
-            self.offload_config = offload
+        plan = plan_run(self.model_info, offload, ContextShape.of(kwargs), available_memory_bytes(),
+                        vocab_only=bool(kwargs.get("vocab_only")), lora_path=kwargs.get("lora_path"),
+                        default_reason=default_reason)
+        self.offload_config = plan.offload
         # the file of each precision level, high to low; None: the model's own experts (the
         # runtime checks that companions hold this model's experts)
-        self.level_paths: tuple[str | None, ...] = (
-            resolve_levels(model_path, offload.high_file, offload.mid, offload.low, offload.high_flag) if offload.enabled else (None,))
-        levels = tuple(self.model_info if p is None else inspect_model(p) for p in self.level_paths)
-        shape = ContextShape.of(kwargs)
-        available = available_memory_bytes()
-        if shape.n_ubatch is None:  # left open: narrower when the compute buffer would crowd out the experts
-            shape = dataclasses.replace(shape, n_ubatch=fit_ubatch(self.model_info, shape, offload, levels, available))
-            kwargs["n_ubatch"] = shape.n_ubatch
-        context = context_sizes(self.model_info, shape)
-        # (a vocabulary-only load makes no context: nothing to refuse, e.g. tokenizing under a cap)
-        if context.total > available and not kwargs.get("vocab_only"):  # llama.cpp would only say "Failed to create llama_context"
-            raise BudgetError(f"{model_path}: a context of {shape.n_ctx} tokens needs {context.kv / MB:.0f} MB of KV cache "
-                              f"and {(context.total - context.kv) / MB:.0f} MB of other buffers, more than the "
-                              f"{available / MB:.0f} MB of memory available; use a smaller context (n_ctx, --ctx)")
-        context_bytes = context.total if offload.enabled else 0
-        self.offload_plan: OffloadPlan = plan_offload(self.model_info, offload, context_bytes, levels,
-                                                      available_bytes=available)
-        if self.offload_plan.shared_pool:  # a pool per layer does not fit: the plan falls back to one
-            offload = self.offload_config = dataclasses.replace(offload, shallow_layers=None)
-        if self.offload_plan.budget_bytes is not None:
-            self.offload_plan = dataclasses.replace(
-                self.offload_plan, reason=f"{self.offload_plan.reason}; ubatches of {shape.n_ubatch} tokens")
-        if default_reason:
-            self.offload_plan = dataclasses.replace(self.offload_plan, reason=f"{default_reason}; {self.offload_plan.reason}")
-
-        if offload.enabled:
-            check_profiles(self.model_info, offload)
-        self.placement: tuple[tuple[int, ...], ...] | None = None  # the level of every expert, when placed by importance
-        if self.offload_plan.budget_bytes is not None and kwargs.get("lora_path"):
-            # an adapter on expert weights would be applied once per pass of a layer
-            raise HobbitError(f"{kwargs['lora_path']}: LoRA adapters are not supported with expert offload yet; "
-                              "load the model with OffloadConfig(enabled=False)")
-        if self.offload_plan.budget_bytes is not None:
-            self.placement = placement_for(self.model_info, offload, self.level_paths, self.offload_plan.budget_bytes)
-            params, _c_strings = offload.to_native(self.offload_plan.budget_bytes, self.level_paths,
-                                                   self.offload_plan.page_cache_room_bytes, self.placement)
+        self.level_paths: tuple[str | None, ...] = plan.level_paths
+        self.offload_plan: OffloadPlan = plan.offload_plan
+        self.placement: tuple[tuple[int, ...], ...] | None = plan.placement  # the level of every expert, when placed
+        kwargs["n_ubatch"] = plan.shape.n_ubatch
+        if plan.offloaded:
+            params, _c_strings = plan.offload.to_native(plan.offload_plan.budget_bytes, plan.level_paths,
+                                                        plan.offload_plan.page_cache_room_bytes, plan.placement)
             hobbit.request_offload(params)
         try:
             with _model_params(use_extra_bufts=repack), bounded_templates():
