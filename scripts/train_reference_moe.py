@@ -430,7 +430,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kind", choices=list(PRESETS))
     ap.add_argument("out_prefix", help="writes OUT_PREFIX-Q8_0.gguf (and -F16.gguf if under ~40 MB) and OUT_PREFIX.json")
-    ap.add_argument("--minutes", type=float, default=35.0, help="training time budget")
+    ap.add_argument("--minutes", type=float, default=35.0, help="training time budget (in all, over resumed runs)")
+    ap.add_argument("--checkpoint", help="keep the training state here every 10 minutes and at the end, and resume "
+                                         "from it: a budget longer than one session is trained over several runs")
+    ap.add_argument("--run-minutes", type=float, help="with --checkpoint: stop this run after so many minutes "
+                                                      "(the GGUFs are written from the state reached)")
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -457,9 +461,35 @@ def main() -> None:
 
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
     rng = np.random.default_rng(a.seed)
-    t0, step, budget = time.time(), 0, a.minutes * 60
+    step, before = 0, 0.0  # steps and seconds of the runs this one resumes
+    checkpoint = pathlib.Path(a.checkpoint) if a.checkpoint else None
+    if checkpoint and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        if state["config"] != dataclasses.asdict(c):
+            raise SystemExit(f"{checkpoint}: a checkpoint of another model ({state['config']['kind']})")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        rng.bit_generator.state = state["rng"]
+        torch.set_rng_state(state["torch_rng"])
+        step, before = state["step"], state["seconds"]
+        print(f"resumed from {checkpoint}: step {step}, {before / 60:.1f} of {a.minutes:.0f} min", flush=True)
+
+    def keep() -> None:
+        if checkpoint:
+            part = checkpoint.with_name(checkpoint.name + ".part")
+            torch.save(dict(config=dataclasses.asdict(c), model=model.state_dict(), opt=opt.state_dict(),
+                            rng=rng.bit_generator.state, torch_rng=torch.get_rng_state(), step=step,
+                            seconds=before + time.time() - t0), part)
+            part.replace(checkpoint)
+
+    t0, budget = time.time(), a.minutes * 60
+    run_end = t0 + (a.run_minutes * 60 if a.run_minutes else math.inf)
+    kept_at = t0
     data = batches(train_ids, c.n_ctx, a.batch, rng)
-    while (elapsed := time.time() - t0) < budget:
+    while (elapsed := before + time.time() - t0) < budget and time.time() < run_end:
+        if time.time() - kept_at > 600:
+            keep()
+            kept_at = time.time()
         frac = elapsed / budget
         for g in opt.param_groups:  # warm-up then cosine, on the time budget
             g["lr"] = a.lr * min(1.0, step / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
@@ -474,7 +504,8 @@ def main() -> None:
         if step % 50 == 0:
             print(f"step {step:5d}  {elapsed / 60:5.1f}/{a.minutes:.0f} min  loss {loss.item():.3f}  aux {aux.item():.3f}",
                   flush=True)
-    minutes = (time.time() - t0) / 60
+    keep()
+    minutes = (before + time.time() - t0) / 60
     val_ppl = evaluate(model, val_ids, c.n_ctx)
     print(f"done: {step} steps in {minutes:.1f} min, held-out perplexity (torch) {val_ppl:.2f}", flush=True)
 
