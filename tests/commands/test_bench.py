@@ -293,13 +293,13 @@ def test_bench_beam_search_against_stocks(model_dir, tmp_path):
 def test_a_configuration_is_lossy_when_it_substitutes_or_serves_another_precision():
     """bench checks only the exact configurations against stock's tokens: a preset that
     substitutes experts (importance) must not count as exact (it printed a false "NO")."""
-    from hobbitpy.bench.bench import BenchConfig, _lossy
+    from hobbitpy.bench.bench_plan import BenchConfig, is_lossy
     from hobbitpy.cli.bench import parse_bench_config
 
-    assert not _lossy(parse_bench_config("lru=--preset lru"))
-    assert not _lossy(parse_bench_config("fate-exact=--policy arc --shallow-layers 1 --prefill-order popularity"))
-    assert _lossy(parse_bench_config("importance=--preset importance"))
-    assert _lossy(parse_bench_config("sub=--substitute 0.1"))
-    assert _lossy(parse_bench_config("mixed=--low Q2_K"))
-    assert _lossy(parse_bench_config("ladder=--high Q4_K"))
-    assert _lossy(BenchConfig("q3", None, model="other.gguf"))
+    assert not is_lossy(parse_bench_config("lru=--preset lru"))
+    assert not is_lossy(parse_bench_config("fate-exact=--policy arc --shallow-layers 1 --prefill-order popularity"))
+    assert is_lossy(parse_bench_config("importance=--preset importance"))
+    assert is_lossy(parse_bench_config("sub=--substitute 0.1"))
+    assert is_lossy(parse_bench_config("mixed=--low Q2_K"))
+    assert is_lossy(parse_bench_config("ladder=--high Q4_K"))
+    assert is_lossy(BenchConfig("q3", None, model="other.gguf"))

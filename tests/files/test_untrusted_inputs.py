@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from hobbitpy import HobbitError
-from hobbitpy.bench.bench import BenchResult, write_outputs
+from hobbitpy.bench.bench_output import BenchResult, write_outputs
 from hobbitpy.system.outputs import OutputExistsError, OutputWriteError
 from hobbitpy.plan.profile import load_profile, profile_path, resolve_offload
 from hobbitpy.measure.trace import record_trace

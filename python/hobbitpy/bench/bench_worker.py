@@ -20,7 +20,7 @@ import numpy as np
 import hobbitpy  # noqa: F401  (first: points llama_cpp at the patched library)
 from hobbitpy.settings.config import OffloadConfig
 from hobbitpy.system.disk import read_bytes_of_process
-from hobbitpy.bench.bench import bench_context_shape
+from hobbitpy.bench.bench_plan import bench_context_shape
 from hobbitpy.runtime.llama import Llama
 from hobbitpy.plan.memory import fit_ubatch
 from hobbitpy.files.model_file import inspect_model

@@ -8,7 +8,8 @@ import shlex
 import signal
 import sys
 
-from hobbitpy.bench.bench import TuneRequest, run_bench
+from hobbitpy.bench.bench import run_bench
+from hobbitpy.bench.bench_plan import TuneRequest
 
 from .common import (add_force_arg, add_offload_args, beam_width_arg, default_of, fail, interrupt,
                      offload_config_from_args, read_text, threads_arg)
@@ -21,7 +22,7 @@ def parse_bench_config(text: str):
     import shlex
 
     from hobbitpy import HobbitError
-    from hobbitpy.bench.bench import STOCK, BenchConfig
+    from hobbitpy.bench.bench_plan import STOCK, BenchConfig
 
     name, _, flags = text.partition("=")
     name = name.strip()
@@ -99,7 +100,8 @@ def _bench(args) -> int:
     import pathlib
 
     from hobbitpy import HobbitError
-    from hobbitpy.bench import bench
+    from hobbitpy.bench import bench, bench_output, bench_plan
+    from hobbitpy.files.model_file import inspect_model
     from hobbitpy.measure.tune import check_candidate_names
 
     if args.repeats < 1 or args.n_predict < 2 or args.quality_tokens < 2:
@@ -125,24 +127,24 @@ def _bench(args) -> int:
                 check_candidate_names(args.tune_candidates or [])
             except ValueError as e:
                 return fail(str(e))
-            tune_request = bench.TuneRequest(tune_text, args.tune_candidates, args.tune_tokens, args.max_kl)
+            tune_request = bench_plan.TuneRequest(tune_text, args.tune_candidates, args.tune_tokens, args.max_kl)
         configs = [parse_bench_config(c) for c in (args.config or ([] if args.tune else ["default"]))]
         if len({c.name for c in configs}) != len(configs):
             return fail("configuration names must differ")
-        if args.tune and any(c.name == bench.TUNED for c in configs):
-            return fail(f"'{bench.TUNED}' is the name of tune's pick; give your configuration another")
+        if args.tune and any(c.name == bench_plan.TUNED for c in configs):
+            return fail(f"'{bench_plan.TUNED}' is the name of tune's pick; give your configuration another")
         # every model is checked before the first run: a typo in the second must not
         # surface after an hour of measuring the first
         plans = []
         for model in args.models:
-            caps = bench.parse_caps(args.caps, args.cap_mb, bench.inspect_model(model).file_bytes)
+            caps = bench_plan.parse_caps(args.caps, args.cap_mb, inspect_model(model).file_bytes)
             if not caps:
                 return fail("no caps given")
             if args.tune and any(c.limit_bytes is None for c in caps):
                 return fail("--tune needs a memory size at every cap: drop 'none' from --caps")
             plans.append((model, caps))
-        out = pathlib.Path(args.out) if args.out else bench.default_out_dir(args.models[0])
-        bench.check_out_dir(out, args.force)
+        out = pathlib.Path(args.out) if args.out else bench_output.default_out_dir(args.models[0])
+        bench_output.check_out_dir(out, args.force)
         if len(set(pathlib.Path(m).stem for m in args.models)) != len(args.models):
             return fail("the models' file names must differ (each gets its own output folder)")
         # SIGTERM unwinds like Ctrl-C: the running worker is killed and the cgroup removed
@@ -155,11 +157,11 @@ def _bench(args) -> int:
                                      threads=args.threads, progress=not args.no_progress, quants=quants,
                                      quant_dir=args.quant_dir, quality_text=quality_text,
                                      quality_tokens=args.quality_tokens, tune_request=tune_request,
-                                     prompt_tokens=args.prompt_tokens or bench.PROMPT_TOKENS, beams=args.beams)
+                                     prompt_tokens=args.prompt_tokens or bench_plan.PROMPT_TOKENS, beams=args.beams)
             result.command, result.started, result.finished = command, started, bench.now_to_the_minute()
             # one model: its files in the output folder; several: a folder per model
             target = out if len(plans) == 1 else out / pathlib.Path(model).stem
-            for path in bench.write_outputs(result, target, args.force):
+            for path in bench_output.write_outputs(result, target, args.force):
                 print(f"wrote {path}")
     except (HobbitError, ValueError) as e:  # first: a failed write is an OSError that names its file
         return fail(str(e))
