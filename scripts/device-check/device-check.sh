@@ -57,7 +57,9 @@ find_cublas() {
     done
     cublas_args=(-DCUDA_cublas_LIBRARY="$cu/lib/libcublas.so" -DCUDA_cublasLt_LIBRARY="$cu/lib/libcublasLt.so"
                  "-DCMAKE_CUDA_FLAGS=-I$cu/include" "-DCMAKE_CXX_FLAGS=-I$cu/include")
+    cublas_lib="$cu/lib"
 }
+cublas_lib=""
 
 if [ "$mode" = "--no-gpu" ]; then
     arch=${CUDA_ARCH:-90}
@@ -103,5 +105,8 @@ python3 -m pip install --no-build-isolation --no-deps --no-index --no-compile --
     -C cmake.define.GGML_CUDA_FA="${CUDA_FA:-OFF}" -C cmake.define.CMAKE_CUDA_COMPILER="$cuda_home/bin/nvcc" "${cublas_args[@]/#-D/-Ccmake.define.}" \
     >> "$log" 2>&1 || { tail -40 "$log"; say "the build failed (its log: $log)"; exit 1; }
 say "built in $(( $(date +%s) - start )) s (FlashAttention kernels ${CUDA_FA:-OFF})"
+# ggml's CUDA module finds the CUDA runtime and cuBLAS where a wheel's RPATH points (PyPI's nvidia
+# packages beside it) or on the loader's path: the toolkit's here
+export LD_LIBRARY_PATH="$cuda_home/lib64${cublas_lib:+:$cublas_lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONPATH="$site" LLAMA_CPP_LIB_PATH="$site/hobbitpy/lib"
 python3 "$bundle/device_check.py" "$out"

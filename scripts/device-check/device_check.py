@@ -17,13 +17,15 @@ The table: a Qwen3-30B-A3B-shaped model with fewer layers (its real expert count
 types: scripts/make_real_size_random_moe.py) and a device budget below its experts' bytes;
 stock with every layer on the GPU (what no budget gives), `-ot exps=CPU`, `--n-cpu-moe N` with
 the fewest CPU layers whose experts fit the budget, and hobbitpy's cache of that budget (one
-precision; GPU-centric and cooperative). Medians of REPEATS interleaved runs, with min-max.
+precision; GPU-centric and cooperative). Medians of REPEATS (default 3) interleaved runs, with
+min-max; TABLE_LAYERS (default 12) sets the table model's depth (about 0.37 GB a layer).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import subprocess
@@ -51,7 +53,7 @@ def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
-def exactness(models: dict[str, pathlib.Path], log) -> list[dict]:
+def exactness(models: dict[str, pathlib.Path], on_gpu_expected: bool, log) -> list[dict]:
     rows = []
     for arch, path in models.items():
         for share in BUDGET_SHARES:
@@ -59,10 +61,15 @@ def exactness(models: dict[str, pathlib.Path], log) -> list[dict]:
                 proc = run([str(LIB_DIR / "hobbit-offload-check"), str(path), "8", "--share", str(share), "--mode", mode],
                            timeout=300)
                 out = (proc.stdout + proc.stderr).strip().splitlines()
-                row = {"arch": arch, "share": share, "mode": mode, "equal": proc.returncode == 0,
-                       "rc": proc.returncode, "report": out[-2:] if out else []}
+                report = " ".join(out)
+                # on a GPU the pools must have lived in device memory: a CUDA module that did not load
+                # (no driver, no runtime library) runs everything on the CPU, equal but not the check
+                on_gpu = not on_gpu_expected or " on CUDA" in report
+                row = {"arch": arch, "share": share, "mode": mode, "equal": proc.returncode == 0 and on_gpu,
+                       "rc": proc.returncode, "pools_on_gpu": " on CUDA" in report, "report": out[-2:] if out else []}
                 rows.append(row)
-                log_line(log, f"exactness {arch} share {share} {mode}: {'equal' if row['equal'] else 'NOT EQUAL'} "
+                verdict = "equal" if row["equal"] else "NOT EQUAL" if proc.returncode else "equal, but NOT ON THE GPU"
+                log_line(log, f"exactness {arch} share {share} {mode}: {verdict} "
                               f"(rc {proc.returncode}) {' | '.join(row['report'])}")
     return rows
 
@@ -155,17 +162,21 @@ def main() -> int:
                                           n_expert_used=4, n_embd=256, n_ff=512, n_ff_shared=512,
                                           expert_type="Q4_K", seed=1)
                  for arch in EXACT_ARCHES}
-        exact = exactness(small, log)
+        exact = exactness(small, not a.no_gpu, log)
+        log_line(log, f"exactness done ({time.time() - started:.0f} s in)")
         if a.no_gpu:
             table_model = make_synthetic_moe(models_dir / "table-qwen3moe.gguf", "qwen3moe", n_layer=6, n_expert=32,
                                              n_expert_used=8, n_embd=256, n_ff=256, expert_type="Q4_K", seed=2)
             table = speed_table(table_model, repeats=1, prompt=64, decode=8, threads=2, log=log)
         else:
-            table_model = models_dir / "qwen3-30b-a3b-shape-12-layers-Q4_K.gguf"
+            layers = int(os.environ.get("TABLE_LAYERS", "12"))
+            table_model = models_dir / f"qwen3-30b-a3b-shape-{layers}-layers-Q4_K.gguf"
             if not table_model.exists():
                 subprocess.run([sys.executable, str(HERE / "make_real_size_random_moe.py"), str(table_model),
-                                "--n-layer", "12"], check=True, timeout=420)
-            table = speed_table(table_model, repeats=3, prompt=512, decode=32, threads=16, log=log)
+                                "--n-layer", str(layers)], check=True, timeout=420)
+            log_line(log, f"table model written ({time.time() - started:.0f} s in)")
+            table = speed_table(table_model, repeats=int(os.environ.get("REPEATS", "3")), prompt=512, decode=32,
+                                threads=os.cpu_count() or 16, log=log)
         md = markdown(table)
         log_line(log, md)
         result = {"gpu": not a.no_gpu, "exactness": exact, "exact_all_equal": all(r["equal"] for r in exact),
@@ -174,6 +185,10 @@ def main() -> int:
         log_line(log, f"exactness: {sum(r['equal'] for r in exact)} of {len(exact)} equal; "
                       f"{time.time() - started:.0f} s")
     table_ok = all("error" not in r for r in table["rows"])
+    if not a.no_gpu:  # the table is a GPU's only where the pools and stock's layers were on it
+        table_ok = table_ok and all(r.get("pool_device", "").startswith("CUDA") for r in table["rows"]
+                                    if r["config"].startswith("hobbit"))
+        table_ok = table_ok and all(r.get("device_bytes_used", 0) > 0 for r in table["rows"] if r["config"] == "stock")
     return 0 if result["exact_all_equal"] and table_ok else 1
 
 
