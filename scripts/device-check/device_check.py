@@ -17,7 +17,9 @@ The table: a Qwen3-30B-A3B-shaped model with fewer layers (its real expert count
 types: scripts/make_real_size_random_moe.py) and a device budget below its experts' bytes;
 stock with every layer on the GPU (what no budget gives), `-ot exps=CPU`, `--n-cpu-moe N` with
 the fewest CPU layers whose experts fit the budget, and hobbitpy's cache of that budget (one
-precision; GPU-centric and cooperative). Medians of REPEATS (default 3) interleaved runs, with
+precision; GPU-centric and cooperative); and hobbitpy's default (no option, every layer on the
+GPU) with the GPU left only that much free by a process holding the rest, so that it plans by
+it as on a smaller card (one run). Medians of REPEATS (default 3) interleaved runs, with
 min-max; TABLE_LAYERS (default 12) sets the table model's depth (about 0.37 GB a layer).
 """
 
@@ -32,6 +34,9 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
+import hobbitpy
 from hobbitpy.binding.native import LIB_DIR
 from hobbitpy.files.model_file import inspect_model
 from hobbitpy.files.synthetic_moe import make_synthetic_moe
@@ -41,6 +46,16 @@ EXACT_ARCHES = ("qwen3moe", "llama", "deepseek2")  # top-k softmax with Q/K norm
 BUDGET_SHARES = (0.0, 0.6)  # 0: the smallest cache (one token's top-k per layer)
 MODES = ("gpu-centric", "cooperative")
 TABLE_SHARE = 0.4           # the device budget for experts, as a share of their bytes (e.g. 2 GB for 5 GB)
+CONTEXT_ROOM = 1 << 30      # what the default's run is left on the GPU beside weights and that budget (its context)
+# a process of torch's (the GPU machine's image has it) holding all of the GPU's free memory but
+# argv[1] bytes, until killed: the GPU as small as the table's budget, for hobbitpy's default to plan by
+HOLD_GPU_MEMORY = """
+import sys, time, torch
+free, _ = torch.cuda.mem_get_info()
+held = torch.empty(max(0, free - int(sys.argv[1])), dtype=torch.uint8, device="cuda")
+print(torch.cuda.mem_get_info()[0], flush=True)
+time.sleep(3600)
+"""
 
 
 def log_line(log, text: str) -> None:
@@ -128,6 +143,50 @@ def speed_table(path: pathlib.Path, repeats: int, prompt: int, decode: int, thre
     return {"facts": facts, "rows": rows, "prompt_tokens": prompt, "decode_tokens": decode, "repeats": repeats}
 
 
+def default_row(path: pathlib.Path, leave_bytes: int | None, prompt: int, decode: int, threads: int, log) -> dict:
+    """hobbitpy's default (hobbitpy.Llama with every layer on the GPU and no option), timed as
+    hobbit-gpu-bench times a configuration, with the GPU left leave_bytes free by a process
+    holding the rest (None: no GPU, nothing held)."""
+    holder = None
+    row = {"config": "hobbitpy default"}
+    try:
+        if leave_bytes is not None:
+            holder = subprocess.Popen([sys.executable, "-c", HOLD_GPU_MEMORY, str(leave_bytes)],
+                                      stdout=subprocess.PIPE, text=True)
+            row["gpu_free_bytes"] = int(holder.stdout.readline())
+        t0 = time.time()
+        llm = hobbitpy.Llama(str(path), n_gpu_layers=-1, n_ctx=prompt + decode + 16, n_batch=prompt,
+                             n_threads=threads, verbose=False)
+        row["load_s"] = round(time.time() - t0, 2)
+        try:
+            row["plan"] = llm.offload_plan.reason
+            tokens = [int(t) for t in np.random.default_rng(0).integers(0, llm.n_vocab(), prompt)]
+            t0 = time.time()
+            llm.eval(tokens)
+            row["prefill_tok_s"] = prompt / (time.time() - t0)
+            after_prompt = llm.offload_stats()
+            t0 = time.time()
+            for _ in range(decode):
+                llm.eval([int(np.argmax(llm.last_logits()))])
+            row["decode_tok_s"] = decode / (time.time() - t0)
+            stats = llm.offload_stats()
+            hits, misses = (stats["expert_hits"] - after_prompt["expert_hits"],
+                            stats["expert_misses"] - after_prompt["expert_misses"])
+            row.update(offloaded=llm.offloaded, pool_device=stats.get("pool_device"),
+                       decode_hit_ratio=hits / (hits + misses) if hits + misses else None,
+                       decode_bytes_loaded_per_token=(stats["bytes_read"] - after_prompt["bytes_read"]) / decode)
+        finally:
+            llm.close()
+    except Exception as e:  # noqa: BLE001 - the table records why the default did not run
+        row["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+    log_line(log, f"  {json.dumps(row)}")
+    return row
+
+
 def markdown(table: dict) -> str:
     lines = ["| configuration | decode tok/s | prefill tok/s | device memory | hit ratio | loaded / token | logits = stock |",
              "|---|---|---|---|---|---|---|"]
@@ -143,6 +202,18 @@ def markdown(table: dict) -> str:
                      f"{p['median']:.1f} ({p['min']:.1f}-{p['max']:.1f}) | "
                      f"{'n/a' if mem < 0 else f'{mem / 2**20:.0f} MiB'} | {'-' if hit is None else f'{hit:.3f}'} | "
                      f"{'-' if loaded is None else f'{loaded / 2**20:.1f} MiB'} | {'yes' if r['logits_equal_stock'] else 'no'} |")
+    r = table.get("default")
+    if r is not None:
+        if "error" in r:
+            lines.append(f"| hobbitpy default | failed: {r['error'][:80]} | | | | | |")
+        else:
+            hit, loaded = r.get("decode_hit_ratio"), r.get("decode_bytes_loaded_per_token")
+            left = r.get("gpu_free_bytes")
+            how = "offloaded" if r["offloaded"] else "every expert resident"
+            lines.append(f"| hobbitpy default ({how}) | {r['decode_tok_s']:.2f} | {r['prefill_tok_s']:.1f} | "
+                         f"{'-' if left is None else f'{left / 2**20:.0f} MiB left free'} | "
+                         f"{'-' if hit is None else f'{hit:.3f}'} | "
+                         f"{'-' if not loaded else f'{loaded / 2**20:.1f} MiB'} | - |")
     return "\n".join(lines)
 
 
@@ -177,6 +248,11 @@ def main() -> int:
             log_line(log, f"table model written ({time.time() - started:.0f} s in)")
             table = speed_table(table_model, repeats=int(os.environ.get("REPEATS", "3")), prompt=512, decode=32,
                                 threads=os.cpu_count() or 16, log=log)
+        facts = table["facts"]
+        leave = None if a.no_gpu else (facts["file_bytes"] - facts["expert_bytes"] + facts["expert_budget_bytes"]
+                                       + CONTEXT_ROOM)
+        table["default"] = default_row(table_model, leave, table["prompt_tokens"], table["decode_tokens"],
+                                       2 if a.no_gpu else os.cpu_count() or 16, log)
         md = markdown(table)
         log_line(log, md)
         result = {"gpu": not a.no_gpu, "exactness": exact, "exact_all_equal": all(r["equal"] for r in exact),
@@ -184,7 +260,7 @@ def main() -> int:
         (a.out / "device-check.json").write_text(json.dumps(result, indent=1) + "\n")
         log_line(log, f"exactness: {sum(r['equal'] for r in exact)} of {len(exact)} equal; "
                       f"{time.time() - started:.0f} s")
-    table_ok = all("error" not in r for r in table["rows"])
+    table_ok = all("error" not in r for r in [*table["rows"], table["default"]])
     if not a.no_gpu:  # the table is a GPU's only where the pools and stock's layers were on it
         table_ok = table_ok and all(r.get("pool_device", "").startswith("CUDA") for r in table["rows"]
                                     if r["config"].startswith("hobbit"))

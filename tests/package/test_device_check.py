@@ -2,7 +2,7 @@
 makes a folder that travels (at most 40 MiB, the pinned llama.cpp checked, patched and trimmed), and
 its device-check.sh --no-gpu configures the CUDA build from that folder alone, compiles a part of it
 with nvcc, and runs every step (test models, exactness on three architectures at two cache sizes in
-both modes, the table's five configurations) on this machine's build."""
+both modes, the table's five configurations and hobbitpy's default) on this machine's build."""
 
 from __future__ import annotations
 
@@ -51,6 +51,9 @@ def test_pack_then_device_check_without_a_gpu(tmp_path):
     assert set(rows) == {"stock", "exps-cpu", "n-cpu-moe", "hobbit"} and len(result["table"]["rows"]) == 5
     assert all(r["logits_equal_stock"] for r in result["table"]["rows"]), result["table"]["rows"]
     assert rows["hobbit"]["decode_hit_ratio"] is not None and rows["hobbit"]["pool_device"] == "CPU"
+    # hobbitpy's default as the API runs it (here the host's memory holds every expert: stock's path)
+    default = result["table"]["default"]
+    assert "error" not in default and default["decode_tok_s"] > 0 and default["offloaded"] is False, default
     assert "| configuration | decode tok/s |" in (out / "device-check.log").read_text()
 
 

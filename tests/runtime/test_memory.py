@@ -186,3 +186,41 @@ def test_a_run_after_another_in_its_cgroup_finds_the_same_memory(tmp_path):
         cap.remove()
     # the probes hold the same interpreter; 8 MB for the kernel's bookkeeping of 96 MB of cache
     assert abs(after - fresh) < 8 * MB, (fresh / MB, after / MB)
+
+
+def test_a_gpu_holding_every_layer_sizes_the_cache_by_its_free_memory(model_dir):
+    # a discrete GPU with every layer on it (-ngl -1): the pools live there, so its free memory, not
+    # the host's, decides whether the experts are offloaded and how large their cache is
+    from hobbitpy.errors import BudgetError
+    from hobbitpy.plan.memory import plan_offload
+
+    info = hobbitpy.inspect_model(tiny_model(model_dir, "qwen3moe"))
+    auto, context = hobbitpy.OffloadConfig(), 8 * MB
+    host = 64 * 1024 * MB  # every expert fits the host many times over
+    assert plan_offload(info, auto, context, available_bytes=host).budget_bytes is None
+    fixed = info.resident_bytes + context + 24 * MB  # what the GPU holds beside the pools (and slack)
+    small_gpu = fixed + info.expert_bytes_total // 2
+    plan = plan_offload(info, auto, context, available_bytes=host, gpu_bytes=small_gpu)
+    assert plan.budget_bytes is not None and plan.budget_bytes < info.expert_bytes_total // 2, plan
+    assert plan.budget_bytes >= info.min_budget_bytes and "on the GPU" in plan.reason
+    assert plan.page_cache_room_bytes > host // 2  # the host keeps only the readers' buffers
+    big_gpu = 4 * (fixed + info.expert_bytes_total)
+    plan = plan_offload(info, auto, context, available_bytes=host, gpu_bytes=big_gpu)
+    assert plan.budget_bytes is None and "fit in the GPU's" in plan.reason
+    with pytest.raises(BudgetError, match="not enough GPU memory.*-ngl"):
+        plan_offload(info, auto, context, available_bytes=host, gpu_bytes=fixed)
+    # an expert cache size given is the user's: the runtime checks it against the device
+    assert plan_offload(info, hobbitpy.OffloadConfig(cache_mb=8), context, available_bytes=host,
+                        gpu_bytes=fixed).budget_bytes == 8 * MB
+
+
+def test_without_a_gpu_of_its_own_the_host_memory_plans(model_dir):
+    # this machine: no GPU, so no layer count puts the pools on one
+    from hobbitpy.system.devices import gpu_free_bytes
+
+    assert gpu_free_bytes(True) is None and gpu_free_bytes(False) is None
+    llm = hobbitpy.Llama(tiny_model(model_dir, "qwen3moe"), n_gpu_layers=-1, cache_mb=2, verbose=False)
+    try:
+        assert "on the GPU" not in llm.offload_plan.reason
+    finally:
+        llm.close()

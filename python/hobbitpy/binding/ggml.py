@@ -1,4 +1,5 @@
-"""cffi binding of ggml's quantizer and type traits (libggml-base, the pinned llama.cpp's own).
+"""cffi binding of ggml's quantizer and type traits (libggml-base, the pinned llama.cpp's own),
+and of its device registry (libggml): how much memory a dedicated GPU has free.
 
 `hobbitpy prepare` quantizes with the very code `llama-quantize` runs, so a companion
 file's blocks are what llama.cpp itself would write, and reads any type back as numbers with
@@ -38,12 +39,35 @@ struct ggml_type_traits {
 };
 const struct ggml_type_traits * ggml_get_type_traits(int type);
 """
+# ggml/include/ggml-backend.h: the devices of the backends loaded (enum ggml_backend_dev_type as an int)
+_DEVICE_CDEF = """
+typedef struct ggml_backend_device * ggml_backend_dev_t;
+size_t     ggml_backend_dev_count(void);
+ggml_backend_dev_t ggml_backend_dev_get(size_t index);
+int        ggml_backend_dev_type(ggml_backend_dev_t device);
+void       ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total);
+"""
+GGML_BACKEND_DEVICE_TYPE_GPU = 1  # dedicated memory (an integrated GPU, a Jetson's, shares the host's)
 GGML_TYPE_F32 = 0
 
 ffi = cffi.FFI()
 ffi.cdef(_CDEF)
+ffi.cdef(_DEVICE_CDEF)
 # already loaded by libllama and libhobbit: dlopen returns the same library
 lib = ffi.dlopen(str(LIB_DIR / "libggml-base.so"))
+registry = ffi.dlopen(str(LIB_DIR / "libggml.so"))
+
+
+def dedicated_gpu_memory() -> tuple[int, int] | None:
+    """(free, total) bytes of the first GPU with memory of its own among the devices of the
+    backends loaded (llama_backend_init loads them), or None without one."""
+    for i in range(registry.ggml_backend_dev_count()):
+        dev = registry.ggml_backend_dev_get(i)
+        if registry.ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_GPU:
+            free, total = ffi.new("size_t *"), ffi.new("size_t *")
+            registry.ggml_backend_dev_memory(dev, free, total)
+            return int(free[0]), int(total[0])
+    return None
 
 
 def type_name(type_id: int) -> str:

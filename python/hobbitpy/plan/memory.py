@@ -277,12 +277,15 @@ def per_layer_min_bytes(levels: tuple[ModelInfo, ...]) -> int:
 
 
 def plan_offload(info: ModelInfo, config: OffloadConfig, context_bytes: int,
-                 levels: tuple[ModelInfo, ...] = (), available_bytes: int | None = None) -> OffloadPlan:
+                 levels: tuple[ModelInfo, ...] = (), available_bytes: int | None = None,
+                 gpu_bytes: int | None = None) -> OffloadPlan:
     """Decide whether and with what budget the experts are offloaded. context_bytes: what
     the context allocates beside the weights (context_sizes(...).total); levels: the files
     of the precision levels, high to low (the model itself or its high companion first),
     each of which needs its own minimum of slots; () = the model alone. available_bytes:
-    the memory to plan for (default: what this process may still use now)."""
+    the memory to plan for (default: what this process may still use now). gpu_bytes: the
+    free memory of a GPU with memory of its own that holds every layer, the context and the
+    expert pools (devices.gpu_free_bytes); the host then holds only the readers' buffers."""
     name = info.path
     if not config.enabled:
         return OffloadPlan(None, "offload off: stock llama.cpp path")
@@ -293,7 +296,8 @@ def plan_offload(info: ModelInfo, config: OffloadConfig, context_bytes: int,
         # a pool per layer (Fate's shallow-favoring allocation) needs one token's top-k in every
         # layer; where the memory holds less, one pool shared by every layer still runs
         per_layer_min = per_layer_min_bytes(levels)
-        plan = plan_offload(info, dataclasses.replace(config, shallow_layers=None), context_bytes, levels, available_bytes)
+        plan = plan_offload(info, dataclasses.replace(config, shallow_layers=None), context_bytes, levels, available_bytes,
+                            gpu_bytes)
         if plan.budget_bytes is None or plan.budget_bytes >= per_layer_min:
             return plan
         return dataclasses.replace(plan, shared_pool=True, reason=(
@@ -316,6 +320,8 @@ def plan_offload(info: ModelInfo, config: OffloadConfig, context_bytes: int,
                                                 f"of {info.expert_bytes_total / MB:.1f} MB of experts", room)
 
     available = available_bytes if available_bytes is not None else available_memory_bytes()
+    if gpu_bytes is not None:
+        return _plan_on_gpu(info, levels, context_bytes, io_bytes, available, gpu_bytes, ladder)
     needs += headroom_bytes(available)
     budget = available - needs
     all_bytes = sum(level.expert_bytes_total for level in levels)
@@ -333,6 +339,34 @@ def plan_offload(info: ModelInfo, config: OffloadConfig, context_bytes: int,
     return OffloadPlan(budget, f"expert cache {budget / MB:.1f} MB (from {available / MB:.0f} MB available; "
                                f"{needs / MB:.0f} MB for the rest) of {all_bytes / MB:.1f} MB of experts",
                        available - needs - budget)
+
+
+def _plan_on_gpu(info: ModelInfo, levels: tuple[ModelInfo, ...], context_bytes: int, io_bytes: int, available: int,
+                 gpu_bytes: int, ladder: bool) -> OffloadPlan:
+    """plan_offload where a GPU with memory of its own holds the layers, the context and the
+    pools: the budget is what its free memory leaves; the host keeps the readers' buffers."""
+    name = info.path
+    min_bytes = sum(level.min_budget_bytes for level in levels)
+    all_bytes = sum(level.expert_bytes_total for level in levels)
+    host_needs = io_bytes + SLACK_BYTES
+    if available < host_needs:
+        raise BudgetError(f"{name}: not enough memory: {available / MB:.0f} MB available, the readers' buffers and "
+                          f"slack need {host_needs / MB:.0f} MB")
+    needs = info.resident_bytes + context_bytes + SLACK_BYTES + headroom_bytes(gpu_bytes)
+    budget = gpu_bytes - needs
+    if budget >= all_bytes:
+        if len(levels) == 1 and not ladder:
+            return OffloadPlan(None, f"all {info.expert_bytes_total / MB:.1f} MB of experts fit in the GPU's "
+                                     f"{gpu_bytes / MB:.0f} MB free: keeping them resident, no offload")
+        budget = all_bytes
+    if budget < min_bytes:
+        raise BudgetError(f"{name}: not enough GPU memory: {gpu_bytes / MB:.0f} MB free, the resident weights "
+                          f"({info.resident_bytes / MB:.0f} MB) and the context's buffers ({context_bytes / MB:.0f} MB) "
+                          f"need {needs / MB:.0f} MB and the expert cache at least {min_bytes / MB:.1f} MB; put fewer "
+                          "layers on the GPU (-ngl)")
+    return OffloadPlan(budget, f"expert cache {budget / MB:.1f} MB on the GPU (from {gpu_bytes / MB:.0f} MB free; "
+                               f"{needs / MB:.0f} MB for the rest) of {all_bytes / MB:.1f} MB of experts",
+                       available - host_needs)
 
 
 def cache_too_small_note(info: ModelInfo, n_slot: int) -> str | None:

@@ -36,8 +36,10 @@ def check_offload_allowed(info: ModelInfo, offload: OffloadConfig) -> None:
 
 
 def plan_run(info: ModelInfo, offload: OffloadConfig, shape: ContextShape, available: int, *,
-             vocab_only: bool = False, lora_path: str | None = None, default_reason: str | None = None) -> RunPlan:
-    """The run a config gives on this model with `available` bytes of memory. Raises what the run
+             gpu_bytes: int | None = None, vocab_only: bool = False, lora_path: str | None = None,
+             default_reason: str | None = None) -> RunPlan:
+    """The run a config gives on this model with `available` bytes of memory (and gpu_bytes free
+    on a GPU with memory of its own that holds every layer: plan_offload). Raises what the run
     would fail on (a refused architecture, a context that does not fit, a profile of another
     model, an adapter on offloaded experts) before anything is loaded. default_reason: the
     default's line (default_ladder.py), put before the plan's own."""
@@ -54,7 +56,8 @@ def plan_run(info: ModelInfo, offload: OffloadConfig, shape: ContextShape, avail
         raise BudgetError(f"{info.path}: a context of {shape.n_ctx} tokens needs {context.kv / MB:.0f} MB of KV cache "
                           f"and {(context.total - context.kv) / MB:.0f} MB of other buffers, more than the "
                           f"{available / MB:.0f} MB of memory available; use a smaller context (n_ctx, --ctx)")
-    plan = plan_offload(info, offload, context.total if offload.enabled else 0, levels, available_bytes=available)
+    plan = plan_offload(info, offload, context.total if offload.enabled else 0, levels, available_bytes=available,
+                        gpu_bytes=gpu_bytes)
     if plan.shared_pool:  # a pool per layer does not fit: the plan falls back to one
         offload = dataclasses.replace(offload, shallow_layers=None)
     if plan.budget_bytes is not None:

@@ -31,7 +31,7 @@ from ..binding import hobbit
 from ..binding.native import ffi
 from ..settings.config import OffloadConfig
 from .default_ladder import CALIBRATION_CTX, CALIBRATION_TOKENS, Calibration, applies, default_config, quiet
-from ..system.devices import say_if_gpu_unusable
+from ..system.devices import gpu_free_bytes, say_if_gpu_unusable
 from ..errors import BudgetError, ExpertReadError, HobbitError, ModelFileError, SettingError, TokenizeError
 from .gbnf import gbnf_bound_error
 from ..settings.generation import DEFAULTS, for_llama_cpp_python, generation_error
@@ -156,12 +156,17 @@ class Llama(llama_cpp.Llama):
         if "n_ctx" not in kwargs and not kwargs.get("vocab_only"):  # llama_cpp's would be 512, whatever the model
             kwargs["n_ctx"] = default_context(self.model_info, available_memory_bytes(), ContextShape.of(kwargs))
         check_offload_allowed(self.model_info, offload)
+        # every layer on a GPU with memory of its own: the pools go there, sized by its free memory
+        n_gpu_layers = int(kwargs.get("n_gpu_layers", 0))
+        gpu_bytes = gpu_free_bytes(n_gpu_layers < 0 or n_gpu_layers > self.model_info.n_layer)
         default_reason = None  # what the default chose and why, when the config left it the choice
-        if applies(offload) and self.model_info.is_moe and not kwargs.get("vocab_only"):
+        # (the default's ladder is placed and measured for the host's memory: on such a GPU the
+        # model's own experts are served)
+        if applies(offload) and self.model_info.is_moe and not kwargs.get("vocab_only") and gpu_bytes is None:
             offload, default_reason = self._default_offload(offload, kwargs)
         plan = plan_run(self.model_info, offload, ContextShape.of(kwargs), available_memory_bytes(),
-                        vocab_only=bool(kwargs.get("vocab_only")), lora_path=kwargs.get("lora_path"),
-                        default_reason=default_reason)
+                        gpu_bytes=gpu_bytes, vocab_only=bool(kwargs.get("vocab_only")),
+                        lora_path=kwargs.get("lora_path"), default_reason=default_reason)
         self.offload_config = plan.offload
         # the file of each precision level, high to low; None: the model's own experts (the
         # runtime checks that companions hold this model's experts)

@@ -17,6 +17,7 @@ import threading
 
 import llama_cpp
 
+from ..binding.ggml import dedicated_gpu_memory
 from ..binding.native import LIB_DIR
 
 _said = threading.Event()
@@ -40,6 +41,17 @@ def default_gpu_layers() -> int:
     """The CLI's -ngl when not given: every layer on the GPU when there is one (the experts'
     pools are there too: HOBBIT's GPU-centric design), none otherwise (llama.cpp's -1/0)."""
     return -1 if gpu_usable() else 0
+
+
+def gpu_free_bytes(every_layer_on_gpu: bool) -> int | None:
+    """The memory a run's layers and expert pools get on the GPU: its free bytes where every
+    layer goes to a GPU with memory of its own (-ngl -1, the CLI's default with a GPU), else
+    None (the CPU, a Jetson's GPU sharing the host's memory, or only some layers on the GPU:
+    the host's memory is then what limits the run)."""
+    if not every_layer_on_gpu or not gpu_usable():
+        return None
+    memory = dedicated_gpu_memory()
+    return None if memory is None else memory[0]
 
 
 def gpu_unusable_reason() -> str | None:
