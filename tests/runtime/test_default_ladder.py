@@ -183,6 +183,45 @@ def test_an_interrupted_measurement_removes_the_copy_and_keeps_no_failure(tmp_pa
     assert not default_companion_path(model, LOW_TYPE).exists()
     assert remembered_failure(model, hobbitpy.inspect_model(model), calibration_text()) is None
 
+def test_the_default_tries_a_q3_k_ladder_where_the_q2_k_one_is_beyond_the_limit(tmp_path):
+    """Measured, on the shipped model: with SOME_MEMORY the ladder over a Q2_K copy diverges
+    beyond the limit and the one over a Q3_K copy (fewer experts at the model's precision, each
+    low one closer to it) within: the Q3_K ladder serves, the Q2_K copy made for it goes, both
+    verdicts are kept and a second run measures nothing. With MORE_MEMORY the Q2_K ladder is
+    within: it serves, and no Q3_K copy is made or measured."""
+    model = tmp_path / "some" / "m.gguf"
+    model.parent.mkdir()
+    shutil.copy(MODEL, model)
+    scored = []
+
+    def score(reference, config):
+        scored.append(config.low)
+        return compare_ladder(str(model), reference, config, 2)
+
+    served, line = _default_of(model, SOME_MEMORY, score)
+    q2, q3 = default_companion_path(model, "Q2_K"), default_companion_path(model, "Q3_K")
+    assert served.low == str(q3) and "from a Q3_K copy" in line and f"(at most {MAX_MEAN_KL:g})" in line, line
+    assert q3.is_file() and not q2.exists()
+    ladders = load_calibration(model, hobbitpy.inspect_model(model), calibration_text()).ladders
+    assert any(p.low == "Q2_K" and not p.within for p in ladders) and any(p.low == "Q3_K" and p.within for p in ladders)
+    assert {pathlib.Path(s).name for s in scored} == {q2.name, q3.name}
+
+    def never(*args):
+        raise AssertionError("measured again")
+
+    again, line = _default_of(model, SOME_MEMORY, never, measure=never)
+    assert again.low == str(q3) and not q2.exists(), line
+
+    model = tmp_path / "more" / "m.gguf"
+    model.parent.mkdir()
+    shutil.copy(MODEL, model)
+    scored.clear()
+    served, line = _default_of(model, MORE_MEMORY, score)
+    assert served.low == str(default_companion_path(model, "Q2_K")) and "from a Q2_K copy" in line, line
+    assert not default_companion_path(model, "Q3_K").exists()
+    assert all(pathlib.Path(s).name.endswith("Q2_K.gguf") for s in scored), scored
+
+
 def _run(model, cap: MemoryCap, *flags: str) -> subprocess.CompletedProcess:
     # the model's pages are charged to the cap only when its run reads them in
     for path in model.parent.glob(f"{model.stem}*.gguf"):
@@ -258,7 +297,7 @@ def test_run_under_a_cap_measures_the_ladder_once_serves_it_within_the_limit_and
         assert tight.returncode == 0, tight.stderr[-3000:]
         assert "measuring the default ladder" in tight.stderr, tight.stderr
         assert f"(at most {MAX_MEAN_KL:g})" in tight.stderr and "(exact)" in tight.stderr, tight.stderr
-        assert f"hobbitpy tune {model} --text" in tight.stderr  # what a user who would trade some quality runs
+        assert f"hobbitpy tune {model} --text" in tight.stderr, tight.stderr  # what a user who would trade some quality runs
         assert tight.stdout == stock.stdout
         # the next run with a little less memory: a verdict beyond the limit settles every ladder
         # with no more experts at the model's precision. (Under the same cap a run finds a MB or

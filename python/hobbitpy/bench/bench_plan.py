@@ -10,7 +10,7 @@ from ..copies.companions import default_companion_path, resolve_levels
 from ..errors import HobbitError
 from ..files.model_file import model_parts
 from ..plan.memory import ContextShape, context_sizes
-from ..runtime.default_ladder import LOW_TYPE, applies
+from ..runtime.default_ladder import LOW_TYPES, applies
 from ..settings.config import MAX_MEAN_KL, MB, OffloadConfig
 
 STOCK = "stock"
@@ -67,10 +67,10 @@ def config_files(model: str, cfg: BenchConfig) -> set[str]:
         return set(model_parts(cfg.model or model))
     offload = cfg.offload_config(cfg.offload["cache_mb"])
     levels = resolve_levels(model, offload.high_file, offload.mid, offload.low, offload.high_flag)
-    # the default's low copy, where it chooses one (made before the runs when missing: default_ladder.py)
-    default_low = default_companion_path(model, LOW_TYPE) if applies(offload) else None
+    # the default's low copies, where it chooses one (made in its first run when missing: default_ladder.py)
+    default_lows = [default_companion_path(model, low) for low in LOW_TYPES] if applies(offload) else []
     return {*model_parts(cfg.model or model), *(p for p in levels if p is not None),
-            *([str(default_low)] if default_low is not None and default_low.is_file() else [])}
+            *(str(low) for low in default_lows if low.is_file())}
 
 
 def check_caps(info, caps: list[Cap], shape: ContextShape, process_bytes: int) -> None:

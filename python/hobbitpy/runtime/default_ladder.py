@@ -17,8 +17,11 @@ dialogue, code, arithmetic, three languages, scripture):
   progress bar; the disk it needs checked and said first; never with `--no-prepare`);
 - the ladder the memory allows is run over the same text (after the one with every expert at
   the low copy: within, so is any ladder); it is served when its next-token distributions are
-  within MAX_MEAN_KL of the model's, else the model's own experts are (and a copy made for
-  nothing is removed). The divergence, not the perplexity, decides: it is the
+  within MAX_MEAN_KL of the model's;
+- else the same over a Q3_K copy (a third more bytes a low expert, a third of Q2_K's
+  divergence: on ref-mixtral at Q4_K_M, at 0.75 of the experts' bytes, the Q2_K ladder measured
+  0.012 nats and the Q3_K ladder 0.0079, reading a quarter of what the model's own experts
+  read; docs/BENCHMARKS.md), else the model's own experts (a copy made for nothing is removed). The divergence, not the perplexity, decides: it is the
   perplexity increase to expect on text the model predicts well, and it does not hide behind
   a text the model predicts badly (on the KJV-trained ref-mixtral, Q2_K for every expert
   measured -1.1 % perplexity on the calibration text and +4.6 % on held-out scripture; its
@@ -36,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable
 import dataclasses
 from dataclasses import dataclass
+import functools
 import hashlib
 import importlib.resources
 import json
@@ -66,8 +70,11 @@ def quiet() -> bool:
     return log.level >= logging.ERROR
 
 
-# the low copy the default ladder makes (the one type `prepare` writes at disk speed)
-LOW_TYPE = "Q2_K"
+# the low copies the default's ladders are placed over, tried in this order (the fewest bytes a
+# low expert first: the faster ladder where both are within the limit); Q2_K is the type
+# `prepare` writes at disk speed, Q3_K goes through ggml's quantizer
+LOW_TYPES = ("Q2_K", "Q3_K")
+LOW_TYPE = LOW_TYPES[0]
 # the calibration passes: prompts of at most this many tokens, at most CALIBRATION_TOKENS in
 # all (at real size each pass reads every expert once: two passes of 512 tokens)
 CALIBRATION_CTX = 512
@@ -86,6 +93,7 @@ class Priced:
     n_high: int           # experts at the model's precision
     mean_kl: float        # from the model's next-token distributions, nats a token
     ppl_increase: float   # on the calibration text (shown, not decided on)
+    low: str = LOW_TYPE   # the low copy's type
 
     @property
     def within(self) -> bool:
@@ -102,16 +110,17 @@ class Calibration:
     # the model's next-token distributions, which a ladder is compared with (this process only)
     reference: Reference | None = dataclasses.field(default=None, compare=False)
 
-    def verdict(self, n_high: int) -> Priced | None:
-        """The measurement that settles a ladder of n_high experts at the model's precision
-        (more of them never diverge more: a placement raises the most weighed first), or None."""
-        within = [p for p in self.ladders if p.n_high <= n_high and p.within]
-        beyond = [p for p in self.ladders if p.n_high >= n_high and not p.within]
+    def verdict(self, n_high: int, low: str = LOW_TYPE) -> Priced | None:
+        """The measurement that settles a ladder of n_high experts at the model's precision over
+        the low copy of that type (more of them never diverge more: a placement raises the most
+        weighed first), or None."""
+        within = [p for p in self.ladders if p.low == low and p.n_high <= n_high and p.within]
+        beyond = [p for p in self.ladders if p.low == low and p.n_high >= n_high and not p.within]
         return within[-1] if within else beyond[0] if beyond else None
 
     def priced(self, measured: Priced) -> "Calibration":
-        kept = {p.n_high: p for p in self.ladders} | {measured.n_high: measured}
-        return dataclasses.replace(self, ladders=tuple(kept[n] for n in sorted(kept)))
+        kept = {(p.low, p.n_high): p for p in self.ladders} | {(measured.low, measured.n_high): measured}
+        return dataclasses.replace(self, ladders=tuple(kept[k] for k in sorted(kept)))
 
 
 def applies(config: OffloadConfig) -> bool:
@@ -147,8 +156,8 @@ def load_calibration(model_path: str | os.PathLike, info: ModelInfo, text: str) 
         if (data.get("version") != IMPORTANCE_VERSION or data.get("model_bytes") != info.file_bytes
                 or data.get("text") != _text_digest(text)):
             return None
-        ladders = tuple(Priced(int(p["n_high"]), float(p["mean_kl"]), float(p["ppl_increase"]))
-                        for p in data["ladders"])
+        ladders = tuple(Priced(int(p["n_high"]), float(p["mean_kl"]), float(p["ppl_increase"]),
+                               str(p.get("low", LOW_TYPE))) for p in data["ladders"])
         calibration = Calibration(np.array(data["importance"], np.float64), int(data["n_tokens"]), ladders)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
@@ -185,16 +194,25 @@ class Failure:
 
     budget_bytes: int  # the two-level budget the run had
     why: str
+    low: str = LOW_TYPE  # the low copy's type
 
 
-def remembered_failure(model_path: str | os.PathLike, info: ModelInfo, text: str) -> Failure | None:
-    """The failure kept next to the model for this file and this text, if any."""
+def _failures(data: dict) -> dict[str, dict]:
+    """The failures kept, by low type (one kept before there were several types: Q2_K's)."""
+    failed = data.get("failed") or {}
+    return {LOW_TYPE: failed} if "budget_bytes" in failed else failed
+
+
+def remembered_failure(model_path: str | os.PathLike, info: ModelInfo, text: str,
+                       low: str = LOW_TYPE) -> Failure | None:
+    """The failure of the ladder over that low type kept next to the model for this file and
+    this text, if any."""
     try:
         data = json.loads(importance_path(model_path).read_text())
         if data.get("model_bytes") != info.file_bytes or data.get("text") != _text_digest(text):
             return None
-        failed = data.get("failed")
-        return None if failed is None else Failure(int(failed["budget_bytes"]), str(failed["why"]))
+        failed = _failures(data).get(low)
+        return None if failed is None else Failure(int(failed["budget_bytes"]), str(failed["why"]), low)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -209,7 +227,7 @@ def _remember_failure(model_path: str | os.PathLike, info: ModelInfo, text: str,
     except (OSError, ValueError, AttributeError):
         data = {"version": IMPORTANCE_VERSION, "model": os.path.basename(model_path), "model_bytes": info.file_bytes,
                 "text": _text_digest(text)}
-    data["failed"] = dataclasses.asdict(failure)
+    data["failed"] = _failures(data) | {failure.low: {"budget_bytes": failure.budget_bytes, "why": failure.why}}
     try:
         with partial_output(path) as partial:
             partial.write_text(json.dumps(data) + "\n")
@@ -229,9 +247,9 @@ def _release(*paths: str | os.PathLike) -> None:
             pass
 
 
-def low_copy_layer_bytes(info: ModelInfo) -> np.ndarray:
-    """[moe_layers]: one expert's bytes in the LOW_TYPE copy `prepare` will write (0: rows not whole blocks)."""
-    return copy_layer_bytes(info, LOW_TYPE)
+def low_copy_layer_bytes(info: ModelInfo, low: str = LOW_TYPE) -> np.ndarray:
+    """[moe_layers]: one expert's bytes in the copy of that type `prepare` will write (0: rows not whole blocks)."""
+    return copy_layer_bytes(info, low)
 
 
 def low_weight_share(importance: np.ndarray, placement: tuple[tuple[int, ...], ...]) -> float:
@@ -245,37 +263,38 @@ def _exact(why: str) -> str:
     return f"serving the model's own experts (exact): {why}"
 
 
-def unfit_reason(info: ModelInfo, budget_bytes: int | None) -> str | None:
-    """Why no ladder can be served here, from the bytes alone (None: one can; budget_bytes: what
-    two levels would get, None where not even their minimum fits)."""
-    low = low_copy_layer_bytes(info)
+def unfit_reason(info: ModelInfo, budget_bytes: int | None, low_type: str = LOW_TYPE) -> str | None:
+    """Why no ladder over a copy of that type can be served here, from the bytes alone (None:
+    one can; budget_bytes: what two levels would get, None where not even their minimum fits)."""
+    low = low_copy_layer_bytes(info, low_type)
     if not low.any():
-        return _exact(f"its experts' rows are not whole {LOW_TYPE} blocks")
+        return _exact(f"its experts' rows are not whole {low_type} blocks")
     if int(low.sum()) * info.n_expert >= info.expert_bytes_total:
-        return _exact(f"a {LOW_TYPE} copy would be no smaller than its experts")
+        return _exact(f"a {low_type} copy would be no smaller than its experts")
     if budget_bytes is None:
         return _exact("no room for an expert cache of two precisions")
     return None
 
 
 def ladder_placement(info: ModelInfo, model_layer_bytes: np.ndarray, budget_bytes: int,
-                     importance: np.ndarray) -> tuple[tuple[tuple[int, ...], ...], int]:
-    """The ladder a budget gives (the level of every expert, 0: the model's precision) and how
-    many experts it keeps at the model's precision."""
-    placement = place_by_importance(importance, [model_layer_bytes, low_copy_layer_bytes(info)], budget_bytes)
+                     importance: np.ndarray, low: str = LOW_TYPE) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """The ladder a budget gives over the copy of that type (the level of every expert, 0: the
+    model's precision) and how many experts it keeps at the model's precision."""
+    placement = place_by_importance(importance, [model_layer_bytes, low_copy_layer_bytes(info, low)], budget_bytes)
     return placement, sum(level == 0 for row in placement for level in row)
 
 
 def describe(info: ModelInfo, budget_bytes: int, importance: np.ndarray, placement, verdict: Priced) -> str:
     """The line a served ladder is announced with."""
-    low_total = int(low_copy_layer_bytes(info).sum()) * info.n_expert
+    low = verdict.low
+    low_total = int(low_copy_layer_bytes(info, low).sum()) * info.n_expert
     n_experts = info.n_layer_moe * info.n_expert
     n_high = sum(level == 0 for row in placement for level in row)
     where = ("every expert in memory" if budget_bytes >= low_total else
-             f"the {LOW_TYPE} copy ({low_total / MB:.0f} MB) read through the expert cache ({budget_bytes / MB:.0f} MB)")
-    what = (f"every expert from a {LOW_TYPE} copy (the fewest bytes a token within the limit)" if n_high == 0 else
+             f"the {low} copy ({low_total / MB:.0f} MB) read through the expert cache ({budget_bytes / MB:.0f} MB)")
+    what = (f"every expert from a {low} copy (the fewest bytes a token within the limit)" if n_high == 0 else
             f"the {n_high} of {n_experts} experts the routers weigh most at the model's precision, the rest "
-            f"({100 * low_weight_share(importance, placement):.0f} % of the routers' weight) from a {LOW_TYPE} copy")
+            f"({100 * low_weight_share(importance, placement):.0f} % of the routers' weight) from a {low} copy")
     return f"{where}: {what}; {_measured(verdict)} (lossy; --exact serves the model's own experts only)"
 
 
@@ -305,69 +324,92 @@ Score = Callable[[Reference, OffloadConfig], Comparison]
 def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, available: int,
                    measure: Measure, score: Score, threads: int) -> tuple[OffloadConfig, str]:
     """The config a run left to the default serves (applies(config) holds, the experts do not
-    all fit), and the line saying what and why. Measures and makes what the ladder needs on
-    first use: the calibration, the low copy, the ladder's divergence."""
+    all fit), and the line saying what and why. Measures and makes what a ladder needs on
+    first use: the calibration, the low copy, the ladder's divergence; over each low type in
+    turn while the ladder the memory allows measures beyond the limit."""
+    beyond: list[str] = []  # the lines of the ladders measured beyond the limit
+    measure = _once(measure, importance_path(info.path))  # the model's own experts: once, whatever the types tried
+    for low_type in LOW_TYPES:
+        served, line, was_beyond = _default_over(low_type, info, config, shape, available, measure, score, threads)
+        if not was_beyond:
+            if beyond and line.startswith(_exact("")):  # exact for another reason: both said
+                line = f"{line}; {'; '.join(beyond)}; {_tune_hint(info)}"
+            return served, line
+        beyond.append(line.removeprefix(_exact("")))
+    return dataclasses.replace(config, auto=False), _exact(f"{'; '.join(beyond)}; {_tune_hint(info)}")
+
+
+def _tune_hint(info: ModelInfo) -> str:
+    return f"faster at a perplexity cost you choose: hobbitpy tune {info.path} --text YOUR-TEXT"
+
+
+def _default_over(low_type: str, info: ModelInfo, config: OffloadConfig, shape: ContextShape, available: int,
+                  measure: Measure, score: Score, threads: int) -> tuple[OffloadConfig, str, bool]:
+    """default_config over the copy of one low type: the config, its line, and whether the
+    ladder the memory allows measured beyond the limit (then the next type is worth trying)."""
     exact = dataclasses.replace(config, auto=False)
     model_path = info.path
-    low_path = default_companion_path(model_path, LOW_TYPE)
-    low = low_copy_layer_bytes(info)
-    ladder = dataclasses.replace(config, low=LOW_TYPE, hits="found", auto=False)
+    low_path = default_companion_path(model_path, low_type)
+    low = low_copy_layer_bytes(info, low_type)
+    ladder = dataclasses.replace(config, low=low_type, hits="found", auto=False)
     budget = (_two_level_budget(info, ladder, shape, available, estimated_copy(info, low, low_path))
               if low.any() else None)
-    why_not = unfit_reason(info, budget)
+    why_not = unfit_reason(info, budget, low_type)
     if why_not is not None:
-        return exact, why_not
+        return exact, why_not, False
 
     text = calibration_text()
-    failure = remembered_failure(model_path, info, text)
+    failure = remembered_failure(model_path, info, text, low_type)
     if failure is not None and budget <= failure.budget_bytes:
-        return exact, _exact(f"the ladder could not be measured with as much memory or more ({failure.why}; kept in "
-                             f"{importance_path(model_path)}: delete it to measure again)")
+        return exact, _exact(f"the ladder over {low_type} could not be measured with as much memory or more "
+                             f"({failure.why}; kept in "
+                             f"{importance_path(model_path)}: delete it to measure again)"), False
     made: list[pathlib.Path] = []  # the copy _choose makes, named there until it is served
     try:
         return _choose(info, config, exact, ladder, budget, text, measure, score, threads, made)
     except (HobbitError, OSError) as e:  # a read that failed, the disk, no room for the passes' arrays
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        _remember_failure(model_path, info, text, Failure(budget, why))
-        return exact, _exact(f"the ladder could not be measured ({why})")
+        _remember_failure(model_path, info, text, Failure(budget, why, low_type))
+        return exact, _exact(f"the ladder over {low_type} could not be measured ({why})"), False
     finally:
         for path in made:  # made, and not served (beyond the limit, a failure, an interrupt): made for nothing
             path.unlink(missing_ok=True)
 
 
 def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder: OffloadConfig, budget: int,
-            text: str, measure: Measure, score: Score, threads: int, made: list) -> tuple[OffloadConfig, str]:
-    """default_config's choice once a ladder fits: measures what is not known yet. The copy of the
-    experts it makes is named in `made` until it is served (the caller removes it otherwise,
-    whatever ends the choice)."""
+            text: str, measure: Measure, score: Score, threads: int, made: list) -> tuple[OffloadConfig, str, bool]:
+    """_default_over's choice once a ladder over ladder.low (a type) fits: measures what is not
+    known yet. The copy of the experts it makes is named in `made` until it is served (the
+    caller removes it otherwise, whatever ends the choice). The flag: measured beyond."""
     model_path = info.path
-    low_path = default_companion_path(model_path, LOW_TYPE)
-    low = low_copy_layer_bytes(info)
+    low_type = ladder.low
+    low_path = default_companion_path(model_path, low_type)
+    low = low_copy_layer_bytes(info, low_type)
     calibration = load_calibration(model_path, info, text)
     if calibration is None:
         calibration = _measure(model_path, info, text, measure, calibration)
     model_layer_bytes = layer_expert_bytes(model_path, info.n_expert)
-    placed = placed_bytes(info, budget, calibration)
-    placement, n_high = ladder_placement(info, model_layer_bytes, placed, calibration.importance)
-    verdict = calibration.verdict(n_high)
+    placed = placed_bytes(info, budget, calibration, low_type)
+    placement, n_high = ladder_placement(info, model_layer_bytes, placed, calibration.importance, low_type)
+    verdict = calibration.verdict(n_high, low_type)
     if verdict is None:
         if calibration.reference is None:  # kept from an earlier run: its distributions are not
             calibration = _measure(model_path, info, text, measure, calibration)
         # no room to measure: known before the copy is made for nothing
-        _measuring_room(info, calibration.reference, dataclasses.replace(ladder, low=str(low_path)))
+        _measuring_room(info, calibration.reference, dataclasses.replace(ladder, low=str(low_path)), low_type)
     if verdict is None or verdict.within:
         if not low_path.is_file():
             if not config.prepare:
-                return exact, _exact(f"the default ladder needs a {LOW_TYPE} copy of the experts, {low_path} does not "
-                                     "exist and --no-prepare was given")
+                return exact, _exact(f"the default ladder needs a {low_type} copy of the experts, {low_path} does not "
+                                     "exist and --no-prepare was given"), False
             need = int(low.sum()) * info.n_expert
-            log.info(f"making a {LOW_TYPE} copy of the experts for the default ladder ({need / 1e9:.2f} GB, once): "
+            log.info(f"making a {low_type} copy of the experts for the default ladder ({need / 1e9:.2f} GB, once): "
                      f"{low_path}")
             try:
-                prepare_companion(model_path, LOW_TYPE, low_path, threads=threads,
+                prepare_companion(model_path, low_type, low_path, threads=threads,
                                   progress=not quiet())
             except (OSError, ValueError, HobbitError) as e:  # the disk full, the folder read-only, ...
-                return exact, _exact(f"the {LOW_TYPE} copy could not be made ({e})")
+                return exact, _exact(f"the {low_type} copy could not be made ({e})"), False
             finally:
                 return_freed_memory()  # its buffers: the run planned next in this process is given them
             made.append(low_path)
@@ -377,50 +419,48 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
     if verdict is None:
         measured = None
         try:
-            for trial_bytes in _ladders_to_measure(info, budget):
-                _, n_measured = ladder_placement(info, model_layer_bytes, trial_bytes, calibration.importance)
-                if any(p.n_high == n_measured for p in calibration.ladders):
+            for trial_bytes in _ladders_to_measure(info, budget, low_type):
+                _, n_measured = ladder_placement(info, model_layer_bytes, trial_bytes, calibration.importance, low_type)
+                if any(p.low == low_type and p.n_high == n_measured for p in calibration.ladders):
                     continue
                 measured = _price(info, calibration, dataclasses.replace(served, placed_mb=trial_bytes / MB),
-                                  n_measured, budget, score)
+                                  n_measured, budget, score, low_type)
                 calibration = calibration.priced(measured)
                 _keep(model_path, info, text, calibration)
-                verdict = calibration.verdict(n_high)
+                verdict = calibration.verdict(n_high, low_type)
                 if verdict is not None:
                     break
         finally:
             _release(model_path, low_path)
         verdict = verdict or measured  # (beyond with fewer experts at the model's precision: no risk taken)
         if verdict is not None and verdict.within:  # what was measured may allow fewer at the model's precision
-            placed = placed_bytes(info, budget, calibration)
-            placement, n_high = ladder_placement(info, model_layer_bytes, placed, calibration.importance)
+            placed = placed_bytes(info, budget, calibration, low_type)
+            placement, n_high = ladder_placement(info, model_layer_bytes, placed, calibration.importance, low_type)
             served = dataclasses.replace(served, placed_mb=placed / MB)
-            verdict = calibration.verdict(n_high)
+            verdict = calibration.verdict(n_high, low_type)
     if verdict is None:  # (every ladder to measure was measured, none settles this one: not seen)
-        return exact, _exact("no measurement settles the ladder memory allows")
+        return exact, _exact("no measurement settles the ladder memory allows"), False
     if not verdict.within:  # (a copy made for it is removed by the caller: the verdict is kept)
         return exact, _exact(f"the ladder memory allows ({n_high} experts at the model's precision, the rest at "
-                             f"{LOW_TYPE}) measured {_measured(verdict)}; faster at a perplexity cost you choose: "
-                             f"hobbitpy tune {model_path} --text YOUR-TEXT")
+                             f"{low_type}) measured {_measured(verdict)}"), True
     made.clear()  # served: not made for nothing
-    return served, describe(info, budget, calibration.importance, placement, verdict)
+    return served, describe(info, budget, calibration.importance, placement, verdict), False
 
 
-def placed_bytes(info: ModelInfo, budget: int, calibration: Calibration) -> int:
+def placed_bytes(info: ModelInfo, budget: int, calibration: Calibration, low: str = LOW_TYPE) -> int:
     """The bytes a budget's ladder is placed for: the budget's, or only the low copy's where every
     expert at the low copy measured within the limit. An expert at the model's precision streams
     more bytes a token through the matmuls than its copy, so a ladder keeps no more of them than
     the limit needs: more memory then never decodes slower (docs/BENCHMARKS.md at 5f63b2a, the default's
     ladder)."""
-    low_total = int(low_copy_layer_bytes(info).sum()) * info.n_expert
-    every_low = calibration.verdict(0)
+    low_total = int(low_copy_layer_bytes(info, low).sum()) * info.n_expert
+    every_low = calibration.verdict(0, low)
     return min(budget, low_total) if every_low is not None and every_low.within else budget
 
 
 def _measure(model_path: str | os.PathLike, info: ModelInfo, text: str, measure: Measure,
              kept: Calibration | None) -> Calibration:
     """The model's own experts on the calibration text (the ladders kept priced stay priced)."""
-    log.info(f"measuring the model on hobbitpy's calibration text (kept in {importance_path(model_path)})")
     calibration = measure(text)
     if kept is not None:
         calibration = dataclasses.replace(calibration, ladders=kept.ladders)
@@ -429,22 +469,31 @@ def _measure(model_path: str | os.PathLike, info: ModelInfo, text: str, measure:
     return calibration
 
 
-def _ladders_to_measure(info: ModelInfo, budget: int) -> list[int]:
+def _once(measure: Measure, kept_in: pathlib.Path) -> Measure:
+    """measure, run at most once a text (and said when it runs)."""
+    @functools.cache
+    def measured(text: str) -> Calibration:
+        log.info(f"measuring the model on hobbitpy's calibration text (kept in {kept_in})")
+        return measure(text)
+    return measured
+
+
+def _ladders_to_measure(info: ModelInfo, budget: int, low: str) -> list[int]:
     """The placements (as budgets) a run measures, until one settles the budget's ladder: every
     expert at the low copy first (within: so is any ladder, and no later run measures); then
     the budget's for MEASURED_SHARE of the bytes it gives above the copy (within: a later run
     that finds a little less memory takes the verdict); then the budget's own."""
-    low_total = int(low_copy_layer_bytes(info).sum()) * info.n_expert
+    low_total = int(low_copy_layer_bytes(info, low).sum()) * info.n_expert
     extra = budget - low_total
     return [low_total] + ([low_total + int(MEASURED_SHARE * extra), budget] if extra > 0 else [])
 
 
-def _measuring_room(info: ModelInfo, reference: Reference, ladder: OffloadConfig) -> int:
+def _measuring_room(info: ModelInfo, reference: Reference, ladder: OffloadConfig, low_type: str) -> int:
     """The expert cache a ladder gets while it is measured: what the memory leaves now beside the
     measurement's arrays (every token's logits); BudgetError where not even its minimum fits."""
     n = reference.n_ctx
     passes = ContextShape(n_ctx=n, n_batch=n, n_ubatch=n, logits_all=True)
-    low_info = estimated_copy(info, low_copy_layer_bytes(info), ladder.low)
+    low_info = estimated_copy(info, low_copy_layer_bytes(info, low_type), ladder.low)
     room = _two_level_budget(info, ladder, passes, available_memory_bytes() - scoring_bytes(n, reference.n_vocab),
                              low_info)
     if room is None:
@@ -453,12 +502,13 @@ def _measuring_room(info: ModelInfo, reference: Reference, ladder: OffloadConfig
 
 
 def _price(info: ModelInfo, calibration: Calibration, ladder: OffloadConfig, n_high: int, budget: int,
-           score: Score) -> Priced:
+           score: Score, low_type: str) -> Priced:
     """A ladder (placed as ladder.placed_mb holds it, n_high experts at the model's precision)
     measured against the model on the calibration windows, through the cache the memory leaves
     now beside the measurement's arrays (every token's logits: a smaller cache than the run's
     budget, and its misses read as they come)."""
-    room = _measuring_room(info, calibration.reference, ladder)
-    log.info(f"measuring the default ladder on hobbitpy's calibration text ({n_high} experts at the model's precision)")
+    room = _measuring_room(info, calibration.reference, ladder, low_type)
+    log.info(f"measuring the default ladder on hobbitpy's calibration text ({n_high} experts at the model's precision, "
+             f"the rest at {low_type})")
     c = score(calibration.reference, dataclasses.replace(ladder, cache_mb=min(budget, room) / MB))
-    return Priced(n_high, c.mean_kl, c.ppl_increase)
+    return Priced(n_high, c.mean_kl, c.ppl_increase, low_type)
