@@ -21,11 +21,12 @@ dialogue, code, arithmetic, three languages, scripture):
 - else the same over a Q3_K copy (a third more bytes a low expert, a third of Q2_K's
   divergence: on ref-mixtral at Q4_K_M, at 0.75 of the experts' bytes, the Q2_K ladder measured
   0.012 nats and the Q3_K ladder 0.0079, reading a quarter of what the model's own experts
-  read; docs/BENCHMARKS.md), else the model's own experts (a copy made for nothing is removed). The divergence, not the perplexity, decides: it is the
-  perplexity increase to expect on text the model predicts well, and it does not hide behind
-  a text the model predicts badly (on the KJV-trained ref-mixtral, Q2_K for every expert
-  measured -1.1 % perplexity on the calibration text and +4.6 % on held-out scripture; its
-  divergence was 0.038 nats). What was measured is kept with the importance: a later run
+  read; docs/BENCHMARKS.md), else the model's own experts (a copy made for nothing is
+  removed). The divergence, not the perplexity, decides: it is the perplexity increase to
+  expect on text the model predicts well, and it does not hide behind a text the model
+  predicts badly (on the KJV-trained ref-mixtral, Q2_K for every expert measured -1.1 %
+  perplexity on the calibration text and +4.6 % on held-out scripture; its divergence was
+  0.038 nats). What was measured is kept with the importance, per low type: a later run
   whose memory allows at least as many experts at the model's precision as a ladder found
   within reuses the verdict, as does one allowing at most as many as a ladder found beyond.
 
@@ -106,7 +107,7 @@ class Calibration:
 
     importance: np.ndarray  # [moe_layers][n_expert]: the routers' squared gate weights (placement.importance_of)
     n_tokens: int           # tokens evaluated
-    ladders: tuple[Priced, ...] = ()  # fewest experts at the model's precision first
+    ladders: tuple[Priced, ...] = ()  # by low type, fewest experts at the model's precision first
     # the model's next-token distributions, which a ladder is compared with (this process only)
     reference: Reference | None = dataclasses.field(default=None, compare=False)
 
