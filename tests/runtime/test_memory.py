@@ -224,3 +224,21 @@ def test_without_a_gpu_of_its_own_the_host_memory_plans(model_dir):
         assert "on the GPU" not in llm.offload_plan.reason
     finally:
         llm.close()
+
+
+def test_weights_are_repacked_only_where_the_file_fits_beside_the_copy(model_dir):
+    # stock's best setting for the memory: llama.cpp's CPU backend copies Q4_0/Q4_K/IQ4_NL weights
+    # repacked into memory of its own; a file that does not fit beside that copy runs mapped
+    # (--no-repack), whether the run is a user's with offload off or the reference quality scores
+    from hobbitpy.plan.run_plan import REPACK_ROOM, plan_run
+
+    info = hobbitpy.inspect_model(tiny_model(model_dir, "qwen3moe"))
+    shape = ContextShape(n_ctx=64, n_batch=64, n_ubatch=64)
+    stock = hobbitpy.OffloadConfig(enabled=False)
+    roomy = 64 * info.file_bytes + 256 * MB
+    assert plan_run(info, stock, shape, roomy).repack
+    tight = int(REPACK_ROOM * info.file_bytes) - 1
+    assert not plan_run(info, stock, shape, tight).repack
+    # offloaded, only the resident weights are repacked: the pools hold the experts as filed
+    offloaded = plan_run(info, hobbitpy.OffloadConfig(cache_mb=2), shape, tight)
+    assert offloaded.offloaded and offloaded.repack

@@ -25,7 +25,8 @@ from ..files.model_file import inspect_model
 from ..files.tokens import tokenize_text
 from ..measure.evaluate import evaluate_against, measure_reference
 from ..measure.tune import SCORING_CTX, measure_text, tune
-from ..plan.memory import SLACK_BYTES, ContextShape, context_sizes
+from ..plan.memory import SLACK_BYTES, ContextShape, available_memory_bytes, context_sizes
+from ..plan.run_plan import repack_fits
 from ..settings.config import MB, OffloadConfig
 from ..system.disk import drop_from_page_cache, measure_read_bandwidth
 from ..system.memory_cgroup import MemoryCap
@@ -73,11 +74,11 @@ def _run_one(model: str, cfg: BenchConfig, cap: Cap, memcap: MemoryCap | None, n
     offload = cfg.offload
     if offload is not None and memcap is None and cap.limit_bytes is not None and offload.get("cache_mb") is None:
         offload = dict(offload, cache_mb=fallback_budget_mb)  # no cgroup: the budget stands in for the cap
-    # stock with its best settings for the memory: under a cap below its file, the CPU backend's
-    # repacked copy of the Q4_0/Q4_K weights cannot fit beside the mapping (killed, or evicting the
-    # pages every token reads), so it runs as a user who knows turns it off (--no-repack)
+    # stock with its best settings for the memory: where the file does not fit beside the CPU
+    # backend's repacked copy of its Q4_0/Q4_K weights, it runs as a user who knows turns it off
     model_file = cfg.model or model
-    repack = offload is not None or cap.limit_bytes is None or cap.limit_bytes >= 1.25 * inspect_model(model_file).file_bytes
+    memory = cap.limit_bytes if cap.limit_bytes is not None else available_memory_bytes()
+    repack = offload is not None or repack_fits(inspect_model(model_file).file_bytes, memory)
     spec = {"model": model_file, "offload": offload, "n_predict": n_predict, "threads": threads,
             "prompt_tokens": list(prompt_tokens), "beams": beams, "repack": repack}
     # every file of the benchmark, not only this run's: page cache stays charged to the

@@ -22,10 +22,22 @@ class RunPlan:
     shape: ContextShape                      # the context, its ubatch decided
     offload_plan: OffloadPlan                # the expert cache's budget (None: stock) and the line saying why
     placement: tuple[tuple[int, ...], ...] | None  # the level of every expert, where placed by importance
+    repack: bool                             # the CPU backend's repacked copy of Q4_0/Q4_K/IQ4_NL weights (repack_fits)
 
     @property
     def offloaded(self) -> bool:
         return self.offload_plan.budget_bytes is not None
+
+
+# the repacked copy of a file's weights, with the mapping's pages the compute still touches
+REPACK_ROOM = 1.25
+
+
+def repack_fits(file_bytes: int, memory_bytes: int | None) -> bool:
+    """Whether llama.cpp's CPU backend may copy the weights it repacks (Q4_0, Q4_K, IQ4_NL) into
+    memory of its own: where the file does not fit beside that copy, the copy evicts the pages
+    every token reads, or the process is killed, and stock's best setting is --no-repack."""
+    return memory_bytes is None or memory_bytes >= REPACK_ROOM * file_bytes
 
 
 def check_offload_allowed(info: ModelInfo, offload: OffloadConfig) -> None:
@@ -72,4 +84,6 @@ def plan_run(info: ModelInfo, offload: OffloadConfig, shape: ContextShape, avail
             raise HobbitError(f"{lora_path}: LoRA adapters are not supported with expert offload yet; "
                               "load the model with OffloadConfig(enabled=False)")
         placement = placement_for(info, offload, level_paths, plan.budget_bytes)
-    return RunPlan(offload, level_paths, shape, plan, placement)
+    # offloaded, only the resident weights are repacked (the pools hold the experts as filed)
+    repack = plan.budget_bytes is not None or repack_fits(info.file_bytes, available)
+    return RunPlan(offload, level_paths, shape, plan, placement, repack)

@@ -21,8 +21,9 @@ dialogue, code, arithmetic, three languages, scripture):
 - else the same over a Q3_K copy (a third more bytes a low expert, a third of Q2_K's
   divergence: on ref-mixtral at Q4_K_M, at 0.75 of the experts' bytes, the Q2_K ladder measured
   0.012 nats and the Q3_K ladder 0.0079, reading a quarter of what the model's own experts
-  read; docs/BENCHMARKS.md), else the model's own experts (a copy made for nothing is
-  removed). The divergence, not the perplexity, decides: it is the perplexity increase to
+  read; docs/BENCHMARKS.md) unless the Q2_K ladder measured so far beyond the limit that a
+  Q3_K copy cannot bring it within (NEXT_TYPE_GAIN: at real size the copy and its measurement
+  take tens of minutes), else the model's own experts (a copy made for nothing is removed). The divergence, not the perplexity, decides: it is the perplexity increase to
   expect on text the model predicts well, and it does not hide behind a text the model
   predicts badly (on the KJV-trained ref-mixtral, Q2_K for every expert measured -1.1 %
   perplexity on the calibration text and +4.6 % on held-out scripture; its divergence was
@@ -76,6 +77,11 @@ def quiet() -> bool:
 # `prepare` writes at disk speed, Q3_K goes through ggml's quantizer
 LOW_TYPES = ("Q2_K", "Q3_K")
 LOW_TYPE = LOW_TYPES[0]
+# the most a copy of the next low type divides the divergence of the one before: Q2_K over Q3_K
+# mean KL measured 2.7, 3.5 and 3.7 for the uniform quants of the evidence models and 2.4 for the
+# all-low ladders of the real-size one on the calibration text (0.139 and 0.0585 nats;
+# docs/BENCHMARKS.md); a ladder beyond this many times the limit leaves the next type no chance
+NEXT_TYPE_GAIN = 4.0
 # the calibration passes: prompts of at most this many tokens, at most CALIBRATION_TOKENS in
 # all (at real size each pass reads every expert once: two passes of 512 tokens)
 CALIBRATION_CTX = 512
@@ -330,13 +336,19 @@ def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, 
     turn while the ladder the memory allows measures beyond the limit."""
     beyond: list[str] = []  # the lines of the ladders measured beyond the limit
     measure = _once(measure, importance_path(info.path))  # the model's own experts: once, whatever the types tried
-    for low_type in LOW_TYPES:
-        served, line, was_beyond = _default_over(low_type, info, config, shape, available, measure, score, threads)
-        if not was_beyond:
+    for low_type, next_type in zip(LOW_TYPES, (*LOW_TYPES[1:], None)):
+        served, line, beyond_verdict = _default_over(low_type, info, config, shape, available, measure, score, threads)
+        if beyond_verdict is None:
             if beyond and line.startswith(_exact("")):  # exact for another reason: both said
                 line = f"{line}; {'; '.join(beyond)}; {_tune_hint(info)}"
             return served, line
         beyond.append(line.removeprefix(_exact("")))
+        if next_type is not None and beyond_verdict.mean_kl > NEXT_TYPE_GAIN * MAX_MEAN_KL:
+            # its copy, its measurement (at real size: a quantizer pass over the experts and a pass of the
+            # calibration text through them, tens of minutes) would end beyond the limit too
+            beyond.append(f"the ladder over {next_type} not tried (a {next_type} copy diverges at least "
+                          f"1/{NEXT_TYPE_GAIN:g} as much as a {low_type} one)")
+            break
     return dataclasses.replace(config, auto=False), _exact(f"{'; '.join(beyond)}; {_tune_hint(info)}")
 
 
@@ -345,9 +357,10 @@ def _tune_hint(info: ModelInfo) -> str:
 
 
 def _default_over(low_type: str, info: ModelInfo, config: OffloadConfig, shape: ContextShape, available: int,
-                  measure: Measure, score: Score, threads: int) -> tuple[OffloadConfig, str, bool]:
-    """default_config over the copy of one low type: the config, its line, and whether the
-    ladder the memory allows measured beyond the limit (then the next type is worth trying)."""
+                  measure: Measure, score: Score, threads: int) -> tuple[OffloadConfig, str, Priced | None]:
+    """default_config over the copy of one low type: the config, its line, and the measurement
+    of the ladder the memory allows where it is beyond the limit (then the next type may be
+    worth trying), else None."""
     exact = dataclasses.replace(config, auto=False)
     model_path = info.path
     low_path = default_companion_path(model_path, low_type)
@@ -357,31 +370,31 @@ def _default_over(low_type: str, info: ModelInfo, config: OffloadConfig, shape: 
               if low.any() else None)
     why_not = unfit_reason(info, budget, low_type)
     if why_not is not None:
-        return exact, why_not, False
+        return exact, why_not, None
 
     text = calibration_text()
     failure = remembered_failure(model_path, info, text, low_type)
     if failure is not None and budget <= failure.budget_bytes:
         return exact, _exact(f"the ladder over {low_type} could not be measured with as much memory or more "
                              f"({failure.why}; kept in "
-                             f"{importance_path(model_path)}: delete it to measure again)"), False
+                             f"{importance_path(model_path)}: delete it to measure again)"), None
     made: list[pathlib.Path] = []  # the copy _choose makes, named there until it is served
     try:
         return _choose(info, config, exact, ladder, budget, text, measure, score, threads, made)
     except (HobbitError, OSError) as e:  # a read that failed, the disk, no room for the passes' arrays
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         _remember_failure(model_path, info, text, Failure(budget, why, low_type))
-        return exact, _exact(f"the ladder over {low_type} could not be measured ({why})"), False
+        return exact, _exact(f"the ladder over {low_type} could not be measured ({why})"), None
     finally:
         for path in made:  # made, and not served (beyond the limit, a failure, an interrupt): made for nothing
             path.unlink(missing_ok=True)
 
 
 def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder: OffloadConfig, budget: int,
-            text: str, measure: Measure, score: Score, threads: int, made: list) -> tuple[OffloadConfig, str, bool]:
+            text: str, measure: Measure, score: Score, threads: int, made: list) -> tuple[OffloadConfig, str, Priced | None]:
     """_default_over's choice once a ladder over ladder.low (a type) fits: measures what is not
     known yet. The copy of the experts it makes is named in `made` until it is served (the
-    caller removes it otherwise, whatever ends the choice). The flag: measured beyond."""
+    caller removes it otherwise, whatever ends the choice). The verdict: where beyond the limit."""
     model_path = info.path
     low_type = ladder.low
     low_path = default_companion_path(model_path, low_type)
@@ -402,7 +415,7 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
         if not low_path.is_file():
             if not config.prepare:
                 return exact, _exact(f"the default ladder needs a {low_type} copy of the experts, {low_path} does not "
-                                     "exist and --no-prepare was given"), False
+                                     "exist and --no-prepare was given"), None
             need = int(low.sum()) * info.n_expert
             log.info(f"making a {low_type} copy of the experts for the default ladder ({need / 1e9:.2f} GB, once): "
                      f"{low_path}")
@@ -410,7 +423,7 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
                 prepare_companion(model_path, low_type, low_path, threads=threads,
                                   progress=not quiet())
             except (OSError, ValueError, HobbitError) as e:  # the disk full, the folder read-only, ...
-                return exact, _exact(f"the {low_type} copy could not be made ({e})"), False
+                return exact, _exact(f"the {low_type} copy could not be made ({e})"), None
             finally:
                 return_freed_memory()  # its buffers: the run planned next in this process is given them
             made.append(low_path)
@@ -440,12 +453,12 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
             served = dataclasses.replace(served, placed_mb=placed / MB)
             verdict = calibration.verdict(n_high, low_type)
     if verdict is None:  # (every ladder to measure was measured, none settles this one: not seen)
-        return exact, _exact("no measurement settles the ladder memory allows"), False
+        return exact, _exact("no measurement settles the ladder memory allows"), None
     if not verdict.within:  # (a copy made for it is removed by the caller: the verdict is kept)
         return exact, _exact(f"the ladder memory allows ({n_high} experts at the model's precision, the rest at "
-                             f"{low_type}) measured {_measured(verdict)}"), True
+                             f"{low_type}) measured {_measured(verdict)}"), verdict
     made.clear()  # served: not made for nothing
-    return served, describe(info, budget, calibration.importance, placement, verdict), False
+    return served, describe(info, budget, calibration.importance, placement, verdict), None
 
 
 def placed_bytes(info: ModelInfo, budget: int, calibration: Calibration, low: str = LOW_TYPE) -> int:

@@ -124,7 +124,9 @@ class Llama(llama_cpp.Llama):
     A misspelt keyword is a TypeError naming it (llama_cpp.Llama would ignore it).
     ``n_seq_max=W``: a context of W sequences sharing one KV cache, for ``beam_search``.
     ``repack=False``: llama.cpp's ``--no-repack`` (the CPU backend leaves Q4_0/Q4_K/IQ4_NL weights
-    mapped instead of copying them repacked into its own memory: stock's setting under a cap)."""
+    mapped instead of copying them repacked into its own memory: stock's setting under a cap).
+    Default: repacked unless the experts stay resident and the file does not fit beside the copy
+    (run_plan.repack_fits)."""
 
     _closed = False  # set by close(): every later call says so
 
@@ -135,7 +137,7 @@ class Llama(llama_cpp.Llama):
         n_seq_max = int(kwargs.pop("n_seq_max", 1))
         # llama.cpp's --no-repack: the CPU backend keeps Q4_0/Q4_K/IQ4_NL weights as mapped instead of
         # copying them, repacked, into memory of its own (the copy a capped stock run cannot hold)
-        repack = bool(kwargs.pop("repack", True))
+        repack = kwargs.pop("repack", None)
         if not 1 <= n_seq_max <= llama_cpp.llama_max_parallel_sequences():
             raise ValueError(f"n_seq_max must be 1..{llama_cpp.llama_max_parallel_sequences()}, got {n_seq_max}")
         keywords = {k: kwargs.pop(k) for k in OFFLOAD_KEYWORDS if k in kwargs}
@@ -179,7 +181,7 @@ class Llama(llama_cpp.Llama):
                                                         plan.offload_plan.page_cache_room_bytes, plan.placement)
             hobbit.request_offload(params)
         try:
-            with _model_params(use_extra_bufts=repack), bounded_templates():
+            with _model_params(use_extra_bufts=plan.repack if repack is None else bool(repack)), bounded_templates():
                 super().__init__(model_path=model_path, **kwargs)
         except ValueError as e:
             if why := hobbit.last_attach_error():
