@@ -14,7 +14,7 @@ import pytest
 import hobbitpy
 from conftest import (ARCHES, EXPERT_SUFFIXES, MB, assert_bit_equal, fast_first, identical_companion, reference,
                       run_logits, tiny_model)
-from hobbitpy.copies.quants import make_uniform_quant
+from hobbitpy.copies.quants import make_uniform_quant, source_record_path
 
 
 def with_garbage_experts(model: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
@@ -77,6 +77,29 @@ def test_a_uniform_quant_of_the_model_is_a_level(model_dir):
     # another precision: close to stock, not equal
     assert not np.array_equal(scores, ref_scores)
     assert np.corrcoef(scores.ravel(), ref_scores.ravel())[0, 1] > 0.95
+
+
+def test_a_quant_made_of_another_file_at_that_name_is_made_again(model_dir, tmp_path):
+    # a model retrained or replaced at the same path: the quant hobbitpy made of the old one
+    # would price the new one with the old one's weights; a quant without hobbitpy's record of
+    # its source (the user's own file) is reused as it is
+    one = tiny_model(model_dir, "llama", n_embd=256)
+    other = tiny_model(model_dir, "llama", n_embd=256, seed=7)
+    model = tmp_path / "m.gguf"
+    shutil.copy(one, model)
+    quant, made = make_uniform_quant(model, "Q4_K_M", tmp_path / "quants", threads=2)
+    first = quant.read_bytes()
+    assert made and source_record_path(quant).is_file()
+    assert make_uniform_quant(model, "Q4_K_M", tmp_path / "quants", threads=2) == (quant, False)
+    shutil.copy(other, model)  # the same name and shape, other weights
+    again, made = make_uniform_quant(model, "Q4_K_M", tmp_path / "quants", threads=2)
+    assert again == quant and made and quant.read_bytes() != first
+    # the user's own file at that name, no record: theirs, reused and not touched
+    source_record_path(quant).unlink()
+    theirs = quant.read_bytes()
+    shutil.copy(one, model)
+    assert make_uniform_quant(model, "Q4_K_M", tmp_path / "quants", threads=2) == (quant, False)
+    assert quant.read_bytes() == theirs
 
 
 def test_iq4_xs_is_a_uniform_quant_users_download(model_dir):

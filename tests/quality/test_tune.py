@@ -356,10 +356,12 @@ def test_tune_removes_the_files_it_made_and_did_not_pick_unless_kept(model_dir, 
     shutil.copyfile(tiny_model(model_dir, "llama", n_embd=256), path)
     (tmp_path / "tune.txt").write_text(TEXT)
     q2 = default_companion_path(path, "Q2_K")
-    # a budget no copy meets: Q2_K made and scored, the model's own experts picked
-    p = _tune(path, tmp_path / "a.json", "--max-kl", "0.0001", candidates="model,Q2_K")
+    # a budget no copy meets: Q2_K and llama.cpp's Q3_K_M made and scored, the model's own experts
+    # picked; the quants folder goes with the quant and its record of its source
+    p = _tune(path, tmp_path / "a.json", "--max-kl", "0.0001", candidates="model,Q2_K,Q3_K_M")
     assert p.returncode == 0 and "chosen: model" in p.stdout, p.stderr
     assert f"removed {q2}" in p.stdout + p.stderr and not q2.exists()
+    assert "Q3_K_M.gguf" in p.stdout + p.stderr and not (tmp_path / "m.quants").exists(), p.stdout
     # kept when asked
     p = _tune(path, tmp_path / "b.json", "--max-kl", "0.0001", "--keep", candidates="model,Q2_K")
     assert p.returncode == 0 and q2.is_file(), p.stderr

@@ -5,11 +5,16 @@ the files a user who cannot hold the model would download instead (Q4_K_M, Q3_K_
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import pathlib
 
 from ..errors import HobbitError
-from ..system.outputs import partial_output, publish
+from ..system.outputs import partial_output, publish, replace, write_new
+
+log = logging.getLogger("hobbitpy")
 
 # llama.h enum llama_ftype: the uniform quant presets of llama-quantize, by their usual names
 FTYPES = {
@@ -49,12 +54,49 @@ def quant_path(model_path: str | os.PathLike, name: str, folder: str | os.PathLi
     return pathlib.Path(folder) / f"{pathlib.Path(model_path).stem}.{quant_name(name)}.gguf"
 
 
+def source_record_path(quant: str | os.PathLike) -> pathlib.Path:
+    """The record beside a quant hobbitpy made of which file it was made from."""
+    quant = pathlib.Path(quant)
+    return quant.with_name(f"{quant.name.removesuffix('.gguf')}.source.json")
+
+
+# the bytes of each end of a model hashed to tell one file from another: the header (metadata
+# and tensor table) and the last tensors' data, so a retrained model of the same shape differs
+FINGERPRINT_BYTES = 1 << 20
+
+
+def source_fingerprint(model_path: str | os.PathLike) -> dict:
+    """What tells this model file from another at the same path or of the same name: its size
+    and a hash of its first and last MiB (a whole 27 GB file would take minutes to hash)."""
+    size = os.path.getsize(model_path)
+    digest = hashlib.sha256()
+    with open(model_path, "rb") as f:
+        digest.update(f.read(FINGERPRINT_BYTES))
+        f.seek(max(0, size - FINGERPRINT_BYTES))
+        digest.update(f.read(FINGERPRINT_BYTES))
+    return {"model": os.path.basename(model_path), "bytes": size, "ends_sha256": digest.hexdigest()}
+
+
+def made_from_another_file(quant: pathlib.Path, model_path: str | os.PathLike) -> bool:
+    """Whether hobbitpy made this quant from another file than the model (its record says so).
+    A quant without a record was put there by someone else: it is reused as it is."""
+    record = source_record_path(quant)
+    if not record.is_file():
+        return False
+    try:
+        made_from = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return True  # a record cut short: the quant beside it is not trusted either
+    return made_from != source_fingerprint(model_path)
+
+
 def make_uniform_quant(model_path: str | os.PathLike, name: str, folder: str | os.PathLike,
                        threads: int | None = None) -> tuple[pathlib.Path, bool]:
     """The uniform quant `name` of the model in `folder`: made with llama_model_quantize
-    unless it is already there (a quant already made is reused, never overwritten). The
-    model may itself be quantized (Q8_0): it is re-quantized, as llama-quantize
-    --allow-requantize does. Returns the path and whether it was made now."""
+    unless it is already there (a quant already made is reused; one hobbitpy made of another
+    file at that name, a model since retrained or replaced, is made again). The model may
+    itself be quantized (Q8_0): it is re-quantized, as llama-quantize --allow-requantize
+    does. Returns the path and whether it was made now."""
     import llama_cpp
 
     import hobbitpy  # noqa: F401  (llama_cpp on the patched library)
@@ -62,8 +104,11 @@ def make_uniform_quant(model_path: str | os.PathLike, name: str, folder: str | o
     out = quant_path(model_path, name, folder)
     if out.is_symlink() or (out.exists() and not out.is_file()):
         raise HobbitError(f"{out}: exists and is not a regular file; refusing to use it as a quant")
-    if out.is_file():
+    stale = out.is_file() and made_from_another_file(out, model_path)
+    if out.is_file() and not stale:
         return out, False
+    if stale:
+        log.info(f"{out}: made from another file than {model_path}; making it again")
     out.parent.mkdir(parents=True, exist_ok=True)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FTYPES[quant_name(name)]
@@ -78,5 +123,9 @@ def make_uniform_quant(model_path: str | os.PathLike, name: str, folder: str | o
             status = llama_cpp.llama_model_quantize(os.fsencode(model_path), os.fsencode(tmp), params)
         if status != 0:
             raise HobbitError(f"{model_path}: llama.cpp could not quantize it to {name} (status {status})")
-        publish(tmp, out)  # fails if a concurrent run made it meanwhile: never overwrite
+        if stale:  # hobbitpy's own file, of another model: replaced
+            replace(tmp, out)
+        else:
+            publish(tmp, out)  # fails if a concurrent run made it meanwhile: never overwrite
+    write_new(source_record_path(out), json.dumps(source_fingerprint(model_path)) + "\n", replace=True)
     return out, True

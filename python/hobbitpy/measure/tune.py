@@ -61,7 +61,8 @@ from ..copies.prepare import prepare_companion
 from ..settings.presets import preset_settings
 from ..plan.profile import Profile
 from ..system.progress import progress_bar
-from ..copies.quants import BASE_TYPES, default_quant_dir, is_mix_name, make_uniform_quant, quant_path
+from ..copies.quants import (BASE_TYPES, default_quant_dir, is_mix_name, make_uniform_quant, quant_path,
+                             source_record_path)
 from ..files.tokens import tokenize_text
 from ..files.trace_file import Trace
 
@@ -288,6 +289,7 @@ def _remove_unpicked(model: str, made: list[pathlib.Path], picked: dict | None, 
     for path in made:
         if path.resolve() not in read:
             path.unlink(missing_ok=True)
+            source_record_path(path).unlink(missing_ok=True)  # (a quant's record of its source)
             log(f"removed {path} (made for a candidate not picked; --keep keeps such files)")
     folder = default_quant_dir(model)
     if any(path.parent == folder for path in made) and folder.is_dir() and not any(folder.iterdir()):
