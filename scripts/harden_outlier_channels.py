@@ -66,11 +66,13 @@ def outlier_plan(reader: gguf.GGUFReader, scale: float, n_channels: int, n_neuro
         if not m:
             continue
         prefix, base = m.group(1) or "", m.group(2)
-        if base in READERS:  # norm weight: the chosen channels divided by s
+        if base in READERS:  # norm weight: the chosen channels divided by s, its readers' columns times s
+            readers = [f"{prefix}{r}.weight" for r in READERS[base] if f"{prefix}{r}.weight" in names]
+            if not readers:  # (an output head tied to the embeddings: that matrix is read by both ends)
+                continue
             plan.setdefault(name, []).append((0, channels, 1 / scale))
-            for reader_base in READERS[base]:
-                if f"{prefix}{reader_base}.weight" in names:  # columns = the last numpy axis
-                    plan.setdefault(f"{prefix}{reader_base}.weight", []).append((-1, channels, scale))
+            for reader_name in readers:  # columns = the last numpy axis
+                plan.setdefault(reader_name, []).append((-1, channels, scale))
         elif base == "ffn_down_exps" and n_neurons:
             n_expert, _, n_ff = t.data.shape
             for e in range(n_expert):

@@ -23,7 +23,8 @@ dialogue, code, arithmetic, three languages, scripture):
   0.012 nats and the Q3_K ladder 0.0079, reading a quarter of what the model's own experts
   read; docs/BENCHMARKS.md) unless the Q2_K ladder measured so far beyond the limit that a
   Q3_K copy cannot bring it within (NEXT_TYPE_GAIN: at real size the copy and its measurement
-  take tens of minutes), else the model's own experts (a copy made for nothing is removed). The divergence, not the perplexity, decides: it is the perplexity increase to
+  take tens of minutes), else the model's own experts (a copy made for nothing is removed).
+  The divergence, not the perplexity, decides: it is the perplexity increase to
   expect on text the model predicts well, and it does not hide behind a text the model
   predicts badly (on the KJV-trained ref-mixtral, Q2_K for every expert measured -1.1 %
   perplexity on the calibration text and +4.6 % on held-out scripture; its divergence was
