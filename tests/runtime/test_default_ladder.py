@@ -333,10 +333,12 @@ def test_run_under_a_cap_measures_the_ladder_once_serves_it_within_the_limit_and
         assert f"(at most {MAX_MEAN_KL:g})" in kept.stderr, kept.stderr  # the kept verdict, not a lack of room
         assert kept.stdout == stock.stdout
         calibration = load_calibration(model, info, calibration_text())
-        # every expert at Q2_K measured first (beyond), a ladder within, and the tight cap's beyond
-        ladders = calibration.ladders
-        assert ladders[0].n_high == 0 and not ladders[0].within and ladders[-1].within, ladders
-        assert any(0 < p.n_high < ladders[-1].n_high and not p.within for p in ladders), ladders
+        # every expert at Q2_K measured first (beyond), a ladder within, and the tight cap's beyond.
+        # (Whether the tight cap's memory also fits a ladder over a Q3_K copy, measured after its
+        # Q2_K one, depends on the MB a run finds: only the Q2_K ladders are certain.)
+        ladders = [p for p in calibration.ladders if p.low == LOW_TYPE]
+        assert ladders[0].n_high == 0 and not ladders[0].within and ladders[-1].within, calibration.ladders
+        assert any(0 < p.n_high < ladders[-1].n_high and not p.within for p in ladders), calibration.ladders
 
         other = tmp_path / "other"
         other.mkdir()
