@@ -155,9 +155,9 @@ def test_bench_frontier_against_uniform_quants(model_dir, tmp_path):
                       and (o["decode_tok_s"] > s["decode_tok_s"] or o["mean_kl"] < s["mean_kl"]))
             assert (o["config"] in s["dominated_by"]) == beaten, (s, o)
     assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # the quants are kept and reused, never made again
+    # the quants are kept, each with its record of the file it was made from, and reused, never made again
     made = sorted(quant_dir.iterdir())
-    assert len(made) == 2
+    assert sorted(p.suffix for p in made) == [".gguf", ".gguf", ".json", ".json"], made
     p = _bench(args + ["--out", str(tmp_path / "again"), "--caps", "none"])
     assert p.returncode == 0, p.stderr
     assert "reusing" in p.stdout and sorted(quant_dir.iterdir()) == made
