@@ -91,6 +91,9 @@ enum hobbit_hit_policy {
     HOBBIT_HIT_UPGRADE = 1, // use it, and load the wanted precision in the background when it was lower and the
                             // expert is some token's first (top-1) selection
     HOBBIT_HIT_EXACT   = 2, // serve exactly the wanted precision (load it when missing; skip when the rule says skip)
+    HOBBIT_HIT_AT_LEAST = 3, // a copy at the wanted precision or a higher one serves; a miss loads the wanted one:
+                             // never lower than the rule asks (HOBBIT's dynamic loading with the model's precision
+                             // kept for every hit), unless this very ubatch holds every such slot
 };
 
 // where a missed expert runs (HOBBIT §4, Fiddler's Algorithm 1)

@@ -93,7 +93,7 @@ std::string params_problem(const hobbit_params & params) {
     if (!cache_policy_of(params.policy, policy)) {
         return "unknown cache policy " + std::to_string((int) params.policy);
     }
-    if (params.hit_policy < HOBBIT_HIT_FOUND || params.hit_policy > HOBBIT_HIT_EXACT) {
+    if (params.hit_policy < HOBBIT_HIT_FOUND || params.hit_policy > HOBBIT_HIT_AT_LEAST) {
         return "unknown hit policy " + std::to_string((int) params.hit_policy);
     }
     if (params.mode < HOBBIT_MODE_GPU_CENTRIC || params.mode > HOBBIT_MODE_BALANCED) {

@@ -233,13 +233,19 @@ void hobbit_runtime::prefetch_next_layers(int il, const float * x, std::vector<l
     }
 }
 
+bool hobbit_runtime::lower_allowed() const {
+    return params.hit_policy != HOBBIT_HIT_AT_LEAST;
+}
+
 bool hobbit_runtime::exact_for(const wave_selection & sel, int e) const {
     return params.hit_policy == HOBBIT_HIT_EXACT && !sel.share_low[e];
 }
 
 int hobbit_runtime::lookup(int il, int e, int want, bool exact, int & level) const {
     if (!exact) {
-        return find_cached(il, e, level);
+        const int s = find_cached(il, e, level);
+        // hits "at-least": a copy below the wanted precision is no hit (want = n_level, skipped if missed: any copy is)
+        return s >= 0 && !lower_allowed() && level > want ? -1 : s;
     }
     level = want;
     return want < n_level ? pools[pool_of[want][il]].slots.find(il, e) : -1;
@@ -259,8 +265,8 @@ int hobbit_runtime::wait_for_slot(int il, int want, bool exact, const wave_selec
             }
         }
     }
-    int s = failed() ? -1 : take_slot_near(il, want, exact, true, level, lock);
-    if (s < 0 && exact && !failed()) {
+    int s = failed() ? -1 : take_slot_near(il, want, exact, lower_allowed(), level, lock);
+    if (s < 0 && (exact || !lower_allowed()) && !failed()) {
         // every slot of the wanted level is taken by this very ubatch: exactness as far
         // as the pools allow, another level rather than a failed run
         s = take_slot_near(il, want, false, true, level, lock);

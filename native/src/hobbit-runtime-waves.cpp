@@ -213,7 +213,8 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
     // the order take_slot_near takes slots in; a lower level only without an in-place pass
     // (in place, the model's own weights serve the expert better)
     const auto level_with_room = [&](int e) {
-        return first_level(sel.want[e], n_level, exact_for(sel, e), !plan.has_inplace, [&](int l) { return room[l] > 0; });
+        return first_level(sel.want[e], n_level, exact_for(sel, e), !plan.has_inplace && lower_allowed(),
+                           [&](int l) { return room[l] > 0; });
     };
 
     // experts already in a pool first: they cost nothing this wave, and their slots are
@@ -271,7 +272,8 @@ wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel
             c.how = serve_as::load;
             room[c.level]--;
         } else if (!plan.has_inplace &&
-                   (c.level = first_level(sel.want[e], n_level, exact_for(sel, e), true, [&](int l) { return after_wait[l] > 0; })) >= 0) {
+                   (c.level = first_level(sel.want[e], n_level, exact_for(sel, e), lower_allowed(),
+                                          [&](int l) { return after_wait[l] > 0; })) >= 0) {
             c.how = serve_as::wait;
             after_wait[c.level]--;
         } else if (!plan.has_inplace && !plan.last && n_later >= later_room &&

@@ -120,6 +120,8 @@ private:
     // hits "exact" for this expert of the selection: not for a prompt's least popular (any copy at or
     // above the low level serves them)
     bool exact_for(const wave_selection & sel, int e) const;
+    // may a selection be served below the precision it wants (every hit policy but "at-least")?
+    bool lower_allowed() const;
     // a slot of pool p for a new expert, or -1 if every slot is busy (use_of); settled with
     // lock (nullptr: only while nothing reads into the pools, the warm-up); needs mtx
     int  take_slot(int p, std::unique_lock<std::mutex> * lock);

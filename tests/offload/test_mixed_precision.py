@@ -222,6 +222,43 @@ def test_exact_hits_serve_the_wanted_level_at_any_budget(model_dir):
     assert small_stats["served"] == every_stats["served"] and small_stats["n_skipped"] == every_stats["n_skipped"]
 
 
+def test_at_least_hits_never_serve_below_the_wanted_level(model_dir):
+    """Hits "at-least" (HOBBIT's dynamic loading with the model's precision kept for every hit):
+    a cached copy serves a selection only at its wanted precision or a higher one, and a miss
+    loads the wanted one. With T1 = 1 every selection wants the model's precision: though the
+    warm-up fills the low pool with a Q2_K copy of every expert, at-least gives stock's logits
+    bit for bit, where "found" serves those copies. Wanting low (T1 = 0), a cached high copy
+    still serves: fewer selections low than "exact" serves on the same tokens."""
+    from hobbitpy.copies.prepare import prepare_companion
+
+    path = tiny_model(model_dir, "llama", n_embd=256, n_ff=1024, n_expert=32)
+    low = model_dir / f"{path.stem}.q2_k.gguf"
+    if not low.exists():
+        prepare_companion(path, "Q2_K", out_path=low, progress=False)
+    info, low_info = hobbitpy.inspect_model(path), hobbitpy.inspect_model(low)
+    ref_scores, _, _, _ = reference(path)
+    high_expert = info.expert_bytes_total / (info.n_layer_moe * info.n_expert)
+    # every low copy and half the high ones: a prompt's layer finds room at the high level (where this very
+    # ubatch holds every high slot, a selection is served lower, with "exact" too)
+    cache_mb = (low_info.expert_bytes_total + 64 * high_expert) / MB
+
+    def run(hits, t1):
+        return run_logits(path, hobbitpy.OffloadConfig(cache_mb=cache_mb, low=str(low), hits=hits, t1=t1, t2=1.0,
+                                                       mode="gpu-centric", policy="lru"))
+
+    scores, _, stats, _ = run("at-least", 1.0)
+    assert_bit_equal(scores, ref_scores)
+    assert stats["served"][1] == 0 and stats["expert_misses"] > 0, stats
+    scores, _, stats, _ = run("found", 1.0)
+    assert stats["served"][1] > 0, stats
+    assert not np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
+
+    _, _, at_least, _ = run("at-least", 0.0)
+    _, _, exact, _ = run("exact", 0.0)
+    assert 0 < at_least["served"][1] < exact["served"][1], (at_least["served"], exact["served"])
+    assert at_least["served"][0] > exact["served"][0]
+
+
 @pytest.mark.parametrize("mode,hits", [("cooperative", "upgrade"), ("gpu-centric", "upgrade"), ("gpu-centric", "found"),
                                        ("auto", "upgrade"), ("balanced", "upgrade")])
 def test_the_same_text_gives_the_same_logits_whatever_the_disks_timing(model_dir, mode, hits):

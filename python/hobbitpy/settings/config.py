@@ -356,7 +356,9 @@ class OffloadConfig:
     hits: str = option(
         HIT_POLICIES[_C_DEFAULTS.hit_policy], "a hit at another precision than wanted: use it (found), use it and "
         "load the wanted one in the background when it was lower, one a token from a layer that loads nothing "
-        "(upgrade), or serve exactly the wanted precision (exact: the rule's own effect on quality)",
+        "(upgrade), serve exactly the wanted precision (exact: the rule's own effect on quality), or use it only when "
+        "it is the wanted precision or a higher one, else load the wanted one (at-least: HOBBIT's dynamic loading "
+        "for misses, the model's precision kept for every hit it has: no selection served below what exact serves it)",
         flag="--hits", choices=HIT_POLICIES, profile=True)
     mode: str = option(
         MODES[_C_DEFAULTS.mode], "where a missed expert runs: loaded into the cache (gpu-centric), computed in place "
