@@ -104,7 +104,16 @@ int hobbit_runtime::layer_capacity(int il) const {
     return n;
 }
 
+bool hobbit_runtime::waves_by_level(int n_tokens) const {
+    return n_tokens > 1 && n_level > 1 && params.hit_policy == HOBBIT_HIT_EXACT && placement.empty() &&
+           thresholds.prefill_low_share == 0.0f && !neuron_reads;
+}
+
 int hobbit_runtime::n_waves(int il, int n_tokens) const {
+    return (waves_by_level(n_tokens) ? n_level : 1) * waves_of_level(il, n_tokens);
+}
+
+int hobbit_runtime::waves_of_level(int il, int n_tokens) const {
     // a layer whose experts may not run in place (a repacked pool, a high companion) serves a
     // wide ubatch in several waves
     const int n_expert = index.info.n_expert;
@@ -113,7 +122,8 @@ int hobbit_runtime::n_waves(int il, int n_tokens) const {
         return 1;
     }
     const int64_t distinct = std::min<int64_t>((int64_t) n_tokens * index.info.n_expert_used, n_expert);
-    return (int) std::min<int64_t>(LLAMA_MOE_MAX_WAVES, (distinct + capacity - 1) / capacity);
+    const int64_t most = LLAMA_MOE_MAX_WAVES / (waves_by_level(n_tokens) ? n_level : 1);
+    return (int) std::min<int64_t>(most, (distinct + capacity - 1) / capacity);
 }
 
 void hobbit_runtime::begin_wave(int il, int wave, const wave_selection & sel, const ggml_tensor * dst) {
@@ -185,7 +195,7 @@ void hobbit_runtime::begin_wave(int il, int wave, const wave_selection & sel, co
 wave_plan hobbit_runtime::plan_wave(int il, int wave, const wave_selection & sel) const {
     wave_plan plan;
     plan.has_inplace = (int64_t) sel.n_pair() >= layers[il].inplace_min_pairs;
-    const int waves  = n_waves(il, sel.n_tokens);
+    const int waves  = waves_of_level(il, sel.n_tokens);
     plan.last        = wave == waves - 1;
     plan.must_fit    = plan.last && !plan.has_inplace;
     const int skip = n_level;
@@ -463,7 +473,12 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
         !is_prompt_ubatch((size_t) dst->src[0]->ne[0] * dst->src[0]->ne[1], n_expert)) {
         substitute_low_scores(il, dst);
     }
-    const wave_selection sel = read_selection(dst->src[0], dst->src[1], n_expert, thresholds, placed(il));
+    // hits "exact" level by level: the waves of each level in turn, wave = level * per_level + wave of the level
+    const int n_ubatch_tokens = (int) dst->src[0]->ne[1];
+    const int per_level = waves_of_level(il, n_ubatch_tokens);
+    const int level_of_wave = waves_by_level(n_ubatch_tokens) ? wave / per_level : -1;
+    const int wave_of_level = wave % per_level;
+    const wave_selection sel = read_selection(dst->src[0], dst->src[1], n_expert, thresholds, placed(il), level_of_wave);
     const int n_tokens = sel.n_tokens;
     const size_t n_pair = sel.n_pair();
     const int n_plane = (int) dst->ne[2]; // one plane per level + the in-place plane
@@ -477,9 +492,13 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
     wave_assignment a(n_expert);
     if (!failed()) {
         begin_wave(il, wave, sel, dst);
+        if (wave_of_level == 0 && level_of_wave > 0) {
+            served.assign(n_expert, false); // a level's waves serve their pairs of experts an earlier level served too
+        }
+        stats_.n_skipped += wave_of_level == 0 ? sel.n_skipped_pairs : 0;
         const bool prompt = is_prompt_ubatch(n_pair, n_expert);
         sweep_rank = prompt ? moe_rank[il] : -1; // a prompt sweeps every layer in order (take_slot)
-        const wave_plan plan = plan_wave(il, wave, sel);
+        const wave_plan plan = plan_wave(il, wave_of_level, sel);
         std::vector<load_task> loads;
         a = apply_wave(il, plan, sel, lock, loads);
 

@@ -93,6 +93,13 @@ private:
     load_task slot_load(int p, int s, int il, int e, bool prefetch) const;
     static int32_t n_waves_op(void * ctx, int32_t n_tokens);
     int  n_waves(int il, int n_tokens) const;
+    // hits "exact" over several levels (no placement, no prompt share): a ubatch of several tokens is
+    // served level by level, each level's waves taking only the pairs whose own score wants it, so
+    // that every token's selection is served at its level as decode serves it (one wave would serve
+    // an expert at the highest level any of its tokens wants): the rule priced on a prompt-shaped pass
+    bool waves_by_level(int n_tokens) const;
+    // the waves of one level (of the ubatch, where not served level by level)
+    int  waves_of_level(int il, int n_tokens) const;
     // runs on the compute thread, blocking until this wave's experts are in the pools:
     // read the selection, begin_wave, plan_wave, apply_wave, prefetch, submit, wait, write ids
     void dispatch(ggml_tensor * dst, int il, int wave);
@@ -105,7 +112,8 @@ private:
     // then unread: it keeps its expert, read when first used), else waited out (with lock;
     // nullptr: only while nothing reads into the pools, the warm-up)
     void settle(int p, int s, std::unique_lock<std::mutex> * lock);
-    // what the wave does for each selected expert, from the pools as they are; changes nothing; needs mtx
+    // what the wave (of its level's waves) does for each selected expert, from the pools as they are;
+    // changes nothing; needs mtx
     wave_plan plan_wave(int il, int wave, const wave_selection & sel) const;
     // carries the plan out: hits pinned, slots taken and assigned, loads and upgrades
     // queued in loads, counted in the stats; needs mtx, which a wait for a slot releases

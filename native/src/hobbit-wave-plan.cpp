@@ -5,7 +5,7 @@
 #include <cmath>
 
 wave_selection read_selection(const ggml_tensor * sel, const ggml_tensor * wts, int n_expert,
-                              const precision_thresholds & thresholds, const int8_t * placed) {
+                              const precision_thresholds & thresholds, const int8_t * placed, int only_level) {
     wave_selection ws;
     ws.n_used   = (int) sel->ne[0];
     ws.n_tokens = (int) sel->ne[1];
@@ -24,15 +24,22 @@ wave_selection read_selection(const ggml_tensor * sel, const ggml_tensor * wts, 
         precision_levels(thresholds, w.data(), ws.n_used, pair_level.data());
         const int first = (int) (std::max_element(w.begin(), w.end(), [](float a, float b) { return std::fabs(a) < std::fabs(b); }) - w.begin());
         for (int k = 0; k < ws.n_used; ++k) {
-            const int32_t e = *(const int32_t *) ((const char *) sel->data + t*sel->nb[1] + k*sel->nb[0]);
+            int32_t e = *(const int32_t *) ((const char *) sel->data + t*sel->nb[1] + k*sel->nb[0]);
+            // a placement fixes each expert's level; the skip rule then acts only with skip_cached
+            const int level = e < 0 || e >= n_expert ? skip
+                            : pair_level[k] == PRECISION_SKIP && (!placed || thresholds.skip_cached) ? skip
+                            : placed ? placed[e] : pair_level[k];
+            if (only_level >= 0 && level != only_level) {
+                // another level's wave serves this pair; one to skip is left out of every wave (a
+                // pair of an expert that another token wants would otherwise be computed with it)
+                ws.n_skipped_pairs += level == skip && e >= 0 && e < n_expert && only_level == skip - 1;
+                e = -1;
+            }
             ws.ids[(size_t) t*ws.n_used + k] = e;
             if (e >= 0 && e < n_expert) {
                 if (ws.n_pairs[e]++ == 0) {
                     ws.order.push_back(e);
                 }
-                // a placement fixes each expert's level; the skip rule then acts only with skip_cached
-                const int level = pair_level[k] == PRECISION_SKIP && (!placed || thresholds.skip_cached) ? skip
-                                : placed ? placed[e] : pair_level[k];
                 ws.want[e] = std::min(ws.want[e], level);
                 ws.top1[e] = ws.top1[e] || k == first;
             }

@@ -29,6 +29,7 @@ struct wave_selection {
                                     // well, even with hits "exact" (the rule saves reads; it never asks to lose
                                     // precision at hand)
     std::vector<int>     order;   // the selected experts, those with the most tokens first
+    int n_skipped_pairs = 0;      // only_level: pairs to skip left out of the wave (once, in the lowest level's)
 
     size_t n_pair() const { return ids.size(); }
 };
@@ -43,9 +44,11 @@ inline bool is_prompt_ubatch(size_t n_pair, int n_expert) {
 // sel: the dispatch op's [n_used, n_tokens] ids; wts: its [1, n_used, n_tokens] gate weights;
 // placed: [n_expert] the level each expert is served at (a static placement), or nullptr:
 // the thresholds decide from the weights (and, in a prompt, from how many tokens select each
-// expert: thresholds.prefill_low_share)
+// expert: thresholds.prefill_low_share). only_level >= 0: the pairs wanting another level are
+// left out (id -1), those to skip too (counted in the lowest level's): one level's waves of a
+// ubatch served level by level (hobbit_runtime::waves_by_level)
 wave_selection read_selection(const ggml_tensor * sel, const ggml_tensor * wts, int n_expert,
-                              const precision_thresholds & thresholds, const int8_t * placed);
+                              const precision_thresholds & thresholds, const int8_t * placed, int only_level = -1);
 
 enum class serve_as {
     hit,      // cached at `level`, in `slot`

@@ -222,6 +222,42 @@ def test_exact_hits_serve_the_wanted_level_at_any_budget(model_dir):
     assert small_stats["served"] == every_stats["served"] and small_stats["n_skipped"] == every_stats["n_skipped"]
 
 
+def test_exact_hits_serve_a_prompt_level_by_level_as_decode_does(model_dir):
+    """Hits "exact" over several levels serves a ubatch of several tokens level by level: each
+    token's selection at the level its own score asks for, as decode serves it (one wave would
+    serve an expert at the highest level any of its tokens wants), so the rule can be priced on a
+    prompt-shaped pass. With an identical copy as the low level, stock's logits bit for bit (each
+    level's waves add exact zero rows for the pairs they leave out); with a Q2_K copy, the text
+    evaluated in one batch serves as many pairs at each level as its tokens evaluated one by one."""
+    from hobbitpy.copies.prepare import prepare_companion
+
+    path = tiny_model(model_dir, "llama")
+    same = identical_companion(path, model_dir / f"{path.stem}.copy.gguf")
+    ref_scores, ref_text, _, info = reference(path)
+    both = 2.5 * info.expert_bytes_total / MB  # every expert at both levels: no level short of room
+    config = hobbitpy.OffloadConfig(cache_mb=both, low=str(same), hits="exact", t1=0.0, t2=1.0, warm=False)
+    scores, text, stats, _ = run_logits(path, config)
+    assert_bit_equal(scores, ref_scores)
+    assert text == ref_text and stats["served"][1] > 0, stats["served"]
+
+    low = model_dir / f"{path.stem}.q2_k.gguf"
+    if not low.exists():
+        prepare_companion(path, "Q2_K", out_path=low, progress=False)
+    served = []
+    for one_by_one in (False, True):
+        # (every token's logits: llama.cpp's last layer otherwise computes only the tokens whose are wanted)
+        with hobbitpy.Llama(path, low=str(low), hits="exact", t2=1.0, warm=False, cache_mb=both, n_ctx=256,
+                            n_batch=256, logits_all=True, n_threads=2, verbose=False) as llm:
+            ids = llm.tokenize((PROMPT + CONTINUATION).encode())
+            for batch in ([[t] for t in ids] if one_by_one else [ids]):
+                llm.eval(batch)
+            served.append(llm.offload_stats()["served"])
+    # (a batch's router weights are not bit for bit decode's: a pair scored at T1 may fall either side)
+    (batch_high, batch_low), (one_high, one_low) = served
+    assert batch_high + batch_low == one_high + one_low, served
+    assert abs(batch_low - one_low) <= 0.02 * (one_high + one_low), served
+
+
 def test_at_least_hits_never_serve_below_the_wanted_level(model_dir):
     """Hits "at-least" (HOBBIT's dynamic loading with the model's precision kept for every hit):
     a cached copy serves a selection only at its wanted precision or a higher one, and a miss

@@ -131,7 +131,7 @@ def test_the_calibration_leaves_out_what_the_vocabulary_cannot_encode(tmp_path):
 
 # a memory whose two-level budget holds the Q2_K copy of ref-mixtral's experts and some at Q8_0,
 # and one with room for more of them (budgets of 10 and 14 MB for experts of 20 MB)
-SOME_MEMORY, MORE_MEMORY = 40 * MB, 45 * MB
+LESS_MEMORY, SOME_MEMORY, MORE_MEMORY = 34 * MB, 40 * MB, 45 * MB
 
 
 def _default_of(model: pathlib.Path, available: int, score, measure=None):
@@ -239,11 +239,50 @@ def test_a_ladder_far_beyond_the_limit_leaves_the_next_type_untried(tmp_path):
         return dataclasses.replace(c, mean_kl=10 * c.mean_kl)
 
     served, line = _default_of(model, SOME_MEMORY, score_ten_times_as_sensitive)
-    ladders = load_calibration(model, hobbitpy.inspect_model(model), calibration_text()).ladders
+    kept = load_calibration(model, hobbitpy.inspect_model(model), calibration_text())
+    ladders = [p for p in kept.ladders if not p.dynamic]
     assert ladders and all(p.low == "Q2_K" and p.mean_kl > NEXT_TYPE_GAIN * MAX_MEAN_KL for p in ladders), ladders
+    # dynamic precision over the Q2_K copy is measured instead (beyond too, ten times as sensitive)
+    assert not kept.dynamic_verdict("Q2_K").within and "dynamic precision over Q2_K measured" in line, line
     assert served.low is None and "(exact)" in line and "the ladder over Q3_K not tried" in line, line
     assert all(name.endswith("Q2_K.gguf") for name in scored), scored
     assert not default_companion_path(model, "Q2_K").exists() and not default_companion_path(model, "Q3_K").exists()
+
+
+def test_dynamic_precision_serves_where_the_ladders_are_beyond_the_limit(tmp_path):
+    """Measured, on the shipped model: with LESS_MEMORY the ladder over a Q2_K copy (few experts
+    at the model's precision) diverges more than NEXT_TYPE_GAIN times the limit, so no Q3_K copy
+    is tried, and HOBBIT's dynamic precision over the same copy (the model's own experts for
+    every hit, the copy for a miss a token weighs less) measures within: it serves, keeps its
+    copy, runs, and a second run measures nothing. With SOME_MEMORY a ladder is within and wins
+    (test_the_default_tries_a_q3_k_ladder_where_the_q2_k_one_is_beyond_the_limit)."""
+    model = tmp_path / "m.gguf"
+    shutil.copy(MODEL, model)
+    scored = []
+
+    def score(reference, config):
+        scored.append(config.hits)
+        return compare_ladder(str(model), reference, config, 2)
+
+    served, line = _default_of(model, LESS_MEMORY, score)
+    copy = default_companion_path(model, "Q2_K")
+    assert served.low == str(copy) and served.hits == "at-least" and served.importance is None, served
+    assert "HOBBIT's dynamic precision" in line and "the ladder memory allows" in line, line
+    kept = load_calibration(model, hobbitpy.inspect_model(model), calibration_text())
+    ladder = kept.verdict(0, "Q2_K")
+    assert ladder.mean_kl > NEXT_TYPE_GAIN * MAX_MEAN_KL and kept.dynamic_verdict("Q2_K").within, kept.ladders
+    # priced with every selection the rule sends low served low (hits "exact"), whatever the cache holds
+    assert scored[-1] == "exact" and copy.is_file() and not default_companion_path(model, "Q3_K").exists()
+
+    def never(*args):
+        raise AssertionError("measured again")
+
+    again, _ = _default_of(model, LESS_MEMORY, never, measure=never)
+    assert again == served
+    with hobbitpy.Llama(model, offload=served, n_ctx=256, n_threads=2, verbose=False) as llm:
+        llm.create_completion(PROMPT, max_tokens=8, temperature=0.0)
+        stats = llm.offload_stats()
+    assert stats["served"][1] > 0 and stats["expert_misses"] > 0, stats
 
 
 def _run(model, cap: MemoryCap, *flags: str) -> subprocess.CompletedProcess:

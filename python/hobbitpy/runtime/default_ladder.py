@@ -23,7 +23,14 @@ dialogue, code, arithmetic, three languages, scripture):
   0.012 nats and the Q3_K ladder 0.0079, reading a quarter of what the model's own experts
   read; docs/BENCHMARKS.md) unless the Q2_K ladder measured so far beyond the limit that a
   Q3_K copy cannot bring it within (NEXT_TYPE_GAIN: at real size the copy and its measurement
-  take tens of minutes), else the model's own experts (a copy made for nothing is removed).
+  take tens of minutes);
+- where the ladder over the last type tried is beyond too, HOBBIT's dynamic precision over its
+  copy (DYNAMIC): the model's own experts for every hit, the copy only for a miss a token weighs
+  less. Its divergence is measured once for every memory, with every selection the rule sends
+  low served low whatever the cache holds (a prompt served level by level, as decode serves
+  it): what dynamic precision serves, or worse. Ladders first: where their copy fits in memory
+  they read nothing; dynamic precision reads every miss, fewer bytes than the model's own;
+- else the model's own experts (a copy made for nothing is removed).
   The divergence, not the perplexity, decides: it is the perplexity increase to
   expect on text the model predicts well, and it does not hide behind a text the model
   predicts badly (on the KJV-trained ref-mixtral, Q2_K for every expert measured -1.1 %
@@ -53,7 +60,7 @@ import pathlib
 
 import numpy as np
 
-from ..settings.config import MAX_MEAN_KL, MB, OffloadConfig
+from ..settings.config import DEFAULT_T1, MAX_MEAN_KL, MB, OffloadConfig
 from ..system.disk import drop_from_page_cache
 from ..errors import BudgetError, HobbitError, ModelFileError
 from ..analysis.likelihood import Comparison, Reference, scoring_bytes
@@ -92,16 +99,28 @@ CALIBRATION_TOKENS = 1024
 # takes the verdict instead of measuring again
 MEASURED_SHARE = 0.9
 IMPORTANCE_VERSION = 2
+# HOBBIT's dynamic precision (§3.2), tried over a low copy where the ladder memory allows over it
+# measures beyond the limit: the model's own experts for every hit, the copy only for a miss whose
+# eq. 2 score is above T1 (a token's less weighed experts; HOBBIT's T1), nothing skipped; the low
+# pool small, since what it holds serves only the selections that want it low (on the hardened
+# Mixtral-depth model, docs/BENCHMARKS.md: a fifth fewer bytes read than the exact default at 45 % of
+# its experts cached, 0.003 nats)
+DYNAMIC = {"hits": "at-least", "t1": DEFAULT_T1, "t2": 1.0, "level_shares": (0.95, 0.05), "warm": False}
+# ... priced with hits "exact": every selection the rule sends low served low, whatever the cache
+# holds (a prompt served level by level, as decode serves it): what "at-least" serves or worse (a
+# cached copy at the model's precision serves a selection that wants it low), whatever the memory
+DYNAMIC_PRICED = {**DYNAMIC, "hits": "exact", "level_shares": None}
 
 
 @dataclass(frozen=True)
 class Priced:
     """A ladder measured on the calibration text."""
 
-    n_high: int           # experts at the model's precision
+    n_high: int           # experts at the model's precision (dynamic: -1, every expert can be either)
     mean_kl: float        # from the model's next-token distributions, nats a token
     ppl_increase: float   # on the calibration text (shown, not decided on)
     low: str = LOW_TYPE   # the low copy's type
+    dynamic: bool = False  # HOBBIT's dynamic precision (DYNAMIC), not a ladder
 
     @property
     def within(self) -> bool:
@@ -122,12 +141,18 @@ class Calibration:
         """The measurement that settles a ladder of n_high experts at the model's precision over
         the low copy of that type (more of them never diverge more: a placement raises the most
         weighed first), or None."""
-        within = [p for p in self.ladders if p.low == low and p.n_high <= n_high and p.within]
-        beyond = [p for p in self.ladders if p.low == low and p.n_high >= n_high and not p.within]
+        ladders = [p for p in self.ladders if p.low == low and not p.dynamic]
+        within = [p for p in ladders if p.n_high <= n_high and p.within]
+        beyond = [p for p in ladders if p.n_high >= n_high and not p.within]
         return within[-1] if within else beyond[0] if beyond else None
 
+    def dynamic_verdict(self, low: str) -> Priced | None:
+        """The measurement of dynamic precision over the low copy of that type (one for every memory), or None."""
+        return next((p for p in self.ladders if p.low == low and p.dynamic), None)
+
     def priced(self, measured: Priced) -> "Calibration":
-        kept = {(p.low, p.n_high): p for p in self.ladders} | {(measured.low, measured.n_high): measured}
+        kept = ({(p.low, p.dynamic, p.n_high): p for p in self.ladders}
+                | {(measured.low, measured.dynamic, measured.n_high): measured})
         return dataclasses.replace(self, ladders=tuple(kept[k] for k in sorted(kept)))
 
 
@@ -165,7 +190,7 @@ def load_calibration(model_path: str | os.PathLike, info: ModelInfo, text: str) 
                 or data.get("text") != _text_digest(text)):
             return None
         ladders = tuple(Priced(int(p["n_high"]), float(p["mean_kl"]), float(p["ppl_increase"]),
-                               str(p.get("low", LOW_TYPE))) for p in data["ladders"])
+                               str(p.get("low", LOW_TYPE)), bool(p.get("dynamic", False))) for p in data["ladders"])
         calibration = Calibration(np.array(data["importance"], np.float64), int(data["n_tokens"]), ladders)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
@@ -338,13 +363,14 @@ def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, 
     beyond: list[str] = []  # the lines of the ladders measured beyond the limit
     measure = _once(measure, importance_path(info.path))  # the model's own experts: once, whatever the types tried
     for low_type, next_type in zip(LOW_TYPES, (*LOW_TYPES[1:], None)):
-        served, line, beyond_verdict = _default_over(low_type, info, config, shape, available, measure, score, threads)
+        served, line, beyond_verdict = _default_over(low_type, next_type, info, config, shape, available, measure, score,
+                                                     threads)
         if beyond_verdict is None:
             if beyond and line.startswith(_exact("")):  # exact for another reason: both said
                 line = f"{line}; {'; '.join(beyond)}; {_tune_hint(info)}"
             return served, line
         beyond.append(line.removeprefix(_exact("")))
-        if next_type is not None and beyond_verdict.mean_kl > NEXT_TYPE_GAIN * MAX_MEAN_KL:
+        if next_type is not None and not _next_type_may_be_within(beyond_verdict):
             # its copy, its measurement (at real size: a quantizer pass over the experts and a pass of the
             # calibration text through them, tens of minutes) would end beyond the limit too
             beyond.append(f"the ladder over {next_type} not tried (a {next_type} copy diverges at least "
@@ -357,11 +383,17 @@ def _tune_hint(info: ModelInfo) -> str:
     return f"faster at a perplexity cost you choose: hobbitpy tune {info.path} --text YOUR-TEXT"
 
 
-def _default_over(low_type: str, info: ModelInfo, config: OffloadConfig, shape: ContextShape, available: int,
-                  measure: Measure, score: Score, threads: int) -> tuple[OffloadConfig, str, Priced | None]:
+def _next_type_may_be_within(beyond: Priced) -> bool:
+    """Whether a ladder over the next low type may be within the limit where the one over this type measured beyond."""
+    return beyond.mean_kl <= NEXT_TYPE_GAIN * MAX_MEAN_KL
+
+
+def _default_over(low_type: str, next_type: str | None, info: ModelInfo, config: OffloadConfig, shape: ContextShape,
+                  available: int, measure: Measure, score: Score, threads: int) -> tuple[OffloadConfig, str, Priced | None]:
     """default_config over the copy of one low type: the config, its line, and the measurement
     of the ladder the memory allows where it is beyond the limit (then the next type may be
-    worth trying), else None."""
+    worth trying), else None. Where no next type will be tried, dynamic precision over this
+    type's copy is (the ladders first: where their copy fits in memory they read nothing)."""
     exact = dataclasses.replace(config, auto=False)
     model_path = info.path
     low_path = default_companion_path(model_path, low_type)
@@ -381,7 +413,7 @@ def _default_over(low_type: str, info: ModelInfo, config: OffloadConfig, shape: 
                              f"{importance_path(model_path)}: delete it to measure again)"), None
     made: list[pathlib.Path] = []  # the copy _choose makes, named there until it is served
     try:
-        return _choose(info, config, exact, ladder, budget, text, measure, score, threads, made)
+        return _choose(info, config, exact, ladder, budget, text, measure, score, threads, made, next_type)
     except (HobbitError, OSError) as e:  # a read that failed, the disk, no room for the passes' arrays
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         _remember_failure(model_path, info, text, Failure(budget, why, low_type))
@@ -392,7 +424,8 @@ def _default_over(low_type: str, info: ModelInfo, config: OffloadConfig, shape: 
 
 
 def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder: OffloadConfig, budget: int,
-            text: str, measure: Measure, score: Score, threads: int, made: list) -> tuple[OffloadConfig, str, Priced | None]:
+            text: str, measure: Measure, score: Score, threads: int, made: list,
+            next_type: str | None) -> tuple[OffloadConfig, str, Priced | None]:
     """_default_over's choice once a ladder over ladder.low (a type) fits: measures what is not
     known yet. The copy of the experts it makes is named in `made` until it is served (the
     caller removes it otherwise, whatever ends the choice). The verdict: where beyond the limit."""
@@ -413,21 +446,9 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
         # no room to measure: known before the copy is made for nothing
         _measuring_room(info, calibration.reference, dataclasses.replace(ladder, low=str(low_path)), low_type)
     if verdict is None or verdict.within:
-        if not low_path.is_file():
-            if not config.prepare:
-                return exact, _exact(f"the default ladder needs a {low_type} copy of the experts, {low_path} does not "
-                                     "exist and --no-prepare was given"), None
-            need = int(low.sum()) * info.n_expert
-            log.info(f"making a {low_type} copy of the experts for the default ladder ({need / 1e9:.2f} GB, once): "
-                     f"{low_path}")
-            try:
-                prepare_companion(model_path, low_type, low_path, threads=threads,
-                                  progress=not quiet())
-            except (OSError, ValueError, HobbitError) as e:  # the disk full, the folder read-only, ...
-                return exact, _exact(f"the {low_type} copy could not be made ({e})"), None
-            finally:
-                return_freed_memory()  # its buffers: the run planned next in this process is given them
-            made.append(low_path)
+        why_not = _make_copy(info, config, low_type, threads, made)
+        if why_not is not None:
+            return exact, _exact(why_not), None
     # placed as measured: the run's own cache may come out a little different from this plan's
     served = dataclasses.replace(ladder, low=str(low_path), importance=tuple(map(tuple, calibration.importance.tolist())),
                                  placed_mb=placed / MB)
@@ -455,11 +476,81 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
             verdict = calibration.verdict(n_high, low_type)
     if verdict is None:  # (every ladder to measure was measured, none settles this one: not seen)
         return exact, _exact("no measurement settles the ladder memory allows"), None
-    if not verdict.within:  # (a copy made for it is removed by the caller: the verdict is kept)
-        return exact, _exact(f"the ladder memory allows ({n_high} experts at the model's precision, the rest at "
-                             f"{low_type}) measured {_measured(verdict)}"), verdict
+    if not verdict.within:  # (a copy made for nothing is removed by the caller: the verdicts are kept)
+        ladder_beyond = (f"the ladder memory allows ({n_high} experts at the model's precision, the rest at "
+                         f"{low_type}) measured {_measured(verdict)}")
+        if next_type is not None and _next_type_may_be_within(verdict):
+            return exact, _exact(ladder_beyond), verdict
+        dynamic, line = _choose_dynamic(info, config, budget, text, calibration,
+                                        measure, score, threads, made, low_type)
+        if dynamic is None:
+            return exact, _exact(f"{ladder_beyond}; {line}"), verdict
+        made.clear()  # served: not made for nothing
+        return dynamic, f"{line}; {ladder_beyond}", None
     made.clear()  # served: not made for nothing
     return served, describe(info, budget, calibration.importance, placement, verdict), None
+
+
+def _make_copy(info: ModelInfo, config: OffloadConfig, low_type: str, threads: int, made: list) -> str | None:
+    """The low copy of that type next to the model, made where it is missing (named in `made`);
+    None where it is there, else why not."""
+    low_path = default_companion_path(info.path, low_type)
+    if low_path.is_file():
+        return None
+    if not config.prepare:
+        return f"the default needs a {low_type} copy of the experts, {low_path} does not exist and --no-prepare was given"
+    need = int(low_copy_layer_bytes(info, low_type).sum()) * info.n_expert
+    log.info(f"making a {low_type} copy of the experts for the default ({need / 1e9:.2f} GB, once): {low_path}")
+    try:
+        prepare_companion(info.path, low_type, low_path, threads=threads, progress=not quiet())
+    except (OSError, ValueError, HobbitError) as e:  # the disk full, the folder read-only, ...
+        return f"the {low_type} copy could not be made ({e})"
+    finally:
+        return_freed_memory()  # its buffers: the run planned next in this process is given them
+    made.append(low_path)
+    return None
+
+
+def _choose_dynamic(info: ModelInfo, config: OffloadConfig, budget: int, text: str, calibration: Calibration,
+                    measure: Measure, score: Score, threads: int, made: list, low_type: str
+                    ) -> tuple[OffloadConfig | None, str]:
+    """Dynamic precision over the copy of that type (DYNAMIC) where the ladder over it is beyond
+    the limit: the config and its line where it measures within, else None and why not. Measured
+    once for every memory (DYNAMIC_PRICED), kept with the ladders; the copy made where missing."""
+    low_path = default_companion_path(info.path, low_type)
+    dynamic = dataclasses.replace(config, low=str(low_path), auto=False, **DYNAMIC)
+    verdict = calibration.dynamic_verdict(low_type)
+    if verdict is not None and not verdict.within:
+        return None, f"dynamic precision over {low_type} measured {_measured(verdict)}"
+    if verdict is None:
+        if calibration.reference is None:  # kept from an earlier run: its distributions are not
+            calibration = _measure(info.path, info, text, measure, calibration)
+        priced = dataclasses.replace(config, low=str(low_path), auto=False, **DYNAMIC_PRICED)
+        room = _measuring_room(info, calibration.reference, priced, low_type)  # before a copy is made for nothing
+    why_not = _make_copy(info, config, low_type, threads, made)
+    if why_not is not None:
+        return None, why_not
+    if verdict is None:
+        log.info(f"measuring dynamic precision over {low_type} on hobbitpy's calibration text (every selection the "
+                 f"rule sends low served low)")
+        try:
+            c = score(calibration.reference, dataclasses.replace(priced, cache_mb=min(budget, room) / MB))
+        finally:
+            _release(info.path, low_path)
+        verdict = Priced(-1, c.mean_kl, c.ppl_increase, low_type, dynamic=True)
+        _keep(info.path, info, text, calibration.priced(verdict))
+        if not verdict.within:
+            return None, f"dynamic precision over {low_type} measured {_measured(verdict)}"
+    return dynamic, describe_dynamic(info, budget, verdict)
+
+
+def describe_dynamic(info: ModelInfo, budget_bytes: int, verdict: Priced) -> str:
+    """The line dynamic precision is announced with."""
+    low_total = int(low_copy_layer_bytes(info, verdict.low).sum()) * info.n_expert
+    return (f"the model's own experts for every hit of the expert cache ({budget_bytes / MB:.0f} MB), a {verdict.low} "
+            f"copy ({low_total / MB:.0f} MB) for a miss a token weighs less (HOBBIT's dynamic precision: eq. 2 score "
+            f"above T1 = {DYNAMIC['t1']:g}); with every such selection served low {_measured(verdict)} (lossy; "
+            "--exact serves the model's own experts only)")
 
 
 def placed_bytes(info: ModelInfo, budget: int, calibration: Calibration, low: str = LOW_TYPE) -> int:
