@@ -3,7 +3,9 @@
 model did not train on: the model's own experts (exact), the importance ladder over each low copy
 (the model's experts the routers weigh most at its precision, the rest from the copy, as the
 default's ladder places them), and HOBBIT's dynamic precision over the Q2_K copy (per token, the
-selections whose eq.-2 score is above T1 from the copy; hits exact, nothing skipped). Each is
+selections whose eq.-2 score is above T1 from the copy, nothing skipped): with hits exact (every
+such selection from the copy, the default's price of it) and as the default serves it (hits
+at-least: a cached copy at the model's precision serves them too; a small low pool). Each is
 scored as decoding meets it (ubatch 1) against the model's own file: mean KL, perplexity change,
 and the megabytes read from disk a token (the cache's own count: the same on any machine).
 
@@ -24,7 +26,7 @@ from hobbitpy.copies.companions import default_companion_path
 from hobbitpy.copies.prepare import prepare_companion
 from hobbitpy.files.tokens import tokenize_text
 from hobbitpy.measure.evaluate import evaluate_against, measure_reference
-from hobbitpy.runtime.default_ladder import calibration_text
+from hobbitpy.runtime.default_ladder import DYNAMIC, calibration_text
 from hobbitpy.runtime.llama import measure_calibration
 from hobbitpy.settings.config import MAX_MEAN_KL
 
@@ -65,6 +67,8 @@ def main() -> int:
         first = next(iter(lows.values()))
         configs[f"dynamic over {next(iter(lows))} (T1 0.6, hits exact)"] = OffloadConfig(
             cache_mb=mb, low=first, hits="exact", t1=0.6, t2=1.0, auto=False)
+        configs[f"dynamic over {next(iter(lows))} (the default's: hits at-least)"] = OffloadConfig(
+            cache_mb=mb, low=first, auto=False, **DYNAMIC)
         for name, config in configs.items():
             r = evaluate_against(a.model, reference, config, n_ubatch=1, n_threads=threads)
             s = r.stats or {}

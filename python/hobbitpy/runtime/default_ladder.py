@@ -29,7 +29,8 @@ dialogue, code, arithmetic, three languages, scripture):
   less. Its divergence is measured once for every memory, with every selection the rule sends
   low served low whatever the cache holds (a prompt served level by level, as decode serves
   it): what dynamic precision serves, or worse. Ladders first: where their copy fits in memory
-  they read nothing; dynamic precision reads every miss, fewer bytes than the model's own;
+  they read nothing, while dynamic precision reads every miss (a token's less weighed ones in
+  the copy's fewer bytes);
 - else the model's own experts (a copy made for nothing is removed).
   The divergence, not the perplexity, decides: it is the perplexity increase to
   expect on text the model predicts well, and it does not hide behind a text the model
