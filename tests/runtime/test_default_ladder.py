@@ -324,7 +324,8 @@ def test_run_under_a_cap_measures_the_ladder_once_serves_it_within_the_limit_and
         available, rest = map(int, re.search(r"from (\d+) MB available; (\d+) MB for the rest", probe.stderr).groups())
         low_total = int(low_copy_layer_bytes(info).sum()) * info.n_expert
         target = low_total + 0.92 * (info.expert_bytes_total - low_total)
-        cap.set_limit(int(probe_limit - available * MB + rest * MB + target))
+        roomy_limit = int(probe_limit - available * MB + rest * MB + target)
+        cap.set_limit(roomy_limit)
         first = _run(model, cap)
         assert first.returncode == 0, first.stderr[-3000:]
         assert "measuring the model on hobbitpy's calibration text" in first.stderr
@@ -351,46 +352,54 @@ def test_run_under_a_cap_measures_the_ladder_once_serves_it_within_the_limit_and
             assert exact.stdout == stock.stdout
 
         # a cap whose cache holds little more than the copy: the ladder it allows (Q2_K for nearly
-        # every expert: 0.05 nats from the model) measures beyond the limit, and the model's own
-        # experts serve; the verdict is kept, and the next run takes it without measuring
+        # every expert: 0.02-0.05 nats from the model, by the MB the run finds) measures beyond the
+        # limit. What serves then is measured too, by the same MB: a ladder over a Q3_K copy where
+        # the Q2_K one is within its reach, else HOBBIT's dynamic precision over the copy; the model's
+        # own experts where neither is within or can be measured beside the measurement's arrays.
+        # The verdicts (and failures) are kept, and the next run takes them without measuring
         target = low_total + 0.1 * (info.expert_bytes_total - low_total)
         tight_limit = int(probe_limit - available * MB + rest * MB + target)
         cap.set_limit(tight_limit)
         tight = _run(model, cap)
         assert tight.returncode == 0, tight.stderr[-3000:]
         assert "measuring the default ladder" in tight.stderr, tight.stderr
-        assert f"(at most {MAX_MEAN_KL:g})" in tight.stderr and "(exact)" in tight.stderr, tight.stderr
-        assert f"hobbitpy tune {model} --text" in tight.stderr, tight.stderr  # what a user who would trade some quality runs
-        assert tight.stdout == stock.stdout
+        assert f"(at most {MAX_MEAN_KL:g})" in tight.stderr, tight.stderr
+        q3_ladder, dynamic = "from a Q3_K copy" in tight.stderr, "HOBBIT's dynamic precision" in tight.stderr
+        assert ("(exact)" in tight.stderr) != (q3_ladder or dynamic), tight.stderr
+        if "(exact)" in tight.stderr:
+            assert f"hobbitpy tune {model} --text" in tight.stderr, tight.stderr  # what a user who would trade quality runs
+            assert tight.stdout == stock.stdout
         # the next run with a little less memory: a verdict beyond the limit settles every ladder
-        # with no more experts at the model's precision. (Under the same cap a run finds a MB or
-        # two more or less than the last one, one expert at the model's precision more or less:
-        # a ladder with more of them is not settled, and is measured; fresh-clone CI saw that.)
+        # with no more experts at the model's precision, and dynamic precision's holds for any memory.
+        # (Under the same cap a run finds a MB or two more or less than the last one, one expert at
+        # the model's precision more or less: a ladder with more of them is not settled, and is
+        # measured; fresh-clone CI saw that.)
         cap.set_limit(tight_limit - 2 * info.expert_bytes)
         kept = _run(model, cap)
-        assert kept.returncode == 0 and "measuring" not in kept.stderr and "(exact)" in kept.stderr, kept.stderr
-        assert f"(at most {MAX_MEAN_KL:g})" in kept.stderr, kept.stderr  # the kept verdict, not a lack of room
-        assert kept.stdout == stock.stdout
+        assert kept.returncode == 0 and f"(at most {MAX_MEAN_KL:g})" in kept.stderr, kept.stderr
+        if not q3_ladder:  # (a Q3_K ladder within is not settled for fewer experts at the model's precision)
+            assert "measuring" not in kept.stderr, kept.stderr
         calibration = load_calibration(model, info, calibration_text())
-        # every expert at Q2_K measured first (beyond), a ladder within, and the tight cap's beyond.
-        # (Whether the tight cap's memory also fits a ladder over a Q3_K copy, measured after its
-        # Q2_K one, depends on the MB a run finds: only the Q2_K ladders are certain.)
-        ladders = [p for p in calibration.ladders if p.low == LOW_TYPE]
+        # every expert at Q2_K measured first (beyond), a ladder within, and the tight cap's beyond
+        ladders = [p for p in calibration.ladders if p.low == LOW_TYPE and not p.dynamic]
         assert ladders[0].n_high == 0 and not ladders[0].within and ladders[-1].within, calibration.ladders
         assert any(0 < p.n_high < ladders[-1].n_high and not p.within for p in ladders), calibration.ladders
 
+        # a model measured afresh under the first cap (room to measure beside the passes' arrays)
+        cap.set_limit(roomy_limit)
         other = tmp_path / "other"
         other.mkdir()
         shutil.copy(src, other / "m.gguf")
         refused = _run(other / "m.gguf", cap, "--no-prepare")
         assert refused.returncode == 0, refused.stderr[-3000:]
-        assert "--no-prepare" in refused.stderr and "(exact)" in refused.stderr
+        assert "--no-prepare" in refused.stderr and "(exact)" in refused.stderr, refused.stderr
         assert not default_companion_path(other / "m.gguf", LOW_TYPE).exists()
         assert refused.stdout == stock.stdout
-        # the copy made for a ladder measured beyond the limit is removed: the disk given back
-        made_for_nothing = _run(other / "m.gguf", cap)
-        assert made_for_nothing.returncode == 0, made_for_nothing.stderr[-3000:]
-        assert f"making a {LOW_TYPE} copy" in made_for_nothing.stderr and "(exact)" in made_for_nothing.stderr
-        assert not default_companion_path(other / "m.gguf", LOW_TYPE).exists()
+        # a copy is kept only where it serves (made for a ladder measured beyond, it is removed)
+        made = _run(other / "m.gguf", cap)
+        assert made.returncode == 0, made.stderr[-3000:]
+        assert f"making a {LOW_TYPE} copy" in made.stderr
+        copies = [default_companion_path(other / "m.gguf", t) for t in ("Q2_K", "Q3_K")]
+        assert sum(c.exists() for c in copies) == ("(exact)" not in made.stderr), made.stderr
     finally:
         cap.remove()
