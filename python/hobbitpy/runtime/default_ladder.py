@@ -433,7 +433,6 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
     model_path = info.path
     low_type = ladder.low
     low_path = default_companion_path(model_path, low_type)
-    low = low_copy_layer_bytes(info, low_type)
     calibration = load_calibration(model_path, info, text)
     if calibration is None:
         calibration = _measure(model_path, info, text, measure, calibration)
