@@ -118,10 +118,23 @@ void hobbit_runtime::fetch_neurons(ggml_tensor * dst, int il) {
     const int n_ff = (int) gate->ne[0];
     const int64_t t_enter = runtime_clock_us();
 
+    const int p = cache->pool_of(0, il);
+    // which expert each pair's slot holds (the cache's lock, before the runtime's)
+    std::vector<std::pair<int, int>> owner_of(gate->ne[1] * gate->ne[2], { -1, -1 });
+    std::map<int, int> slot_of_expert; // of this layer's experts in the pass
+    for (int64_t t = 0; t < gate->ne[2]; ++t) {
+        for (int64_t k = 0; k < gate->ne[1]; ++k) {
+            const int32_t s = *(const int32_t *) ((const char *) ids->data + k * ids->nb[0] + t * ids->nb[1]);
+            if (s >= 0) {
+                owner_of[t * gate->ne[1] + k] = cache->slot_owner(p, s);
+                if (owner_of[t * gate->ne[1] + k].first == il) {
+                    slot_of_expert[owner_of[t * gate->ne[1] + k].second] = s;
+                }
+            }
+        }
+    }
     std::unique_lock<std::mutex> lock(mtx);
-    const int p = pool_of[0][il];
-    pool_group & pg = pools[p];
-    neuron_row_cache & rows = *pg.rows;
+    neuron_row_cache & rows = *row_caches[p];
     std::map<int64_t, neuron_bits> need;                       // owner (layer * n_expert + expert) -> the union of its pairs' kept neurons
     std::vector<int64_t> pair_owner(gate->ne[1] * gate->ne[2], -1); // token-major
     pass_rows = &rows;
@@ -144,8 +157,8 @@ void hobbit_runtime::fetch_neurons(ggml_tensor * dst, int il) {
             stats_.neuron_selections++;
             stats_.neuron_whole += whole;
             stats_.neuron_kept  += (double) kept / n_ff;
-            const slot_entry & slot = pg.slots[s];
-            const int64_t owner = (int64_t) slot.layer * index.info.n_expert + slot.expert;
+            const std::pair<int, int> & slot = owner_of[t * gate->ne[1] + k];
+            const int64_t owner = (int64_t) slot.first * index.info.n_expert + slot.second;
             pair_owner[t * gate->ne[1] + k] = owner;
             auto it = need.find(owner);
             if (it == need.end()) {
@@ -158,7 +171,7 @@ void hobbit_runtime::fetch_neurons(ggml_tensor * dst, int il) {
     // read the rows the pass's experts lack, making room from the least recently used others
     neuron_rows_plan plan;
     if (!rows.plan_rows(need, plan)) {
-        // the waves hold no more experts than the pages can hold whole (layer_capacity)
+        // the waves hold no more experts than the pages can hold whole (expert_cache::layer_capacity)
         fail("neuron reads: a pass of layer " + std::to_string(il) + " needs more rows than the neuron row cache's " +
              std::to_string(rows.n_page()) + " pages");
         return;
@@ -174,7 +187,7 @@ void hobbit_runtime::fetch_neurons(ggml_tensor * dst, int il) {
     for (const neuron_row_run & run : runs) {
         const int e = (int) (run.owner % index.info.n_expert);
         if (loads.empty() || loads.back().expert != e) {
-            loads.push_back({ p, 0, pg.slots.find(il, e), il, e, /*prefetch*/ false, {}, {}, {} });
+            loads.push_back({ p, 0, slot_of_expert.at(e), il, e, /*prefetch*/ false, {}, {}, {} });
         }
         loads.back().ranges.push_back({ LLAMA_MOE_PROJ_UP, (uint64_t) run.first * page_bytes,
                                         (uint64_t) (run.first + run.count) * page_bytes, rows.row(0, run.first_page) });
@@ -185,12 +198,16 @@ void hobbit_runtime::fetch_neurons(ggml_tensor * dst, int il) {
         return;
     }
     rows_pending += (int) loads.size();
+    lock.unlock(); // the runtime's lock is held around no call into the cache
+    cache->waiting_elsewhere(+1);
     io->submit(loads);
     const int64_t t0 = runtime_clock_us();
-    n_waiting++;
-    cv_loaded.wait(lock, [&] { return failed() || rows_pending == 0; });
-    n_waiting--;
+    lock.lock();
+    cv_rows.wait(lock, [&] { return failed() || rows_pending == 0; });
+    lock.unlock();
+    cache->waiting_elsewhere(-1);
     const int64_t waited = runtime_clock_us() - t0;
+    lock.lock();
     stats_.stall_us    += waited;
     stats_.dispatch_us += runtime_clock_us() - t_enter - waited;
 }

@@ -24,6 +24,7 @@
 #include <numeric>
 
 void hobbit_runtime::fail(const std::string & msg) {
+    std::lock_guard<std::mutex> lock(error_mtx);
     if (!has_error.load()) {
         error_msg = msg;
         has_error.store(true, std::memory_order_release);
@@ -31,17 +32,31 @@ void hobbit_runtime::fail(const std::string & msg) {
 }
 
 hobbit_stats hobbit_runtime::stats() const {
+    const cache_counters c = cache->counters();
     std::lock_guard<std::mutex> lock(mtx);
-    return stats_;
+    hobbit_stats s = stats_;
+    s.expert_hits      = c.hits;
+    s.expert_misses    = c.misses;
+    s.expert_inplace   = c.inplace;
+    s.prefetch_issued  = c.prefetch_issued;
+    s.prefetch_used    = c.prefetch_used;
+    s.prefetch_wasted  = c.prefetch_wasted;
+    s.loads_overlapped = c.loads_overlapped;
+    s.n_skipped        = c.skipped;
+    s.upgrades         = c.upgrades;
+    s.warm_loads       = c.warm_loads;
+    for (int l = 0; l < HOBBIT_MAX_LEVELS; ++l) {
+        s.served[l] = c.served[l];
+    }
+    return s;
 }
 
 void hobbit_runtime::reset_stats() {
+    const int64_t used = used_pool_bytes();
+    cache->reset_counters();
     std::lock_guard<std::mutex> lock(mtx);
     const hobbit_stats keep = stats_;
     stats_ = {};
-    for (pool_group & pg : pools) {
-        pg.hits = pg.misses = pg.bytes_read = 0;
-    }
     stats_.budget_bytes    = keep.budget_bytes;
     stats_.pool_bytes      = keep.pool_bytes;
     stats_.n_slot          = keep.n_slot;
@@ -50,11 +65,11 @@ void hobbit_runtime::reset_stats() {
     stats_.mode            = keep.mode;
     stats_.load_bytes_per_s = keep.load_bytes_per_s;
     stats_.map_bytes_per_s = keep.map_bytes_per_s;
-    stats_.peak_pool_bytes = used_pool_bytes();
+    stats_.peak_pool_bytes = used;
 }
 
 bool hobbit_runtime::error(std::string & msg) const {
-    std::lock_guard<std::mutex> lock(mtx);
+    std::lock_guard<std::mutex> lock(error_mtx);
     msg = error_msg;
     if (!has_error.load()) {
         for (size_t part = 0; part < part_files.size(); ++part) {
@@ -68,7 +83,7 @@ bool hobbit_runtime::error(std::string & msg) const {
 }
 
 void hobbit_runtime::clear_error() {
-    std::lock_guard<std::mutex> lock(mtx);
+    std::lock_guard<std::mutex> lock(error_mtx);
     error_msg.clear();
     has_error.store(false);
     // a fault left zero pages in the mapping: the file's own pages again (where it is whole now,
@@ -81,20 +96,19 @@ void hobbit_runtime::clear_error() {
 }
 
 bool hobbit_runtime::pool_stats(int pool, hobbit_pool_stats & out) const {
-    std::lock_guard<std::mutex> lock(mtx);
-    if (pool < 0 || pool >= (int) pools.size()) {
+    cache_pool_counters c;
+    if (!cache->pool_counters(pool, c)) {
         return false;
     }
-    const pool_group & pg = pools[pool];
     out = {};
-    out.hits         = pg.hits;
-    out.misses       = pg.misses;
-    out.bytes_read   = pg.bytes_read;
-    out.expert_bytes = pg.expert_bytes;
-    out.n_slot       = pg.pool->n_slot();
-    out.n_layer      = pg.n_layer;
-    out.level        = pg.level;
-    out.type         = pg.type;
+    out.hits         = c.hits;
+    out.misses       = c.misses;
+    out.bytes_read   = c.bytes_read;
+    out.expert_bytes = c.expert_bytes;
+    out.n_slot       = c.n_slot;
+    out.n_layer      = c.n_layer;
+    out.level        = c.level;
+    out.type         = c.type;
     return true;
 }
 
@@ -133,8 +147,5 @@ void hobbit_runtime::trace_end() {
 }
 
 void hobbit_runtime::new_sequence() {
-    std::lock_guard<std::mutex> lock(mtx);
-    for (pool_group & pg : pools) {
-        pg.policy->reset();
-    }
+    cache->new_sequence();
 }

@@ -62,8 +62,13 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     take_popularity(path, policy_kind);
     const std::vector<int64_t> budgets = level_budgets();
     choose_pool_device();
-    const int64_t n_slot_total = make_pools(budgets, policy_kind);
-    choose_executor();
+    std::vector<cache_pool_setup> pool_setups = make_pools(budgets);
+    choose_executor(pool_setups);
+    int64_t n_slot_total = 0;
+    for (const cache_pool_setup & ps : pool_setups) {
+        n_slot_total += ps.n_slot;
+    }
+    make_cache(std::move(pool_setups), policy_kind);
     make_predictor();
     make_io();
     describe_layers();
@@ -128,10 +133,8 @@ cache_policy_kind hobbit_runtime::parse_policy() const {
 // the MoE layers, and the model's expert tensors exactly as the file index describes them
 void hobbit_runtime::find_moe_layers(const std::string & path) {
     const hobbit_model_info & info = index.info;
-    moe_rank.assign(info.n_layer, -1);
     for (int il = 0; il < info.n_layer; ++il) {
         if (index.layers[il].has_experts()) {
-            moe_rank[il] = (int) moe_layers.size();
             moe_layers.push_back(il);
         }
     }
@@ -150,7 +153,6 @@ void hobbit_runtime::find_moe_layers(const std::string & path) {
         }
     }
 
-    last_moe_layer = moe_layers.back();
 }
 
 // what neuron sparsity and neuron-granular reads need of the model and the high level
@@ -233,7 +235,6 @@ void hobbit_runtime::take_popularity(const std::string & path, cache_policy_kind
             }
         }
     }
-    policy_reads_scores = policy_kind == cache_policy_kind::score;
     if (policy_kind == cache_policy_kind::popularity && popularity.empty()) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "the popularity policy needs a popularity profile (expert_popularity)");
     }
@@ -289,13 +290,11 @@ void hobbit_runtime::choose_pool_device() {
     }
 }
 
-// every level's pools (one per expert signature, or per layer), their policies and row caches; the slots made
-int64_t hobbit_runtime::make_pools(const std::vector<int64_t> & budgets, cache_policy_kind policy_kind) {
+// every level's pools (one per expert signature, or per layer): their tensors and row caches made, the
+// cache's pools planned
+std::vector<cache_pool_setup> hobbit_runtime::make_pools(const std::vector<int64_t> & budgets) {
     const hobbit_model_info & info = index.info;
-    const cache_policy_weights weights = { params.policy_weights.lru, params.policy_weights.lfu,
-                                           params.policy_weights.lhu, params.policy_weights.fld };
-    pool_of.assign(n_level, std::vector<int>(info.n_layer, -1));
-    int64_t n_slot_total = 0;
+    std::vector<cache_pool_setup> setups;
     for (int l = 0; l < n_level; ++l) {
         const expert_index & li = level_index(l);
         // Fate's pool per layer holds the precision decode serves (the highest); a lower one
@@ -308,11 +307,13 @@ int64_t hobbit_runtime::make_pools(const std::vector<int64_t> & budgets, cache_p
         }
         for (pool_plan_group & g : plan) {
             const expert_layer_layout & shape = li.layers[g.layers.front()];
-            pool_group pg;
-            pg.level        = l;
-            pg.type         = shape.proj[neuron_reads ? LLAMA_MOE_PROJ_UP : LLAMA_MOE_PROJ_DOWN].type; // a neuron layout's up holds down
-            pg.expert_bytes = g.expert_bytes;
+            cache_pool_setup ps;
+            ps.level        = l;
+            ps.type         = shape.proj[neuron_reads ? LLAMA_MOE_PROJ_UP : LLAMA_MOE_PROJ_DOWN].type; // a neuron layout's up holds down
+            ps.expert_bytes = g.expert_bytes;
+            ps.layers       = g.layers;
             int64_t bytes   = g.n_slot * g.expert_bytes;
+            std::unique_ptr<neuron_row_cache> rows;
             if (neuron_reads) {
                 // the group's bytes, its share of what whole slots left over too (rows are smaller
                 // than experts), shared by gate slots and the pages of the row cache
@@ -325,29 +326,23 @@ int64_t hobbit_runtime::make_pools(const std::vector<int64_t> & budgets, cache_p
                                        g.n_slot, n_page)) {
                     throw hobbit_error(HOBBIT_STATUS_ERROR_INTERNAL, "the pool plan left less than one token's experts");
                 }
-                pg.rows = std::make_unique<neuron_row_cache>(n_ff, row_bytes, n_page, params.neuron_bridge);
-                pg.expert_bytes = (int64_t) shape.proj[LLAMA_MOE_PROJ_GATE].n_bytes; // a slot's
-                bytes = g.n_slot * pg.expert_bytes + pg.rows->bytes();
+                rows = std::make_unique<neuron_row_cache>(n_ff, row_bytes, n_page, params.neuron_bridge);
+                ps.expert_bytes = (int64_t) shape.proj[LLAMA_MOE_PROJ_GATE].n_bytes; // a slot's
+                bytes = g.n_slot * ps.expert_bytes + rows->bytes();
             }
-            pg.pool   = std::make_unique<expert_pool>(shape, info.n_expert_used, g.n_slot, pool_dev,
-                                                      /*gate_only*/ neuron_reads);
-            pg.slots  = slot_table(info.n_layer, info.n_expert, g.n_slot);
-            pg.policy = cache_policy_make(policy_kind, g.n_slot, info.n_layer, info.n_expert, weights, params.seed,
-                                          popularity.empty() ? nullptr : popularity.data());
-            pg.n_layer = (int) g.layers.size();
-            for (int il : g.layers) {
-                pool_of[l][il] = (int) pools.size();
-            }
+            ps.n_slot = g.n_slot; // (neuron reads: as many gate slots as the row split gave)
+            pool_tensors.push_back(std::make_unique<expert_pool>(shape, info.n_expert_used, g.n_slot, pool_dev,
+                                                                 /*gate_only*/ neuron_reads));
+            row_caches.push_back(std::move(rows));
             stats_.pool_bytes += bytes;
-            n_slot_total += g.n_slot;
-            pools.push_back(std::move(pg));
+            setups.push_back(std::move(ps));
         }
     }
-    return n_slot_total;
+    return setups;
 }
 
 // which layers may compute a miss in place, and the executor choice (mode, latency model)
-void hobbit_runtime::choose_executor() {
+void hobbit_runtime::choose_executor(const std::vector<cache_pool_setup> & pools) {
     const hobbit_model_info & info = index.info;
     // in place runs the model's own mapped weights with stock's kernels: only where the CPU
     // does not repack that type on load (a repacked pool computes with other kernels), and,
@@ -361,7 +356,14 @@ void hobbit_runtime::choose_executor() {
     for (int il : moe_layers) {
         // with a companion as the high level the model's experts are another precision than asked for
         const int64_t layer_bytes = (int64_t) index.layers[il].n_bytes() * info.n_expert;
-        inplace_ok[il] = model != nullptr && !high && !pools[pool_of[0][il]].pool->repacked() &&
+        // the model's own pool: the level-0 one serving il
+        bool repacked = false;
+        for (size_t p = 0; p < pools.size(); ++p) {
+            if (pools[p].level == 0 && std::count(pools[p].layers.begin(), pools[p].layers.end(), il) > 0) {
+                repacked = pool_tensors[p]->repacked();
+            }
+        }
+        inplace_ok[il] = model != nullptr && !high && !repacked &&
                          (params.mode == HOBBIT_MODE_COOPERATIVE ||
                           page_cache_holds_two_layers(layer_bytes, params.page_cache_room_bytes));
         any_inplace = any_inplace || inplace_ok[il];
@@ -374,6 +376,44 @@ void hobbit_runtime::choose_executor() {
     stats_.mode             = any_inplace ? params.mode : HOBBIT_MODE_GPU_CENTRIC;
     stats_.load_bytes_per_s = executor.load_bytes_per_s;
     stats_.map_bytes_per_s  = executor.map_bytes_per_s;
+}
+
+// the expert cache over the planned pools: its policies, its hit rule, where its waves may run in place
+void hobbit_runtime::make_cache(std::vector<cache_pool_setup> pools, cache_policy_kind policy_kind) {
+    const hobbit_model_info & info = index.info;
+    expert_cache_setup setup;
+    setup.n_layer        = info.n_layer;
+    setup.n_expert       = info.n_expert;
+    setup.n_expert_used  = info.n_expert_used;
+    setup.n_level        = n_level;
+    setup.moe_layers     = moe_layers;
+    setup.pools          = std::move(pools);
+    setup.policy         = policy_kind;
+    setup.policy_weights = { params.policy_weights.lru, params.policy_weights.lfu,
+                             params.policy_weights.lhu, params.policy_weights.fld };
+    setup.seed           = params.seed;
+    setup.popularity     = popularity.empty() ? nullptr : popularity.data();
+    setup.hit_policy     = params.hit_policy;
+    setup.skip_cached    = thresholds.skip_cached;
+    setup.level_waves    = n_level > 1 && params.hit_policy == HOBBIT_HIT_EXACT && placement.empty() &&
+                           thresholds.prefill_low_share == 0.0f && !neuron_reads;
+    setup.inplace_ok     = inplace_ok;
+    // experts run in place only when a ubatch selects more pairs than the pools hold,
+    // and never when the model's pool is repacked: the mapped original would take other
+    // kernels than stock, so such a ubatch runs in waves instead (n_waves)
+    setup.inplace_any_width = params.mode != HOBBIT_MODE_GPU_CENTRIC;
+    if (neuron_reads) {
+        // a wave's experts need their kept rows at once: no more than the pages hold whole
+        setup.wave_limit.assign(info.n_layer, INT_MAX);
+        for (size_t p = 0; p < setup.pools.size(); ++p) {
+            for (int il : setup.pools[p].layers) {
+                if (setup.pools[p].level == 0) {
+                    setup.wave_limit[il] = (int) (row_caches[p]->n_page() / row_caches[p]->n_ff());
+                }
+            }
+        }
+    }
+    cache = std::make_unique<expert_cache>(setup, static_cast<cache_env &>(*this));
 }
 
 // HOBBIT's stacked gates for the decode prefetch
@@ -420,17 +460,13 @@ void hobbit_runtime::describe_layers() {
         lo.ctx     = lo.dispatch_ud[0];
         lo.n_pool  = n_level; // one mul_mat_id pass per precision
         for (int l = 0; l < n_level; ++l) {
-            const expert_pool & pool = *pools[pool_of[l][il]].pool;
+            const expert_pool & pool = *pool_tensors[cache->pool_of(l, il)];
             for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
                 lo.pools[l].w[p] = pool.weights(p);
             }
             lo.pools[l].n_slot = pool.n_slot();
         }
-        // experts run in place only when a ubatch selects more pairs than the pools hold,
-        // and never when the model's pool is repacked: the mapped original would take other
-        // kernels than stock, so such a ubatch runs in waves instead (n_waves)
-        lo.inplace_min_pairs = !inplace_ok[il] ? INT32_MAX :
-                               params.mode != HOBBIT_MODE_GPU_CENTRIC ? 0 : layer_capacity(il) + 1;
+        lo.inplace_min_pairs = cache->inplace_min_pairs(il);
         lo.dispatch    = &hobbit_runtime::dispatch_op;
         lo.neuron_sparse    = params.neuron_threshold >= 0.0f && !neuron_reads;
         lo.neuron_threshold = params.neuron_threshold;
@@ -459,7 +495,6 @@ void hobbit_runtime::warm_pools() {
     // profile the most popular experts of any layer first (Fiddler's placement: they are the
     // ones its policy keeps). With a static placement each expert only at its own level.
     // On-demand loads overtake these (they are background loads).
-    std::lock_guard<std::mutex> lock(mtx);
     std::vector<std::pair<int, int>> order; // (layer, expert)
     for (int e = 0; e < index.info.n_expert; ++e) {
         for (int il : moe_layers) {
@@ -473,20 +508,8 @@ void hobbit_runtime::warm_pools() {
         });
     }
     std::vector<load_task> loads;
-    for (int l = n_level - 1; l >= 0; --l) {
-        for (const auto & [il, e] : order) {
-            if (placed(il) && placed(il)[e] != l) {
-                continue; // a static placement: each expert at its own level only
-            }
-            const int p = pool_of[l][il];
-            const slot_table & slots = pools[p].slots;
-            if (slots.has_empty() && slots.find(il, e) < 0 &&
-                queue_background_load(p, il, e, /*prefetch*/ false, loads, nullptr) >= 0) {
-                stats_.warm_loads++;
-            }
-        }
-    }
-    io->submit(loads);
+    cache->warm(order, [&](int il) { return placed(il); }, loads);
+    submit(loads);
 }
 
 hobbit_runtime::~hobbit_runtime() {

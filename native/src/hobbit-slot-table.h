@@ -2,7 +2,7 @@
 // holds, how far its load has got, who needs it to stay, and the marks the cache's plan
 // reads (prefetched, busy with a background load).
 //
-// No lock and no I/O: its owner (the runtime, under its mutex) calls it, and every
+// No lock and no I/O: its owner (the expert cache, under its lock) calls it, and every
 // transition is asserted. A slot's life: empty -> loading (assign) -> ready (loaded); a
 // queued background read dropped leaves it unread (holding the expert, bytes not read),
 // loading again when first used; a failed load empties it. Only a slot nobody pins may

@@ -2,9 +2,9 @@
 // router selected, decided before anything changes.
 //
 // As llama.cpp plans a ubatch's KV cells (find_slot) before writing them (apply_ubatch),
-// the runtime first reads the router's choice (read_selection), then plans the wave from
-// the pools as they are (hobbit_runtime::plan_wave, read-only), then carries the plan out
-// (apply_wave: pins, slots taken, loads queued) and waits for the loads.
+// the runtime first reads the router's choice (read_selection), then the expert cache plans
+// the wave from the slots as they are (expert_cache::plan_wave, read-only) and carries the
+// plan out (apply_wave: pins, slots taken, loads handed out), and the runtime waits for the loads.
 #pragma once
 
 #include "hobbit-precision-scorer.h"
@@ -46,7 +46,7 @@ inline bool is_prompt_ubatch(size_t n_pair, int n_expert) {
 // the thresholds decide from the weights (and, in a prompt, from how many tokens select each
 // expert: thresholds.prefill_low_share). only_level >= 0: the pairs wanting another level are
 // left out (id -1), those to skip too (counted in the lowest level's): one level's waves of a
-// ubatch served level by level (hobbit_runtime::waves_by_level)
+// ubatch served level by level (expert_cache::waves_by_level)
 wave_selection read_selection(const ggml_tensor * sel, const ggml_tensor * wts, int n_expert,
                               const precision_thresholds & thresholds, const int8_t * placed, int only_level = -1);
 

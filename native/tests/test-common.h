@@ -52,6 +52,7 @@ void test_score_policy();
 void test_take_slot();
 void test_simulator();
 void test_slot_table();
+void test_expert_cache();
 void test_pool(const std::string & path);
 void test_scheduler(const std::string & path);
 void test_precision_scorer();

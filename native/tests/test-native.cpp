@@ -22,6 +22,7 @@ int main(int argc, char ** argv) {
     test_simulator();
     test_take_slot();
     test_slot_table();
+    test_expert_cache();
     test_pool(path);
     test_scheduler(path);
     test_precision_scorer();
