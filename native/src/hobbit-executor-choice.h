@@ -41,6 +41,7 @@ std::vector<bool> balance_misses(const std::vector<miss_cost> & misses);
 struct executor_choice {
     enum hobbit_mode mode = HOBBIT_MODE_GPU_CENTRIC;
     bool   available       = false; // in place is possible (the model's experts are not repacked on load)
+    std::vector<bool> inplace_ok;   // [n_layer]: the layer's misses may run on the mapped model (the runtime's choice)
     double load_bytes_per_s = 0.0;
     double map_bytes_per_s  = 0.0;
 

@@ -13,6 +13,7 @@
 #include "ggml-backend.h"
 #include "ggml.h"
 
+#include <memory>
 #include <vector>
 
 // where the pools live: the first GPU ggml has a backend for (HOBBIT §4's GPU-centric
@@ -53,4 +54,10 @@ private:
     std::vector<ggml_backend_buffer_t> buffers;                 // one per projection
     ggml_tensor * tensors[LLAMA_MOE_PROJ_COUNT] = {};
     std::vector<ggml_tensor *> views[LLAMA_MOE_PROJ_COUNT];     // per slot, repacked or device projections only
+};
+
+// the pools of one runtime: where they live, and each one's tensors (in the expert cache's pool order)
+struct expert_pool_set {
+    ggml_backend_dev_t dev = nullptr;
+    std::vector<std::unique_ptr<expert_pool>> tensors;
 };

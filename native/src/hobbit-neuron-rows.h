@@ -12,6 +12,7 @@
 
 #include "hobbit-neuron-bits.h"
 
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
@@ -97,3 +98,15 @@ private:
 // (docs/BENCHMARKS.md at 5f63b2a, CORM's row readers).
 bool neuron_rows_split(int64_t bytes, int64_t gate_bytes, int n_ff, uint64_t row_bytes, int n_min, int n_max,
                        int & n_gate_slot, int64_t & n_page);
+
+// a runtime's neuron-granular reads: per pool its row cache (the rows of up and down read for its
+// layers' experts; the pool holds their gate projections), or nullptr; the row loads in flight; the
+// last fetch's pass (each pair's pages, token-major, nullptr: not in the pass), read by the up and
+// down ops that follow it in the graph. Its owner's lock guards it
+struct neuron_pass {
+    std::vector<std::unique_ptr<neuron_row_cache>> caches;
+    std::condition_variable done;  // a row load finished
+    int pending = 0;
+    const neuron_row_cache * rows = nullptr;
+    std::vector<const int32_t *> pages;
+};

@@ -23,6 +23,7 @@
 #include <map>
 #include <numeric>
 
+// CORM's neuron mask of a pass: what it kept, counted (args: kept share per pair, dispatch ids)
 void hobbit_runtime::neuron_count_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     (void) nth;
     if (ith != 0) {
@@ -53,6 +54,11 @@ void hobbit_runtime::neuron_count_op(ggml_tensor * dst, int ith, int nth, void *
     rt->stats_.neuron_kept       += sum;
 }
 
+// neuron-granular reads (hobbit-neuron-reads.h): after the gate projection, the rows of up and
+// down its activations keep are read into the neuron row cache (args: gate pre-activation,
+// dispatch ids; dst: the keep mask); the up projection over the kept neurons (args: the
+// experts' input, the keep mask, slot ids) and the down projection (args: activation, slot ids)
+// over the rows the fetch left in the pass's pages
 void hobbit_runtime::neuron_fetch_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     (void) nth;
     if (ith != 0) {
@@ -72,14 +78,14 @@ void hobbit_runtime::neuron_up_op(ggml_tensor * dst, int ith, int nth, void * ud
     const auto * rt = (const hobbit_runtime *) ud;
     const ggml_tensor * x    = dst->src[0]; // [n_embd, 1 or n_expert_used, n_tokens]
     const ggml_tensor * keep = dst->src[1]; // [n_ff, n_expert_used, n_tokens]
-    const neuron_row_cache & rows = *rt->pass_rows;
+    const neuron_row_cache & rows = *rt->neurons.rows;
     const int n_ff = (int) dst->ne[0];
     // each thread its share of the neurons, for every pair
     const int f0 = (int) ((int64_t) n_ff * ith / nth), f1 = (int) ((int64_t) n_ff * (ith + 1) / nth);
     for (int64_t t = 0; t < dst->ne[2]; ++t) {
         for (int64_t k = 0; k < dst->ne[1]; ++k) {
             float * out = (float *) ((char *) dst->data + k * dst->nb[1] + t * dst->nb[2]);
-            const int32_t * pages = pair_pages(rt->pass_pages, dst->ne[1], k, t);
+            const int32_t * pages = pair_pages(rt->neurons.pages, dst->ne[1], k, t);
             if (pages == nullptr) {
                 std::fill(out + f0, out + f1, 0.0f);
                 continue;
@@ -94,14 +100,14 @@ void hobbit_runtime::neuron_up_op(ggml_tensor * dst, int ith, int nth, void * ud
 void hobbit_runtime::neuron_down_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     const auto * rt = (const hobbit_runtime *) ud;
     const ggml_tensor * act = dst->src[0]; // [n_ff, n_expert_used, n_tokens]
-    const neuron_row_cache & rows = *rt->pass_rows;
+    const neuron_row_cache & rows = *rt->neurons.rows;
     const int64_t n_block = dst->ne[0] / 32;
     // each thread its share of the output's blocks, for every pair
     const int64_t b0 = n_block * ith / nth, b1 = n_block * (ith + 1) / nth;
     for (int64_t t = 0; t < act->ne[2]; ++t) {
         for (int64_t k = 0; k < act->ne[1]; ++k) {
             float * out = (float *) ((char *) dst->data + k * dst->nb[1] + t * dst->nb[2]);
-            const int32_t * pages = pair_pages(rt->pass_pages, act->ne[1], k, t);
+            const int32_t * pages = pair_pages(rt->neurons.pages, act->ne[1], k, t);
             if (pages == nullptr) {
                 memset(out + b0 * 32, 0, (size_t) (b1 - b0) * 32 * sizeof(float));
                 continue;
@@ -134,11 +140,11 @@ void hobbit_runtime::fetch_neurons(ggml_tensor * dst, int il) {
         }
     }
     std::unique_lock<std::mutex> lock(mtx);
-    neuron_row_cache & rows = *row_caches[p];
+    neuron_row_cache & rows = *neurons.caches[p];
     std::map<int64_t, neuron_bits> need;                       // owner (layer * n_expert + expert) -> the union of its pairs' kept neurons
     std::vector<int64_t> pair_owner(gate->ne[1] * gate->ne[2], -1); // token-major
-    pass_rows = &rows;
-    pass_pages.assign(pair_owner.size(), nullptr); // a failed fetch leaves the up and down ops zero rows
+    neurons.rows = &rows;
+    neurons.pages.assign(pair_owner.size(), nullptr); // a failed fetch leaves the up and down ops zero rows
     neuron_bits keep;
     for (int64_t t = 0; t < gate->ne[2]; ++t) {
         for (int64_t k = 0; k < gate->ne[1]; ++k) {
@@ -158,7 +164,7 @@ void hobbit_runtime::fetch_neurons(ggml_tensor * dst, int il) {
             stats_.neuron_whole += whole;
             stats_.neuron_kept  += (double) kept / n_ff;
             const std::pair<int, int> & slot = owner_of[t * gate->ne[1] + k];
-            const int64_t owner = (int64_t) slot.first * index.info.n_expert + slot.second;
+            const int64_t owner = (int64_t) slot.first * levels.index.info.n_expert + slot.second;
             pair_owner[t * gate->ne[1] + k] = owner;
             auto it = need.find(owner);
             if (it == need.end()) {
@@ -179,13 +185,13 @@ void hobbit_runtime::fetch_neurons(ggml_tensor * dst, int il) {
     std::vector<neuron_row_run> runs;
     rows.apply_rows(plan, runs);
     for (size_t i = 0; i < pair_owner.size(); ++i) {
-        pass_pages[i] = pair_owner[i] < 0 ? nullptr : rows.pages(pair_owner[i]);
+        neurons.pages[i] = pair_owner[i] < 0 ? nullptr : rows.pages(pair_owner[i]);
     }
     // a run of neurons is one read: the layout bundles each neuron's up row and down column, as a page does
     const uint64_t page_bytes = rows.page_bytes();
     std::vector<load_task> loads;
     for (const neuron_row_run & run : runs) {
-        const int e = (int) (run.owner % index.info.n_expert);
+        const int e = (int) (run.owner % levels.index.info.n_expert);
         if (loads.empty() || loads.back().expert != e) {
             loads.push_back({ p, 0, slot_of_expert.at(e), il, e, /*prefetch*/ false, {}, {}, {} });
         }
@@ -197,13 +203,13 @@ void hobbit_runtime::fetch_neurons(ggml_tensor * dst, int il) {
         stats_.dispatch_us += runtime_clock_us() - t_enter;
         return;
     }
-    rows_pending += (int) loads.size();
+    neurons.pending += (int) loads.size();
     lock.unlock(); // the runtime's lock is held around no call into the cache
     cache->waiting_elsewhere(+1);
     io->submit(loads);
     const int64_t t0 = runtime_clock_us();
     lock.lock();
-    cv_rows.wait(lock, [&] { return failed() || rows_pending == 0; });
+    neurons.done.wait(lock, [&] { return failed() || neurons.pending == 0; });
     lock.unlock();
     cache->waiting_elsewhere(-1);
     const int64_t waited = runtime_clock_us() - t0;

@@ -24,11 +24,7 @@
 #include <numeric>
 
 void hobbit_runtime::fail(const std::string & msg) {
-    std::lock_guard<std::mutex> lock(error_mtx);
-    if (!has_error.load()) {
-        error_msg = msg;
-        has_error.store(true, std::memory_order_release);
-    }
+    failure.set(msg);
 }
 
 hobbit_stats hobbit_runtime::stats() const {
@@ -69,30 +65,19 @@ void hobbit_runtime::reset_stats() {
 }
 
 bool hobbit_runtime::error(std::string & msg) const {
-    std::lock_guard<std::mutex> lock(error_mtx);
-    msg = error_msg;
-    if (!has_error.load()) {
-        for (size_t part = 0; part < part_files.size(); ++part) {
-            if (part_files[part].guard && part_files[part].guard->faulted()) {
-                msg = index.parts[part] + ": truncated while running: a read of its mapped weights past the file's new end";
-                return true;
-            }
-        }
+    msg = failure.message();
+    if (!failure.failed() && files.faulted()) {
+        msg = files.fault();
+        return true;
     }
-    return has_error.load();
+    return failure.failed();
 }
 
 void hobbit_runtime::clear_error() {
-    std::lock_guard<std::mutex> lock(error_mtx);
-    error_msg.clear();
-    has_error.store(false);
+    failure.clear();
     // a fault left zero pages in the mapping: the file's own pages again (where it is whole now,
     // the next run reads the model; where it is still cut, the size check or the guard fails it)
-    for (part_file & f : part_files) {
-        if (f.guard) {
-            f.guard->restore(f.fd, 0, MADV_RANDOM);
-        }
-    }
+    files.restore();
 }
 
 bool hobbit_runtime::pool_stats(int pool, hobbit_pool_stats & out) const {
@@ -117,18 +102,18 @@ void hobbit_runtime::trace_begin(int lookahead, bool keep_inputs) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "trace lookahead must be 0..4, got " + std::to_string(lookahead));
     }
     std::vector<router_weights> routers;
-    if (lookahead > 0 && model != nullptr) {
-        routers = load_routers(model, moe_layers);
+    if (lookahead > 0 && files.model() != nullptr) {
+        routers = load_routers(files.model(), plan.moe_layers);
     }
-    auto rec = std::make_unique<trace_recorder>(moe_layers, index.info.n_expert, index.info.n_expert_used,
-                                                index.info.n_embd, lookahead, std::move(routers), keep_inputs);
+    auto rec = std::make_unique<trace_recorder>(plan.moe_layers, levels.index.info.n_expert, levels.index.info.n_expert_used,
+                                                levels.index.info.n_embd, lookahead, std::move(routers), keep_inputs);
     std::lock_guard<std::mutex> lock(mtx);
     recorder = std::move(rec);
 }
 
 int64_t hobbit_runtime::trace_size(int & n_moe_layer, int & lookahead) const {
     std::lock_guard<std::mutex> lock(mtx);
-    n_moe_layer = (int) moe_layers.size();
+    n_moe_layer = (int) plan.moe_layers.size();
     lookahead = recorder ? recorder->lookahead() : 0;
     return recorder ? recorder->n_tokens() : 0;
 }

@@ -26,11 +26,12 @@
 #include <numeric>
 
 bool hobbit_runtime::runs_in_place(int il, int e, int n_tokens) const {
-    return inplace_ok[il] && executor.in_place(n_tokens, measures_residency() ? resident(il, e) : 0.0,
-                                               (int64_t) index.layers[il].n_bytes() * index.info.n_expert,
+    return executor.inplace_ok[il] && executor.in_place(n_tokens, measures_residency() ? resident(il, e) : 0.0,
+                                               (int64_t) levels.index.layers[il].n_bytes() * levels.index.info.n_expert,
                                                page_cache_room());
 }
 
+// does the executor choice look at what the page cache holds (auto, balanced)?
 bool hobbit_runtime::measures_residency() const {
     return executor.mode == HOBBIT_MODE_AUTO || executor.mode == HOBBIT_MODE_BALANCED;
 }
@@ -40,9 +41,9 @@ std::vector<bool> hobbit_runtime::balanced_in_place(int il, const wave_selection
     if (executor.mode != HOBBIT_MODE_BALANCED) {
         return {};
     }
-    std::vector<bool> in_place(index.info.n_expert, false);
+    std::vector<bool> in_place(levels.index.info.n_expert, false);
     // under a tight cap the page cache has no room for what in place faults in: every miss loads
-    if (!page_cache_holds_two_layers((int64_t) index.layers[il].n_bytes() * index.info.n_expert, page_cache_room())) {
+    if (!page_cache_holds_two_layers((int64_t) levels.index.layers[il].n_bytes() * levels.index.info.n_expert, page_cache_room())) {
         return in_place;
     }
     std::vector<int> experts;
@@ -50,7 +51,7 @@ std::vector<bool> hobbit_runtime::balanced_in_place(int il, const wave_selection
     for (int e : misses) {
         if (either_way(e)) {
             experts.push_back(e);
-            costs.push_back(executor.cost(sel.n_pairs[e], (int64_t) index.layers[il].n_bytes(), resident(il, e)));
+            costs.push_back(executor.cost(sel.n_pairs[e], (int64_t) levels.index.layers[il].n_bytes(), resident(il, e)));
         }
     }
     const std::vector<bool> split = balance_misses(costs);
@@ -60,6 +61,7 @@ std::vector<bool> hobbit_runtime::balanced_in_place(int il, const wave_selection
     return in_place;
 }
 
+// what the page cache may hold now beside the pools, or -1 if no limit is known
 int64_t hobbit_runtime::page_cache_room() const {
     // pool memory is committed as slots are first written and stays; what is not yet
     // committed is still free for the page cache
@@ -70,11 +72,12 @@ int64_t hobbit_runtime::page_cache_room() const {
     return params.page_cache_room_bytes + stats_.pool_bytes - stats_.peak_pool_bytes;
 }
 
+// the share of expert e of layer il resident in the page cache (its slices of the mapped model)
 double hobbit_runtime::resident(int il, int e) const {
     uint64_t total = 0;
     double resident_bytes = 0.0;
     for (int p = 0; p < LLAMA_MOE_PROJ_COUNT; ++p) {
-        const ggml_tensor * t = llama_model_get_expert_tensor(model, il, (llama_moe_proj) p);
+        const ggml_tensor * t = llama_model_get_expert_tensor(files.model(), il, (llama_moe_proj) p);
         if (t == nullptr || t->data == nullptr) {
             continue;
         }
@@ -100,10 +103,13 @@ int32_t hobbit_runtime::n_waves_op(void * ctx, int32_t n_tokens) {
 }
 
 bool hobbit_runtime::prepare_in_place(int il, int e) {
-    if (!mapped_expert_present(il, e)) {
+    // a file cut while running: computing the expert in place would fault on pages past its end (SIGBUS)
+    const std::string missing = files.expert_missing(il, e);
+    if (!missing.empty()) {
+        fail(missing);
         return false;
     }
-    read_ahead_in_place(il, e);
+    files.read_ahead_expert(il, e); // exactly its slices (the mapping reads no further than a fault's page)
     return true;
 }
 
@@ -115,21 +121,23 @@ std::vector<load_task> hobbit_runtime::drop_queued(const std::function<bool(cons
 void hobbit_runtime::submit(std::vector<load_task> & loads) {
     for (load_task & t : loads) {
         if (t.ranges.empty()) { // a whole expert into its slot's tensors (rows come with their own targets)
-            pool_tensors[t.group]->slot_targets(t.slot, t.dst, t.view);
+            pools.tensors[t.group]->slot_targets(t.slot, t.dst, t.view);
         }
     }
     io->submit(loads);
 }
 
+// a token's router scores of every expert from the dispatch op's probs ([1, n_expert, n_tokens]),
+// as probabilities (gpt-oss's logits softmaxed)
 std::vector<float> hobbit_runtime::router_scores(const ggml_tensor * probs, int token) const {
-    const int n_expert = index.info.n_expert;
+    const int n_expert = levels.index.info.n_expert;
     std::vector<float> scores(n_expert);
     for (int e = 0; e < n_expert; ++e) {
         scores[e] = *(const float *) ((const char *) probs->data + e * probs->nb[1] + token * probs->nb[2]);
     }
     // gpt-oss routes on its logits and softmaxes over the selected ones only (llama.cpp's
     // SOFTMAX_WEIGHT): the scores the thresholds compare are the softmax over all of them
-    if (strcmp(index.info.arch, "gpt-oss") == 0) {
+    if (strcmp(levels.index.info.arch, "gpt-oss") == 0) {
         const float m = *std::max_element(scores.begin(), scores.end());
         float total = 0.0f;
         for (float & s : scores) {
@@ -142,11 +150,16 @@ std::vector<float> hobbit_runtime::router_scores(const ggml_tensor * probs, int 
     return scores;
 }
 
+// importance-driven substitution (hobbit-substitution.h) for a decode ubatch (one token, or
+// a batch of beams or sequences, where an expert another token selects counts as cached:
+// Algorithm 2's batch rule): rewrites the dispatch op's selected ids and gate weights
+// (src[0], src[1]) before the wave reads them; the graph's later ops (the weighted sum,
+// gpt-oss's per-expert bias) read them too
 void hobbit_runtime::substitute_low_scores(int il, ggml_tensor * dst) {
     ggml_tensor * sel = dst->src[0];   // [n_used, n_tokens] I32 (a view: not contiguous)
     ggml_tensor * wts = dst->src[1];   // [1, n_used, n_tokens] F32
     const ggml_tensor * probs = dst->src[2]; // [1, n_expert, n_tokens] F32
-    const int n_expert = index.info.n_expert;
+    const int n_expert = levels.index.info.n_expert;
     if (sel->type != GGML_TYPE_I32 || wts->type != GGML_TYPE_F32 || probs == nullptr || probs->type != GGML_TYPE_F32 ||
         probs->ne[1] != n_expert || probs->ne[2] != sel->ne[1]) {
         return;
@@ -177,9 +190,11 @@ void hobbit_runtime::substitute_low_scores(int il, ggml_tensor * dst) {
     }
 }
 
+// runs on the compute thread, blocking until this wave's experts are in the pools: read the
+// selection, the cache serves the wave, prefetch, submit, wait, write the id planes
 void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
     const int64_t t_enter = runtime_clock_us();
-    const int n_expert = index.info.n_expert;
+    const int n_expert = levels.index.info.n_expert;
     // decode's ubatches (one token, or a batch of beams or sequences), never a prompt's wide one
     // (a prompt of a few tokens is served as decoding would serve them one by one)
     if (params.substitute_alpha > 0.0f && wave == 0 &&
@@ -191,15 +206,18 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
     const int per_level = cache->waves_of_level(il, n_ubatch_tokens);
     const int level_of_wave = cache->waves_by_level(n_ubatch_tokens) ? wave / per_level : -1;
     const int wave_of_level = wave % per_level;
-    const wave_selection sel = read_selection(dst->src[0], dst->src[1], n_expert, thresholds, placed(il), level_of_wave);
+    const wave_selection sel = read_selection(dst->src[0], dst->src[1], n_expert, plan.thresholds, plan.placed(il), level_of_wave);
     const int n_tokens = sel.n_tokens;
     const size_t n_pair = sel.n_pair();
     const int n_plane = (int) dst->ne[2]; // one plane per level + the in-place plane
     int32_t * out         = (int32_t *) dst->data;
     int32_t * out_inplace = out + (size_t) (n_plane - 1) * n_pair;
 
-    if (wave == 0 && il == moe_layers.front() && !failed()) {
-        check_files_unchanged(); // once a ubatch: an fstat of each part
+    if (wave == 0 && il == plan.moe_layers.front() && !failed()) {
+        const std::string changed = files.changed(); // once a ubatch: an fstat of each part
+        if (!changed.empty()) {
+            fail(changed);
+        }
     }
     wave_assignment a(n_expert);
     if (!failed()) {
@@ -222,7 +240,7 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
         a = cache->serve_wave(il, wave, level_of_wave, wave_of_level, sel, token_scores, loads);
 
         const ggml_tensor * x = dst->src[3]; // router input [n_embd, n_tokens]
-        const bool x_rows = x->type == GGML_TYPE_F32 && x->ne[0] == index.info.n_embd && x->ne[1] == n_tokens &&
+        const bool x_rows = x->type == GGML_TYPE_F32 && x->ne[0] == levels.index.info.n_embd && x->ne[1] == n_tokens &&
                             x->nb[0] == sizeof(float);
         if (predictor && wave == 0 && n_tokens == 1 && x_rows) {
             prefetch_next_layers(il, (const float *) x->data, loads);
@@ -257,7 +275,7 @@ void hobbit_runtime::dispatch(ggml_tensor * dst, int il, int wave) {
     for (size_t i = 0; i < n_pair; ++i) {
         const int32_t e = sel.ids[i];
         const bool valid = e >= 0 && e < n_expert;
-        for (int l = 0; l < n_level; ++l) {
+        for (int l = 0; l < levels.n_level; ++l) {
             out[(size_t) l*n_pair + i] = (valid && a.level_of[e] == l) ? a.slot_of[e] : -1;
         }
         out_inplace[i] = (valid && a.inplace[e]) ? e : -1;
@@ -272,7 +290,7 @@ void hobbit_runtime::on_load_done(const load_task & task, const std::string & er
     {
         std::lock_guard<std::mutex> lock(mtx);
         stats_.io_us += us;
-        rows_pending -= rows ? 1 : 0;
+        neurons.pending -= rows ? 1 : 0;
         if (error.empty()) {
             stats_.bytes_read += (int64_t) n_bytes;
             stats_.demand_bytes_read += task.prefetch ? 0 : (int64_t) n_bytes;
@@ -281,5 +299,5 @@ void hobbit_runtime::on_load_done(const load_task & task, const std::string & er
         }
     }
     cache->load_done(task, error.empty(), n_bytes);
-    cv_rows.notify_all();
+    neurons.done.notify_all();
 }
