@@ -394,6 +394,26 @@ HOBBIT_API enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trac
                                                     uint64_t seed, double low_miss_cost, float substitute_alpha,
                                                     struct hobbit_sim_result * result, char * err, size_t err_size);
 
+// a run's routing as the runtime served it, ubatch by ubatch (hobbit_replay_trace)
+struct hobbit_replay_trace {
+    int32_t n_tokens;
+    int32_t n_layer;               // the model's MoE layers
+    int32_t n_expert;
+    int32_t n_expert_used;
+    const int32_t * experts;        // [n_tokens][n_layer][n_expert_used]; -1 = none
+    const float *   weights;        // [n_tokens][n_layer][n_expert_used] their gate weights
+    const uint8_t * ubatch_start;   // [n_tokens], 1 where a ubatch begins; NULL = every token its own
+    const uint8_t * seq_start;      // [n_tokens], 1 where a sequence begins (the policies' records reset); may be NULL
+};
+
+// what the runtime that params would make of the model at path counts serving the trace (the
+// expert cache itself, driven as the dispatch drives it, every load completing at once): hits,
+// misses, bytes read, selections served at each level, the pools' size. gpu-centric without
+// prefetch, substitution or neuron options only (what the trace alone decides)
+HOBBIT_API enum hobbit_status hobbit_replay_trace(const char * model_path, const struct hobbit_params * params,
+                                                  const struct hobbit_replay_trace * trace, struct hobbit_stats * stats,
+                                                  char * err, size_t err_size);
+
 // a trace's selections with the neurons each needs, replayed through CORM's neuron cache
 // (hobbit-neuron-sim-cache.h): a cached expert holds some of its neurons, a selection reads the
 // ones it needs and lacks, the whole expert above limit (0: always whole, expert-granular)

@@ -287,6 +287,20 @@ enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, 
     }, err, err_size);
 }
 
+enum hobbit_status hobbit_replay_trace(const char * model_path, const struct hobbit_params * params,
+                                       const struct hobbit_replay_trace * trace, struct hobbit_stats * stats,
+                                       char * err, size_t err_size) {
+    const std::string why = model_path == nullptr || params == nullptr || trace == nullptr || stats == nullptr
+        ? "a model, params, a trace and stats are required" : params_problem(*params);
+    if (!why.empty()) {
+        write_error(err, err_size, "hobbit_replay_trace: " + why);
+        return HOBBIT_STATUS_ERROR_INVALID;
+    }
+    const cache_replay_trace tr = { trace->n_tokens, trace->n_layer, trace->n_expert, trace->n_expert_used,
+                                    trace->experts, trace->weights, trace->ubatch_start, trace->seq_start };
+    return guarded([&] { *stats = cache_replay(open_levels(model_path, *params), *params, tr); }, err, err_size);
+}
+
 enum hobbit_status hobbit_simulate_neurons(const struct hobbit_neuron_sim * sim, struct hobbit_neuron_sim_result * result,
                                            char * err, size_t err_size) {
     if (sim == nullptr || result == nullptr || sim->experts == nullptr || sim->n_tokens < 0 || sim->n_layer < 1 ||

@@ -1,136 +1,249 @@
 #include "hobbit-cache-sim.h"
 
+#include "hobbit-error.h"
+#include "hobbit-expert-cache.h"
+#include "hobbit-expert-pool.h"
 #include "hobbit-substitution.h"
 
 #include <algorithm>
+#include <numeric>
+#include <string>
 #include <vector>
+
+namespace {
+
+// the runtime around a simulated cache: nothing runs in place, a load completes as it is queued (so
+// no read is ever waiting to be dropped), and nothing fails but a step wider than the pool
+struct sim_env : cache_env {
+    bool has_failed = false;
+    bool runs_in_place(int, int, int) const override { return false; }
+    std::vector<bool> balanced_in_place(int, const wave_selection &, const std::vector<int> &,
+                                        const std::function<bool(int)> &) const override { return {}; }
+    bool prepare_in_place(int, int) override { return true; }
+    std::vector<load_task> drop_queued(const std::function<bool(const load_task &)> &) override { return {}; }
+    bool failed() const override { return has_failed; }
+    void fail(const std::string &) override { has_failed = true; }
+};
+
+} // namespace
 
 cache_sim_result cache_simulate(const cache_sim_trace & tr, int n_slot, bool belady, cache_policy_kind kind,
                                 const cache_policy_weights & weights, uint64_t seed, double low_miss_cost,
                                 float substitute_alpha) {
     const int K = tr.n_expert_used;
-    const int n_id = tr.n_layer * tr.n_expert;
-    std::unique_ptr<cache_policy_i> policy = belady ?
-        cache_policy_make_belady(tr.experts, (int64_t) tr.n_tokens * tr.n_layer, tr.n_layer, tr.n_expert, K, n_slot) :
-        cache_policy_make(kind, n_slot, tr.n_layer, tr.n_expert, weights, seed, tr.popularity);
-    std::vector<int> slot_of(n_id, -1);
-    std::vector<int> owner(n_slot, -1);
-    std::vector<int> pinned_at(n_slot, -1);             // step (token * n_layer + layer) that pinned the slot
-    std::vector<uint8_t> prefetched(n_slot, 0);         // 1 while a prefetched expert waits for its first selection
-    const int n_prefetch = belady || tr.predicted == nullptr ? 0 : std::min(tr.prefetch_layers, tr.n_lookahead);
-    std::vector<int> candidates;
-    int pinned_step = -1;                               // the step being served
-    cache_sim_result r;
-    const bool substitute = substitute_alpha > 0.0f && tr.scores != nullptr && !belady;
-    std::vector<int32_t> step_experts(K);               // the step's selections, after substitution
-    std::vector<float> scores(tr.n_expert);
-    std::vector<int> ids(K);
-    std::vector<float> unused_weights(K, 0.0f);
-    // a slot is taken as the runtime's pools take one: empty first, then the policy's
-    // victim among the slots the step has not pinned
-    const auto use = [&](int s) {
-        return owner[s] < 0 ? slot_use::empty : pinned_at[s] == pinned_step ? slot_use::busy : slot_use::evictable;
-    };
+    // the runtime's cache for a uniform model: one level, one pool shared by every MoE layer
+    expert_cache_setup setup;
+    setup.n_layer       = tr.n_layer;
+    setup.n_expert      = tr.n_expert;
+    setup.n_expert_used = K;
+    setup.n_level       = 1;
+    cache_pool_setup pool;
+    pool.n_slot       = n_slot;
+    pool.expert_bytes = 1;
+    for (int l = 0; l < tr.n_layer; ++l) {
+        setup.moe_layers.push_back(l);
+        pool.layers.push_back(l);
+    }
+    setup.pools          = { pool };
+    setup.policy         = kind;
+    setup.policy_weights = weights;
+    setup.seed           = seed;
+    setup.popularity     = tr.popularity;
+    if (belady) {
+        setup.make_policy = [&](int n) {
+            return cache_policy_make_belady(tr.experts, (int64_t) tr.n_tokens * tr.n_layer, tr.n_layer, tr.n_expert, K, n);
+        };
+    }
+    sim_env env;
+    expert_cache cache(setup, env);
 
-    for (int t = 0; t < tr.n_tokens; ++t) {
+    const int n_prefetch = belady || tr.predicted == nullptr ? 0 : std::min(tr.prefetch_layers, tr.n_lookahead);
+    const bool substitute = substitute_alpha > 0.0f && tr.scores != nullptr && !belady;
+    const precision_thresholds one_level; // every selection wants the one level
+    cache_sim_result r;
+    std::vector<int32_t> ids(K);
+    std::vector<float> unused_weights(K, 0.0f);
+    std::vector<load_task> loads;
+    for (int t = 0; t < tr.n_tokens && !env.has_failed; ++t) {
         if (tr.seq_start && tr.seq_start[t]) {
-            policy->reset();
+            cache.new_sequence();
         }
         for (int l = 0; l < tr.n_layer; ++l) {
-            const int step = t * tr.n_layer + l;
-            pinned_step = step;
-            policy->on_layer(l);
-            if (tr.scores != nullptr) {
-                policy->on_scores(l, tr.scores + (int64_t) step * tr.n_expert); // the score-history policy's input
-            }
-            for (int k = 0; k < K; ++k) {
-                step_experts[k] = tr.experts[(int64_t) step * K + k];
-            }
+            const int64_t step = (int64_t) t * tr.n_layer + l;
+            ids.assign(tr.experts + step * K, tr.experts + (step + 1) * K);
+            const float * scores = tr.scores != nullptr ? tr.scores + step * tr.n_expert : nullptr;
             if (substitute) {
-                const float * s = tr.scores + (int64_t) step * tr.n_expert;
-                scores.assign(s, s + tr.n_expert);
-                ids.assign(step_experts.begin(), step_experts.end());
-                const substitution_plan plan = plan_substitution(scores, ids, unused_weights, substitute_alpha,
-                    [&](int e) { return slot_of[l * tr.n_expert + e] >= 0; });
-                for (int k = 0; k < K; ++k) {
-                    step_experts[k] = plan.ids[k];
-                }
+                // as the runtime's decode does, against the cache as it is
+                const std::vector<bool> cached = cache.cached_experts(l);
+                const substitution_plan plan = plan_substitution(std::vector<float>(scores, scores + tr.n_expert),
+                    std::vector<int>(ids.begin(), ids.end()), unused_weights, substitute_alpha,
+                    [&](int e) { return (bool) cached[e]; });
+                ids.assign(plan.ids.begin(), plan.ids.end());
                 r.substituted += plan.n_substituted;
             }
-            // as the runtime does: the experts already cached are used and pinned first,
-            // then the missing ones are loaded in top-k order
-            for (int pass = 0; pass < 2; ++pass) {
+            wave_selection sel = read_selection_of(ids.data(), nullptr, K, 1, tr.n_expert, one_level, nullptr);
+            if (tr.high_precision != nullptr) {
+                // HOBBIT's one mixed pool: a selection served low is counted so by the policies (LHU)
+                sel.counted_low.assign(tr.n_expert, false);
                 for (int k = 0; k < K; ++k) {
-                    const int64_t i = (int64_t) step * K + k;
-                    const int32_t e = step_experts[k];
-                    if (e < 0 || e >= tr.n_expert) {
-                        continue;
+                    if (ids[k] >= 0 && ids[k] < tr.n_expert && tr.high_precision[step * K + k] == 0) {
+                        sel.counted_low[ids[k]] = true;
                     }
-                    const int id = l * tr.n_expert + e;
-                    const bool high = tr.high_precision == nullptr || tr.high_precision[i] != 0;
-                    int s = slot_of[id];
-                    if (s >= 0 && pinned_at[s] == step) {
-                        continue; // served already (a hit of the first pass, or twice in one top-k)
-                    }
-                    if ((pass == 0) != (s >= 0)) {
-                        continue; // hits in the first pass, misses in the second
-                    }
-                    r.accesses++;
-                    if (s >= 0) {
-                        r.hits++;
-                        r.prefetch_used += prefetched[s];
-                        prefetched[s] = 0;
-                    } else {
-                        if (high) {
-                            r.misses_high++;
-                        } else {
-                            r.misses_low++;
-                        }
-                        s = cache_take_slot(n_slot, use, *policy, candidates);
-                        if (s < 0) {
-                            continue; // fewer slots than top-k: cannot be cached at all
-                        }
-                        if (owner[s] >= 0) {
-                            slot_of[owner[s]] = -1;
-                        }
-                        owner[s] = id;
-                        slot_of[id] = s;
-                        prefetched[s] = 0;
-                        policy->on_insert(s, l, e);
-                    }
-                    policy->on_access(s, high);
-                    pinned_at[s] = step;
                 }
             }
-            // the next layers' guesses, nearest layer first, each guess in the predictor's
-            // order; a prefetched slot is pinned with the step so the next guess cannot take it
+            const std::vector<std::vector<float>> token_scores =
+                scores != nullptr && cache.reads_scores() ? std::vector<std::vector<float>>{ { scores, scores + tr.n_expert } }
+                                                          : std::vector<std::vector<float>>{};
+            cache.serve_wave(l, 0, -1, 0, sel, token_scores, loads);
+            for (int e : sel.order) {
+                const bool loaded = std::any_of(loads.begin(), loads.end(), [&](const load_task & task) { return task.expert == e; });
+                r.accesses++;
+                r.hits        += !loaded;
+                r.misses_high += loaded && (sel.counted_low.empty() || !sel.counted_low[e]);
+                r.misses_low  += loaded && !sel.counted_low.empty() && sel.counted_low[e];
+            }
+            // the next layers' guesses (the runtime's decode prefetch), each at the one level
+            std::vector<predicted_layer> predicted;
             for (int p = 1; p <= n_prefetch && l + p < tr.n_layer; ++p) {
-                const int32_t * guess = tr.predicted + ((int64_t) step * tr.n_lookahead + (p - 1)) * K;
+                const int32_t * guess = tr.predicted + (step * tr.n_lookahead + (p - 1)) * K;
+                predicted_layer pl;
+                pl.il = l + p;
                 for (int k = 0; k < K; ++k) {
-                    const int32_t e = guess[k];
-                    const int id = (l + p) * tr.n_expert + e;
-                    if (e < 0 || e >= tr.n_expert || slot_of[id] >= 0) {
-                        continue;
+                    if (guess[k] >= 0 && guess[k] < tr.n_expert) {
+                        pl.experts.push_back(guess[k]);
+                        pl.levels.push_back(0);
                     }
-                    const int s = cache_take_slot(n_slot, use, *policy, candidates);
-                    if (s < 0) {
-                        break;
-                    }
-                    if (owner[s] >= 0) {
-                        slot_of[owner[s]] = -1;
-                    }
-                    owner[s] = id;
-                    slot_of[id] = s;
-                    prefetched[s] = 1;
-                    pinned_at[s] = step;
-                    policy->on_insert(s, l + p, e);
-                    r.prefetched++;
                 }
+                predicted.push_back(std::move(pl));
             }
+            const size_t n_demand = loads.size();
+            cache.prefetch_predicted(predicted, loads);
+            r.prefetched += (int64_t) (loads.size() - n_demand);
+            for (const load_task & task : loads) {
+                cache.load_done(task, true, 0); // at once
+            }
+            loads.clear();
+            cache.wait_for_pins(l);
         }
     }
-    r.miss_penalty = (double) r.misses_high + (double) r.misses_low * low_miss_cost;
+    r.prefetch_used = cache.counters().prefetch_used;
+    r.miss_penalty  = (double) r.misses_high + (double) r.misses_low * low_miss_cost;
     return r;
+}
+
+hobbit_stats cache_replay(const model_levels & levels, const hobbit_params & params, const cache_replay_trace & tr) {
+    const hobbit_model_info & info = levels.index.info;
+    const std::string path = levels.index.path;
+    const runtime_plan plan = plan_runtime(levels, params, path);
+    if (params.prefetch_layers > 0 || params.substitute_alpha > 0.0f || params.mode != HOBBIT_MODE_GPU_CENTRIC ||
+        params.neuron_threshold >= 0.0f || plan.neuron_reads) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, "a replay serves every miss from the cache without prediction: "
+            "gpu-centric mode, no prefetch, no substitution, no neuron options");
+    }
+    if (tr.n_layer != (int) plan.moe_layers.size() || tr.n_expert != info.n_expert || tr.n_expert_used != info.n_expert_used ||
+        tr.n_tokens < 0 || tr.experts == nullptr || tr.weights == nullptr) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, path + ": the trace is not of this model's shape (" +
+            std::to_string(plan.moe_layers.size()) + " MoE layers, " + std::to_string(info.n_expert) + " experts, top-" +
+            std::to_string(info.n_expert_used) + "), or lacks its experts or weights");
+    }
+    // where a ubatch wider than the pools computes its overflow in place, as the runtime's executor
+    // decides it: the pools' buffer types as the runtime would make them
+    const bool pools_on_cpu = ggml_backend_dev_type(expert_pool_device()) == GGML_BACKEND_DEVICE_TYPE_CPU;
+    expert_cache_setup setup = plan.cache_setup(levels, params);
+    setup.inplace_ok = plan_inplace_layers(levels, plan, params, /*model_mapped*/ true, [&](int p) {
+        const cache_pool_setup & pool = plan.pools[p].cache;
+        const expert_layer_layout & shape = levels.level(pool.level).layers[pool.layers.front()];
+        bool repacked = false;
+        for (const expert_proj_layout & pl : shape.proj) {
+            repacked = repacked || (pl.present && expert_weight_repacked(pl.type, pl.ne[0], pl.ne[1], info.n_expert_used));
+        }
+        return pools_on_cpu && repacked;
+    });
+    setup.inplace_any_width = false; // gpu-centric: in place only for what a ubatch has beyond the pools
+    sim_env env;
+    expert_cache cache(setup, env);
+    const int K = tr.n_expert_used;
+    const int n_layer = tr.n_layer;
+    hobbit_stats st = {};
+    st.budget_bytes = params.budget_bytes;
+    st.pool_bytes   = plan.pool_bytes;
+    st.n_slot       = (int32_t) plan.n_slot;
+    st.n_level      = levels.n_level;
+    st.mode         = HOBBIT_MODE_GPU_CENTRIC;
+    std::vector<load_task> loads;
+    const auto complete = [&]() {
+        for (const load_task & task : loads) {
+            const int64_t bytes = plan.pools[task.group].cache.expert_bytes;
+            st.bytes_read            += bytes;
+            st.demand_bytes_read     += task.prefetch ? 0 : bytes;
+            st.background_bytes_read += task.prefetch ? bytes : 0;
+            st.n_reads++;
+            cache.load_done(task, true, (uint64_t) bytes);
+        }
+        loads.clear();
+    };
+    if (plan.warm) {
+        cache.warm(plan.warm_order(info.n_expert), [&](int il) { return plan.placed(il); }, loads);
+        complete();
+    }
+    std::vector<int32_t> ids;
+    std::vector<float> wts;
+    for (int t0 = 0; t0 < tr.n_tokens && !env.has_failed;) {
+        int t1 = t0 + 1;
+        while (t1 < tr.n_tokens && tr.ubatch_start != nullptr && !tr.ubatch_start[t1]) {
+            t1++;
+        }
+        const int n = t1 - t0;
+        if (tr.seq_start != nullptr && tr.seq_start[t0]) {
+            cache.new_sequence();
+        }
+        for (int i = 0; i < n_layer && !env.has_failed; ++i) {
+            const int il = plan.moe_layers[i];
+            ids.resize((size_t) n * K);
+            wts.resize((size_t) n * K);
+            for (int t = 0; t < n; ++t) {
+                for (int k = 0; k < K; ++k) {
+                    const size_t at = ((size_t) (t0 + t) * n_layer + i) * K + k;
+                    ids[(size_t) t * K + k] = tr.experts[at];
+                    wts[(size_t) t * K + k] = tr.weights[at];
+                }
+            }
+            // the dispatch's waves: each level's in turn where hits exact serve a ubatch level by level
+            const int per_level = cache.waves_of_level(il, n);
+            for (int wave = 0; wave < cache.n_waves(il, n) && !env.has_failed; ++wave) {
+                const int level_of_wave = cache.waves_by_level(n) ? wave / per_level : -1;
+                const wave_selection sel = read_selection_of(ids.data(), wts.data(), K, n, info.n_expert, plan.thresholds,
+                                                             plan.placed(il), level_of_wave);
+                const wave_assignment a = cache.serve_wave(il, wave, level_of_wave, wave % per_level, sel, {}, loads);
+                if (wave == 0 && is_prompt_ubatch(sel.n_pair(), info.n_expert) && !a.any_inplace && i + 1 < n_layer) {
+                    // a prompt's next MoE layer, loaded whole in expert order (no predictor to order it)
+                    std::vector<int> order(info.n_expert);
+                    std::iota(order.begin(), order.end(), 0);
+                    cache.prefetch_layer_whole(plan.moe_layers[i + 1], order, std::vector<bool>(info.n_expert, false), loads);
+                }
+                complete();
+                cache.wait_for_pins(il);
+            }
+        }
+        t0 = t1;
+    }
+    if (env.has_failed) {
+        throw hobbit_error(HOBBIT_STATUS_ERROR_BUDGET, path + ": a ubatch of the trace selects more experts than the pools hold");
+    }
+    const cache_counters c = cache.counters();
+    st.expert_hits      = c.hits;
+    st.expert_misses    = c.misses;
+    st.expert_inplace   = c.inplace;
+    st.prefetch_issued  = c.prefetch_issued;
+    st.prefetch_used    = c.prefetch_used;
+    st.prefetch_wasted  = c.prefetch_wasted;
+    st.n_skipped        = c.skipped;
+    st.upgrades         = c.upgrades;
+    st.warm_loads       = c.warm_loads;
+    for (int l = 0; l < HOBBIT_MAX_LEVELS; ++l) {
+        st.served[l] = c.served[l];
+    }
+    return st;
 }
 
 static neuron_bits bits_of(const uint8_t * packed, int n_neuron) {

@@ -1,14 +1,16 @@
 // hobbit-cache-sim.h - replays a routing trace through one expert cache, offline.
 //
-// The cache is what the runtime builds for a uniform model: one pool of n_slot slots
-// shared by all MoE layers, an empty slot taken before anything is evicted, and the
-// experts of the layer being served pinned until the next layer. The policies and the rule
-// that takes a slot are the runtime's own (hobbit-cache-policy); "belady", the offline
-// optimum for misses (Belady 1966), is the bound.
+// The cache is the runtime's own (expert_cache) as it builds it for a uniform model: one
+// pool of n_slot slots shared by all MoE layers, each decode step served as the dispatch
+// serves it (begin, plan, apply, the decode prefetch), its loads completing at once.
+// "belady", the offline optimum for misses (Belady 1966), is one more policy, the bound.
 #pragma once
 
 #include "hobbit-cache-policy.h"
 #include "hobbit-neuron-sim-cache.h"
+#include "hobbit-runtime-plan.h"
+
+#include "hobbit.h"
 
 #include <cstdint>
 
@@ -64,3 +66,21 @@ neuron_sim_result neuron_sim_cache_simulate(const neuron_sim_trace & trace, int6
 cache_sim_result cache_simulate(const cache_sim_trace & trace, int n_slot, bool belady, cache_policy_kind kind,
                                 const cache_policy_weights & weights, uint64_t seed, double low_miss_cost,
                                 float substitute_alpha = 0.0f);
+
+// a run's routing as the runtime served it, ubatch by ubatch
+struct cache_replay_trace {
+    int32_t n_tokens, n_layer, n_expert, n_expert_used; // n_layer: the model's MoE layers, in order
+    const int32_t * experts;      // [n_tokens][n_layer][n_expert_used]; -1 = none
+    const float *   weights;      // [n_tokens][n_layer][n_expert_used] their gate weights (which level each wants)
+    const uint8_t * ubatch_start; // [n_tokens] 1 where a ubatch begins; NULL: every token its own
+    const uint8_t * seq_start;    // [n_tokens] 1 where a sequence begins (new_sequence); may be NULL
+};
+
+// what a runtime made of levels and params counts serving the trace: its plan (plan_runtime), its
+// cache driven as its dispatch drives it (the waves of each ubatch and layer, level by level
+// where hits are exact, a prompt's next layer loaded whole, the warm-up), every load completing at
+// once. Its counters and bytes (the runtime's, but for a prediction's queued read the runtime
+// dropped when its layer did not select the expert: the replay reads it); throws hobbit_error for what the trace cannot replay (the decode
+// prefetch and substitution, which need the router inputs and scores; computing in place, which
+// depends on the page cache; neuron options) and for a trace of another shape
+hobbit_stats cache_replay(const model_levels & levels, const hobbit_params & params, const cache_replay_trace & trace);

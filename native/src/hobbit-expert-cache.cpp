@@ -31,8 +31,9 @@ expert_cache::expert_cache(const expert_cache_setup & setup, cache_env & env)
     for (const cache_pool_setup & ps : setup.pools) {
         pool_group pg;
         pg.slots        = slot_table(n_layer_, n_expert_, ps.n_slot);
-        pg.policy       = cache_policy_make(setup.policy, ps.n_slot, n_layer_, n_expert_, setup.policy_weights, setup.seed,
-                                            setup.popularity);
+        pg.policy       = setup.make_policy ? setup.make_policy(ps.n_slot)
+                                            : cache_policy_make(setup.policy, ps.n_slot, n_layer_, n_expert_,
+                                                                setup.policy_weights, setup.seed, setup.popularity);
         pg.level        = ps.level;
         pg.type         = ps.type;
         pg.expert_bytes = ps.expert_bytes;
@@ -321,7 +322,7 @@ wave_assignment expert_cache::apply_wave_locked(int il, const wave_plan & plan, 
             counts.misses++;
             pg.misses++;
             pg.slots.read_again(s);
-            pg.policy->on_access(s, /*high*/ level == 0);
+            pg.policy->on_access(s, counted_high(sel, e, level));
             loads.push_back(slot_load(pool_of_[level][il], s, il, e, /*prefetch*/ false));
             if (c.upgrade) {
                 upgrade.emplace_back(e, sel.want[e]); // a hit for the plan, whichever way its read went
@@ -334,7 +335,7 @@ wave_assignment expert_cache::apply_wave_locked(int il, const wave_plan & plan, 
                 counts.prefetch_used++;
                 pg.slots.set_prefetched(s, false);
             }
-            pg.policy->on_access(s, /*high*/ level == 0);
+            pg.policy->on_access(s, counted_high(sel, e, level));
             if (c.upgrade) {
                 upgrade.emplace_back(e, sel.want[e]);
             }
@@ -357,7 +358,7 @@ wave_assignment expert_cache::apply_wave_locked(int il, const wave_plan & plan, 
             pg.misses++;
             pg.slots.assign(s, il, e);
             pg.policy->on_insert(s, il, e);
-            pg.policy->on_access(s, /*high*/ level == 0);
+            pg.policy->on_access(s, counted_high(sel, e, level));
             loads.push_back(slot_load(p, s, il, e, /*prefetch*/ false));
             plan_loads = true;
         }
@@ -459,6 +460,10 @@ int expert_cache::find_cached(int il, int e, int & level) const {
         }
     }
     return -1;
+}
+
+bool expert_cache::counted_high(const wave_selection & sel, int e, int level) {
+    return sel.counted_low.empty() ? level == 0 : !sel.counted_low[e];
 }
 
 bool expert_cache::lower_allowed() const {

@@ -68,6 +68,8 @@ struct expert_cache_setup {
     std::vector<int> moe_layers;
     std::vector<cache_pool_setup> pools;
     cache_policy_kind    policy = cache_policy_kind::lru;
+    // another policy than a kind names (the simulator's Belady, made from the trace it replays), made per pool
+    std::function<std::unique_ptr<cache_policy_i>(int n_slot)> make_policy;
     cache_policy_weights policy_weights = {};
     uint64_t             seed = 0;
     const float *        popularity = nullptr; // [n_layer * n_expert] a profile (Fiddler), or nullptr; copied
@@ -204,6 +206,8 @@ private:
     int  find_cached(int il, int e, int & level) const;
     // hits "exact" for this expert of the selection: not for a prompt's least popular
     bool exact_for(const wave_selection & sel, int e) const;
+    // does the policy count this access as high precision (HOBBIT's LHU)? the level served, unless the selection says
+    static bool counted_high(const wave_selection & sel, int e, int level);
     // may a selection be served below the precision it wants (every hit policy but "at-least")?
     bool lower_allowed() const;
     // queue a load of (il, e) into a free or evictable slot of pool p; the slot, or -1 if none

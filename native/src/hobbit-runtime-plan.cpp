@@ -4,6 +4,7 @@
 #include "hobbit-runtime-plan.h"
 
 #include "hobbit-error.h"
+#include "hobbit-executor-choice.h"
 #include "hobbit-neuron-rows.h"
 #include "hobbit-pool-plan.h"
 
@@ -236,7 +237,30 @@ runtime_plan plan_runtime(const model_levels & levels, const hobbit_params & par
         plan.pool_bytes += pp.bytes;
         plan.n_slot     += pp.cache.n_slot;
     }
+    // with one level of the model's own experts a miss is served as well from the file, so the
+    // pools fill as the run goes; a popularity profile says what deserves them from the start
+    // (a neuron layout is the model's own experts, read as needed)
+    plan.warm = params.warm_low && (levels.n_level > 1 || (levels.high && !plan.neuron_reads) || !plan.popularity.empty());
     return plan;
+}
+
+std::vector<std::pair<int, int>> runtime_plan::warm_order(int n_expert) const {
+    // the lowest level is filled first (expert_cache::warm): a copy of every expert in memory is
+    // what spares a decode the disk; expert by expert across the layers, so a pool too small for
+    // all of them still holds some of every layer; with a popularity profile the most popular
+    // experts of any layer first (Fiddler's placement: they are the ones its policy keeps)
+    std::vector<std::pair<int, int>> order; // (layer, expert)
+    for (int e = 0; e < n_expert; ++e) {
+        for (int il : moe_layers) {
+            order.emplace_back(il, e);
+        }
+    }
+    if (!popularity.empty()) {
+        std::stable_sort(order.begin(), order.end(), [&](const std::pair<int, int> & a, const std::pair<int, int> & b) {
+            return popularity[(size_t) a.first * n_expert + a.second] > popularity[(size_t) b.first * n_expert + b.second];
+        });
+    }
+    return order;
 }
 
 expert_cache_setup runtime_plan::cache_setup(const model_levels & levels, const hobbit_params & params) const {
@@ -271,4 +295,32 @@ expert_cache_setup runtime_plan::cache_setup(const model_levels & levels, const 
         }
     }
     return setup;
+}
+
+std::vector<bool> plan_inplace_layers(const model_levels & levels, const runtime_plan & plan, const hobbit_params & params,
+                                      bool model_mapped, const std::function<bool(int)> & pool_repacked) {
+    const hobbit_model_info & info = levels.index.info;
+    // in place runs the model's own mapped weights with stock's kernels: only where the CPU
+    // does not repack that type on load (a repacked pool computes with other kernels), and,
+    // unless cooperative mode was asked for, only where the page cache has room for what it
+    // faults in once the pools are full. Otherwise a ubatch wider than the pools runs in
+    // waves through them: computing its overflow in place under a tight cap made the process
+    // reach its cap 298 k times with a pool per layer on ref-mixtral at 0.55 (a 128-token
+    // prompt 4x slower), and a shared pool at 0.30 231 k times
+    std::vector<bool> inplace_ok(info.n_layer, false);
+    for (int il : plan.moe_layers) {
+        bool repacked = false; // the model's own pool: the level-0 one serving il
+        for (size_t p = 0; p < plan.pools.size(); ++p) {
+            const cache_pool_setup & pool = plan.pools[p].cache;
+            if (pool.level == 0 && std::count(pool.layers.begin(), pool.layers.end(), il) > 0) {
+                repacked = pool_repacked((int) p);
+            }
+        }
+        // with a companion as the high level the model's experts are another precision than asked for
+        const int64_t layer_bytes = (int64_t) levels.index.layers[il].n_bytes() * info.n_expert;
+        inplace_ok[il] = model_mapped && !levels.high && !repacked &&
+                         (params.mode == HOBBIT_MODE_COOPERATIVE ||
+                          page_cache_holds_two_layers(layer_bytes, params.page_cache_room_bytes));
+    }
+    return inplace_ok;
 }

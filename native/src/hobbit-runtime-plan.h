@@ -12,6 +12,7 @@
 
 #include "hobbit.h"
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -52,6 +53,11 @@ struct runtime_plan {
     std::vector<planned_pool> pools;
     int64_t pool_bytes = 0;                     // every pool's
     int64_t n_slot = 0;                         // every pool's
+    // the pools filled in the background from the start (params.warm_low where a miss is not served as
+    // well from the model's file: several levels, a high companion, a popularity profile), in this
+    // order of (layer, expert): across the layers expert by expert, the most popular first with a profile
+    bool warm = false;
+    std::vector<std::pair<int, int>> warm_order(int n_expert) const;
 
     // the static placement's levels of layer il's experts, or nullptr (the thresholds decide)
     const int8_t * placed(int il) const { return placement.empty() ? nullptr : placement[il].data(); }
@@ -62,3 +68,10 @@ struct runtime_plan {
 // path names the model in messages; throws hobbit_error on a placement, profile or neuron option that does
 // not fit the model, or a policy it does not know
 runtime_plan plan_runtime(const model_levels & levels, const hobbit_params & params, const std::string & path);
+
+// [n_layer] whether a layer's misses may run on the mapped model (in place): model_mapped, the
+// model's own experts as level 0 (no high companion), its level-0 pool not repacked
+// (pool_repacked(p): plan.pools[p] stores a projection repacked), and cooperative mode or room in
+// the page cache for two layers of experts
+std::vector<bool> plan_inplace_layers(const model_levels & levels, const runtime_plan & plan, const hobbit_params & params,
+                                      bool model_mapped, const std::function<bool(int)> & pool_repacked);

@@ -84,10 +84,7 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     stats_.direct_io    = io->direct_io();
     stats_.n_level      = levels.n_level;
 
-    // with one level of the model's own experts a miss is served as well from the file, so the
-    // pools fill as the run goes; a popularity profile says what deserves them from the start
-    // (a neuron layout is the model's own experts, read as needed)
-    if (params.warm_low && (levels.n_level > 1 || (levels.high && !plan.neuron_reads) || !plan.popularity.empty())) {
+    if (plan.warm) {
         warm_pools();
     }
 }
@@ -138,32 +135,9 @@ void hobbit_runtime::make_pools() {
 
 // which layers may compute a miss in place, and the executor choice (mode, latency model)
 void hobbit_runtime::choose_executor() {
-    const hobbit_model_info & info = levels.index.info;
-    // in place runs the model's own mapped weights with stock's kernels: only where the CPU
-    // does not repack that type on load (a repacked pool computes with other kernels), and,
-    // unless cooperative mode was asked for, only where the page cache has room for what it
-    // faults in once the pools are full. Otherwise a ubatch wider than the pools runs in
-    // waves through them: computing its overflow in place under a tight cap made the process
-    // reach its cap 298 k times with a pool per layer on ref-mixtral at 0.55 (a 128-token
-    // prompt 4x slower), and a shared pool at 0.30 231 k times
-    std::vector<bool> inplace_ok(info.n_layer, false);
-    bool any_inplace = false;
-    for (int il : plan.moe_layers) {
-        // with a companion as the high level the model's experts are another precision than asked for
-        const int64_t layer_bytes = (int64_t) levels.index.layers[il].n_bytes() * info.n_expert;
-        // the model's own pool: the level-0 one serving il
-        bool repacked = false;
-        for (size_t p = 0; p < plan.pools.size(); ++p) {
-            const cache_pool_setup & pool = plan.pools[p].cache;
-            if (pool.level == 0 && std::count(pool.layers.begin(), pool.layers.end(), il) > 0) {
-                repacked = pools.tensors[p]->repacked();
-            }
-        }
-        inplace_ok[il] = files.model() != nullptr && !levels.high && !repacked &&
-                         (params.mode == HOBBIT_MODE_COOPERATIVE ||
-                          page_cache_holds_two_layers(layer_bytes, params.page_cache_room_bytes));
-        any_inplace = any_inplace || inplace_ok[il];
-    }
+    const std::vector<bool> inplace_ok = plan_inplace_layers(levels, plan, params, files.model() != nullptr,
+                                                             [&](int p) { return pools.tensors[p]->repacked(); });
+    const bool any_inplace = std::find(inplace_ok.begin(), inplace_ok.end(), true) != inplace_ok.end();
     executor = executor_choice_make(levels.index, params.mode, any_inplace, params.direct_io);
     executor.inplace_ok = inplace_ok;
     stats_.mode             = any_inplace ? params.mode : HOBBIT_MODE_GPU_CENTRIC;
@@ -254,28 +228,11 @@ void hobbit_runtime::describe_layers() {
     graph.desc.free_ctx = [](void * ctx) { delete (hobbit_runtime *) ctx; };
 }
 
-// fill the free slots of every level's pools in the background (params.warm_low)
+// fill the free slots of every level's pools in the background (the plan's warm-up; on-demand loads
+// overtake these: they are background loads)
 void hobbit_runtime::warm_pools() {
-    // the lowest level first (a copy of every expert in memory is what spares a decode the
-    // disk), then the free slots of the higher levels; expert by expert across the layers,
-    // so a pool too small for all of them still holds some of every layer; with a popularity
-    // profile the most popular experts of any layer first (Fiddler's placement: they are the
-    // ones its policy keeps). With a static placement each expert only at its own level.
-    // On-demand loads overtake these (they are background loads).
-    std::vector<std::pair<int, int>> order; // (layer, expert)
-    for (int e = 0; e < levels.index.info.n_expert; ++e) {
-        for (int il : plan.moe_layers) {
-            order.emplace_back(il, e);
-        }
-    }
-    if (!plan.popularity.empty()) {
-        const int n_expert = levels.index.info.n_expert;
-        std::stable_sort(order.begin(), order.end(), [&](const std::pair<int, int> & a, const std::pair<int, int> & b) {
-            return plan.popularity[a.first * n_expert + a.second] > plan.popularity[b.first * n_expert + b.second];
-        });
-    }
     std::vector<load_task> loads;
-    cache->warm(order, [&](int il) { return plan.placed(il); }, loads);
+    cache->warm(plan.warm_order(levels.index.info.n_expert), [&](int il) { return plan.placed(il); }, loads);
     submit(loads);
 }
 

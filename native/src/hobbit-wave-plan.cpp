@@ -6,9 +6,23 @@
 
 wave_selection read_selection(const ggml_tensor * sel, const ggml_tensor * wts, int n_expert,
                               const precision_thresholds & thresholds, const int8_t * placed, int only_level) {
+    const int n_used = (int) sel->ne[0], n_tokens = (int) sel->ne[1];
+    std::vector<int32_t> ids((size_t) n_used * n_tokens);
+    std::vector<float> w((size_t) n_used * n_tokens);
+    for (int t = 0; t < n_tokens; ++t) {
+        for (int k = 0; k < n_used; ++k) { // (the top-k view is not contiguous)
+            ids[(size_t) t * n_used + k] = *(const int32_t *) ((const char *) sel->data + t*sel->nb[1] + k*sel->nb[0]);
+            w[(size_t) t * n_used + k]   = *(const float *) ((const char *) wts->data + k*wts->nb[1] + t*wts->nb[2]);
+        }
+    }
+    return read_selection_of(ids.data(), w.data(), n_used, n_tokens, n_expert, thresholds, placed, only_level);
+}
+
+wave_selection read_selection_of(const int32_t * ids, const float * wts, int n_used, int n_tokens, int n_expert,
+                                 const precision_thresholds & thresholds, const int8_t * placed, int only_level) {
     wave_selection ws;
-    ws.n_used   = (int) sel->ne[0];
-    ws.n_tokens = (int) sel->ne[1];
+    ws.n_used   = n_used;
+    ws.n_tokens = n_tokens;
     const int skip = thresholds.n_level;
     ws.ids.resize((size_t) ws.n_used * ws.n_tokens);
     ws.n_pairs.assign(n_expert, 0);
@@ -19,12 +33,12 @@ wave_selection read_selection(const ggml_tensor * sel, const ggml_tensor * wts, 
     std::vector<int> pair_level(ws.n_used);
     for (int t = 0; t < ws.n_tokens; ++t) {
         for (int k = 0; k < ws.n_used; ++k) {
-            w[k] = *(const float *) ((const char *) wts->data + k*wts->nb[1] + t*wts->nb[2]);
+            w[k] = wts != nullptr ? wts[(size_t) t * ws.n_used + k] : 1.0f;
         }
         precision_levels(thresholds, w.data(), ws.n_used, pair_level.data());
         const int first = (int) (std::max_element(w.begin(), w.end(), [](float a, float b) { return std::fabs(a) < std::fabs(b); }) - w.begin());
         for (int k = 0; k < ws.n_used; ++k) {
-            int32_t e = *(const int32_t *) ((const char *) sel->data + t*sel->nb[1] + k*sel->nb[0]);
+            int32_t e = ids[(size_t) t * ws.n_used + k];
             // a placement fixes each expert's level; the skip rule then acts only with skip_cached
             const int level = e < 0 || e >= n_expert ? skip
                             : pair_level[k] == PRECISION_SKIP && (!placed || thresholds.skip_cached) ? skip

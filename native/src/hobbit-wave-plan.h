@@ -29,6 +29,9 @@ struct wave_selection {
                                     // well, even with hits "exact" (the rule saves reads; it never asks to lose
                                     // precision at hand)
     std::vector<int>     order;   // the selected experts, those with the most tokens first
+    // [n_expert], or empty: an access the policies count as low precision (HOBBIT's LHU), whatever
+    // level serves it (empty: those served below the highest): the simulator's one mixed pool
+    std::vector<bool>    counted_low;
     int n_skipped_pairs = 0;      // only_level: pairs to skip left out of the wave (once, in the lowest level's)
 
     size_t n_pair() const { return ids.size(); }
@@ -49,6 +52,9 @@ inline bool is_prompt_ubatch(size_t n_pair, int n_expert) {
 // ubatch served level by level (expert_cache::waves_by_level)
 wave_selection read_selection(const ggml_tensor * sel, const ggml_tensor * wts, int n_expert,
                               const precision_thresholds & thresholds, const int8_t * placed, int only_level = -1);
+// the same from arrays: ids and weights [n_tokens][n_used] (weights nullptr: every pair wants the highest level)
+wave_selection read_selection_of(const int32_t * ids, const float * wts, int n_used, int n_tokens, int n_expert,
+                                 const precision_thresholds & thresholds, const int8_t * placed, int only_level = -1);
 
 enum class serve_as {
     hit,      // cached at `level`, in `slot`

@@ -254,3 +254,34 @@ def test_a_pool_per_layer_is_replayed_as_the_runtime_ran_it(model_dir, policy):
         simulate(t, _slots_budget_mb(info, 7), policy, per_layer=True)
     with pytest.raises(HobbitError, match="shared pool only"):
         simulate(t, budget, policy, per_layer=True, prefetch_layers=1)
+
+
+def test_the_replay_counts_what_the_runtime_counted_on_prompts_and_decode_over_two_levels_and_a_pool_per_layer(model_dir):
+    # the runtime's own cache driven offline over a recorded routing (Llama.replay): prompts in
+    # ubatches of 16 tokens (waves level by level with hits exact, the next layer loaded whole),
+    # then decode token by token, over two levels (the model's experts and a Q2_K copy) with a
+    # pool per MoE layer at the high one; every count is the runtime's
+    from hobbitpy.copies.prepare import prepare_companion
+
+    path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    low = model_dir / f"{path.stem}.q2_k.gguf"
+    if not low.exists():
+        prepare_companion(path, "Q2_K", out_path=low, progress=False)
+    info, low_info = hobbitpy.inspect_model(path), hobbitpy.inspect_model(low)
+    budget = (info.expert_bytes_total + low_info.expert_bytes_total) * 0.4 / MB
+    with hobbitpy.Llama(path, low=str(low), hits="exact", shallow_layers=0, prefetch_layers=0, mode="gpu-centric",
+                        warm=False, cache_mb=budget, n_ctx=256, n_batch=16, n_ubatch=16, logits_all=True, n_threads=2,
+                        verbose=False) as llm:
+        prompts = [llm.tokenize(f"{p} and the people of the town went on with their work".encode()) for p in PROMPTS]
+        routing = llm.record_routing(prompts, n_predict=12)
+        ran, replayed = llm.offload_stats(), llm.replay(routing)
+    assert sum(routing.ubatch_start) > len(prompts) and len(routing.ubatch_start) == len(routing.tokens)
+    assert ran["n_level"] == 2 and ran["served"][0] > 0 and ran["served"][1] > 0, ran["served"]
+    for key in ("n_slot", "pool_bytes", "expert_hits", "expert_misses", "served", "n_skipped", "prefetch_issued",
+                "bytes_read"):
+        assert replayed[key] == ran[key], (key, replayed[key], ran[key])
+    assert ran["expert_hits"] > 0 and ran["expert_misses"] > 0
+    # what a replay cannot know is refused: the decode prefetch needs the router inputs
+    with hobbitpy.Llama(path, cache_mb=budget, prefetch_layers=1, n_ctx=64, verbose=False) as llm:
+        with pytest.raises(HobbitError, match="without prediction"):
+            llm.replay(routing)

@@ -1,4 +1,8 @@
-"""Replay a routing trace through the runtime's cache policies, offline.
+"""Replay a routing trace through the runtime's cache, offline.
+
+replay(): a run's recorded routing, ubatch by ubatch, through the very cache the runtime's
+params make (hobbit_replay_trace: its plan, its pools and levels, its waves), every load
+completing at once: the runtime's counters by construction.
 
 The replay runs in libhobbit (hobbit_simulate_cache): the policy objects are the
 runtime's own, so a simulated LRU is the deployed LRU. Belady's offline optimum (evict
@@ -26,6 +30,30 @@ from .scores import selection_scores
 from ..files.trace_file import Trace
 
 POLICIES = RUNTIME_POLICIES + ("belady",)  # Belady needs the future: offline only
+
+
+def replay(model_path: str, params, experts: np.ndarray, weights: np.ndarray, ubatch_start, seq_start) -> dict:
+    """The counters (offload_stats()'s) of the runtime params describe (a struct hobbit_params)
+    serving the routing of experts and weights ([tokens, moe_layers, k]) from a cold start, in
+    the ubatches ubatch_start marks (1 at each one's first token; empty: a token each), the
+    policies' sequence records reset where seq_start marks a new sequence."""
+    experts = np.ascontiguousarray(experts, dtype=np.int32)
+    weights = np.ascontiguousarray(weights, dtype=np.float32)
+    if experts.ndim != 3 or weights.shape != experts.shape:
+        raise ValueError(f"experts and weights must be [tokens, moe_layers, k] alike, got {experts.shape} and {weights.shape}")
+    starts = np.ascontiguousarray(ubatch_start, dtype=np.uint8)
+    sequences = np.ascontiguousarray(seq_start, dtype=np.uint8)
+    for name, marks in (("ubatch_start", starts), ("seq_start", sequences)):
+        if marks.size not in (0, experts.shape[0]):
+            raise ValueError(f"{name} has {marks.size} entries for {experts.shape[0]} tokens")
+    t = ffi.new("struct hobbit_replay_trace *")
+    t.n_tokens, t.n_layer, t.n_expert_used = experts.shape
+    t.n_expert = hobbit.inspect_model(model_path).n_expert
+    t.experts = ffi.cast("const int32_t *", experts.ctypes.data)
+    t.weights = ffi.cast("const float *", weights.ctypes.data)
+    t.ubatch_start = ffi.cast("const uint8_t *", starts.ctypes.data) if starts.size else ffi.NULL
+    t.seq_start = ffi.cast("const uint8_t *", sequences.ctypes.data) if sequences.size else ffi.NULL
+    return hobbit.stats_as_dict(hobbit.replay_trace(model_path, params, t))
 DEFAULT_POLICIES = ("lru", "lfu", "lhu", "fld", "arc", "popularity", "score", "random", "belady")
 
 
@@ -99,7 +127,8 @@ def simulate(trace: Trace, budget_mb: float, policy: str, *, weights=(0.25, 0.25
     the popularity policy ranks by ([MoE layers, n_expert]); default the trace's own
     selection counts (a profile of the very text replayed: Fiddler's best case).
     prefetch_layers: after each layer the next P layers' experts the trace's predictor guessed
-    are loaded, as the runtime's decode prefetch does (not for Belady). label: the name the
+    are loaded by the runtime's decode prefetch rule (pinned until their layer, one layer
+    deeper only while all are cached; not for Belady). label: the name the
     result goes by (default the policy). per_layer: a pool per MoE layer (slots_per_layer,
     shallow_layers whole first), each layer replayed alone with its own policy; not with
     prefetch, which loads into the next layers' pools. n_slot: the slots themselves, for a

@@ -129,6 +129,24 @@ def runtime_stats(runtime=None):
     return s
 
 
+def stats_as_dict(s) -> dict:
+    """A struct hobbit_stats as a dict: each counter, and the per-level arrays cut to its levels."""
+    out = {}
+    for name in dir(s):
+        value = getattr(s, name)
+        out[name] = value if isinstance(value, (bool, int, float)) else [int(v) for v in value][:s.n_level]
+    return out
+
+
+def replay_trace(model_path: str, params, trace):
+    """struct hobbit_stats of a recorded routing (struct hobbit_replay_trace *) served by the cache params makes."""
+    s = ffi.new("struct hobbit_stats *")
+    err = error_buffer()
+    if lib.hobbit_replay_trace(os.fsencode(model_path), params, trace, s, err, len(err)) != 0:
+        raise HobbitError(to_str(err))
+    return s
+
+
 def reset_stats(runtime) -> None:
     lib.hobbit_runtime_reset_stats(runtime)
 

@@ -27,6 +27,7 @@ import numpy as np
 from ..files import tokens
 from .beam_search import beam_search
 from .chat_template import bounded_templates
+from ..analysis.simulate import replay
 from ..binding import hobbit
 from ..binding.native import ffi
 from ..settings.config import OffloadConfig
@@ -112,6 +113,7 @@ class Routing:
     inputs: np.ndarray     # float32 [tokens, moe_layers, n_embd] with with_inputs, else empty
     tokens: list[int]      # the tokens evaluated
     seq_start: list[int]   # 1 at the first token of every prompt
+    ubatch_start: list[int] = dataclasses.field(default_factory=list)  # 1 at the first token of every ubatch
 
 
 class Llama(llama_cpp.Llama):
@@ -252,6 +254,7 @@ class Llama(llama_cpp.Llama):
         try:
             tokens: list[int] = []
             seq_start: list[int] = []
+            ubatch_start: list[int] = []
             for i, ids in enumerate(progress(prompts) if progress else prompts):
                 room = self.n_ctx() - len(ids)
                 self.reset()
@@ -266,6 +269,7 @@ class Llama(llama_cpp.Llama):
                     self.eval([nxt])
                     evaluated.append(nxt)
                 seq_start += [1] + [0] * (len(evaluated) - 1)
+                ubatch_start += self._ubatch_starts(len(ids)) + [1] * (len(evaluated) - len(ids))
                 tokens += evaluated
             n_layer, depth = ffi.new("int32_t *"), ffi.new("int32_t *")
             n = hobbit.trace_size(self._runtime, n_layer, depth)
@@ -276,7 +280,7 @@ class Llama(llama_cpp.Llama):
             r = Routing(experts=np.empty((n, L, k), np.int32), weights=np.empty((n, L, k), np.float32),
                         probs=np.empty((n, L, E), np.float32), predicted=np.empty((n, L, D, k), np.int32),
                         inputs=np.empty((n, L, info.n_embd) if with_inputs else 0, np.float32),
-                        tokens=tokens, seq_start=seq_start)
+                        tokens=tokens, seq_start=seq_start, ubatch_start=ubatch_start)
 
             def ptr(a, ctype):
                 return ffi.cast(ctype, a.ctypes.data) if a.size else ffi.NULL
@@ -287,6 +291,25 @@ class Llama(llama_cpp.Llama):
             return r
         finally:
             hobbit.trace_end(self._runtime)
+
+    def replay(self, routing: Routing) -> dict:
+        """What this Llama's expert cache counts serving `routing` from a cold start, replayed
+        offline by the cache's own code (analysis.simulate.replay): offload_stats()'s counters.
+        Its offload must be gpu-centric, without prefetch, substitution or neuron options."""
+        if not self.offloaded:
+            raise HobbitError(f"{self.model_path}: the experts are resident; there is no cache to replay")
+        params, _c_strings = self.offload_config.to_native(self.offload_plan.budget_bytes, self.level_paths,
+                                                           self.offload_plan.page_cache_room_bytes, self.placement)
+        return replay(self.model_path, params, routing.experts, routing.weights, routing.ubatch_start, routing.seq_start)
+
+    def _ubatch_starts(self, n: int) -> list[int]:
+        """1 where llama.cpp starts a ubatch in an eval of n tokens: eval cuts them into batches
+        of n_batch, llama_decode each batch into ubatches of n_ubatch."""
+        starts = [0] * n
+        for batch in range(0, n, self.n_batch):
+            for ubatch in range(batch, min(batch + self.n_batch, n), self.context_params.n_ubatch):
+                starts[ubatch] = 1
+        return starts
 
     def beam_search(self, prompt: list[int], width: int, n_predict: int):
         """A beam search of `width` beams from the prompt's tokens (beam_search.py); the Llama
@@ -417,14 +440,8 @@ class Llama(llama_cpp.Llama):
         the experts run through it) and "reason" (why they do, or do not: the plan's words).
         With the experts resident every counter is 0: no expert is read, stock llama.cpp
         computes them all in memory."""
-        s = hobbit.runtime_stats(self._runtime)  # zeros without a runtime
         stats = {"offloaded": self.offloaded, "reason": self.offload_plan.reason}
-        for name in dir(s):
-            value = getattr(s, name)
-            if isinstance(value, (bool, int, float)):
-                stats[name] = value
-            else:  # an array, one entry per precision level
-                stats[name] = [int(v) for v in value][:s.n_level]
+        stats |= hobbit.stats_as_dict(hobbit.runtime_stats(self._runtime))  # zeros without a runtime
         # "CPU", or a GPU ("CUDA0"); None without a cache
         stats["pool_device"] = hobbit.pool_device(self._runtime) if self.offloaded else None
         return stats
