@@ -37,7 +37,7 @@ hobbit_dir=native/CMakeFiles/hobbit.dir/src
 ninja -C "$build" "$cuda_dir/arange.cu.o" "$cuda_dir/argsort.cu.o" "$cuda_dir/getrows.cu.o" \
     "$cuda_dir/mmid.cu.o" "$cuda_dir/mmvf.cu.o" \
     "$hobbit_dir/hobbit-runtime.cpp.o" "$hobbit_dir/hobbit-runtime-waves.cpp.o" "$hobbit_dir/hobbit-runtime-loads.cpp.o" \
-    "$hobbit_dir/hobbit-runtime-files.cpp.o" "$hobbit_dir/hobbit-runtime-neurons.cpp.o" "$hobbit_dir/hobbit-runtime-stats.cpp.o" \
+    "$hobbit_dir/hobbit-runtime-plan.cpp.o" "$hobbit_dir/hobbit-model-files.cpp.o" "$hobbit_dir/hobbit-expert-cache.cpp.o" "$hobbit_dir/hobbit-runtime-neurons.cpp.o" "$hobbit_dir/hobbit-runtime-stats.cpp.o" \
     "$hobbit_dir/hobbit-expert-pool.cpp.o" "$hobbit_dir/hobbit-slot-table.cpp.o" "$hobbit_dir/hobbit-api.cpp.o" \
     "$hobbit_dir/hobbit-executor-choice.cpp.o" "$hobbit_dir/hobbit-precision-scorer.cpp.o" "$hobbit_dir/hobbit-predictor.cpp.o"
 echo "CUDA configure and compile-check passed ($build)"
