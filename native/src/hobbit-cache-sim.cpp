@@ -230,19 +230,8 @@ hobbit_stats cache_replay(const model_levels & levels, const hobbit_params & par
     if (env.has_failed) {
         throw hobbit_error(HOBBIT_STATUS_ERROR_BUDGET, path + ": a ubatch of the trace selects more experts than the pools hold");
     }
-    const cache_counters c = cache.counters();
-    st.expert_hits      = c.hits;
-    st.expert_misses    = c.misses;
-    st.expert_inplace   = c.inplace;
-    st.prefetch_issued  = c.prefetch_issued;
-    st.prefetch_used    = c.prefetch_used;
-    st.prefetch_wasted  = c.prefetch_wasted;
-    st.n_skipped        = c.skipped;
-    st.upgrades         = c.upgrades;
-    st.warm_loads       = c.warm_loads;
-    for (int l = 0; l < HOBBIT_MAX_LEVELS; ++l) {
-        st.served[l] = c.served[l];
-    }
+    cache.counters().write_to(st);
+    st.loads_overlapped = 0; // loads complete at once here: none ran under compute
     return st;
 }
 

@@ -687,6 +687,22 @@ int64_t expert_cache::used_slot_bytes() const {
     return n;
 }
 
+void cache_counters::write_to(hobbit_stats & s) const {
+    s.expert_hits      = hits;
+    s.expert_misses    = misses;
+    s.expert_inplace   = inplace;
+    s.prefetch_issued  = prefetch_issued;
+    s.prefetch_used    = prefetch_used;
+    s.prefetch_wasted  = prefetch_wasted;
+    s.loads_overlapped = loads_overlapped;
+    s.n_skipped        = skipped;
+    s.upgrades         = upgrades;
+    s.warm_loads       = warm_loads;
+    for (int l = 0; l < HOBBIT_MAX_LEVELS; ++l) {
+        s.served[l] = served[l];
+    }
+}
+
 cache_counters expert_cache::counters() const {
     std::lock_guard<std::mutex> lock(mtx);
     return counts;

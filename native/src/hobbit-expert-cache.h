@@ -92,6 +92,8 @@ struct cache_counters {
     int64_t skipped = 0, upgrades = 0, warm_loads = 0;
     int64_t prefetch_issued = 0, prefetch_used = 0, prefetch_wasted = 0;
     int64_t loads_overlapped = 0; // completed while nobody waited, the graph between two MoE layers
+
+    void write_to(hobbit_stats & s) const; // as the C API reports them
 };
 
 // one pool's counters and shape

@@ -31,19 +31,7 @@ hobbit_stats hobbit_runtime::stats() const {
     const cache_counters c = cache->counters();
     std::lock_guard<std::mutex> lock(mtx);
     hobbit_stats s = stats_;
-    s.expert_hits      = c.hits;
-    s.expert_misses    = c.misses;
-    s.expert_inplace   = c.inplace;
-    s.prefetch_issued  = c.prefetch_issued;
-    s.prefetch_used    = c.prefetch_used;
-    s.prefetch_wasted  = c.prefetch_wasted;
-    s.loads_overlapped = c.loads_overlapped;
-    s.n_skipped        = c.skipped;
-    s.upgrades         = c.upgrades;
-    s.warm_loads       = c.warm_loads;
-    for (int l = 0; l < HOBBIT_MAX_LEVELS; ++l) {
-        s.served[l] = c.served[l];
-    }
+    c.write_to(s);
     return s;
 }
 
