@@ -20,7 +20,7 @@ from hobbitpy.runtime.default_ladder import (LOW_TYPE, calibration_text, ladder_
 from hobbitpy.measure.evaluate import evaluate_against, measure_reference
 from hobbitpy.files.tokens import tokenize_text
 from hobbitpy.runtime.llama import compare_ladder, measure_calibration
-from hobbitpy.plan.placement import layer_expert_bytes
+from hobbitpy.files.model_file import layer_expert_bytes
 from hobbitpy.copies.companions import default_companion_path
 from hobbitpy.copies.prepare import prepare_companion
 
@@ -36,7 +36,7 @@ def main() -> int:
     if not os.path.exists(low_path):
         prepare_companion(model, LOW_TYPE, low_path, threads=os.cpu_count() or 1)
     low_total = int(low_copy_layer_bytes(info).sum()) * info.n_expert
-    model_bytes = layer_expert_bytes(model, info.n_expert)
+    model_bytes = layer_expert_bytes(model)
     calibration = measure_calibration(model, calibration_text(), os.cpu_count() or 1)
     with open(text_path, encoding="utf-8") as f:
         held = measure_reference(model, tokenize_text(model, f.read(), n_tokens), n_ctx=256, n_threads=2)

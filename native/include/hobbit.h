@@ -322,6 +322,12 @@ HOBBIT_API enum hobbit_status hobbit_inspect_model(const char * path, struct hob
 // companion records of the model it was made of, checked when the companion is used
 HOBBIT_API enum hobbit_status hobbit_model_fingerprint(const char * path, char * out, size_t out_size, char * err, size_t err_size);
 
+// one expert's bytes, all its projections, in each MoE layer of a GGUF (a model or a companion), in
+// layer order, into out (n_max entries); *n: the MoE layers. Read from the header alone (a llama.cpp
+// mix gives some layers a wider down type). ERROR_INVALID if out is too small
+HOBBIT_API enum hobbit_status hobbit_layer_expert_bytes(const char * path, int64_t * out, int32_t n_max, int32_t * n,
+                                                        char * err, size_t err_size);
+
 // the files a model is made of (its one file, or the parts of a split model named as llama.cpp
 // finds them from the first), each followed by a NUL, into out; ERROR_INVALID if out is too small
 HOBBIT_API enum hobbit_status hobbit_model_parts(const char * path, char * out, size_t out_size, char * err, size_t err_size);

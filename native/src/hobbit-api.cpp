@@ -76,6 +76,28 @@ enum hobbit_status hobbit_model_fingerprint(const char * path, char * out, size_
                    err, err_size, std::string(path) + ": ");
 }
 
+enum hobbit_status hobbit_layer_expert_bytes(const char * path, int64_t * out, int32_t n_max, int32_t * n,
+                                             char * err, size_t err_size) {
+    if (path == nullptr || out == nullptr || n == nullptr) {
+        write_error(err, err_size, "hobbit_layer_expert_bytes: path, out and n are required");
+        return HOBBIT_STATUS_ERROR_INVALID;
+    }
+    return guarded([&] {
+        std::vector<int64_t> bytes;
+        for (const expert_layer_layout & layer : expert_index::from_file(path).layers) {
+            if (layer.has_experts()) {
+                bytes.push_back((int64_t) layer.n_bytes());
+            }
+        }
+        if (bytes.size() > (size_t) std::max(n_max, 0)) {
+            throw hobbit_error(HOBBIT_STATUS_ERROR_INVALID, std::string(path) + ": " + std::to_string(bytes.size()) +
+                               " MoE layers, room for " + std::to_string(n_max));
+        }
+        std::copy(bytes.begin(), bytes.end(), out);
+        *n = (int32_t) bytes.size();
+    }, err, err_size, std::string(path) + ": ");
+}
+
 enum hobbit_status hobbit_model_parts(const char * path, char * out, size_t out_size, char * err, size_t err_size) {
     if (path == nullptr || out == nullptr) {
         write_error(err, err_size, "hobbit_model_parts: path and out are required");

@@ -17,7 +17,8 @@ import hobbitpy
 from hobbitpy.settings.config import OffloadConfig
 from hobbitpy.measure.evaluate import evaluate_against, measure_reference
 from hobbitpy.files.tokens import tokenize_text
-from hobbitpy.plan.placement import expert_importance, layer_expert_bytes, place_by_importance, placement_bytes
+from hobbitpy.files.model_file import layer_expert_bytes
+from hobbitpy.plan.placement import expert_importance, place_by_importance, placement_bytes
 from hobbitpy.copies.prepare import prepare_companion
 from hobbitpy.measure.trace import read_prompts, record_trace
 
@@ -59,7 +60,7 @@ def test_greedy_places_the_most_weighed_experts_high_within_the_budget():
 
 def test_pools_hold_exactly_the_placement_and_serve_it(placed):
     model, importance = placed
-    levels = [layer_expert_bytes(model.with_name(f"{model.stem}.experts-{t}.gguf"), 8) for t in ("Q4_K", "Q2_K")]
+    levels = [layer_expert_bytes(model.with_name(f"{model.stem}.experts-{t}.gguf")) for t in ("Q4_K", "Q2_K")]
     budget = int(sum(levels[1]) * 8 + 10 * (levels[0][0] - levels[1][0]))  # room for ten experts at Q4_K
     llm = hobbitpy.Llama(model, high="Q4_K", low="Q2_K", hits="found", importance=importance.tolist(),
                          cache_mb=budget / MB, n_ctx=256, verbose=False, n_threads=2)

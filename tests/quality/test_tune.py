@@ -248,7 +248,8 @@ def test_the_pass_over_the_text_is_stocks_and_static_candidates_score_alike_in_b
     import numpy as np
 
     from hobbitpy.analysis.candidate_cost import modeled_cost
-    from hobbitpy.plan.placement import layer_expert_bytes, place_by_importance
+    from hobbitpy.files.model_file import layer_expert_bytes
+    from hobbitpy.plan.placement import place_by_importance
     from hobbitpy.copies.companions import default_companion_path
     from hobbitpy.copies.prepare import prepare_companion
 
@@ -277,15 +278,37 @@ def test_the_pass_over_the_text_is_stocks_and_static_candidates_score_alike_in_b
         assert abs(batched.mean_kl - stepped.mean_kl) <= 0.02 * stepped.mean_kl + 1e-4
         assert abs(batched.top1_agreement - stepped.top1_agreement) <= 0.03
         # the modelled cost of the experts streamed is what the runtime served token by token
-        levels = [layer_expert_bytes(path if config.high is None else tmp_path / f"m.experts-{config.high}.gguf",
-                                     info.n_expert)]
+        levels = [layer_expert_bytes(path if config.high is None else tmp_path / f"m.experts-{config.high}.gguf")]
         if config.low:
-            levels.append(layer_expert_bytes(tmp_path / f"m.experts-{config.low}.gguf", info.n_expert))
+            levels.append(layer_expert_bytes(tmp_path / f"m.experts-{config.low}.gguf"))
         placement = (place_by_importance(measured.importance, levels, int(config.cache_mb * 2**20))
                      if config.importance else None)
         served = sum(n * int(b[0]) for n, b in zip(stepped.stats["served"], levels)) / stepped.n_tokens / 2**20
         resident = modeled_cost(measured.scored, levels, placement, 1 << 40, "lru")  # nothing missed
         assert resident == pytest.approx(served, rel=0.02)
+
+
+def test_a_static_candidate_is_priced_by_what_the_runtime_counts_decoding_it(model_dir):
+    # a one-level candidate at a budget that misses: the price tune gives it before it runs (the
+    # runtime's cache made from its settings, replaying the routing token by token) is what the
+    # runtime's own counters price decoding those tokens at
+    from hobbitpy.analysis.candidate_cost import measured_cost, replayed_cost, routing_trace
+    from hobbitpy.copies.prepare import prepare_companion
+
+    path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
+    low = model_dir / f"{path.stem}.q2_k.gguf"
+    if not low.exists():
+        prepare_companion(path, "Q2_K", out_path=low, progress=False)
+    info, level = hobbitpy.inspect_model(path), hobbitpy.inspect_model(low)
+    config = OffloadConfig(high=str(low), cache_mb=0.4 * level.expert_bytes_total / 2**20)
+    with hobbitpy.Llama(path, offload=config, n_ctx=128, n_batch=1, n_ubatch=1, n_threads=2, verbose=False) as llm:
+        routing = llm.record_routing([llm.tokenize(TEXT[:300].encode())])
+        ran, budget, level_paths = llm.offload_stats(), llm.offload_plan.budget_bytes, llm.level_paths
+    assert ran["expert_misses"] > 0 and ran["served"] == [ran["expert_hits"] + ran["expert_misses"]]
+    n = len(routing.tokens)
+    price = replayed_cost(routing_trace(routing.experts, routing.weights, info), info, (level,), config, budget,
+                          level_paths, None)
+    assert price == pytest.approx(measured_cost(ran, (level,), info, n), rel=1e-9)
 
 
 def test_tune_stops_at_its_time_limit(model_dir, tmp_path):

@@ -10,6 +10,7 @@ import pytest
 import hobbitpy
 from conftest import (ARCHES, BUDGETS, MB, assert_bit_equal, fast_first, identical_companion, prompt_logits,
                       reference, run_logits, tiny_model)
+from hobbitpy.files.model_file import layer_expert_bytes
 from hobbitpy.files.synthetic_moe import EXPERT_TYPES
 
 # these tests check the pool path: every missed expert is loaded (the cooperative and auto
@@ -139,7 +140,7 @@ def test_a_file_whose_layers_mix_expert_types_is_exact_with_one_level_and_two(mo
     (the companion is as mixed as the model)."""
     path = tiny_model(model_dir, "llama", **MIXED_TYPES)
     ref_scores, ref_text, _, info = reference(path)
-    assert not info.uniform
+    assert not info.uniform and len(set(layer_expert_bytes(path).tolist())) == len(MIXED_TYPES["layer_types"])
     budget_bytes = max(BUDGETS[budget](info), info.min_budget_bytes)
     scores, text, stats, _ = run_logits(path, hobbitpy.OffloadConfig(cache_mb=budget_bytes / MB, mode=POOL))
     assert_bit_equal(scores, ref_scores)

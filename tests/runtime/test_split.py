@@ -15,7 +15,7 @@ import openai
 import pytest
 
 import hobbitpy
-from hobbitpy.files.model_file import model_fingerprint, model_parts
+from hobbitpy.files.model_file import layer_expert_bytes, model_fingerprint, model_parts
 from hobbitpy.copies.prepare import EXPERT_SUFFIXES, prepare_companion
 
 from conftest import MB, copy_gguf, run_logits
@@ -52,9 +52,16 @@ def test_the_parts_are_one_model(split):
         assert getattr(parts, field) == getattr(whole, field), field
     assert parts.file_bytes == sum(pathlib.Path(p).stat().st_size for p in model_parts(split))
     # the experts really are spread over the parts (else this tests one file)
-    holding = {p for p in model_parts(split)
-               if any(t.name.endswith(EXPERT_SUFFIXES) for t in gguf.GGUFReader(p).tensors)}
+    tensors = {p: gguf.GGUFReader(p).tensors for p in model_parts(split)}
+    holding = {p for p, ts in tensors.items() if any(t.name.endswith(EXPERT_SUFFIXES) for t in ts)}
     assert len(holding) >= 2
+    # one expert's bytes per MoE layer, from the header by the runtime's index: the tensors' bytes
+    # over every part
+    per_layer: dict[int, int] = {}
+    for t in (t for ts in tensors.values() for t in ts if t.name.endswith(EXPERT_SUFFIXES)):
+        per_layer[int(t.name.split(".")[1])] = per_layer.get(int(t.name.split(".")[1]), 0) + int(t.n_bytes) // whole.n_expert
+    assert layer_expert_bytes(split).tolist() == [per_layer[il] for il in sorted(per_layer)]
+    assert layer_expert_bytes(split).tolist() == layer_expert_bytes(MODEL).tolist()
     assert model_fingerprint(split) == model_fingerprint(MODEL)
 
 

@@ -3,9 +3,12 @@ candidates by: what the matmuls stream, plus what is read in the background, plu
 MEMORY_OVER_DISK times what decoding waits for from the disk.
 
 A static candidate (its outputs the same whatever its cache holds: one level, or a placed
-ladder) is priced before it runs, from the routing of the text it will be scored on: each
-selection streams one expert at the level it is held at, and the runtime's own policy
-replayed on that routing (simulate.py) at the budget gives the misses. A dynamic candidate
+ladder) is priced before it runs, from the routing of the text it will be scored on: the
+runtime's own expert cache, made from the candidate's settings, budget and files, replays that
+routing token by token as decoding meets it (simulate.replay) and counts what it serves and
+reads, every miss read (gpu-centric). While a level's file is still to be made, the price is
+modelled: each selection streams one expert at the level it is held at, and the policy's
+simulator on the trace, every expert priced as the largest, gives the misses. A dynamic candidate
 is priced by the runtime's counters as it decodes the text; before that only its floor is
 known: every selection at its lowest level, nothing missed.
 """
@@ -16,9 +19,9 @@ import dataclasses
 
 import numpy as np
 
-from ..settings.config import MB
+from ..settings.config import MB, OffloadConfig
 from ..files.model_file import ModelInfo
-from .simulate import simulate
+from .simulate import replay, simulate
 from ..files.trace_file import Trace
 
 # memory streams expert weights to the matmuls about this many times faster than the disk
@@ -58,6 +61,19 @@ def modeled_cost(trace: Trace, layer_bytes: list[np.ndarray], placement: tuple[t
         priced = dataclasses.replace(trace, meta={**trace.meta, "expert_bytes": per_expert, "uniform": True})
         waited = float(simulate(priced, budget_bytes / MB, policy).bytes_read)
     return (served + MEMORY_OVER_DISK * waited) / trace.n_tokens / MB
+
+
+def replayed_cost(trace: Trace, info: ModelInfo, levels: tuple[ModelInfo, ...], config: OffloadConfig,
+                  budget_bytes: int, level_paths: tuple[str | None, ...],
+                  placement: tuple[tuple[int, ...], ...] | None) -> float:
+    """MB per token of a static candidate whose levels' files exist: measured_cost of the
+    counters the runtime's cache gives replaying the trace token by token at this budget (its
+    pools per level and per expert signature, its hit rule, thresholds and placement), every
+    miss loaded into the cache."""
+    params, _strings = dataclasses.replace(config, mode="gpu-centric").to_native(budget_bytes, level_paths,
+                                                                                 placement=placement)
+    stats = replay(info.path, params, trace.experts, trace.weights, (), trace.seq_start)
+    return measured_cost(stats, levels, info, trace.n_tokens)
 
 
 def floor_cost(info: ModelInfo, levels: tuple[ModelInfo, ...]) -> float:

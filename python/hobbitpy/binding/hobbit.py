@@ -44,6 +44,16 @@ def model_parts(path: str, n_split: int) -> list[str]:
     return [os.fsdecode(name) for name in ffi.buffer(out)[:].split(b"\0")[:n_split]]
 
 
+def layer_expert_bytes(path: str, n_layer: int) -> list[int]:
+    """One expert's bytes in each MoE layer of a GGUF of at most n_layer layers, in layer order."""
+    out = ffi.new("int64_t[]", max(1, n_layer))
+    n = ffi.new("int32_t *")
+    err = error_buffer()
+    if lib.hobbit_layer_expert_bytes(os.fsencode(path), out, len(out), n, err, len(err)) != OK:
+        raise ModelFileError(to_str(err))
+    return list(out[0:n[0]])
+
+
 def model_fingerprint(path: str) -> str:
     out = ffi.new("char[]", 32)
     err = error_buffer()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import os
+import numpy as np
 
 from ..binding import hobbit
 from ..binding.native import to_str
@@ -95,6 +96,14 @@ def model_parts(path: str | os.PathLike) -> list[str]:
     llama.cpp finds them from the first). Raises ModelFileError as inspect_model does."""
     path = os.fspath(path)
     return hobbit.model_parts(path, inspect_model(path).n_split)
+
+
+def layer_expert_bytes(path: str | os.PathLike) -> np.ndarray:
+    """[moe_layers]: the bytes of one expert of each MoE layer of a GGUF (model or companion),
+    all projections, in layer order (a llama.cpp mix gives some layers a wider down type), read
+    from its header by the runtime's own index. Raises ModelFileError as inspect_model does."""
+    path = os.fspath(path)
+    return np.array(hobbit.layer_expert_bytes(path, inspect_model(path).n_layer), np.int64)
 
 
 def model_fingerprint(path: str | os.PathLike) -> str:

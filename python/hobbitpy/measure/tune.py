@@ -14,8 +14,9 @@ size and a quality budget, measured rather than guessed, in minutes at any model
    their resident experts, and the presets. Only copies cheaper than the model's own.
 3. Each priced at the expert budget `run` would plan for that memory (candidate_cost.py): a
    static candidate, whose outputs do not depend on what its cache holds nor on how tokens
-   are batched (one level; a placed ladder), from the routing of the scored tokens, before it
-   runs; a dynamic one by the runtime's counters as it decodes, with only its floor known
+   are batched (one level; a placed ladder), from the routing of the scored tokens replayed
+   token by token through the runtime's own expert cache, before it runs (modelled while a
+   level's file is still to be made, again once it is made); a dynamic one by the runtime's counters as it decodes, with only its floor known
    before.
 4. Scored cheapest first, against the reference: perplexity, KL, top-1. A static candidate in
    batches (prefill speed: its outputs are those of decoding); a dynamic one token by token,
@@ -43,7 +44,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from ..binding.ggml import block_size, type_size
-from ..analysis.candidate_cost import floor_cost, measured_cost, modeled_cost, routing_trace
+from ..analysis.candidate_cost import floor_cost, measured_cost, modeled_cost, replayed_cost, routing_trace
 from ..copies.companions import (companion_type, copy_layer_bytes, default_companion_path, estimated_copy,
                                  needs_imatrix, resolve_level)
 from ..settings.config import MAX_MEAN_KL, MB, OffloadConfig
@@ -54,9 +55,9 @@ from ..analysis.likelihood import Reference, ReferenceTable, scoring_bytes, scor
 from ..runtime.llama import Llama
 from ..plan.memory import (ContextShape, available_memory_bytes, context_sizes, fit_ubatch, plan_offload,
                            process_resident_bytes, whole_memory_budget_mb)
-from ..files.model_file import ModelInfo, inspect_model
+from ..files.model_file import ModelInfo, inspect_model, layer_expert_bytes
 from ..system.outputs import NotEnoughSpaceError, check_free_space
-from ..plan.placement import importance_of, layer_expert_bytes, place_by_importance
+from ..plan.placement import importance_of, place_by_importance
 from ..copies.prepare import prepare_companion
 from ..settings.presets import preset_settings
 from ..plan.profile import Profile
@@ -233,10 +234,10 @@ def _level(model: str, info: ModelInfo, spec: str | None) -> tuple[ModelInfo, np
     """A level's file as inspect_model sees it, its expert bytes per MoE layer, and whether it
     exists; a file still to be made is estimated (a mix as its base type)."""
     if spec is None:
-        return info, layer_expert_bytes(model, info.n_expert), True
+        return info, layer_expert_bytes(model), True
     try:
         path = resolve_level(model, spec, "--high")
-        return inspect_model(path), layer_expert_bytes(path, info.n_expert), True
+        return inspect_model(path), layer_expert_bytes(path), True
     except ModelFileError:
         pass
     _check_can_make(model, spec)
@@ -501,8 +502,13 @@ def _plan(model: str, info: ModelInfo, cand: Candidate, settings: dict, availabl
     static = quality_is_static(settings)
     placement = (place_by_importance(np.array(settings["importance"]), layer_bytes, budget)
                  if "importance" in settings else None)
-    cost = (modeled_cost(scored, layer_bytes, placement, budget, config.policy) if static
-            else floor_cost(info, levels))
+    if not static:
+        cost = floor_cost(info, levels)
+    elif all(f[2] for f in found):  # the files as they are: the runtime's cache replays the routing
+        level_paths = tuple(None if spec is None else level.path for spec, level in zip(specs, levels))
+        cost = replayed_cost(scored, info, levels, config, budget, level_paths, placement)
+    else:
+        cost = modeled_cost(scored, layer_bytes, placement, budget, config.policy)
     return _Plan(cand, settings, static, specs, levels, layer_bytes,
                  tuple(spec for spec, f in zip(specs, found) if not f[2]), budget, ubatch, cost)
 

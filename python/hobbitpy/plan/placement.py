@@ -23,13 +23,12 @@ import numpy as np
 
 from ..settings.config import MB, OffloadConfig
 from ..errors import HobbitError
-from ..files.model_file import model_parts
+from ..files.model_file import layer_expert_bytes
 
 if TYPE_CHECKING:
     from ..files.model_file import ModelInfo
     from ..files.trace_file import Trace
 
-EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 def _per_expert_sum(experts: np.ndarray, values: np.ndarray, n_expert: int) -> np.ndarray:
@@ -57,19 +56,6 @@ def expert_popularity(trace: Trace) -> np.ndarray:
     """[moe_layers, n_expert]: how often the trace's tokens selected each expert (Fiddler's
     profile: the experts selected most are the ones worth keeping resident)."""
     return _per_expert_sum(trace.experts, np.ones(trace.experts.shape, np.float64), trace.meta["n_expert"])
-
-
-def layer_expert_bytes(path: str | os.PathLike, n_expert: int) -> np.ndarray:
-    """[moe_layers]: the bytes of one expert of each MoE layer of a GGUF (model or companion),
-    all projections, in layer order (a llama.cpp mix gives some layers a wider down type)."""
-    from gguf import GGUFReader
-
-    per_layer: dict[int, int] = {}
-    for t in (t for part in model_parts(path) for t in GGUFReader(part).tensors):
-        parts = t.name.split(".")
-        if len(parts) == 4 and parts[0] == "blk" and parts[2] in EXPERT_TENSORS:
-            per_layer[int(parts[1])] = per_layer.get(int(parts[1]), 0) + int(t.n_bytes) // n_expert
-    return np.array([per_layer[il] for il in sorted(per_layer)], np.int64)
 
 
 def place_by_importance(importance: np.ndarray, level_bytes: list[np.ndarray], budget_bytes: int) -> tuple[tuple[int, ...], ...]:
@@ -116,6 +102,6 @@ def placement_for(info: ModelInfo, config: OffloadConfig, level_paths: tuple[str
     if config.importance is None:
         return None
     importance = np.array(config.importance, np.float64)
-    level_bytes = [layer_expert_bytes(path or info.path, info.n_expert) for path in level_paths]
+    level_bytes = [layer_expert_bytes(path or info.path) for path in level_paths]
     placed_bytes = budget_bytes if config.placed_mb is None else int(config.placed_mb * MB)
     return place_by_importance(importance, level_bytes, placed_bytes)

@@ -67,9 +67,9 @@ from ..errors import BudgetError, HobbitError, ModelFileError
 from ..analysis.likelihood import Comparison, Reference, scoring_bytes
 from ..plan.memory import (ContextShape, available_memory_bytes, context_sizes, fit_ubatch, plan_offload,
                            return_freed_memory)
-from ..files.model_file import ModelInfo, model_parts
+from ..files.model_file import ModelInfo, layer_expert_bytes, model_parts
 from ..system.outputs import partial_output, replace
-from ..plan.placement import layer_expert_bytes, place_by_importance
+from ..plan.placement import place_by_importance
 from ..copies.companions import copy_layer_bytes, default_companion_path, estimated_copy
 from ..copies.prepare import prepare_companion
 
@@ -436,7 +436,7 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
     calibration = load_calibration(model_path, info, text)
     if calibration is None:
         calibration = _measure(model_path, info, text, measure, calibration)
-    model_layer_bytes = layer_expert_bytes(model_path, info.n_expert)
+    model_layer_bytes = layer_expert_bytes(model_path)
     placed = placed_bytes(info, budget, calibration, low_type)
     placement, n_high = ladder_placement(info, model_layer_bytes, placed, calibration.importance, low_type)
     verdict = calibration.verdict(n_high, low_type)
