@@ -62,7 +62,8 @@ def test_the_shares_follow_from_the_inputs_and_the_gate_weights(traced):
     assert np.isnan(s.predicted[:, 0]).all() and np.isfinite(s.predicted[:, 1:]).all()  # nothing predicts layer 0
 
     # one selection by hand: token 5, layer 2, the second expert, theta 0.2
-    gates = [GateWeights(path, L)[l] for l in range(L)]
+    by_layer = GateWeights(path, L)
+    gates = [by_layer[l] for l in range(L)]
     e = t.experts[5, 2, 1]
     silu = lambda z: z / (1 + np.exp(-z))  # noqa: E731
     act = np.abs(silu(gates[2][e] @ t.inputs[5, 2])) > 0.2
