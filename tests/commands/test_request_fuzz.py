@@ -97,7 +97,7 @@ def fuzz(served, n_examples: int) -> None:
 
 
 def test_generated_and_mutated_requests_never_get_a_5xx(served):
-    fuzz(served, 200)
+    fuzz(served, 100)
 
 
 @pytest.mark.slow

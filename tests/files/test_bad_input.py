@@ -3,6 +3,7 @@ hangs or returns garbage."""
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import select
@@ -154,17 +155,23 @@ FILE_CHANGES = [("cut at the experts", "gpu-centric"), pytest.param("cut at the 
                 pytest.param("written between the samples", "gpu-centric", marks=_slow)]
 
 
+@functools.cache
+def _first_expert_tensor(path: pathlib.Path) -> tuple[int, int]:
+    """Where the first expert tensor of a model file starts, and its bytes (read once a session:
+    gguf-py parses the 32,000-token vocabulary in seconds)."""
+    first = min((t for t in gguf.GGUFReader(path).tensors if "_exps." in t.name), key=lambda t: t.data_offset)
+    return int(first.data_offset), int(first.n_bytes)
+
+
 @pytest.mark.parametrize("change,mode", FILE_CHANGES)
 def test_a_model_cut_or_overwritten_while_running_is_an_error_never_a_signal(model_dir, tmp_path, change, mode):
     """The model file changes under a decoding process: the next ubatch (or the mapping guard,
     for a read of the mapping past the new end) fails the decode with an error that names the
     file and says what happened; no signal, no hang, no silent stop; the object closes cleanly."""
     path = tmp_path / "victim.gguf"
-    shutil.copy(tiny_model(model_dir, "llama"), path)
-    reader = gguf.GGUFReader(path)
-    first_experts = min((t for t in reader.tensors if "_exps." in t.name), key=lambda t: t.data_offset)
-    expert_start, expert_bytes = first_experts.data_offset, int(first_experts.n_bytes)
-    del reader, first_experts
+    source = tiny_model(model_dir, "llama")
+    shutil.copy(source, path)
+    expert_start, expert_bytes = _first_expert_tensor(source)
     info = hobbitpy.inspect_model(path)
     if change == "overwritten in place":  # other experts of the same size, nothing cut
         disturb = (f"with open({str(path)!r}, 'r+b') as f:\n"

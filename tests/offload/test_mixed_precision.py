@@ -212,7 +212,7 @@ def test_exact_hits_serve_the_wanted_level_at_any_budget(model_dir):
             tokens = []
             for t in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
                 tokens.append(t)
-                if len(tokens) == 200:
+                if len(tokens) == 120:
                     break
             runs.append((tokens, llm.offload_stats()))
     (small, small_stats), (every, every_stats) = runs

@@ -184,6 +184,7 @@ def test_an_interrupted_measurement_removes_the_copy_and_keeps_no_failure(tmp_pa
     assert not default_companion_path(model, LOW_TYPE).exists()
     assert remembered_failure(model, hobbitpy.inspect_model(model), calibration_text()) is None
 
+@pytest.mark.slow  # (the run under a cap below may reach the Q3_K ladder too)
 def test_the_default_tries_a_q3_k_ladder_where_the_q2_k_one_is_beyond_the_limit(tmp_path):
     """Measured, on the shipped model: with SOME_MEMORY the ladder over a Q2_K copy diverges
     beyond the limit and the one over a Q3_K copy (fewer experts at the model's precision, each

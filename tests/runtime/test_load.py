@@ -4,8 +4,10 @@ out of the page cache (no MADV_WILLNEED / MAP_POPULATE, no repack copy, no mlock
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
+import pathlib
 import shutil
 
 import gguf
@@ -50,13 +52,20 @@ def drop_from_page_cache(path) -> None:
         os.close(fd)
 
 
+@functools.cache
+def _expert_tensors(path: pathlib.Path) -> tuple[int, int]:
+    """Where a model file's routed experts start, and how many tensors they are (read once a
+    session: gguf-py parses the 32,000-token vocabulary in seconds)."""
+    offsets = [int(t.data_offset) for t in gguf.GGUFReader(path).tensors if "_exps." in t.name]
+    return min(offsets), len(offsets)
+
+
 def test_offloaded_load_leaves_expert_bytes_on_disk(model_dir, tmp_path):
     path = tmp_path / "fresh.gguf"
-    shutil.copy(tiny_model(model_dir, "llama", n_layer=8), path)
-    reader = gguf.GGUFReader(path)
+    source = tiny_model(model_dir, "llama", n_layer=8)
+    shutil.copy(source, path)
     # the generator writes the routed experts last, after every other tensor
-    expert_start = min(int(t.data_offset) for t in reader.tensors if "_exps." in t.name)
-    del reader
+    expert_start, _ = _expert_tensors(source)
     end = os.path.getsize(path)
 
     drop_from_page_cache(path)
@@ -92,12 +101,10 @@ def test_a_ladder_leaves_the_models_expert_bytes_on_disk_when_checking_its_compa
     from hobbitpy.copies.prepare import prepare_companion
 
     path = tmp_path / "fresh.gguf"
-    shutil.copy(tiny_model(model_dir, "llama", n_layer=8), path)
+    source = tiny_model(model_dir, "llama", n_layer=8)
+    shutil.copy(source, path)
     high = prepare_companion(path, "Q4_0", tmp_path / "high.gguf", progress=False)
-    reader = gguf.GGUFReader(path)
-    experts = [t for t in reader.tensors if "_exps." in t.name]
-    expert_start = min(int(t.data_offset) for t in experts)
-    del reader
+    expert_start, n_expert_tensors = _expert_tensors(source)
     end = os.path.getsize(path)
     drop_from_page_cache(path)
     assert resident_fraction(path, expert_start, end) < 0.05
@@ -107,7 +114,7 @@ def test_a_ladder_leaves_the_models_expert_bytes_on_disk_when_checking_its_compa
         assert llm.offload_stats()["bytes_read"] > 0  # the experts came from the companion
         n_pages = (end - expert_start) // PAGE
         # the two 4 KB reads of each tensor, at most two pages each (they need not be aligned)
-        assert resident_fraction(path, expert_start, end) * n_pages <= 4 * len(experts) + 1
+        assert resident_fraction(path, expert_start, end) * n_pages <= 4 * n_expert_tensors + 1
 
 
 def test_stock_without_repacking_keeps_the_weights_mapped(model_dir, capfd):
