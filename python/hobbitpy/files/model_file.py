@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import os
+
 import numpy as np
 
 from ..binding import hobbit

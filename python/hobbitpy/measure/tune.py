@@ -16,8 +16,8 @@ size and a quality budget, measured rather than guessed, in minutes at any model
    static candidate, whose outputs do not depend on what its cache holds nor on how tokens
    are batched (one level; a placed ladder), from the routing of the scored tokens replayed
    token by token through the runtime's own expert cache, before it runs (modelled while a
-   level's file is still to be made, again once it is made); a dynamic one by the runtime's counters as it decodes, with only its floor known
-   before.
+   level's file is still to be made, replayed once it is made); a dynamic one by the
+   runtime's counters as it decodes, with only its floor known before.
 4. Scored cheapest first, against the reference: perplexity, KL, top-1. A static candidate in
    batches (prefill speed: its outputs are those of decoding); a dynamic one token by token,
    as it decodes, on the first DYNAMIC_SHARE of the tokens. Files a candidate needs are made
