@@ -148,7 +148,7 @@ def test_bad_arguments(model_dir, tmp_path):
 _slow = pytest.mark.slow
 FILE_CHANGES = [("cut at the experts", "gpu-centric"), pytest.param("cut at the experts", "cooperative", marks=_slow),
                 pytest.param("cut to nothing", "gpu-centric", marks=_slow), ("cut to nothing", "cooperative"),
-                ("cut to nothing", "auto"), pytest.param("cut to nothing", "balanced", marks=_slow),
+                pytest.param("cut to nothing", "auto", marks=_slow), pytest.param("cut to nothing", "balanced", marks=_slow),
                 pytest.param("overwritten in place", "gpu-centric", marks=_slow),
                 pytest.param("overwritten in place", "cooperative", marks=_slow), ("overwritten in place", "balanced"),
                 ("written between the samples", "cooperative"),

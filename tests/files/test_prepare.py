@@ -93,7 +93,8 @@ def check_companion(companion, model, reference, target: str, fallback: dict[str
     assert b.expert_bytes_total < a.expert_bytes_total
 
 
-@pytest.mark.parametrize("target, down", [("Q2_K", "Q4_0"), ("Q4_K", "Q5_0")])
+# (the second pair, the same path with other types: in the slow run)
+@pytest.mark.parametrize("target, down", [("Q2_K", "Q4_0"), pytest.param("Q4_K", "Q5_0", marks=pytest.mark.slow)])
 def test_from_f16_source(tmp_path, target, down):
     # ref-deepseek's experts have n_ff 128: the down projections' rows are not whole
     # 256-value blocks and fall back as llama-quant.cpp does
