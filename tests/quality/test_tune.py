@@ -307,7 +307,8 @@ def test_a_static_candidate_is_priced_by_what_the_runtime_counts_decoding_it(mod
     if not low.exists():
         prepare_companion(path, "Q2_K", out_path=low, progress=False)
     info, level = hobbitpy.inspect_model(path), hobbitpy.inspect_model(low)
-    config = OffloadConfig(high=str(low), cache_mb=0.4 * level.expert_bytes_total / 2**20)
+    # (no warm-up: which slots its background loads still hold when decoding starts is the disk's timing)
+    config = OffloadConfig(high=str(low), warm=False, cache_mb=0.4 * level.expert_bytes_total / 2**20)
     with hobbitpy.Llama(path, offload=config, n_ctx=128, n_batch=1, n_ubatch=1, n_threads=2, verbose=False) as llm:
         routing = llm.record_routing([llm.tokenize(TEXT[:300].encode())])
         ran, budget, level_paths = llm.offload_stats(), llm.offload_plan.budget_bytes, llm.level_paths
