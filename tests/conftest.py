@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import signal
 import subprocess
@@ -15,6 +16,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import hobbitpy  # noqa: E402  (sets LLAMA_CPP_LIB_PATH before llama_cpp loads)
 from hobbitpy.binding.native import DATA_DIR  # noqa: E402
+from hobbitpy.copies.prepare import prepare_companion  # noqa: E402
 from hobbitpy.files.gguf_fields import field_value  # noqa: E402
 from hobbitpy.files.synthetic_moe import FEATURE_ARCHES, make_synthetic_moe  # noqa: E402
 from hobbitpy.files.trace_file import TRACE_VERSION, Trace  # noqa: E402
@@ -55,6 +57,24 @@ def tiny_model(model_dir: pathlib.Path, arch: str = "llama", **kw) -> pathlib.Pa
         name = f"tiny-{arch}-" + "-".join(f"{k}{v}" for k, v in sorted(kw.items())) + ".gguf"
         _built[key] = make_synthetic_moe(model_dir / name, arch, vocab_gguf=VOCAB, **kw)
     return _built[key]
+
+
+@functools.cache
+def expert_tensor_spans(path: pathlib.Path) -> tuple[tuple[int, int], ...]:
+    """(offset, bytes) of each routed expert tensor of a model file, in file order; read once a
+    session (gguf-py parses the test models' 32,000-token vocabulary in seconds). The
+    generator writes them last, after every other tensor."""
+    return tuple(sorted((int(t.data_offset), int(t.n_bytes)) for t in gguf.GGUFReader(path).tensors
+                        if "_exps." in t.name))
+
+
+def session_copy(path: pathlib.Path, type_name: str) -> pathlib.Path:
+    """A `prepare` companion of a session model in this type, made once beside it
+    (`<stem>.<type>.gguf`)."""
+    copy = path.with_name(f"{path.stem}.{type_name.lower()}.gguf")
+    if not copy.exists():
+        prepare_companion(path, type_name, out_path=copy, progress=False)
+    return copy
 
 
 def model_without_byte_tokens(tmp_path: pathlib.Path) -> pathlib.Path:

@@ -16,7 +16,7 @@ from hobbitpy.analysis.simulate import simulate, simulate_all, slots_per_layer
 from hobbitpy.measure.trace import record_trace
 from hobbitpy.files.trace_file import load_trace
 
-from conftest import MB, hand_trace, run_logits, tiny_model
+from conftest import MB, hand_trace, run_logits, session_copy, tiny_model
 
 PROMPTS = ["Once upon a time there was a lighthouse", "The river ran quickly past the mill",
            "In the beginning of the year the farmers"]
@@ -261,12 +261,8 @@ def test_the_replay_counts_what_the_runtime_counted_on_prompts_and_decode_over_t
     # ubatches of 16 tokens (waves level by level with hits exact, the next layer loaded whole),
     # then decode token by token, over two levels (the model's experts and a Q2_K copy) with a
     # pool per MoE layer at the high one; every count is the runtime's
-    from hobbitpy.copies.prepare import prepare_companion
-
     path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
-    low = model_dir / f"{path.stem}.q2_k.gguf"
-    if not low.exists():
-        prepare_companion(path, "Q2_K", out_path=low, progress=False)
+    low = session_copy(path, "Q2_K")
     info, low_info = hobbitpy.inspect_model(path), hobbitpy.inspect_model(low)
     budget = (info.expert_bytes_total + low_info.expert_bytes_total) * 0.4 / MB
     with hobbitpy.Llama(path, low=str(low), hits="exact", shallow_layers=0, prefetch_layers=0, mode="gpu-centric",

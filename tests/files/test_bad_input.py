@@ -3,7 +3,6 @@ hangs or returns garbage."""
 
 from __future__ import annotations
 
-import functools
 import os
 import pathlib
 import select
@@ -13,12 +12,11 @@ import subprocess
 import sys
 import textwrap
 
-import gguf
 import numpy as np
 import pytest
 
 import hobbitpy
-from conftest import MB, hobbitpy_cli, model_without_byte_tokens, tiny_model
+from conftest import MB, expert_tensor_spans, hobbitpy_cli, model_without_byte_tokens, tiny_model
 
 CLI = [sys.executable, "-m", "hobbitpy", "run"]
 
@@ -155,14 +153,6 @@ FILE_CHANGES = [("cut at the experts", "gpu-centric"), pytest.param("cut at the 
                 pytest.param("written between the samples", "gpu-centric", marks=_slow)]
 
 
-@functools.cache
-def _first_expert_tensor(path: pathlib.Path) -> tuple[int, int]:
-    """Where the first expert tensor of a model file starts, and its bytes (read once a session:
-    gguf-py parses the 32,000-token vocabulary in seconds)."""
-    first = min((t for t in gguf.GGUFReader(path).tensors if "_exps." in t.name), key=lambda t: t.data_offset)
-    return int(first.data_offset), int(first.n_bytes)
-
-
 @pytest.mark.parametrize("change,mode", FILE_CHANGES)
 def test_a_model_cut_or_overwritten_while_running_is_an_error_never_a_signal(model_dir, tmp_path, change, mode):
     """The model file changes under a decoding process: the next ubatch (or the mapping guard,
@@ -171,7 +161,7 @@ def test_a_model_cut_or_overwritten_while_running_is_an_error_never_a_signal(mod
     path = tmp_path / "victim.gguf"
     source = tiny_model(model_dir, "llama")
     shutil.copy(source, path)
-    expert_start, expert_bytes = _first_expert_tensor(source)
+    expert_start, expert_bytes = expert_tensor_spans(source)[0]
     info = hobbitpy.inspect_model(path)
     if change == "overwritten in place":  # other experts of the same size, nothing cut
         disturb = (f"with open({str(path)!r}, 'r+b') as f:\n"

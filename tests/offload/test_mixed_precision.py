@@ -12,7 +12,7 @@ import pytest
 
 import hobbitpy
 from conftest import (ARCHES, CONTINUATION, MB, PROMPT, assert_bit_equal, identical_companion, reference, run_logits,
-                      tiny_model)
+                      session_copy, tiny_model)
 
 
 @pytest.mark.parametrize("arch", ARCHES)
@@ -169,12 +169,8 @@ def test_default_split_keeps_every_expert_at_low_precision(model_dir):
     # by default the lowest level gets room for a copy of every expert and fills it in the
     # background (then the free slots above it): once warm, a decode finds every selection
     # in memory at some precision
-    from hobbitpy.copies.prepare import prepare_companion
-
     path = tiny_model(model_dir, "llama")
-    low = model_dir / f"{path.stem}.q4_0.gguf"
-    if not low.exists():
-        prepare_companion(path, "Q4_0", out_path=low, progress=False)
+    low = session_copy(path, "Q4_0")
     info = hobbitpy.inspect_model(path)
     config = hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total * 0.8 / MB, low=str(low), mode="gpu-centric")
     with hobbitpy.Llama(path, offload=config, n_ctx=128, verbose=False) as llm:
@@ -196,12 +192,8 @@ def test_exact_hits_serve_the_wanted_level_at_any_budget(model_dir):
     # of a few slots (every low copy resident, room for about five high ones) give the same
     # tokens as a cache that holds every copy; a miss with no room at its level was once
     # served lower, by which slots loads and predictions held (the first token differed)
-    from hobbitpy.copies.prepare import prepare_companion
-
     path = tiny_model(model_dir, "llama", n_embd=256, n_ff=1024, n_expert=32)
-    low = model_dir / f"{path.stem}.q2_k.gguf"
-    if not low.exists():
-        prepare_companion(path, "Q2_K", out_path=low, progress=False)
+    low = session_copy(path, "Q2_K")
     info, low_info = hobbitpy.inspect_model(path), hobbitpy.inspect_model(low)
     high_expert = info.expert_bytes_total / (info.n_layer_moe * info.n_expert)
     runs = []
@@ -229,8 +221,6 @@ def test_exact_hits_serve_a_prompt_level_by_level_as_decode_does(model_dir):
     prompt-shaped pass. With an identical copy as the low level, stock's logits bit for bit (each
     level's waves add exact zero rows for the pairs they leave out); with a Q2_K copy, the text
     evaluated in one batch serves as many pairs at each level as its tokens evaluated one by one."""
-    from hobbitpy.copies.prepare import prepare_companion
-
     path = tiny_model(model_dir, "llama")
     same = identical_companion(path, model_dir / f"{path.stem}.copy.gguf")
     ref_scores, ref_text, _, info = reference(path)
@@ -240,9 +230,7 @@ def test_exact_hits_serve_a_prompt_level_by_level_as_decode_does(model_dir):
     assert_bit_equal(scores, ref_scores)
     assert text == ref_text and stats["served"][1] > 0, stats["served"]
 
-    low = model_dir / f"{path.stem}.q2_k.gguf"
-    if not low.exists():
-        prepare_companion(path, "Q2_K", out_path=low, progress=False)
+    low = session_copy(path, "Q2_K")
     served = []
     for one_by_one in (False, True):
         # (every token's logits: llama.cpp's last layer otherwise computes only the tokens whose are wanted)
@@ -265,12 +253,8 @@ def test_at_least_hits_never_serve_below_the_wanted_level(model_dir):
     warm-up fills the low pool with a Q2_K copy of every expert, at-least gives stock's logits
     bit for bit, where "found" serves those copies. Wanting low (T1 = 0), a cached high copy
     still serves: fewer selections low than "exact" serves on the same tokens."""
-    from hobbitpy.copies.prepare import prepare_companion
-
     path = tiny_model(model_dir, "llama", n_embd=256, n_ff=1024, n_expert=32)
-    low = model_dir / f"{path.stem}.q2_k.gguf"
-    if not low.exists():
-        prepare_companion(path, "Q2_K", out_path=low, progress=False)
+    low = session_copy(path, "Q2_K")
     info, low_info = hobbitpy.inspect_model(path), hobbitpy.inspect_model(low)
     ref_scores, _, _, _ = reference(path)
     high_expert = info.expert_bytes_total / (info.n_layer_moe * info.n_expert)
@@ -306,12 +290,8 @@ def test_the_same_text_gives_the_same_logits_whatever_the_disks_timing(model_dir
     run (one reader, or four); with upgrades gated on the disk being idle and slots still
     loading counted as unavailable, two runs of the shipped model gave different text. Auto and
     balanced choose by timings, so they serve hits at the wanted precision only."""
-    from hobbitpy.copies.prepare import prepare_companion
-
     path = tiny_model(model_dir, "llama", n_embd=256, n_ff=1024, n_expert=32)
-    low = model_dir / f"{path.stem}.q2_k.gguf"
-    if not low.exists():
-        prepare_companion(path, "Q2_K", out_path=low, progress=False)
+    low = session_copy(path, "Q2_K")
     info, low_info = hobbitpy.inspect_model(path), hobbitpy.inspect_model(low)
     high_expert = info.expert_bytes_total / (info.n_layer_moe * info.n_expert)
     cache_mb = (low_info.expert_bytes_total / 2 + 8 * high_expert) / MB  # both levels miss

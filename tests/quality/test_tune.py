@@ -17,7 +17,7 @@ from hobbitpy.measure.evaluate import evaluate_against, measure_reference
 from hobbitpy.files.tokens import tokenize_text
 from hobbitpy.measure.tune import candidates, choose, measure_text, quality_is_static
 
-from conftest import PROMPT, tiny_model
+from conftest import PROMPT, session_copy, tiny_model
 
 TEXT = " ".join([PROMPT, "and the tide came in and went out, and the gulls cried over the harbour while the boats"
                  " came home with their nets full of silver fish for the market in the morning"] * 30)
@@ -300,12 +300,9 @@ def test_a_static_candidate_is_priced_by_what_the_runtime_counts_decoding_it(mod
     # runtime's cache made from its settings, replaying the routing token by token) is what the
     # runtime's own counters price decoding those tokens at
     from hobbitpy.analysis.candidate_cost import measured_cost, replayed_cost, routing_trace
-    from hobbitpy.copies.prepare import prepare_companion
 
     path = tiny_model(model_dir, "llama", n_layer=4, n_expert=8, n_expert_used=2)
-    low = model_dir / f"{path.stem}.q2_k.gguf"
-    if not low.exists():
-        prepare_companion(path, "Q2_K", out_path=low, progress=False)
+    low = session_copy(path, "Q2_K")
     info, level = hobbitpy.inspect_model(path), hobbitpy.inspect_model(low)
     # (no warm-up: which slots its background loads still hold when decoding starts is the disk's timing)
     config = OffloadConfig(high=str(low), warm=False, cache_mb=0.4 * level.expert_bytes_total / 2**20)

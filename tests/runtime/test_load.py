@@ -4,16 +4,12 @@ out of the page cache (no MADV_WILLNEED / MAP_POPULATE, no repack copy, no mlock
 from __future__ import annotations
 
 import ctypes
-import functools
 import mmap
 import os
-import pathlib
 import shutil
 
-import gguf
-
 import hobbitpy
-from conftest import MB, tiny_model
+from conftest import MB, expert_tensor_spans, tiny_model
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -52,20 +48,12 @@ def drop_from_page_cache(path) -> None:
         os.close(fd)
 
 
-@functools.cache
-def _expert_tensors(path: pathlib.Path) -> tuple[int, int]:
-    """Where a model file's routed experts start, and how many tensors they are (read once a
-    session: gguf-py parses the 32,000-token vocabulary in seconds)."""
-    offsets = [int(t.data_offset) for t in gguf.GGUFReader(path).tensors if "_exps." in t.name]
-    return min(offsets), len(offsets)
-
-
 def test_offloaded_load_leaves_expert_bytes_on_disk(model_dir, tmp_path):
     path = tmp_path / "fresh.gguf"
     source = tiny_model(model_dir, "llama", n_layer=8)
     shutil.copy(source, path)
     # the generator writes the routed experts last, after every other tensor
-    expert_start, _ = _expert_tensors(source)
+    expert_start = expert_tensor_spans(source)[0][0]
     end = os.path.getsize(path)
 
     drop_from_page_cache(path)
@@ -104,7 +92,8 @@ def test_a_ladder_leaves_the_models_expert_bytes_on_disk_when_checking_its_compa
     source = tiny_model(model_dir, "llama", n_layer=8)
     shutil.copy(source, path)
     high = prepare_companion(path, "Q4_0", tmp_path / "high.gguf", progress=False)
-    expert_start, n_expert_tensors = _expert_tensors(source)
+    spans = expert_tensor_spans(source)
+    expert_start, n_expert_tensors = spans[0][0], len(spans)
     end = os.path.getsize(path)
     drop_from_page_cache(path)
     assert resident_fraction(path, expert_start, end) < 0.05
