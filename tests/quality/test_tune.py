@@ -43,7 +43,8 @@ def test_tune_meets_its_budget_on_held_out_text(model_dir, tmp_path):
     memory_mb = MEMORY_MB
     first = tmp_path / "a.json"
     # (on this model: Q2_K 0.17 nats, the Q4_K/Q2_K ladders and Q4_K_M 0.024)
-    p = _tune(path, first, "--memory", str(memory_mb), "--max-kl", str(LIMIT))
+    # (512 tokens: two scoring windows, so that a candidate's scoring can stop after the first)
+    p = _tune(path, first, "--memory", str(memory_mb), "--max-kl", str(LIMIT), "--max-tokens", "512")
     assert p.returncode == 0, p.stderr
     assert "chosen:" in p.stdout
     a = json.loads(first.read_text())
@@ -56,6 +57,12 @@ def test_tune_meets_its_budget_on_held_out_text(model_dir, tmp_path):
     assert all(r["cost"] > chosen["cost"] and "more than" in r["why"] for r in left)
     assert any(r["mean_kl"] > LIMIT and r["cost"] < chosen["cost"] for r in rows), rows  # a cheaper one was not
     assert all(r["ppl_increase_upper"] > r["ppl_increase"] or r["ppl_increase"] == 0 for r in rows)  # reported beside
+    # a candidate's scoring stops once it cannot end within the limit (KL is never negative): fewer
+    # windows, its KL the least the whole text measures; one within is always scored whole
+    whole = max(r["n_tokens"] for r in rows if r["scored"] == "batched")
+    stopped = [r for r in rows if r["at_least"]]
+    assert stopped and all(r["mean_kl"] > LIMIT and r["n_tokens"] < whole for r in stopped), rows
+    assert not chosen["at_least"] and ">=" in p.stdout
     # the copies made for candidates not picked are gone (every cleanup path: the slow run)
     picked = {v for k, v in a["settings"].items() if k in ("high", "low")}
     copies = {f.name.split(".experts-")[1].removesuffix(".gguf") for f in tmp_path.glob("m.experts-*.gguf")}

@@ -145,7 +145,7 @@ def test_a_failed_measurement_is_kept_and_the_copy_made_for_it_removed(tmp_path)
     shutil.copy(MODEL, model)
     copy = default_companion_path(model, LOW_TYPE)
 
-    def read_fails(reference, config):
+    def read_fails(reference, config, stop_beyond):
         assert copy.is_file()  # made before the ladder is measured
         raise ExpertReadError(f"{copy}: could not read expert 3 of layer 1 (test)")
 
@@ -165,8 +165,8 @@ def test_a_failed_measurement_is_kept_and_the_copy_made_for_it_removed(tmp_path)
     assert not copy.exists()
 
     # with more memory: measured again, and what it decides holds (a copy only where it is served)
-    served, line = _default_of(model, MORE_MEMORY, lambda reference, config: compare_ladder(
-        str(model), reference, config, 2))
+    served, line = _default_of(model, MORE_MEMORY, lambda reference, config, stop_beyond: compare_ladder(
+        str(model), reference, config, 2, stop_beyond))
     assert "could not be measured" not in line and "measuring" not in line, line
     assert copy.exists() == (served.low is not None), line
     assert remembered_failure(model, info, calibration_text()) is None  # a measurement supersedes it
@@ -176,7 +176,7 @@ def test_an_interrupted_measurement_removes_the_copy_and_keeps_no_failure(tmp_pa
     model = tmp_path / "m.gguf"
     shutil.copy(MODEL, model)
 
-    def interrupted(reference, config):
+    def interrupted(reference, config, stop_beyond):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
@@ -196,9 +196,9 @@ def test_the_default_tries_a_q3_k_ladder_where_the_q2_k_one_is_beyond_the_limit(
     shutil.copy(MODEL, model)
     scored = []
 
-    def score(reference, config):
+    def score(reference, config, stop_beyond):
         scored.append(config.low)
-        return compare_ladder(str(model), reference, config, 2)
+        return compare_ladder(str(model), reference, config, 2, stop_beyond)
 
     served, line = _default_of(model, SOME_MEMORY, score)
     q2, q3 = default_companion_path(model, "Q2_K"), default_companion_path(model, "Q3_K")
@@ -229,14 +229,21 @@ def test_a_ladder_far_beyond_the_limit_leaves_the_next_type_untried(tmp_path):
     bring it within: none is made or measured (at real size tens of minutes), the model's own
     experts serve and the line says why. The shipped model is ten times less sensitive than a
     model with real outlier channels (docs/BENCHMARKS.md), so its measured divergences are
-    scaled by ten here, as such a model measures them."""
+    scaled by ten here, as such a model measures them.
+    Each measurement stops once the calibration text can no longer end within what decides (at
+    real size a window is a pass through every expert): the ladder once sure to be beyond
+    NEXT_TYPE_GAIN times the limit, dynamic precision once sure to be beyond the limit; the whole
+    text measured gives the same decisions."""
     model = tmp_path / "m.gguf"
     shutil.copy(MODEL, model)
-    scored = []
+    scored = []  # (the copy's name, stop_beyond, the comparison, the reference's tokens)
+    whole = []  # the first measurement that stopped, made again over the whole text
 
-    def score_ten_times_as_sensitive(reference, config):
-        scored.append(pathlib.Path(config.low).name)
-        c = compare_ladder(str(model), reference, config, 2)
+    def score_ten_times_as_sensitive(reference, config, stop_beyond):
+        c = compare_ladder(str(model), reference, config, 2, stop_beyond / 10)
+        scored.append((pathlib.Path(config.low).name, stop_beyond, c, len(reference.ids) - 1))
+        if not c.complete and not whole:
+            whole.append(compare_ladder(str(model), reference, config, 2))
         return dataclasses.replace(c, mean_kl=10 * c.mean_kl)
 
     served, line = _default_of(model, SOME_MEMORY, score_ten_times_as_sensitive)
@@ -246,8 +253,17 @@ def test_a_ladder_far_beyond_the_limit_leaves_the_next_type_untried(tmp_path):
     # dynamic precision over the Q2_K copy is measured instead (beyond too, ten times as sensitive)
     assert not kept.dynamic_verdict("Q2_K").within and "dynamic precision over Q2_K measured" in line, line
     assert served.low is None and "(exact)" in line and "the ladder over Q3_K not tried" in line, line
-    assert all(name.endswith("Q2_K.gguf") for name in scored), scored
+    assert all(name.endswith("Q2_K.gguf") for name, *_ in scored), scored
     assert not default_companion_path(model, "Q2_K").exists() and not default_companion_path(model, "Q3_K").exists()
+
+    # stopped early, and said so; the whole text measures more, as far beyond what decided
+    assert [stop for _, stop, _, _ in scored] == [NEXT_TYPE_GAIN * MAX_MEAN_KL] * (len(scored) - 1) + [MAX_MEAN_KL]
+    stopped = [(stop, c, n_text) for _, stop, c, n_text in scored if not c.complete]
+    assert stopped and sum(p.at_least for p in kept.ladders) == len(stopped) and "at least" in line, (scored, line)
+    stop, c, n_text = stopped[0]
+    assert 0 < c.n_tokens < n_text and 10 * c.mean_kl > stop
+    assert whole[0].complete and whole[0].n_tokens == n_text
+    assert whole[0].mean_kl >= c.mean_kl and 10 * whole[0].mean_kl > stop, (whole, c)
 
 
 def test_dynamic_precision_serves_where_the_ladders_are_beyond_the_limit(tmp_path):
@@ -261,9 +277,9 @@ def test_dynamic_precision_serves_where_the_ladders_are_beyond_the_limit(tmp_pat
     shutil.copy(MODEL, model)
     scored = []
 
-    def score(reference, config):
+    def score(reference, config, stop_beyond):
         scored.append(config.hits)
-        return compare_ladder(str(model), reference, config, 2)
+        return compare_ladder(str(model), reference, config, 2, stop_beyond)
 
     served, line = _default_of(model, LESS_MEMORY, score)
     copy = default_companion_path(model, "Q2_K")

@@ -165,34 +165,48 @@ class ReferenceTable:
 
 @dataclass
 class Comparison:
-    """A candidate against a reference on the reference's windows."""
+    """A candidate against a reference on the reference's windows (its first ones where the
+    comparison stopped early: `complete` False)."""
 
     n_tokens: int         # tokens scored
     perplexity: float     # the candidate's
-    mean_kl: float        # mean KL(reference || candidate) per token, in nats
+    # mean KL(reference || candidate) per token, in nats; where stopped early, the KL summed over
+    # the tokens scored divided by all the reference's tokens: the least the whole text can measure
+    mean_kl: float
     top1_agreement: float  # share of positions where both pick the same next token
     # standard error of log(perplexity / reference perplexity), from the per-token differences
     # of the two negative log-likelihoods: how far the measured increase may be from the text's
     log_ppl_ratio_se: float | None
-    reference_perplexity: float
+    reference_perplexity: float  # on the tokens scored
+    complete: bool = True  # every window of the reference scored
 
     @property
     def ppl_increase(self) -> float:
         return self.perplexity / self.reference_perplexity - 1.0
 
 
-def compare_to_reference(candidate, reference: Reference, progress=None) -> Comparison:
+def compare_to_reference(candidate, reference: Reference, progress=None,
+                         stop_beyond: float | None = None) -> Comparison:
     """Run an open candidate model (logits_all, n_ctx of the reference's) over the reference's
-    windows and compare. progress: wraps the (window, log-probabilities) pairs (a bar)."""
+    windows and compare. progress: wraps the (window, log-probabilities) pairs (a bar).
+    stop_beyond: a mean KL; the windows left are not scored once the KL summed so far exceeds it
+    over every token of the reference (KL is never negative: the whole text would measure beyond
+    it too, and a decision taken at that mean is the same)."""
     nll = kl = 0.0
     agree = n = 0
     diffs = []  # per token: candidate's negative log-likelihood minus the reference's
+    n_total = len(reference.ids) - 1
     pairs = list(zip(scoring_windows(reference.ids, reference.n_ctx), reference.log_probs))
     for (window, targets), ref_lp in (progress(pairs) if progress else pairs):
         w_nll, w_kl, w_agree, w_diffs = compare_rows(ref_lp, window_logits(candidate, window), targets)
         reference.release_pages()  # one window mapped at a time, not the table
         nll, kl, agree, n = nll + w_nll, kl + w_kl, agree + w_agree, n + len(targets)
         diffs.append(w_diffs)
+        if stop_beyond is not None and n < n_total and kl > stop_beyond * n_total:
+            break
     d = np.concatenate(diffs)
     se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else None
-    return Comparison(n, math.exp(nll / n), kl / n, agree / n, se, reference.perplexity)
+    complete = n == n_total
+    ref_ppl = (math.exp(sum(reference.window_nll[: len(diffs)]) / n) if not complete and reference.window_nll
+               else reference.perplexity)
+    return Comparison(n, math.exp(nll / n), kl / n_total, agree / n, se, ref_ppl, complete)

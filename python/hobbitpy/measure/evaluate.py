@@ -27,7 +27,7 @@ class EvalResult:
     model: str
     n_tokens: int                 # tokens scored
     perplexity: float             # of the candidate configuration
-    reference_perplexity: float | None  # of stock llama.cpp (all experts at the file's precision)
+    reference_perplexity: float | None  # of stock llama.cpp (all experts at the file's precision), on the tokens scored
     mean_kl: float | None         # mean KL(reference || candidate) per token, in nats
     top1_agreement: float | None  # share of positions where both pick the same next token
     offloaded: bool
@@ -35,6 +35,8 @@ class EvalResult:
     # standard error of log(perplexity / reference perplexity), from the per-token differences
     # of the two negative log-likelihoods: how far the measured increase may be from the text's
     log_ppl_ratio_se: float | None = None
+    # every window of the reference scored (else mean_kl is the least the whole text measures)
+    complete: bool = True
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -94,10 +96,11 @@ def measure_reference(model_path: str | os.PathLike, ids: list[int], *, n_ctx: i
 
 def evaluate_against(model_path: str | os.PathLike, reference: Reference, offload: OffloadConfig, *,
                      n_ubatch: int | None = None, n_threads: int | None = None, progress=None,
-                     neurons: NeuronMaskSpec | None = None) -> EvalResult:
+                     neurons: NeuronMaskSpec | None = None, stop_beyond: float | None = None) -> EvalResult:
     """Perplexity, KL and top-1 agreement of `offload` on `model_path` (the reference's model or
     another file of the same model, e.g. a smaller quant) against a measured reference;
-    neurons: CORM's sparse neurons on the stock path instead (offload disabled)."""
+    neurons: CORM's sparse neurons on the stock path instead (offload disabled); stop_beyond: the
+    last windows left unscored once the mean KL is sure to end beyond it (compare_to_reference)."""
     model_path = os.fspath(model_path)
     n_ctx = reference.n_ctx
     # the candidate sizes its cache from the memory left when it opens: the scoring's arrays
@@ -106,13 +109,13 @@ def evaluate_against(model_path: str | os.PathLike, reference: Reference, offloa
     candidate = _open(model_path, offload, n_ctx, n_ctx if n_ubatch is None else n_ubatch, n_threads, neurons)
     del held
     try:
-        c = compare_to_reference(candidate, reference, progress)
+        c = compare_to_reference(candidate, reference, progress, stop_beyond)
         offloaded, stats = candidate.offloaded, _stats(candidate, neurons)
     finally:
         candidate.close()
     return EvalResult(model=model_path, n_tokens=c.n_tokens, perplexity=c.perplexity,
-                      reference_perplexity=reference.perplexity, mean_kl=c.mean_kl, top1_agreement=c.top1_agreement,
-                      offloaded=offloaded, stats=stats, log_ppl_ratio_se=c.log_ppl_ratio_se)
+                      reference_perplexity=c.reference_perplexity, mean_kl=c.mean_kl, top1_agreement=c.top1_agreement,
+                      offloaded=offloaded, stats=stats, log_ppl_ratio_se=c.log_ppl_ratio_se, complete=c.complete)
 
 
 def evaluate(model_path: str | os.PathLike, text: str, offload: OffloadConfig, *, n_ctx: int = 256,

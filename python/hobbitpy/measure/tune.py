@@ -444,7 +444,7 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_mean_kl: float 
                 say(name, f"scoring ({'in batches' if plan.static else 'token by token'}, "
                           f"{'' if plan.static else 'at least '}{plan.cost:.3g} MB/token) ...")
             try:
-                row = _score(model, plan, reference, threads, deadline, info)
+                row = _score(model, plan, reference, threads, deadline, info, max_mean_kl)
             except _OutOfTime:
                 leave(plan, f"the time limit ({time_limit_s / 60:g} min) passed while it was scored")
                 continue
@@ -452,7 +452,7 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_mean_kl: float 
                 say(name, f"skipped: {e}")
                 continue
             rows.append(row)
-            say(name, f"budget {row['budget_mb']:7.1f} MB  KL {row['mean_kl']:.4f}  "
+            say(name, f"budget {row['budget_mb']:7.1f} MB  KL {'>=' if row['at_least'] else ''}{row['mean_kl']:.4f}  "
                       f"ppl {100 * row['ppl_increase']:+6.2f} % (95 % bound {100 * row['ppl_increase_upper']:+6.2f} %)  "
                       f"top-1 {100 * row['top1_agreement']:.1f} %  {row['n_tokens']} tokens  "
                       f"cost {row['cost']:.3g} MB/token")
@@ -466,7 +466,8 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_mean_kl: float 
             closest = min(rows, key=lambda r: r["mean_kl"]) if rows else None
             raise HobbitError(f"{model}: no candidate stays within {max_mean_kl:g} nats of the model's next-token "
                               "distributions at this memory (" + (f"closest: {closest['name']}, "
-                              f"{closest['mean_kl']:.4g} nats)" if closest else "none fits)"))
+                              f"{'at least ' if closest['at_least'] else ''}{closest['mean_kl']:.4g} nats)"
+                                                 if closest else "none fits)"))
         memory_mb = None if memory_bytes is None else memory_bytes / MB
         profile = Profile(model=os.path.basename(model), model_bytes=os.path.getsize(model), settings=pick["settings"],
                           calibration={"tool": "tune", "memory_mb": memory_mb,
@@ -517,14 +518,17 @@ def _dynamic_windows(n_windows: int) -> int:
     return max(1, math.ceil(DYNAMIC_SHARE * n_windows))
 
 
-def _score(model: str, plan: _Plan, reference: Reference, threads: int, deadline: float, info: ModelInfo) -> dict:
-    """A candidate's row: its quality against the reference and its cost per token."""
+def _score(model: str, plan: _Plan, reference: Reference, threads: int, deadline: float, info: ModelInfo,
+           max_mean_kl: float) -> dict:
+    """A candidate's row: its quality against the reference and its cost per token. Its scoring
+    stops once it is sure to end beyond max_mean_kl (then "at_least": its mean KL is the least the
+    whole text would measure; only a candidate within the limit can be chosen)."""
     settings = plan.settings
     if not settings:  # the model's own experts: the reference itself (the runtime is exact)
         n = len(reference.ids) - 1
         return {"name": plan.cand.name, "settings": settings, "budget_mb": plan.budget / MB,
                 "perplexity": reference.perplexity, "ppl_increase": 0.0, "ppl_increase_upper": 0.0, "mean_kl": 0.0,
-                "top1_agreement": 1.0, "cost": plan.cost, "n_tokens": n, "scored": "exact"}
+                "top1_agreement": 1.0, "cost": plan.cost, "n_tokens": n, "scored": "exact", "at_least": False}
     config = OffloadConfig(**settings, cache_mb=plan.budget / MB)
     if plan.static:
         against = reference
@@ -533,15 +537,15 @@ def _score(model: str, plan: _Plan, reference: Reference, threads: int, deadline
         against = reference.first_windows(_dynamic_windows(len(reference.log_probs)))
         ubatch = 1
     r = evaluate_against(model, against, config, n_ubatch=ubatch, n_threads=threads,
-                         progress=lambda pairs: _until(deadline, pairs, plan.cand.name))
+                         progress=lambda pairs: _until(deadline, pairs, plan.cand.name), stop_beyond=max_mean_kl)
     cost = plan.cost if plan.static else measured_cost(r.stats, plan.levels, info, r.n_tokens,
                                                        predicts_neurons=config.neurons is not None)
-    ratio = r.perplexity / against.perplexity
+    ratio = r.perplexity / r.reference_perplexity
     return {"name": plan.cand.name, "settings": settings, "budget_mb": plan.budget / MB, "perplexity": r.perplexity,
             "ppl_increase": ratio - 1.0,
             "ppl_increase_upper": math.exp(math.log(ratio) + CONFIDENCE_Z * (r.log_ppl_ratio_se or 0.0)) - 1.0,
             "mean_kl": r.mean_kl, "top1_agreement": r.top1_agreement, "cost": cost, "n_tokens": r.n_tokens,
-            "scored": "batched" if plan.static else "token by token"}
+            "scored": "batched" if plan.static else "token by token", "at_least": not r.complete}
 
 def _can_be_smaller(info: ModelInfo, spec: str) -> bool:
     """Whether a level of this type or mix can hold the model's experts in fewer bytes: its

@@ -39,6 +39,10 @@ dialogue, code, arithmetic, three languages, scripture):
   0.038 nats). What was measured is kept with the importance, per low type: a later run
   whose memory allows at least as many experts at the model's precision as a ladder found
   within reuses the verdict, as does one allowing at most as many as a ladder found beyond.
+  A measurement stops once the KL summed over the windows run exceeds, spread over the whole
+  text, the mean that decides: KL is never negative, so the rest of the text could not change
+  the decision (at real size each window is a pass through every expert: a ladder far beyond
+  the limit costs one pass, not two).
 
 Otherwise, or with `--exact`, a preset, a profile, an expert cache size (`--cache-mb`) or a
 precision level asked for, the experts are served at the model's own precision: stock's
@@ -122,6 +126,9 @@ class Priced:
     ppl_increase: float   # on the calibration text (shown, not decided on)
     low: str = LOW_TYPE   # the low copy's type
     dynamic: bool = False  # HOBBIT's dynamic precision (DYNAMIC), not a ladder
+    # the measurement stopped once the calibration text could no longer end within what decides
+    # (likelihood.compare_to_reference's stop_beyond): mean_kl is the least the whole text measures
+    at_least: bool = False
 
     @property
     def within(self) -> bool:
@@ -191,7 +198,8 @@ def load_calibration(model_path: str | os.PathLike, info: ModelInfo, text: str) 
                 or data.get("text") != _text_digest(text)):
             return None
         ladders = tuple(Priced(int(p["n_high"]), float(p["mean_kl"]), float(p["ppl_increase"]),
-                               str(p.get("low", LOW_TYPE)), bool(p.get("dynamic", False))) for p in data["ladders"])
+                               str(p.get("low", LOW_TYPE)), bool(p.get("dynamic", False)),
+                               bool(p.get("at_least", False))) for p in data["ladders"])
         calibration = Calibration(np.array(data["importance"], np.float64), int(data["n_tokens"]), ladders)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
@@ -333,6 +341,10 @@ def describe(info: ModelInfo, budget_bytes: int, importance: np.ndarray, placeme
 
 
 def _measured(p: Priced) -> str:
+    if p.at_least:
+        return (f"on hobbitpy's calibration text at least {p.mean_kl:.4f} nats from the model's next-token "
+                f"distributions (at most {MAX_MEAN_KL:g}; stopped once the rest of the text could not bring it "
+                f"within), perplexity {100 * p.ppl_increase:+.2f} % on the part measured")
     return (f"on hobbitpy's calibration text {p.mean_kl:.4f} nats from the model's next-token distributions "
             f"(at most {MAX_MEAN_KL:g}), perplexity {100 * p.ppl_increase:+.2f} %")
 
@@ -349,10 +361,11 @@ def _two_level_budget(info: ModelInfo, config: OffloadConfig, shape: ContextShap
         return None
 
 
-# measure(text): the model's own experts over the calibration text; score(reference, config):
-# a ladder against them (llama.py runs both)
+# measure(text): the model's own experts over the calibration text; score(reference, config,
+# stop_beyond): a ladder against them, its last windows left unscored once its mean KL is sure to
+# end beyond stop_beyond (llama.py runs both)
 Measure = Callable[[str], Calibration]
-Score = Callable[[Reference, OffloadConfig], Comparison]
+Score = Callable[[Reference, OffloadConfig, float], Comparison]
 
 
 def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, available: int,
@@ -387,6 +400,14 @@ def _tune_hint(info: ModelInfo) -> str:
 def _next_type_may_be_within(beyond: Priced) -> bool:
     """Whether a ladder over the next low type may be within the limit where the one over this type measured beyond."""
     return beyond.mean_kl <= NEXT_TYPE_GAIN * MAX_MEAN_KL
+
+
+def _decisive_kl(next_type: str | None) -> float:
+    """The mean KL beyond which a ladder's measurement decides no differently: where a next type
+    may be tried, whether it is (NEXT_TYPE_GAIN times the limit); else the limit. A measurement
+    stops once it is sure to end beyond it (at real size each window of the calibration text is a
+    pass through every expert: a ladder far beyond is known after the first)."""
+    return NEXT_TYPE_GAIN * MAX_MEAN_KL if next_type is not None else MAX_MEAN_KL
 
 
 def _default_over(low_type: str, next_type: str | None, info: ModelInfo, config: OffloadConfig, shape: ContextShape,
@@ -460,7 +481,7 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
                 if any(p.low == low_type and p.n_high == n_measured for p in calibration.ladders):
                     continue
                 measured = _price(info, calibration, dataclasses.replace(served, placed_mb=trial_bytes / MB),
-                                  n_measured, budget, score, low_type)
+                                  n_measured, budget, score, low_type, _decisive_kl(next_type))
                 calibration = calibration.priced(measured)
                 _keep(model_path, info, text, calibration)
                 verdict = calibration.verdict(n_high, low_type)
@@ -534,10 +555,11 @@ def _choose_dynamic(info: ModelInfo, config: OffloadConfig, budget: int, text: s
         log.info(f"measuring dynamic precision over {low_type} on hobbitpy's calibration text (every selection the "
                  f"rule sends low served low)")
         try:
-            c = score(calibration.reference, dataclasses.replace(priced, cache_mb=min(budget, room) / MB))
+            c = score(calibration.reference, dataclasses.replace(priced, cache_mb=min(budget, room) / MB),
+                      MAX_MEAN_KL)
         finally:
             _release(info.path, low_path)
-        verdict = Priced(-1, c.mean_kl, c.ppl_increase, low_type, dynamic=True)
+        verdict = Priced(-1, c.mean_kl, c.ppl_increase, low_type, dynamic=True, at_least=not c.complete)
         _keep(info.path, info, text, calibration.priced(verdict))
         if not verdict.within:
             return None, f"dynamic precision over {low_type} measured {_measured(verdict)}"
@@ -608,13 +630,13 @@ def _measuring_room(info: ModelInfo, reference: Reference, ladder: OffloadConfig
 
 
 def _price(info: ModelInfo, calibration: Calibration, ladder: OffloadConfig, n_high: int, budget: int,
-           score: Score, low_type: str) -> Priced:
+           score: Score, low_type: str, decisive_kl: float) -> Priced:
     """A ladder (placed as ladder.placed_mb holds it, n_high experts at the model's precision)
     measured against the model on the calibration windows, through the cache the memory leaves
     now beside the measurement's arrays (every token's logits: a smaller cache than the run's
-    budget, and its misses read as they come)."""
+    budget, and its misses read as they come), stopped once sure to end beyond decisive_kl."""
     room = _measuring_room(info, calibration.reference, ladder, low_type)
     log.info(f"measuring the default ladder on hobbitpy's calibration text ({n_high} experts at the model's precision, "
              f"the rest at {low_type})")
-    c = score(calibration.reference, dataclasses.replace(ladder, cache_mb=min(budget, room) / MB))
-    return Priced(n_high, c.mean_kl, c.ppl_increase, low_type)
+    c = score(calibration.reference, dataclasses.replace(ladder, cache_mb=min(budget, room) / MB), decisive_kl)
+    return Priced(n_high, c.mean_kl, c.ppl_increase, low_type, at_least=not c.complete)

@@ -224,7 +224,8 @@ class Llama(llama_cpp.Llama):
         threads = kwargs.get("n_threads") or os.cpu_count() or 1
         return default_config(info, offload, shape, available,
                               lambda text: measure_calibration(info.path, text, threads),
-                              lambda reference, config: compare_ladder(info.path, reference, config, threads), threads)
+                              lambda reference, config, stop_beyond: compare_ladder(info.path, reference, config, threads,
+                                                                                    stop_beyond), threads)
 
     def _reopen_context(self, n_seq_max: int, cb_eval=None, cb_eval_user_data=None) -> None:
         """Replace llama_cpp's context of one sequence by one of n_seq_max sharing one KV cache
@@ -527,12 +528,14 @@ def measure_calibration(model_path: str, text: str, n_threads: int) -> Calibrati
                        reference=reference)
 
 
-def compare_ladder(model_path: str, reference: Reference, offload: OffloadConfig, n_threads: int) -> Comparison:
-    """A configuration against the model's own next-token distributions on the calibration windows."""
+def compare_ladder(model_path: str, reference: Reference, offload: OffloadConfig, n_threads: int,
+                   stop_beyond: float | None = None) -> Comparison:
+    """A configuration against the model's own next-token distributions on the calibration windows
+    (the last ones left unscored once its mean KL is sure to end beyond stop_beyond)."""
     n = reference.n_ctx
     with Llama(model_path, offload=offload, n_ctx=n, n_batch=n, n_ubatch=n, logits_all=True, n_threads=n_threads,
                verbose=False) as llm:
-        comparison = compare_to_reference(llm, reference, _bar("the ladder"))
+        comparison = compare_to_reference(llm, reference, _bar("the ladder"), stop_beyond)
     return_freed_memory()
     return comparison
 
