@@ -266,6 +266,34 @@ def test_a_ladder_far_beyond_the_limit_leaves_the_next_type_untried(tmp_path):
     assert whole[0].mean_kl >= c.mean_kl and 10 * whole[0].mean_kl > stop, (whole, c)
 
 
+def test_the_ladder_for_a_little_less_memory_is_measured_first_and_every_expert_low_only_after_one_within(tmp_path):
+    """Where the budget holds the Q2_K copy and more, the first ladder measured is the budget's for
+    MEASURED_SHARE of the bytes above the copy. Beyond the limit (ten times as sensitive, as a real
+    model is), every ladder with fewer experts at the model's precision is beyond too: the one with
+    every expert at the copy is not measured (a real model's uniform Q2_K never is within). Within,
+    it is measured after: within too, no expert would stay at the model's precision."""
+    info = hobbitpy.inspect_model(MODEL)
+    low_total = int(low_copy_layer_bytes(info).sum()) * info.n_expert
+    for sensitivity, every_low_measured in ((10, False), (1, True)):
+        model = tmp_path / str(sensitivity) / "m.gguf"
+        model.parent.mkdir()
+        shutil.copy(MODEL, model)
+        placed = []  # the ladders measured, as the bytes each was placed for
+
+        def score(reference, config, stop_beyond):
+            if config.placed_mb is not None:
+                placed.append(round(config.placed_mb * MB))
+            c = compare_ladder(str(model), reference, config, 2, stop_beyond / sensitivity)
+            return dataclasses.replace(c, mean_kl=sensitivity * c.mean_kl)
+
+        _default_of(model, MORE_MEMORY, score)
+        ladders = [p for p in load_calibration(model, info, calibration_text()).ladders if not p.dynamic]
+        assert placed and placed[0] > low_total, (placed, low_total)
+        assert (low_total in placed) == every_low_measured, (placed, ladders)
+        assert (placed[-1] == low_total) == every_low_measured, (placed, ladders)  # (after the one within)
+        assert any(p.within for p in ladders) == every_low_measured, ladders
+
+
 def test_dynamic_precision_serves_where_the_ladders_are_beyond_the_limit(tmp_path):
     """Measured, on the shipped model: with LESS_MEMORY the ladder over a Q2_K copy (few experts
     at the model's precision) diverges more than NEXT_TYPE_GAIN times the limit, so no Q3_K copy

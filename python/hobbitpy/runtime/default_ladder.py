@@ -15,9 +15,11 @@ dialogue, code, arithmetic, three languages, scripture):
   distributions (kept for the run, in a temporary file);
 - the low copy is `prepare`'s Q2_K companion next to the model, made on first use (a
   progress bar; the disk it needs checked and said first; never with `--no-prepare`);
-- the ladder the memory allows is run over the same text (after the one with every expert at
-  the low copy: within, so is any ladder); it is served when its next-token distributions are
-  within MAX_MEAN_KL of the model's;
+- the ladder the memory allows is run over the same text (for a little less memory first: within,
+  a later run finding a little less takes the verdict; beyond, so is every ladder with fewer
+  experts at the model's precision); it is served when its next-token distributions are within
+  MAX_MEAN_KL of the model's (then the ladder with every expert at the low copy is measured too:
+  within, no expert is kept at the model's precision);
 - else the same over a Q3_K copy (a third more bytes a low expert, a third of Q2_K's
   divergence: on ref-mixtral at Q4_K_M, at 0.75 of the experts' bytes, the Q2_K ladder measured
   0.012 nats and the Q3_K ladder 0.0079, reading a quarter of what the model's own experts
@@ -487,6 +489,14 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
                 verdict = calibration.verdict(n_high, low_type)
                 if verdict is not None:
                     break
+            if verdict is not None and verdict.within and calibration.verdict(0, low_type) is None:
+                # whether every expert at the copy is within too: then none is kept at the model's
+                # precision (placed_bytes)
+                low_total = int(low_copy_layer_bytes(info, low_type).sum()) * info.n_expert
+                every_low = _price(info, calibration, dataclasses.replace(served, placed_mb=low_total / MB), 0,
+                                   budget, score, low_type, MAX_MEAN_KL)
+                calibration = calibration.priced(every_low)
+                _keep(model_path, info, text, calibration)
         finally:
             _release(model_path, low_path)
         verdict = verdict or measured  # (beyond with fewer experts at the model's precision: no risk taken)
@@ -607,13 +617,18 @@ def _once(measure: Measure, kept_in: pathlib.Path) -> Measure:
 
 
 def _ladders_to_measure(info: ModelInfo, budget: int, low: str) -> list[int]:
-    """The placements (as budgets) a run measures, until one settles the budget's ladder: every
-    expert at the low copy first (within: so is any ladder, and no later run measures); then
-    the budget's for MEASURED_SHARE of the bytes it gives above the copy (within: a later run
-    that finds a little less memory takes the verdict); then the budget's own."""
+    """The placements (as budgets) a run measures, until one settles the budget's ladder. Where the
+    budget holds the whole copy and more: the budget's for MEASURED_SHARE of the bytes it gives
+    above the copy (within: so is the budget's, and a later run that finds a little less memory
+    takes the verdict; beyond: so is every ladder with fewer experts at the model's precision,
+    every expert at the copy among them), then the budget's own. Else the budget's ladder is every
+    expert at the copy. (Every expert at the copy first would settle every ladder where it is
+    within, but a real model's is not: its uniform Q2_K is 0.06-0.11 nats from it.) Where a ladder
+    is within, _choose measures every expert at the copy after, to place no more experts at the
+    model's precision than the limit needs."""
     low_total = int(low_copy_layer_bytes(info, low).sum()) * info.n_expert
     extra = budget - low_total
-    return [low_total] + ([low_total + int(MEASURED_SHARE * extra), budget] if extra > 0 else [])
+    return [low_total + int(MEASURED_SHARE * extra), budget] if extra > 0 else [low_total]
 
 
 def _measuring_room(info: ModelInfo, reference: Reference, ladder: OffloadConfig, low_type: str) -> int:
