@@ -18,8 +18,8 @@ import pytest
 import hobbitpy
 from hobbitpy.runtime.default_ladder import (LOW_TYPE, MAX_MEAN_KL, NEXT_TYPE_GAIN, Calibration, Priced, calibration_text,
                                              default_config, importance_path, ladder_placement, load_calibration,
-                                             low_copy_layer_bytes, low_weight_share, placed_bytes, remembered_failure,
-                                             unfit_reason)
+                                             low_copy_bytes, low_copy_layer_bytes, low_weight_share, placed_bytes,
+                                             remembered_failure, unfit_reason)
 from hobbitpy.errors import ExpertReadError
 from hobbitpy.runtime.llama import compare_ladder, measure_calibration
 from hobbitpy.plan.memory import ContextShape
@@ -90,7 +90,7 @@ def test_a_ladder_keeps_no_more_experts_at_the_model_precision_than_the_limit_ne
     the budget (the fewest bytes a token: more memory never decodes slower); measured beyond, or
     not measured: placed for the budget."""
     info = _info()
-    low_total = int(low_copy_layer_bytes(info).sum()) * info.n_expert
+    low_total = low_copy_bytes(info)
     budget = low_total + (info.expert_bytes_total - low_total) // 2
     c = Calibration(np.ones((info.n_layer_moe, info.n_expert)), 100)
     assert placed_bytes(info, budget, c) == budget
@@ -273,7 +273,7 @@ def test_the_ladder_for_a_little_less_memory_is_measured_first_and_every_expert_
     every expert at the copy is not measured (a real model's uniform Q2_K never is within). Within,
     it is measured after: within too, no expert would stay at the model's precision."""
     info = hobbitpy.inspect_model(MODEL)
-    low_total = int(low_copy_layer_bytes(info).sum()) * info.n_expert
+    low_total = low_copy_bytes(info)
     for sensitivity, every_low_measured in ((10, False), (1, True)):
         model = tmp_path / str(sensitivity) / "m.gguf"
         model.parent.mkdir()
@@ -367,7 +367,7 @@ def test_run_under_a_cap_measures_the_ladder_once_serves_it_within_the_limit_and
         probe = _run(model, cap, "--exact")
         assert probe.returncode == 0, probe.stderr[-3000:]
         available, rest = map(int, re.search(r"from (\d+) MB available; (\d+) MB for the rest", probe.stderr).groups())
-        low_total = int(low_copy_layer_bytes(info).sum()) * info.n_expert
+        low_total = low_copy_bytes(info)
         target = low_total + 0.92 * (info.expert_bytes_total - low_total)
         roomy_limit = int(probe_limit - available * MB + rest * MB + target)
         cap.set_limit(roomy_limit)

@@ -296,6 +296,11 @@ def low_copy_layer_bytes(info: ModelInfo, low: str = LOW_TYPE) -> np.ndarray:
     return copy_layer_bytes(info, low)
 
 
+def low_copy_bytes(info: ModelInfo, low: str = LOW_TYPE) -> int:
+    """Every expert's bytes in the copy of that type `prepare` will write."""
+    return int(low_copy_layer_bytes(info, low).sum()) * info.n_expert
+
+
 def low_weight_share(importance: np.ndarray, placement: tuple[tuple[int, ...], ...]) -> float:
     """The share of the routers' weight that a placement serves from the lowest level."""
     levels = np.array(placement)
@@ -331,7 +336,7 @@ def ladder_placement(info: ModelInfo, model_layer_bytes: np.ndarray, budget_byte
 def describe(info: ModelInfo, budget_bytes: int, importance: np.ndarray, placement, verdict: Priced) -> str:
     """The line a served ladder is announced with."""
     low = verdict.low
-    low_total = int(low_copy_layer_bytes(info, low).sum()) * info.n_expert
+    low_total = low_copy_bytes(info, low)
     n_experts = info.n_layer_moe * info.n_expert
     n_high = sum(level == 0 for row in placement for level in row)
     where = ("every expert in memory" if budget_bytes >= low_total else
@@ -492,7 +497,7 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
             if verdict is not None and verdict.within and calibration.verdict(0, low_type) is None:
                 # whether every expert at the copy is within too: then none is kept at the model's
                 # precision (placed_bytes)
-                low_total = int(low_copy_layer_bytes(info, low_type).sum()) * info.n_expert
+                low_total = low_copy_bytes(info, low_type)
                 every_low = _price(info, calibration, dataclasses.replace(served, placed_mb=low_total / MB), 0,
                                    budget, score, low_type, MAX_MEAN_KL)
                 calibration = calibration.priced(every_low)
@@ -530,7 +535,7 @@ def _make_copy(info: ModelInfo, config: OffloadConfig, low_type: str, threads: i
         return None
     if not config.prepare:
         return f"the default needs a {low_type} copy of the experts, {low_path} does not exist and --no-prepare was given"
-    need = int(low_copy_layer_bytes(info, low_type).sum()) * info.n_expert
+    need = low_copy_bytes(info, low_type)
     log.info(f"making a {low_type} copy of the experts for the default ({need / 1e9:.2f} GB, once): {low_path}")
     try:
         prepare_companion(info.path, low_type, low_path, threads=threads, progress=not quiet())
@@ -578,7 +583,7 @@ def _choose_dynamic(info: ModelInfo, config: OffloadConfig, budget: int, text: s
 
 def describe_dynamic(info: ModelInfo, budget_bytes: int, verdict: Priced) -> str:
     """The line dynamic precision is announced with."""
-    low_total = int(low_copy_layer_bytes(info, verdict.low).sum()) * info.n_expert
+    low_total = low_copy_bytes(info, verdict.low)
     return (f"the model's own experts for every hit of the expert cache ({budget_bytes / MB:.0f} MB), a {verdict.low} "
             f"copy ({low_total / MB:.0f} MB) for a miss a token weighs less (HOBBIT's dynamic precision: eq. 2 score "
             f"above T1 = {DYNAMIC['t1']:g}); with every such selection served low {_measured(verdict)} (lossy; "
@@ -591,7 +596,7 @@ def placed_bytes(info: ModelInfo, budget: int, calibration: Calibration, low: st
     more bytes a token through the matmuls than its copy, so a ladder keeps no more of them than
     the limit needs: more memory then never decodes slower (docs/BENCHMARKS.md at 5f63b2a, the default's
     ladder)."""
-    low_total = int(low_copy_layer_bytes(info, low).sum()) * info.n_expert
+    low_total = low_copy_bytes(info, low)
     every_low = calibration.verdict(0, low)
     return min(budget, low_total) if every_low is not None and every_low.within else budget
 
@@ -626,7 +631,7 @@ def _ladders_to_measure(info: ModelInfo, budget: int, low: str) -> list[int]:
     within, but a real model's is not: its uniform Q2_K is 0.06-0.11 nats from it.) Where a ladder
     is within, _choose measures every expert at the copy after, to place no more experts at the
     model's precision than the limit needs."""
-    low_total = int(low_copy_layer_bytes(info, low).sum()) * info.n_expert
+    low_total = low_copy_bytes(info, low)
     extra = budget - low_total
     return [low_total + int(MEASURED_SHARE * extra), budget] if extra > 0 else [low_total]
 
