@@ -407,28 +407,37 @@ def test_run_under_a_cap_measures_the_ladder_once_serves_it_within_the_limit_and
         cap.set_limit(tight_limit)
         tight = _run(model, cap)
         assert tight.returncode == 0, tight.stderr[-3000:]
-        assert "measuring the default ladder" in tight.stderr, tight.stderr
-        assert f"(at most {MAX_MEAN_KL:g})" in tight.stderr, tight.stderr
+        # here the room to measure beside the measurement's arrays is a few MB, about what a run's
+        # memory varies by (its heap after a pass, the bytes of the placement measured): where a
+        # measurement finds none, the model's own experts serve and the failure is kept
+        no_room = "could not be measured (no room" in tight.stderr
+        if not no_room:
+            assert "measuring the default ladder" in tight.stderr, tight.stderr
+            assert f"(at most {MAX_MEAN_KL:g})" in tight.stderr, tight.stderr
         q3_ladder, dynamic = "from a Q3_K copy" in tight.stderr, "HOBBIT's dynamic precision" in tight.stderr
         assert ("(exact)" in tight.stderr) != (q3_ladder or dynamic), tight.stderr
         if "(exact)" in tight.stderr:
-            assert f"hobbitpy tune {model} --text" in tight.stderr, tight.stderr  # what a user who would trade quality runs
+            if not no_room:  # what a user who would trade quality runs
+                assert f"hobbitpy tune {model} --text" in tight.stderr, tight.stderr
             assert tight.stdout == stock.stdout
         # the next run with a little less memory: a verdict beyond the limit settles every ladder
-        # with no more experts at the model's precision, and dynamic precision's holds for any memory.
+        # with no more experts at the model's precision, dynamic precision's holds for any memory,
+        # and a failure for want of room holds for no more memory.
         # (Under the same cap a run finds a MB or two more or less than the last one, one expert at
         # the model's precision more or less: a ladder with more of them is not settled, and is
         # measured; fresh-clone CI saw that.)
         cap.set_limit(tight_limit - 2 * info.expert_bytes)
         kept = _run(model, cap)
-        assert kept.returncode == 0 and f"(at most {MAX_MEAN_KL:g})" in kept.stderr, kept.stderr
+        assert kept.returncode == 0, kept.stderr
+        assert (f"(at most {MAX_MEAN_KL:g})" in kept.stderr or "with as much memory or more" in kept.stderr), kept.stderr
         if not q3_ladder:  # (a Q3_K ladder within is not settled for fewer experts at the model's precision)
             assert "measuring" not in kept.stderr, kept.stderr
         calibration = load_calibration(model, info, calibration_text())
-        # every expert at Q2_K measured first (beyond), a ladder within, and the tight cap's beyond
+        # the roomy cap's ladder within, then every expert at Q2_K (beyond); the tight cap's beyond
         ladders = [p for p in calibration.ladders if p.low == LOW_TYPE and not p.dynamic]
         assert ladders[0].n_high == 0 and not ladders[0].within and ladders[-1].within, calibration.ladders
-        assert any(0 < p.n_high < ladders[-1].n_high and not p.within for p in ladders), calibration.ladders
+        if "measuring the default ladder" in tight.stderr:
+            assert any(0 < p.n_high < ladders[-1].n_high and not p.within for p in ladders), calibration.ladders
 
         # a model measured afresh under the first cap (room to measure beside the passes' arrays)
         cap.set_limit(roomy_limit)
