@@ -482,25 +482,29 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
                                  placed_mb=placed / MB)
     if verdict is None:
         measured = None
-        for trial_bytes in _ladders_to_measure(info, budget, low_type):
-            _, n_measured = ladder_placement(info, model_layer_bytes, trial_bytes, calibration.importance, low_type)
-            if any(p.low == low_type and p.n_high == n_measured for p in calibration.ladders):
-                continue
-            measured = _price(info, calibration, dataclasses.replace(served, placed_mb=trial_bytes / MB),
-                              n_measured, budget, score, low_type, _decisive_kl(next_type))
-            calibration = calibration.priced(measured)
-            _keep(model_path, info, text, calibration)
-            verdict = calibration.verdict(n_high, low_type)
-            if verdict is not None:
-                break
-        if verdict is not None and verdict.within and calibration.verdict(0, low_type) is None:
-            # whether every expert at the copy is within too: then none is kept at the model's
-            # precision (placed_bytes)
-            low_total = low_copy_bytes(info, low_type)
-            every_low = _price(info, calibration, dataclasses.replace(served, placed_mb=low_total / MB), 0,
-                               budget, score, low_type, MAX_MEAN_KL)
-            calibration = calibration.priced(every_low)
-            _keep(model_path, info, text, calibration)
+        try:
+            for trial_bytes in _ladders_to_measure(info, budget, low_type):
+                _, n_measured = ladder_placement(info, model_layer_bytes, trial_bytes, calibration.importance, low_type)
+                if any(p.low == low_type and p.n_high == n_measured for p in calibration.ladders):
+                    continue
+                measured = _price(info, calibration, dataclasses.replace(served, placed_mb=trial_bytes / MB),
+                                  n_measured, budget, score, low_type, _decisive_kl(next_type))
+                calibration = calibration.priced(measured)
+                _keep(model_path, info, text, calibration)
+                verdict = calibration.verdict(n_high, low_type)
+                if verdict is not None:
+                    break
+            if verdict is not None and verdict.within and calibration.verdict(0, low_type) is None:
+                # whether every expert at the copy is within too: then none is kept at the model's
+                # precision (placed_bytes)
+                low_total = low_copy_bytes(info, low_type)
+                every_low = _price(info, calibration, dataclasses.replace(served, placed_mb=low_total / MB), 0,
+                                   budget, score, low_type, MAX_MEAN_KL)
+                calibration = calibration.priced(every_low)
+                _keep(model_path, info, text, calibration)
+        finally:  # (not between measurements: the pages one read serve the next; at real size the second
+            # ladder took 41 s with them and 58 s without, and the room a measurement finds was not the larger)
+            _release(model_path, low_path)
         verdict = verdict or measured  # (beyond with fewer experts at the model's precision: no risk taken)
         if verdict is not None and verdict.within:  # what was measured may allow fewer at the model's precision
             placed = placed_bytes(info, budget, calibration, low_type)
@@ -655,8 +659,5 @@ def _price(info: ModelInfo, calibration: Calibration, ladder: OffloadConfig, n_h
     room = _measuring_room(info, calibration.reference, ladder, low_type)
     log.info(f"measuring the default ladder on hobbitpy's calibration text ({n_high} experts at the model's precision, "
              f"the rest at {low_type})")
-    try:
-        c = score(calibration.reference, dataclasses.replace(ladder, cache_mb=min(budget, room) / MB), decisive_kl)
-    finally:
-        _release(info.path, ladder.low)  # before the next measurement sizes its cache from what is left
+    c = score(calibration.reference, dataclasses.replace(ladder, cache_mb=min(budget, room) / MB), decisive_kl)
     return Priced(n_high, c.mean_kl, c.ppl_increase, low_type, at_least=not c.complete)
