@@ -502,8 +502,8 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
                                    budget, score, low_type, MAX_MEAN_KL)
                 calibration = calibration.priced(every_low)
                 _keep(model_path, info, text, calibration)
-        finally:  # (not between measurements: the pages one read serve the next; at real size the second
-            # ladder took 41 s with them and 58 s without, and the room a measurement finds was not the larger)
+        finally:  # (after the last, not between: the pages one measurement read serve the next; at real
+            # size the second ladder took 41 s with them and 58 s without)
             _release(model_path, low_path)
         verdict = verdict or measured  # (beyond with fewer experts at the model's precision: no risk taken)
         if verdict is not None and verdict.within:  # what was measured may allow fewer at the model's precision
