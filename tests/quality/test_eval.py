@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import pathlib
 
 import numpy as np
 import pytest
@@ -11,9 +12,13 @@ import pytest
 import hobbitpy
 from hobbitpy import OffloadConfig
 from hobbitpy.cli import main as cli_main
-from hobbitpy.measure.evaluate import evaluate
+from hobbitpy.analysis.likelihood import FIRST_PART
+from hobbitpy.files.tokens import tokenize_text
+from hobbitpy.measure.evaluate import evaluate, evaluate_against, measure_reference
 
 from conftest import MB, tiny_model
+
+MODELS = pathlib.Path(__file__).resolve().parents[2] / "models"
 
 TEXT = ("The keeper climbed the stairs of the tower every evening, lit the lamp and watched the sea. "
         "Ships passed in the night and the light turned, slow and steady, until the morning came. ") * 3
@@ -74,6 +79,28 @@ def test_offload_at_one_precision_costs_nothing(model_dir, tmp_path, capsys):
     out_text = capsys.readouterr().out
     assert "top-1 agreement       100.00 %" in out_text and "perplexity increase   +0.00 %" in out_text
     assert "expert cache" in out_text and "hit ratio" in out_text
+
+
+def test_a_comparison_that_may_stop_runs_its_first_window_in_two_parts(model_dir):
+    """With stop_beyond, the first window runs its first 1/FIRST_PART, then the rest, the KV
+    cache kept between: the model itself measures what one batch measures (the order of sums
+    aside; a part evaluated without its context would be far off), and a candidate sure to end
+    beyond after the first part stops there (at real size a part is a pass through every expert)."""
+    model = MODELS / "ref-deepseek-Q8_0.gguf"
+    n_ctx = 64
+    ids = tokenize_text(model, TEXT * 2)
+    assert len(ids) > 2 * n_ctx
+    reference = measure_reference(model, ids, n_ctx=n_ctx, n_threads=2)
+    itself = evaluate_against(model, reference, OffloadConfig(enabled=False), n_threads=2, stop_beyond=1.0)
+    assert itself.complete and itself.n_tokens == len(ids) - 1
+    assert itself.mean_kl < 1e-6 and itself.top1_agreement == 1.0, itself
+
+    f16 = MODELS / "ref-deepseek-F16.gguf"  # the same model at another precision: close, not equal
+    whole = evaluate_against(f16, reference, OffloadConfig(enabled=False), n_threads=2)
+    stopped = evaluate_against(f16, reference, OffloadConfig(enabled=False), n_threads=2, stop_beyond=1e-12)
+    assert whole.complete and 0 < whole.mean_kl < 0.01, whole
+    assert not stopped.complete and stopped.n_tokens == n_ctx // FIRST_PART, stopped
+    assert 0 < stopped.mean_kl < whole.mean_kl, (stopped, whole)
 
 
 def test_eval_bad_input(model_dir, tmp_path, capsys):

@@ -6,7 +6,9 @@ A text's tokens (the model's tokenizer, no BOS) are cut into windows of n_ctx; w
 evaluated in one batch and its token i predicts token i+1 (the last token of a window predicts
 the first of the next), so every token but the very first is scored once. The reference's
 log-probabilities go to a temporary file, window by window, and a candidate is compared with
-them as it computes its own: two models never have to be in memory at once.
+them as it computes its own: two models never have to be in memory at once. A comparison that
+may stop early runs its first window in two parts (FIRST_PART), so that a candidate far from
+the reference is known after a quarter of a window.
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ from ..errors import HobbitError
 # about 48 bytes a logit) stay small at any vocabulary (4 rows of a 151k one: 29 MB), and a
 # row is long enough that numpy's per-call cost does not show
 ROWS_AT_ONCE = 4
+# a comparison that may stop early (stop_beyond) runs its first window's first 1/FIRST_PART on
+# its own, then the rest (the KV cache keeps the first part: the same logits but for the order
+# of sums, as a prompt in two batches). At real size each part is a pass through every expert,
+# a window's tokens are most of its compute, and a candidate far beyond (the default's Q2_K
+# ladder on a real-size random-weight model: 0.47 nats a token) is sure to end beyond after a
+# quarter of the first window; one that does not stop pays one more pass of what its cache
+# does not hold
+FIRST_PART = 4
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -47,9 +57,17 @@ def nll_of_rows(logits: np.ndarray, targets: np.ndarray, out: np.ndarray | None 
 
 def window_logits(llm, window: list[int]) -> np.ndarray:
     """A window's logits, every row (the model made with logits_all), from a fresh sequence."""
+    (_, logits), = window_logits_in_parts(llm, window, [0, len(window)])
+    return logits
+
+
+def window_logits_in_parts(llm, window: list[int], cuts: list[int]):
+    """A window's logits from a fresh sequence, part by part (cuts: the positions where each part
+    starts, then the window's length): (start, the part's rows) after each part is evaluated."""
     llm.reset()
-    llm.eval(window)
-    return np.array(llm.scores[: len(window)], dtype=np.float32)
+    for start, end in zip(cuts[:-1], cuts[1:]):
+        llm.eval(window[start:end])
+        yield start, np.array(llm.scores[start:end], dtype=np.float32)
 
 
 def scoring_windows(ids: list[int], n_ctx: int):
@@ -165,7 +183,7 @@ class ReferenceTable:
 
 @dataclass
 class Comparison:
-    """A candidate against a reference on the reference's windows (its first ones where the
+    """A candidate against a reference on the reference's windows (its first tokens where the
     comparison stopped early: `complete` False)."""
 
     n_tokens: int         # tokens scored
@@ -189,24 +207,37 @@ def compare_to_reference(candidate, reference: Reference, progress=None,
                          stop_beyond: float | None = None) -> Comparison:
     """Run an open candidate model (logits_all, n_ctx of the reference's) over the reference's
     windows and compare. progress: wraps the (window, log-probabilities) pairs (a bar).
-    stop_beyond: a mean KL; the windows left are not scored once the KL summed so far exceeds it
+    stop_beyond: a mean KL; the tokens left are not scored once the KL summed so far exceeds it
     over every token of the reference (KL is never negative: the whole text would measure beyond
-    it too, and a decision taken at that mean is the same)."""
+    it too, and a decision taken at that mean is the same), checked after each window and after
+    the first window's first part (FIRST_PART)."""
     nll = kl = 0.0
     agree = n = 0
     diffs = []  # per token: candidate's negative log-likelihood minus the reference's
     n_total = len(reference.ids) - 1
+    ref_nll = 0.0  # the reference's, on the tokens scored
+
+    def sure_beyond() -> bool:
+        return stop_beyond is not None and n < n_total and kl > stop_beyond * n_total
+
     pairs = list(zip(scoring_windows(reference.ids, reference.n_ctx), reference.log_probs))
-    for (window, targets), ref_lp in (progress(pairs) if progress else pairs):
-        w_nll, w_kl, w_agree, w_diffs = compare_rows(ref_lp, window_logits(candidate, window), targets)
+    for w, ((window, targets), ref_lp) in enumerate(progress(pairs) if progress else pairs):
+        cuts = [0, len(targets)]
+        if stop_beyond is not None and w == 0 and len(targets) >= 2 * FIRST_PART:
+            cuts.insert(1, len(targets) // FIRST_PART)
+        for start, logits in window_logits_in_parts(candidate, window, cuts):
+            rows = slice(start, start + len(logits))
+            w_nll, w_kl, w_agree, w_diffs = compare_rows(ref_lp[rows], logits, targets[rows])
+            nll, kl, agree, n = nll + w_nll, kl + w_kl, agree + w_agree, n + len(logits)
+            ref_nll -= float(ref_lp[rows][np.arange(len(logits)), targets[rows]].sum())
+            diffs.append(w_diffs)
+            if sure_beyond():
+                break
         reference.release_pages()  # one window mapped at a time, not the table
-        nll, kl, agree, n = nll + w_nll, kl + w_kl, agree + w_agree, n + len(targets)
-        diffs.append(w_diffs)
-        if stop_beyond is not None and n < n_total and kl > stop_beyond * n_total:
+        if sure_beyond():
             break
     d = np.concatenate(diffs)
     se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else None
     complete = n == n_total
-    ref_ppl = (math.exp(sum(reference.window_nll[: len(diffs)]) / n) if not complete and reference.window_nll
-               else reference.perplexity)
+    ref_ppl = math.exp(ref_nll / n) if not complete else reference.perplexity
     return Comparison(n, math.exp(nll / n), kl / n_total, agree / n, se, ref_ppl, complete)

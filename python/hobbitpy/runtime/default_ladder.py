@@ -41,10 +41,11 @@ dialogue, code, arithmetic, three languages, scripture):
   0.038 nats). What was measured is kept with the importance, per low type: a later run
   whose memory allows at least as many experts at the model's precision as a ladder found
   within reuses the verdict, as does one allowing at most as many as a ladder found beyond.
-  A measurement stops once the KL summed over the windows run exceeds, spread over the whole
+  A measurement stops once the KL summed over the tokens run exceeds, spread over the whole
   text, the mean that decides: KL is never negative, so the rest of the text could not change
-  the decision (at real size each window is a pass through every expert: a ladder far beyond
-  the limit costs one pass, not two).
+  the decision. It is checked after each window and after the first quarter of the first (at
+  real size each window, and that quarter, is a pass through every expert, and a window's
+  tokens are most of its compute: a ladder far beyond the limit costs a quarter of a window).
 
 Otherwise, or with `--exact`, a preset, a profile, an expert cache size (`--cache-mb`) or a
 precision level asked for, the experts are served at the model's own precision: stock's
@@ -369,7 +370,7 @@ def _two_level_budget(info: ModelInfo, config: OffloadConfig, shape: ContextShap
 
 
 # measure(text): the model's own experts over the calibration text; score(reference, config,
-# stop_beyond): a ladder against them, its last windows left unscored once its mean KL is sure to
+# stop_beyond): a ladder against them, its last tokens left unscored once its mean KL is sure to
 # end beyond stop_beyond (llama.py runs both)
 Measure = Callable[[str], Calibration]
 Score = Callable[[Reference, OffloadConfig, float], Comparison]
@@ -413,7 +414,7 @@ def _decisive_kl(next_type: str | None) -> float:
     """The mean KL beyond which a ladder's measurement decides no differently: where a next type
     may be tried, whether it is (NEXT_TYPE_GAIN times the limit); else the limit. A measurement
     stops once it is sure to end beyond it (at real size each window of the calibration text is a
-    pass through every expert: a ladder far beyond is known after the first)."""
+    pass through every expert: a ladder far beyond is known after the first quarter of the first)."""
     return NEXT_TYPE_GAIN * MAX_MEAN_KL if next_type is not None else MAX_MEAN_KL
 
 
