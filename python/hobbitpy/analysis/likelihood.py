@@ -227,10 +227,10 @@ def compare_to_reference(candidate, reference: Reference, progress=None,
             cuts.insert(1, len(targets) // FIRST_PART)
         for start, logits in window_logits_in_parts(candidate, window, cuts):
             rows = slice(start, start + len(logits))
-            w_nll, w_kl, w_agree, w_diffs = compare_rows(ref_lp[rows], logits, targets[rows])
-            nll, kl, agree, n = nll + w_nll, kl + w_kl, agree + w_agree, n + len(logits)
+            p_nll, p_kl, p_agree, p_diffs = compare_rows(ref_lp[rows], logits, targets[rows])
+            nll, kl, agree, n = nll + p_nll, kl + p_kl, agree + p_agree, n + len(logits)
             ref_nll -= float(ref_lp[rows][np.arange(len(logits)), targets[rows]].sum())
-            diffs.append(w_diffs)
+            diffs.append(p_diffs)
             if sure_beyond():
                 break
         reference.release_pages()  # one window mapped at a time, not the table
