@@ -266,12 +266,12 @@ def test_a_ladder_far_beyond_the_limit_leaves_the_next_type_untried(tmp_path):
     assert whole[0].mean_kl >= c.mean_kl and 10 * whole[0].mean_kl > stop, (whole, c)
 
 
-def test_the_ladder_for_a_little_less_memory_is_measured_first_and_every_expert_low_only_after_one_within(tmp_path):
-    """Where the budget holds the Q2_K copy and more, the first ladder measured is the budget's for
-    MEASURED_SHARE of the bytes above the copy. Beyond the limit (ten times as sensitive, as a real
-    model is), every ladder with fewer experts at the model's precision is beyond too: the one with
-    every expert at the copy is not measured (a real model's uniform Q2_K never is within). Within,
-    it is measured after: within too, no expert would stay at the model's precision."""
+def test_the_budgets_own_ladder_is_measured_first_and_every_expert_low_only_after_it_is_within(tmp_path):
+    """Where the budget holds the Q2_K copy and more, the first ladder measured is the budget's
+    own. Beyond the limit (ten times as sensitive, as a real model is), every ladder with fewer
+    experts at the model's precision is beyond too: nothing else is measured (a real model's
+    uniform Q2_K never is within), and a run with less memory takes the verdict. Within, every
+    expert at the copy is measured after: within too, no expert would stay at the model's precision."""
     info = hobbitpy.inspect_model(MODEL)
     low_total = low_copy_bytes(info)
     for sensitivity, every_low_measured in ((10, False), (1, True)):
@@ -289,9 +289,15 @@ def test_the_ladder_for_a_little_less_memory_is_measured_first_and_every_expert_
         _default_of(model, MORE_MEMORY, score)
         ladders = [p for p in load_calibration(model, info, calibration_text()).ladders if not p.dynamic]
         assert placed and placed[0] > low_total, (placed, low_total)
-        assert (low_total in placed) == every_low_measured, (placed, ladders)
+        assert len(placed) == (2 if every_low_measured else 1), (placed, ladders)
         assert (placed[-1] == low_total) == every_low_measured, (placed, ladders)  # (after the one within)
-        assert any(p.within for p in ladders) == every_low_measured, ladders
+        assert ladders[-1].within == every_low_measured, ladders  # the budget's own: most at the model's precision
+
+        def never(*args):
+            raise AssertionError("measured again")
+
+        if not every_low_measured:  # less memory: fewer experts at the model's precision, settled by the verdict
+            _default_of(model, SOME_MEMORY, never, measure=never)
 
 
 def test_dynamic_precision_serves_where_the_ladders_are_beyond_the_limit(tmp_path):

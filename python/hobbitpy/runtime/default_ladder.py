@@ -15,11 +15,12 @@ dialogue, code, arithmetic, three languages, scripture):
   distributions (kept for the run, in a temporary file);
 - the low copy is `prepare`'s Q2_K companion next to the model, made on first use (a
   progress bar; the disk it needs checked and said first; never with `--no-prepare`);
-- the ladder the memory allows is run over the same text (for a little less memory first: within,
-  a later run finding a little less takes the verdict; beyond, so is every ladder with fewer
-  experts at the model's precision); it is served when its next-token distributions are within
-  MAX_MEAN_KL of the model's (then the ladder with every expert at the low copy is measured too:
-  within, no expert is kept at the model's precision);
+- the ladder the memory allows is run over the same text (beyond the limit, so is every ladder
+  with fewer experts at the model's precision: a later run finding less memory measures nothing);
+  it is served when its next-token distributions are within MAX_MEAN_KL of the model's (then the
+  ladder with every expert at the low copy is measured too: within, no expert is kept at the
+  model's precision; every expert at the copy is not measured first, as it would settle every
+  ladder only where it is within, and a real model's uniform Q2_K is 0.06-0.11 nats from it);
 - else the same over a Q3_K copy (a third more bytes a low expert, a third of Q2_K's
   divergence: on ref-mixtral at Q4_K_M, at 0.75 of the experts' bytes, the Q2_K ladder measured
   0.012 nats and the Q3_K ladder 0.0079, reading a quarter of what the model's own experts
@@ -102,10 +103,6 @@ NEXT_TYPE_GAIN = 4.0
 # all (at real size each pass reads every expert once: two passes of 512 tokens)
 CALIBRATION_CTX = 512
 CALIBRATION_TOKENS = 1024
-# a first run measures the ladder its budget gives for this share of the bytes above the low
-# copy: a later run finding a little less memory (fewer experts at the model's precision)
-# takes the verdict instead of measuring again
-MEASURED_SHARE = 0.9
 IMPORTANCE_VERSION = 2
 # HOBBIT's dynamic precision (§3.2), tried over a low copy where the ladder memory allows over it
 # measures beyond the limit: the model's own experts for every hit, the copy only for a miss whose
@@ -482,20 +479,13 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
     served = dataclasses.replace(ladder, low=str(low_path), importance=tuple(map(tuple, calibration.importance.tolist())),
                                  placed_mb=placed / MB)
     if verdict is None:
-        measured = None
         try:
-            for trial_bytes in _ladders_to_measure(info, budget, low_type):
-                _, n_measured = ladder_placement(info, model_layer_bytes, trial_bytes, calibration.importance, low_type)
-                if any(p.low == low_type and p.n_high == n_measured for p in calibration.ladders):
-                    continue
-                measured = _price(info, calibration, dataclasses.replace(served, placed_mb=trial_bytes / MB),
-                                  n_measured, budget, score, low_type, _decisive_kl(next_type))
-                calibration = calibration.priced(measured)
-                _keep(model_path, info, text, calibration)
-                verdict = calibration.verdict(n_high, low_type)
-                if verdict is not None:
-                    break
-            if verdict is not None and verdict.within and calibration.verdict(0, low_type) is None:
+            # the budget's own ladder: beyond, it settles every ladder with fewer experts at the
+            # model's precision (a later run finding less memory measures nothing)
+            verdict = _price(info, calibration, served, n_high, budget, score, low_type, _decisive_kl(next_type))
+            calibration = calibration.priced(verdict)
+            _keep(model_path, info, text, calibration)
+            if verdict.within and calibration.verdict(0, low_type) is None:
                 # whether every expert at the copy is within too: then none is kept at the model's
                 # precision (placed_bytes)
                 low_total = low_copy_bytes(info, low_type)
@@ -506,14 +496,11 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
         finally:  # (after the last, not between: the pages one measurement read serve the next; at real
             # size the second ladder took 41 s with them and 58 s without)
             _release(model_path, low_path)
-        verdict = verdict or measured  # (beyond with fewer experts at the model's precision: no risk taken)
-        if verdict is not None and verdict.within:  # what was measured may allow fewer at the model's precision
+        if verdict.within:  # what was measured may allow fewer at the model's precision
             placed = placed_bytes(info, budget, calibration, low_type)
             placement, n_high = ladder_placement(info, model_layer_bytes, placed, calibration.importance, low_type)
             served = dataclasses.replace(served, placed_mb=placed / MB)
             verdict = calibration.verdict(n_high, low_type)
-    if verdict is None:  # (every ladder to measure was measured, none settles this one: not seen)
-        return exact, _exact("no measurement settles the ladder memory allows"), None
     if not verdict.within:  # (a copy made for nothing is removed by the caller: the verdicts are kept)
         ladder_beyond = (f"the ladder memory allows ({n_high} experts at the model's precision, the rest at "
                          f"{low_type}) measured {_measured(verdict)}")
@@ -621,21 +608,6 @@ def _once(measure: Measure, kept_in: pathlib.Path) -> Measure:
         log.info(f"measuring the model on hobbitpy's calibration text (kept in {kept_in})")
         return measure(text)
     return measured
-
-
-def _ladders_to_measure(info: ModelInfo, budget: int, low: str) -> list[int]:
-    """The placements (as budgets) a run measures, until one settles the budget's ladder. Where the
-    budget holds the whole copy and more: the budget's for MEASURED_SHARE of the bytes it gives
-    above the copy (within: so is the budget's, and a later run that finds a little less memory
-    takes the verdict; beyond: so is every ladder with fewer experts at the model's precision,
-    every expert at the copy among them), then the budget's own. Else the budget's ladder is every
-    expert at the copy. (Every expert at the copy first would settle every ladder where it is
-    within, but a real model's is not: its uniform Q2_K is 0.06-0.11 nats from it.) Where a ladder
-    is within, _choose measures every expert at the copy after, to place no more experts at the
-    model's precision than the limit needs."""
-    low_total = low_copy_bytes(info, low)
-    extra = budget - low_total
-    return [low_total + int(MEASURED_SHARE * extra), budget] if extra > 0 else [low_total]
 
 
 def _measuring_room(info: ModelInfo, reference: Reference, ladder: OffloadConfig, low_type: str) -> int:
