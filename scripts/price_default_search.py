@@ -10,19 +10,24 @@ scored as decoding meets it (ubatch 1) against the model's own file: mean KL, pe
 and the megabytes read from disk a token (the cache's own count: the same on any machine).
 
     python scripts/price_default_search.py MODEL HELD_OUT.txt [--tokens 2048] [--shares 0.6,0.75,0.9]
-                                           [--lows Q2_K,Q3_K]
+                                           [--lows Q2_K,Q3_K] [--t1 0.6]
 
 Budgets are shares of the model's expert bytes. The low copies are made next to the model
-(MODEL.experts-TYPE.gguf) when missing."""
+(MODEL.experts-TYPE.gguf) when missing; a low type written TYPE+imatrix is quantized with an
+importance matrix of hobbitpy's calibration text (collected once, MODEL.imatrix.gguf; the copy
+MODEL.experts-TYPE-imatrix.gguf). Dynamic precision is priced over the first low copy, at each T1."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import sys
+import tempfile
 
 from hobbitpy import OffloadConfig, inspect_model
 from hobbitpy.copies.companions import default_companion_path
+from hobbitpy.copies.imatrix import collect_imatrix, default_imatrix_path
 from hobbitpy.copies.prepare import prepare_companion
 from hobbitpy.files.tokens import tokenize_text
 from hobbitpy.measure.evaluate import evaluate_against, measure_reference
@@ -39,15 +44,27 @@ def main() -> int:
     ap.add_argument("text", help="UTF-8 text the model was not trained on")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--shares", default="0.6,0.75,0.9", help="budgets, as shares of the model's expert bytes")
-    ap.add_argument("--lows", default="Q2_K,Q3_K", help="the low copies' types")
+    ap.add_argument("--lows", default="Q2_K,Q3_K", help="the low copies' types (TYPE+imatrix: with an importance "
+                    "matrix of the calibration text)")
+    ap.add_argument("--t1", default="0.6", help="dynamic precision's T1 values")
     a = ap.parse_args()
     threads = os.cpu_count() or 1
     info = inspect_model(a.model)
     lows = {}
     for low in a.lows.split(","):
-        path = str(default_companion_path(a.model, low))
+        low_type, _, weighed = low.partition("+")
+        imatrix = None
+        if weighed:
+            imatrix = default_imatrix_path(a.model)
+            if not imatrix.exists():
+                with tempfile.TemporaryDirectory() as folder:
+                    text = pathlib.Path(folder) / "calibration.txt"
+                    text.write_text(calibration_text(), encoding="utf-8")
+                    collect_imatrix(a.model, text, imatrix, n_threads=threads)
+        path = default_companion_path(a.model, low_type)
+        path = str(path.with_name(f"{path.stem}-imatrix.gguf") if weighed else path)
         if not os.path.exists(path):
-            prepare_companion(a.model, low, path, threads=threads)
+            prepare_companion(a.model, low_type, path, threads=threads, imatrix_path=imatrix)
         lows[low] = path
         print(f"{low} copy: {inspect_model(path).expert_bytes_total / info.expert_bytes_total:.2f} of the model's "
               "expert bytes")
@@ -65,10 +82,11 @@ def main() -> int:
             configs[f"ladder over {low}"] = OffloadConfig(cache_mb=mb, low=path, hits="found", importance=importance,
                                                           auto=False)
         first = next(iter(lows.values()))
-        configs[f"dynamic over {next(iter(lows))} (T1 0.6, hits exact)"] = OffloadConfig(
-            cache_mb=mb, low=first, hits="exact", t1=0.6, t2=1.0, auto=False)
-        configs[f"dynamic over {next(iter(lows))} (the default's: hits at-least)"] = OffloadConfig(
-            cache_mb=mb, low=first, auto=False, **DYNAMIC)
+        for t1 in (float(t) for t in a.t1.split(",")):
+            configs[f"dynamic over {next(iter(lows))} (T1 {t1:g}, hits exact)"] = OffloadConfig(
+                cache_mb=mb, low=first, hits="exact", t1=t1, t2=1.0, auto=False)
+            configs[f"dynamic over {next(iter(lows))} (T1 {t1:g}, the default's: hits at-least)"] = OffloadConfig(
+                cache_mb=mb, low=first, auto=False, **{**DYNAMIC, "t1": t1})
         for name, config in configs.items():
             r = evaluate_against(a.model, reference, config, n_ubatch=1, n_threads=threads)
             s = r.stats or {}
