@@ -16,7 +16,9 @@ dialogue, code, arithmetic, three languages, scripture):
 - the low copy is `prepare`'s Q2_K companion next to the model, made on first use (a
   progress bar; the disk it needs checked and said first; never with `--no-prepare`);
 - the ladder the memory allows is run over the same text (beyond the limit, so is every ladder
-  with fewer experts at the model's precision: a later run finding less memory measures nothing);
+  with fewer experts at the model's precision: a later run finding less memory measures nothing;
+  within, so is every ladder with more, and one finding less measures its own, unless every
+  expert at the copy is within);
   it is served when its next-token distributions are within MAX_MEAN_KL of the model's (then the
   ladder with every expert at the low copy is measured too: within, no expert is kept at the
   model's precision; every expert at the copy is not measured first, as it would settle every
