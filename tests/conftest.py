@@ -117,11 +117,12 @@ def run_logits(path, offload: hobbitpy.OffloadConfig, *, n_threads: int = 2):
         llm.close()
 
 
-def prompt_logits(path, offload: hobbitpy.OffloadConfig, *, n_decode: int = 6):
+def prompt_logits(path, offload: hobbitpy.OffloadConfig, *, n_decode: int = 6, repack: bool | None = None):
     """run_logits' first part alone, for the tests that sweep many models: the logits of the
-    prompt as one batch and of n_decode single-token steps, and the cache statistics."""
+    prompt as one batch and of n_decode single-token steps, and the cache statistics.
+    repack: Llama's (None: as the memory allows, which a test model always fits)."""
     llm = hobbitpy.Llama(path, offload=offload, n_ctx=128, n_batch=128, logits_all=True, verbose=False, n_threads=2,
-                         n_threads_batch=2)
+                         n_threads_batch=2, repack=repack)
     try:
         llm.eval(llm.tokenize(PROMPT.encode()))
         for t in llm.tokenize(CONTINUATION.encode(), add_bos=False)[:n_decode]:

@@ -151,6 +151,10 @@ struct hobbit_params {
                               // predicting from the previous layer: the gate projection whole, then the rows of
                               // up and down its activations keep (every MoE layer, the first too); one level
     bool    direct_io;       // read with O_DIRECT (bypassing the page cache) where the file system allows it
+    bool    cpu_repack;      // pools on the CPU in the buffer type that repacks a type it has kernels for (Q4_0,
+                             // Q4_K, IQ4_NL, ...), as llama.cpp places weights by default; false: plain host memory,
+                             // as with its --no-repack. Give it the model load's use_extra_bufts: pooled experts then
+                             // compute with the kernels stock uses at that setting, and give its bits
     int32_t n_io_threads;    // threads reading experts (2 keeps the disk busy while one copies; 1 = strict queue order)
     int32_t n_row_readers;   // with neuron_reads: threads reading neuron rows only, each with a buffer of
                              // HOBBIT_ROW_READ_BYTES per level (0..HOBBIT_MAX_IO_THREADS; 0 = the n_io_threads read

@@ -155,7 +155,8 @@ hobbit_stats cache_replay(const model_levels & levels, const hobbit_params & par
         const expert_layer_layout & shape = levels.level(pool.level).layers[pool.layers.front()];
         bool repacked = false;
         for (const expert_proj_layout & pl : shape.proj) {
-            repacked = repacked || (pl.present && expert_weight_repacked(pl.type, pl.ne[0], pl.ne[1], info.n_expert_used));
+            repacked = repacked || (pl.present && expert_weight_repacked(pl.type, pl.ne[0], pl.ne[1], info.n_expert_used,
+                                                                     params.cpu_repack));
         }
         return pools_on_cpu && repacked;
     });

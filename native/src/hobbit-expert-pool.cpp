@@ -71,11 +71,11 @@ static bool buft_supports_expert_weight(ggml_backend_dev_t dev, ggml_backend_buf
     return ok;
 }
 
-ggml_backend_buffer_type_t expert_weight_buft(int type, int64_t n_in, int64_t n_out, int n_expert_used) {
+ggml_backend_buffer_type_t expert_weight_buft(int type, int64_t n_in, int64_t n_out, int n_expert_used, bool cpu_repack) {
     ggml_backend_dev_t cpu = cpu_device();
     auto * reg = ggml_backend_dev_backend_reg(cpu);
     auto get_extra = (ggml_backend_dev_get_extra_bufts_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts");
-    if (get_extra) {
+    if (get_extra && cpu_repack) {
         for (ggml_backend_buffer_type_t * b = get_extra(cpu); b && *b; ++b) {
             if (buft_supports_expert_weight(cpu, *b, type, n_in, n_out, n_expert_used)) {
                 return *b;
@@ -85,12 +85,12 @@ ggml_backend_buffer_type_t expert_weight_buft(int type, int64_t n_in, int64_t n_
     return ggml_backend_dev_buffer_type(cpu);
 }
 
-bool expert_weight_repacked(int type, int64_t n_in, int64_t n_out, int n_expert_used) {
-    return expert_weight_buft(type, n_in, n_out, n_expert_used) != ggml_backend_dev_buffer_type(cpu_device());
+bool expert_weight_repacked(int type, int64_t n_in, int64_t n_out, int n_expert_used, bool cpu_repack) {
+    return expert_weight_buft(type, n_in, n_out, n_expert_used, cpu_repack) != ggml_backend_dev_buffer_type(cpu_device());
 }
 
 expert_pool::expert_pool(const expert_layer_layout & shape, int n_expert_used, int n_slot, ggml_backend_dev_t dev,
-                         bool gate_only)
+                         bool gate_only, bool cpu_repack)
         : n_slot_(n_slot) {
     const bool on_cpu = dev == nullptr || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
     on_device_ = !on_cpu;
@@ -109,7 +109,7 @@ expert_pool::expert_pool(const expert_layer_layout & shape, int n_expert_used, i
 
             // on a GPU the device's own buffer type (ggml's CUDA kernels take every type as stored)
             ggml_backend_buffer_type_t buft = !on_cpu ? ggml_backend_dev_buffer_type(dev)
-                                                      : expert_weight_buft(pl.type, pl.ne[0], pl.ne[1], n_expert_used);
+                                                      : expert_weight_buft(pl.type, pl.ne[0], pl.ne[1], n_expert_used, cpu_repack);
             // host pages are only touched by loads, so resident memory grows with the slots in use
             ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, ggml_backend_buft_get_alloc_size(buft, t));
             if (buf == nullptr) {

@@ -22,17 +22,18 @@
 ggml_backend_dev_t expert_pool_device();
 
 // the buffer type stock llama.cpp picks for an expert weight of this type and shape on
-// the CPU (an extra buffer type that repacks it, or plain host memory)
-ggml_backend_buffer_type_t expert_weight_buft(int type, int64_t n_in, int64_t n_out, int n_expert_used);
-bool expert_weight_repacked(int type, int64_t n_in, int64_t n_out, int n_expert_used);
+// the CPU: with its extra buffer types on (cpu_repack, its default) the one that repacks it
+// where there is one, else plain host memory
+ggml_backend_buffer_type_t expert_weight_buft(int type, int64_t n_in, int64_t n_out, int n_expert_used, bool cpu_repack);
+bool expert_weight_repacked(int type, int64_t n_in, int64_t n_out, int n_expert_used, bool cpu_repack);
 
 class expert_pool {
 public:
     // shape: the expert tensors of the layers this pool serves; dev: where its weights live
     // (NULL: the CPU); gate_only: the gate projection alone (neuron-granular reads: the neuron
-    // row cache holds the rows of up and down)
+    // row cache holds the rows of up and down); cpu_repack: on the CPU, in expert_weight_buft's
     expert_pool(const expert_layer_layout & shape, int n_expert_used, int n_slot, ggml_backend_dev_t dev = nullptr,
-                bool gate_only = false);
+                bool gate_only = false, bool cpu_repack = true);
     ~expert_pool();
     expert_pool(const expert_pool &) = delete;
     expert_pool & operator=(const expert_pool &) = delete;

@@ -134,6 +134,7 @@ struct hobbit_params hobbit_default_params(void) {
     p.prefetch_width  = 0;
     p.shallow_layers  = -1;
     p.prefill_popular_first = true;
+    p.cpu_repack = true;  // llama.cpp's default (use_extra_bufts)
     p.prefill_low_share = 0.0f;
     p.substitute_alpha = 0.0f;
     p.neuron_threshold = -1.0f;

@@ -127,7 +127,7 @@ void hobbit_runtime::make_pools() {
     for (const planned_pool & pp : plan.pools) {
         const expert_layer_layout & shape = levels.level(pp.cache.level).layers[pp.cache.layers.front()];
         pools.tensors.push_back(std::make_unique<expert_pool>(shape, levels.index.info.n_expert_used, pp.cache.n_slot, pools.dev,
-                                                             /*gate_only*/ plan.neuron_reads));
+                                                             /*gate_only*/ plan.neuron_reads, params.cpu_repack));
         neurons.caches.push_back(pp.n_page > 0 ? std::make_unique<neuron_row_cache>(pp.n_ff, pp.row_bytes, pp.n_page,
                                                                                 params.neuron_bridge) : nullptr);
     }

@@ -108,6 +108,24 @@ def test_types_the_cpu_repacks_stay_exact(model_dir, arch, budget):
     assert stats["demand_bytes_read"] == stats["expert_misses"] * info.expert_bytes
 
 
+@pytest.mark.parametrize("expert_type", ["Q4_K", "Q4_0"])
+def test_types_the_cpu_repacks_stay_exact_without_repacking(model_dir, expert_type):
+    # under a memory cap stock's best setting is --no-repack (run_plan.repack_fits): its experts
+    # then compute from plain memory with the generic kernels, and so do the pools'. Plain
+    # experts may also run in place, so a prompt wider than the pool needs no waves
+    path = tiny_model(model_dir, "llama", expert_type=expert_type, n_embd=256, n_ff=512)
+    info = hobbitpy.inspect_model(path)
+    ref_scores, _ = prompt_logits(path, hobbitpy.OffloadConfig(enabled=False), repack=False)
+    repacked_scores, _ = prompt_logits(path, hobbitpy.OffloadConfig(enabled=False))
+    assert not np.array_equal(ref_scores, repacked_scores)  # other kernels: other bits
+    for mode in (POOL, "cooperative"):
+        scores, stats = prompt_logits(path, hobbitpy.OffloadConfig(cache_mb=BUDGETS["min+1"](info) / MB, mode=mode),
+                                      repack=False)
+        assert_bit_equal(scores, ref_scores)
+        assert stats["expert_misses"] + stats["expert_inplace"] > 0
+    assert stats["expert_inplace"] > 0  # cooperative: in place on the mapped file, which a repacked pool forbids
+
+
 # the README's run has one type of each family and those the CPU repacks; the slow run the
 # rest (among them the IQ types whose quantization searches take seconds a tensor)
 FAST_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ3_S", "IQ4_XS", "IQ4_NL", "MXFP4", "BF16")

@@ -130,13 +130,14 @@ def test_a_ubatch_left_open_narrows_only_when_the_experts_do_not_all_fit(model_d
     assert narrow is not None and narrow > available - other - sizes(128).compute
 
 
-@pytest.mark.parametrize("arch", ARCHES)
-def test_stock_logits_do_not_depend_on_the_ubatch(model_dir, arch):
+@pytest.mark.parametrize("arch,expert_type", [(arch, "Q8_0") for arch in ARCHES] + [("llama", "Q4_K"), ("llama", "IQ4_NL")])
+def test_stock_logits_do_not_depend_on_the_ubatch(model_dir, arch, expert_type):
     # what lets the planner narrow a ubatch the caller left open without a bit of difference
+    # (also for the types the CPU repacks: its mul_mat_id multiplies them row by row)
     import numpy as np
 
-
-    path = tiny_model(model_dir, arch)
+    path = tiny_model(model_dir, arch, **({} if expert_type == "Q8_0" else dict(expert_type=expert_type, n_embd=256,
+                                                                                  n_ff=512)))
     logits = []
     for n_ubatch in (512, 32, 7):
         llm = hobbitpy.Llama(path, offload=False, n_ctx=256, n_batch=256, n_ubatch=n_ubatch, logits_all=True,
@@ -239,6 +240,8 @@ def test_weights_are_repacked_only_where_the_file_fits_beside_the_copy(model_dir
     assert plan_run(info, stock, shape, roomy).repack
     tight = int(REPACK_ROOM * info.file_bytes) - 1
     assert not plan_run(info, stock, shape, tight).repack
-    # offloaded, only the resident weights are repacked: the pools hold the experts as filed
+    # offloaded, the same: the pools follow the weights (test_exactness.py), so an offloaded run
+    # computes with the kernels of stock's best run in that memory
     offloaded = plan_run(info, hobbitpy.OffloadConfig(cache_mb=2), shape, tight)
-    assert offloaded.offloaded and offloaded.repack
+    assert offloaded.offloaded and not offloaded.repack
+    assert plan_run(info, hobbitpy.OffloadConfig(cache_mb=2), shape, roomy).repack

@@ -84,6 +84,7 @@ def plan_run(info: ModelInfo, offload: OffloadConfig, shape: ContextShape, avail
             raise HobbitError(f"{lora_path}: LoRA adapters are not supported with expert offload yet; "
                               "load the model with OffloadConfig(enabled=False)")
         placement = placement_for(info, offload, level_paths, plan.budget_bytes)
-    # offloaded, only the resident weights are repacked (the pools hold the experts as filed)
-    repack = plan.budget_bytes is not None or repack_fits(info.file_bytes, available)
+    # the weights are repacked as stock llama.cpp's best setting for this memory has them, the
+    # pools' experts too (to_native's cpu_repack): the same kernels as that stock run, its bits
+    repack = repack_fits(info.file_bytes, available)
     return RunPlan(offload, level_paths, shape, plan, placement, repack)

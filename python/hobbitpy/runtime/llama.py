@@ -127,8 +127,9 @@ class Llama(llama_cpp.Llama):
     ``n_seq_max=W``: a context of W sequences sharing one KV cache, for ``beam_search``.
     ``repack=False``: llama.cpp's ``--no-repack`` (the CPU backend leaves Q4_0/Q4_K/IQ4_NL weights
     mapped instead of copying them repacked into its own memory: stock's setting under a cap).
-    Default: repacked unless the experts stay resident and the file does not fit beside the copy
-    (run_plan.repack_fits)."""
+    Default: repacked where the file fits beside the repacked copy (run_plan.repack_fits), as
+    stock runs best in that memory; the expert pools follow it, so their experts compute with
+    that stock run's kernels."""
 
     _closed = False  # set by close(): every later call says so
 
@@ -178,12 +179,14 @@ class Llama(llama_cpp.Llama):
         self.offload_plan: OffloadPlan = plan.offload_plan
         self.placement: tuple[tuple[int, ...], ...] | None = plan.placement  # the level of every expert, when placed
         kwargs["n_ubatch"] = plan.shape.n_ubatch
+        self._repack = plan.repack if repack is None else bool(repack)  # llama.cpp's use_extra_bufts, pools too
         if plan.offloaded:
             params, _c_strings = plan.offload.to_native(plan.offload_plan.budget_bytes, plan.level_paths,
-                                                        plan.offload_plan.page_cache_room_bytes, plan.placement)
+                                                        plan.offload_plan.page_cache_room_bytes, plan.placement,
+                                                        self._repack)
             hobbit.request_offload(params)
         try:
-            with _model_params(use_extra_bufts=plan.repack if repack is None else bool(repack)), bounded_templates():
+            with _model_params(use_extra_bufts=self._repack), bounded_templates():
                 super().__init__(model_path=model_path, **kwargs)
         except ValueError as e:
             if why := hobbit.last_attach_error():
@@ -300,7 +303,8 @@ class Llama(llama_cpp.Llama):
         if not self.offloaded:
             raise HobbitError(f"{self.model_path}: the experts are resident; there is no cache to replay")
         params, _c_strings = self.offload_config.to_native(self.offload_plan.budget_bytes, self.level_paths,
-                                                           self.offload_plan.page_cache_room_bytes, self.placement)
+                                                           self.offload_plan.page_cache_room_bytes, self.placement,
+                                                           self._repack)
         return replay(self.model_path, params, routing.experts, routing.weights, routing.ubatch_start, routing.seq_start)
 
     def _ubatch_starts(self, n: int) -> list[int]:

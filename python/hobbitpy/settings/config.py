@@ -486,11 +486,13 @@ class OffloadConfig:
         return None if self.cache_mb is None else int(self.cache_mb * MB)
 
     def to_native(self, budget_bytes: int, level_paths: tuple[str | None, ...] = (None,), page_cache_room_bytes: int = -1,
-                  placement: tuple[tuple[int, ...], ...] | None = None):
+                  placement: tuple[tuple[int, ...], ...] | None = None, cpu_repack: bool = True):
         """The hobbit_params struct for a budget in bytes, and the C strings and arrays it points
         to (keep them alive until the model has loaded). level_paths: the file of each level,
         high to low, None for the model's own experts (see companions.resolve_levels);
-        placement: the level of every expert (placement.place_by_importance), or None."""
+        placement: the level of every expert (placement.place_by_importance), or None;
+        cpu_repack: whether the model is loaded with llama.cpp's repacking buffers (its
+        use_extra_bufts), which the pools then use too."""
         if len(level_paths) != self.n_level or None in level_paths[1:]:
             raise ValueError(f"{self.n_level} level files expected (the first may be None), got {level_paths}")
         params = hobbit.default_params()
@@ -505,6 +507,7 @@ class OffloadConfig:
         params.neuron_limit = self.neuron_limit
         params.neuron_reads = self.neuron_layout is not None
         params.direct_io = self.direct_io
+        params.cpu_repack = cpu_repack
         params.n_io_threads = self.io_threads
         params.n_row_readers = self.row_readers
         params.neuron_bridge = self.neuron_bridge
