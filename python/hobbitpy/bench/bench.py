@@ -75,10 +75,11 @@ def _run_one(model: str, cfg: BenchConfig, cap: Cap, memcap: MemoryCap | None, n
     if offload is not None and memcap is None and cap.limit_bytes is not None and offload.get("cache_mb") is None:
         offload = dict(offload, cache_mb=fallback_budget_mb)  # no cgroup: the budget stands in for the cap
     # stock with its best settings for the memory: where the file does not fit beside the CPU
-    # backend's repacked copy of its Q4_0/Q4_K weights, it runs as a user who knows turns it off
+    # backend's repacked copy of its Q4_0/Q4_K weights, it runs as a user who knows turns it off;
+    # hobbitpy as its plan decides in the memory it finds (None), which is the same rule
     model_file = cfg.model or model
     memory = cap.limit_bytes if cap.limit_bytes is not None else available_memory_bytes()
-    repack = offload is not None or repack_fits(inspect_model(model_file).file_bytes, memory)
+    repack = None if offload is not None else repack_fits(inspect_model(model_file).file_bytes, memory)
     spec = {"model": model_file, "offload": offload, "n_predict": n_predict, "threads": threads,
             "prompt_tokens": list(prompt_tokens), "beams": beams, "repack": repack}
     # every file of the benchmark, not only this run's: page cache stays charged to the
@@ -239,9 +240,10 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
                 s["stock_path"] = cfg.offload is not None and not s["failed"] and not s["offloaded"]
                 if s.get("decode_tok_s") and stock.get("decode_tok_s") and not s["stock_path"]:
                     s["ratio_to_stock"] = s["decode_tok_s"] / stock["decode_tok_s"]
-                # stock's tokens with llama.cpp's defaults (the warm uncapped run): a capped stock
-                # run without repacking computes Q4_K with other kernels, and its tokens may differ
-                reference = warm[-1].get("generated") or stock.get("generated")
+                # stock's tokens under the same cap: hobbitpy repacks where that run does (the same
+                # rule, run_plan.repack_fits), so it computes with the same kernels; the warm
+                # uncapped run's where the capped one failed
+                reference = stock.get("generated") or warm[-1].get("generated")
                 if "generated" in s and reference is not None:
                     s["same_output_as_stock"] = s["generated"] == reference
             # hobbitpy's configurations at the model's precision must reproduce stock exactly

@@ -69,13 +69,13 @@ def run(spec: dict) -> dict:
         # not depend on the ubatch (tests/runtime/test_memory.py).
         n_ubatch = fit_ubatch(inspect_model(spec["model"]), shape, OffloadConfig())
     llm = Llama(spec["model"], offload=offload, n_ctx=shape.n_ctx, n_batch=shape.n_batch, n_ubatch=n_ubatch,
-                n_seq_max=beams, n_threads=spec["threads"], verbose=False, repack=spec.get("repack", True))
+                n_seq_max=beams, n_threads=spec["threads"], verbose=False, repack=spec.get("repack"))
     load_s = time.perf_counter() - t0
     with llm:
         # what the default (default_ladder.py) added to the configuration, which its quality is scored with
         added = {f.name: getattr(llm.offload_config, f.name) for f in dataclasses.fields(OffloadConfig)
                  if f.name != "auto" and getattr(llm.offload_config, f.name) != getattr(offload, f.name)}
-        r = {"offloaded": llm.offloaded, "plan": llm.offload_plan.reason, "load_s": load_s, "repack": spec.get("repack", True),
+        r = {"offloaded": llm.offloaded, "plan": llm.offload_plan.reason, "load_s": load_s, "repack": llm.repack,
              "budget_bytes": llm.offload_plan.budget_bytes or 0, "n_ubatch": int(llm.context_params.n_ubatch),
              "default_settings": added}
         # time to first token per prompt length (JSON keys: strings); the shortest first, from a cold cache

@@ -179,14 +179,14 @@ class Llama(llama_cpp.Llama):
         self.offload_plan: OffloadPlan = plan.offload_plan
         self.placement: tuple[tuple[int, ...], ...] | None = plan.placement  # the level of every expert, when placed
         kwargs["n_ubatch"] = plan.shape.n_ubatch
-        self._repack = plan.repack if repack is None else bool(repack)  # llama.cpp's use_extra_bufts, pools too
+        self.repack: bool = plan.repack if repack is None else bool(repack)  # use_extra_bufts, the pools too
         if plan.offloaded:
             params, _c_strings = plan.offload.to_native(plan.offload_plan.budget_bytes, plan.level_paths,
                                                         plan.offload_plan.page_cache_room_bytes, plan.placement,
-                                                        self._repack)
+                                                        self.repack)
             hobbit.request_offload(params)
         try:
-            with _model_params(use_extra_bufts=self._repack), bounded_templates():
+            with _model_params(use_extra_bufts=self.repack), bounded_templates():
                 super().__init__(model_path=model_path, **kwargs)
         except ValueError as e:
             if why := hobbit.last_attach_error():
@@ -304,7 +304,7 @@ class Llama(llama_cpp.Llama):
             raise HobbitError(f"{self.model_path}: the experts are resident; there is no cache to replay")
         params, _c_strings = self.offload_config.to_native(self.offload_plan.budget_bytes, self.level_paths,
                                                            self.offload_plan.page_cache_room_bytes, self.placement,
-                                                           self._repack)
+                                                           self.repack)
         return replay(self.model_path, params, routing.experts, routing.weights, routing.ubatch_start, routing.seq_start)
 
     def _ubatch_starts(self, n: int) -> list[int]:
