@@ -31,7 +31,8 @@ class expert_pool {
 public:
     // shape: the expert tensors of the layers this pool serves; dev: where its weights live
     // (NULL: the CPU); gate_only: the gate projection alone (neuron-granular reads: the neuron
-    // row cache holds the rows of up and down); cpu_repack: on the CPU, in expert_weight_buft's
+    // row cache holds the rows of up and down); cpu_repack: on the CPU, the buffer type
+    // expert_weight_buft gives with it (the model load's repack setting)
     expert_pool(const expert_layer_layout & shape, int n_expert_used, int n_slot, ggml_backend_dev_t dev = nullptr,
                 bool gate_only = false, bool cpu_repack = true);
     ~expert_pool();

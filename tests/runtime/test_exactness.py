@@ -115,9 +115,8 @@ def test_types_the_cpu_repacks_stay_exact_without_repacking(model_dir, expert_ty
     # experts may also run in place, so a prompt wider than the pool needs no waves
     path = tiny_model(model_dir, "llama", expert_type=expert_type, n_embd=256, n_ff=512)
     info = hobbitpy.inspect_model(path)
+    # (with AVX2 the repacked run's bits differ from it: other kernels)
     ref_scores, _ = prompt_logits(path, hobbitpy.OffloadConfig(enabled=False), repack=False)
-    repacked_scores, _ = prompt_logits(path, hobbitpy.OffloadConfig(enabled=False))
-    assert not np.array_equal(ref_scores, repacked_scores)  # other kernels: other bits
     for mode in (POOL, "cooperative"):
         scores, stats = prompt_logits(path, hobbitpy.OffloadConfig(cache_mb=BUDGETS["min+1"](info) / MB, mode=mode),
                                       repack=False)
