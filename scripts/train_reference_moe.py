@@ -435,6 +435,9 @@ def main() -> None:
                                          "from it: a budget longer than one session is trained over several runs")
     ap.add_argument("--run-minutes", type=float, help="with --checkpoint: stop this run after so many minutes "
                                                       "(the GGUFs are written from the state reached)")
+    ap.add_argument("--steps", type=int, help="stop at this many steps in all (over resumed runs), or at the time "
+                                              "budget if that comes first: as many steps on a faster or busier "
+                                              "machine (the learning rate follows the time budget)")
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -486,7 +489,8 @@ def main() -> None:
     run_end = t0 + (a.run_minutes * 60 if a.run_minutes else math.inf)
     kept_at = t0
     data = batches(train_ids, c.n_ctx, a.batch, rng)
-    while (elapsed := before + time.time() - t0) < budget and time.time() < run_end:
+    while ((elapsed := before + time.time() - t0) < budget and time.time() < run_end
+           and (a.steps is None or step < a.steps)):
         if time.time() - kept_at > 600:
             keep()
             kept_at = time.time()
