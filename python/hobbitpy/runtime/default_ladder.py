@@ -15,10 +15,13 @@ dialogue, code, arithmetic, three languages, scripture):
   distributions (kept for the run, in a temporary file);
 - the low copy is `prepare`'s Q2_K companion next to the model, made on first use (a
   progress bar; the disk it needs checked and said first; never with `--no-prepare`);
-- the ladder the memory allows is run over the same text (beyond the limit, so is every ladder
-  with fewer experts at the model's precision: a later run finding less memory measures nothing;
-  within, so is every ladder with more, and one finding less measures its own, unless every
-  expert at the copy is within);
+- the ladder the memory allows, less a slack (VERDICT_SLACK_SHARE), is run over the same text
+  (beyond the limit, so is every ladder with fewer experts at the model's precision, and it is
+  taken for the budget's own, a slack above it: a later run finding as much memory or less
+  measures nothing; within, so is every ladder with more: runs under the same memory find a MB
+  or two more or less than one another, and a later one finding up to a slack less measures
+  nothing; one finding less than that measures its own, unless every expert at the copy is
+  within);
   it is served when its next-token distributions are within MAX_MEAN_KL of the model's (then the
   ladder with every expert at the low copy is measured too: within, no expert is kept at the
   model's precision; every expert at the copy is not measured first, as it would settle every
@@ -43,7 +46,9 @@ dialogue, code, arithmetic, three languages, scripture):
   perplexity on the calibration text and +4.6 % on held-out scripture; its divergence was
   0.038 nats). What was measured is kept with the importance, per low type: a later run
   whose memory allows at least as many experts at the model's precision as a ladder found
-  within reuses the verdict, as does one allowing at most as many as a ladder found beyond.
+  within reuses the verdict, as does one whose memory less the slack allows at most as many as
+  a ladder found beyond. The line served says which ladder was measured where it is not the
+  one served.
   A measurement stops once the KL summed over the tokens run exceeds, spread over the whole
   text, the mean that decides: KL is never negative, so the rest of the text could not change
   the decision. It is checked after each window and after the first quarter of the first (at
@@ -117,6 +122,12 @@ DYNAMIC = {"hits": "at-least", "t1": DEFAULT_T1, "t2": 1.0, "level_shares": (0.9
 # holds (a prompt served level by level, as decode serves it): what "at-least" serves or worse (a
 # cached copy at the model's precision serves a selection that wants it low), whatever the memory
 DYNAMIC_PRICED = {**DYNAMIC, "hits": "exact", "level_shares": None}
+# the memory by which runs under the same limit differ (the heap a pass leaves, the page cache's
+# accounting: a MB or two on the small models, one expert at the model's precision more or less;
+# fresh-clone CI saw a second run re-measure for it): a fiftieth of the ladder's bytes, at least
+# two experts at the model's precision. A ladder is priced this much below the budget's
+VERDICT_SLACK_SHARE = 1 / 50
+VERDICT_SLACK_EXPERTS = 2
 
 
 @dataclass(frozen=True)
@@ -147,13 +158,15 @@ class Calibration:
     # the model's next-token distributions, which a ladder is compared with (this process only)
     reference: Reference | None = dataclasses.field(default=None, compare=False)
 
-    def verdict(self, n_high: int, low: str = LOW_TYPE) -> Priced | None:
+    def verdict(self, n_high: int, low: str = LOW_TYPE, n_beyond: int | None = None) -> Priced | None:
         """The measurement that settles a ladder of n_high experts at the model's precision over
         the low copy of that type (more of them never diverge more: a placement raises the most
-        weighed first), or None."""
+        weighed first), or None. A measurement beyond the limit is taken for ladders with as many
+        as it or fewer, or, given n_beyond, for those whose n_beyond is (the ladder a little less
+        memory would allow: _choose's slack)."""
         ladders = [p for p in self.ladders if p.low == low and not p.dynamic]
         within = [p for p in ladders if p.n_high <= n_high and p.within]
-        beyond = [p for p in ladders if p.n_high >= n_high and not p.within]
+        beyond = [p for p in ladders if p.n_high >= (n_high if n_beyond is None else n_beyond) and not p.within]
         return within[-1] if within else beyond[0] if beyond else None
 
     def dynamic_verdict(self, low: str) -> Priced | None:
@@ -333,6 +346,11 @@ def ladder_placement(info: ModelInfo, model_layer_bytes: np.ndarray, budget_byte
     return placement, sum(level == 0 for row in placement for level in row)
 
 
+def verdict_slack_bytes(info: ModelInfo, placed: int) -> int:
+    """How far below the budget's own a ladder is priced (VERDICT_SLACK_SHARE)."""
+    return max(int(placed * VERDICT_SLACK_SHARE), VERDICT_SLACK_EXPERTS * info.expert_bytes)
+
+
 def describe(info: ModelInfo, budget_bytes: int, importance: np.ndarray, placement, verdict: Priced) -> str:
     """The line a served ladder is announced with."""
     low = verdict.low
@@ -344,10 +362,14 @@ def describe(info: ModelInfo, budget_bytes: int, importance: np.ndarray, placeme
     what = (f"every expert from a {low} copy (the fewest bytes a token within the limit)" if n_high == 0 else
             f"the {n_high} of {n_experts} experts the routers weigh most at the model's precision, the rest "
             f"({100 * low_weight_share(importance, placement):.0f} % of the routers' weight) from a {low} copy")
-    return f"{where}: {what}; {_measured(verdict)} (lossy; --exact serves the model's own experts only)"
+    return f"{where}: {what}; {_measured(verdict, n_high)} (lossy; --exact serves the model's own experts only)"
 
 
-def _measured(p: Priced) -> str:
+def _measured(p: Priced, n_high: int | None = None) -> str:
+    """What p measured, said for a ladder of n_high experts at the model's precision (the ladder
+    measured named where it has another number of them)."""
+    if n_high is not None and n_high != p.n_high:
+        return f"with {p.n_high} at the model's precision, {_measured(p)}"
     if p.at_least:
         return (f"on hobbitpy's calibration text at least {p.mean_kl:.4f} nats from the model's next-token "
                 f"distributions (at most {MAX_MEAN_KL:g}; stopped once the rest of the text could not bring it "
@@ -467,7 +489,12 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
     model_layer_bytes = layer_expert_bytes(model_path)
     placed = placed_bytes(info, budget, calibration, low_type)
     placement, n_high = ladder_placement(info, model_layer_bytes, placed, calibration.importance, low_type)
-    verdict = calibration.verdict(n_high, low_type)
+    # the ladder priced: a slack below the budget's, so that a run finding a little less memory is
+    # settled by it within the limit, and beyond by it the budget's own (verdict's n_beyond)
+    slack = verdict_slack_bytes(info, placed)
+    priced_bytes = max(placed - slack, 0)
+    n_priced = ladder_placement(info, model_layer_bytes, priced_bytes, calibration.importance, low_type)[1]
+    verdict = calibration.verdict(n_high, low_type, n_priced)
     if verdict is None:
         if calibration.reference is None:  # kept from an earlier run: its distributions are not
             calibration = _measure(model_path, info, text, measure, calibration)
@@ -482,9 +509,10 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
                                  placed_mb=placed / MB)
     if verdict is None:
         try:
-            # the budget's own ladder: beyond, it settles every ladder with fewer experts at the
-            # model's precision (a later run finding less memory measures nothing)
-            verdict = _price(info, calibration, served, n_high, budget, score, low_type, _decisive_kl(next_type))
+            # the budget's own ladder (less the slack): beyond, it settles every ladder with fewer
+            # experts at the model's precision (a later run finding less memory measures nothing)
+            verdict = _price(info, calibration, dataclasses.replace(served, placed_mb=priced_bytes / MB), n_priced,
+                             budget, score, low_type, _decisive_kl(next_type))
             calibration = calibration.priced(verdict)
             _keep(model_path, info, text, calibration)
             if verdict.within and calibration.verdict(0, low_type) is None:
@@ -505,7 +533,7 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
             verdict = calibration.verdict(n_high, low_type)
     if not verdict.within:  # (a copy made for nothing is removed by the caller: the verdicts are kept)
         ladder_beyond = (f"the ladder memory allows ({n_high} experts at the model's precision, the rest at "
-                         f"{low_type}) measured {_measured(verdict)}")
+                         f"{low_type}) measured {_measured(verdict, n_high)}")
         if next_type is not None and _next_type_may_be_within(verdict):
             return exact, _exact(ladder_beyond), verdict
         dynamic, line = _choose_dynamic(info, config, budget, text, calibration,
