@@ -123,9 +123,9 @@ DYNAMIC = {"hits": "at-least", "t1": DEFAULT_T1, "t2": 1.0, "level_shares": (0.9
 # cached copy at the model's precision serves a selection that wants it low), whatever the memory
 DYNAMIC_PRICED = {**DYNAMIC, "hits": "exact", "level_shares": None}
 # the memory by which runs under the same limit differ (the heap a pass leaves, the page cache's
-# accounting: a MB or two on the small models, one expert at the model's precision more or less;
-# fresh-clone CI saw a second run re-measure for it): a fiftieth of the ladder's bytes, at least
-# two experts at the model's precision. A ladder is priced this much below the budget's
+# accounting: a MB or two on the small models, one expert at the model's precision more or less),
+# with room to spare: a fiftieth of the ladder's bytes, at least two experts at the model's
+# precision. A ladder is priced this much below the budget's (_choose).
 VERDICT_SLACK_SHARE = 1 / 50
 VERDICT_SLACK_EXPERTS = 2
 
@@ -161,9 +161,9 @@ class Calibration:
     def verdict(self, n_high: int, low: str = LOW_TYPE, n_beyond: int | None = None) -> Priced | None:
         """The measurement that settles a ladder of n_high experts at the model's precision over
         the low copy of that type (more of them never diverge more: a placement raises the most
-        weighed first), or None. A measurement beyond the limit is taken for ladders with as many
-        as it or fewer, or, given n_beyond, for those whose n_beyond is (the ladder a little less
-        memory would allow: _choose's slack)."""
+        weighed first), or None. A measurement beyond the limit settles a ladder with as many as
+        it or fewer; given n_beyond (the ladder a slack less memory allows: the one _choose
+        prices), one whose n_beyond has as many or fewer."""
         ladders = [p for p in self.ladders if p.low == low and not p.dynamic]
         within = [p for p in ladders if p.n_high <= n_high and p.within]
         beyond = [p for p in ladders if p.n_high >= (n_high if n_beyond is None else n_beyond) and not p.within]
