@@ -61,6 +61,9 @@ enum hobbit_policy {
     HOBBIT_POLICY_SCORE      = 8, // importance-driven scheduling §5.3: evicts the expert with the lowest router score
                                   // averaged over the last HOBBIT_SCORE_HISTORY tokens, selected or not (ties: least
                                   // recently used); the layer being computed stays pinned (its "protection shield")
+    HOBBIT_POLICY_FREQUENCY  = 9, // LFU seeded by a profile and aged: evicts the expert the run selected least, a
+                                  // profile (expert_popularity, optional) counting as a few tokens' selections
+                                  // before the first, the counts halved as they grow (ties: least recently used)
 };
 
 #define HOBBIT_SCORE_HISTORY 16
@@ -197,7 +200,8 @@ struct hobbit_params {
     int32_t n_expert_levels; // entries in expert_levels (n_layer_moe * n_expert), 0 with NULL
     // a popularity profile (Fiddler §3: how often a trace of calibration text selected each expert),
     // [n_layer_moe][n_expert] in the order of the layers that have experts: what HOBBIT_POLICY_POPULARITY ranks
-    // by, and the order warm-up fills the pools in (most popular first, also with one precision level).
+    // by, HOBBIT_POLICY_FREQUENCY's prior, and the order warm-up fills the pools in (most popular first, also
+    // with one precision level; the highest level's pools too when warm_low is off).
     // NULL: none (copied at request)
     const float * expert_popularity;
     int32_t n_expert_popularity; // entries in expert_popularity, 0 with NULL

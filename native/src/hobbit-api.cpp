@@ -275,7 +275,7 @@ enum hobbit_status hobbit_simulate_cache(const struct hobbit_sim_trace * trace, 
     }
     cache_policy_kind kind = cache_policy_kind::lru;
     if (!belady && !cache_policy_parse(name, kind)) {
-        write_error(err, err_size, "unknown cache policy '" + name + "' (lru, lfu, lhu, fld, random, weighted, arc, popularity, score, belady)");
+        write_error(err, err_size, "unknown cache policy '" + name + "' (lru, lfu, lhu, fld, random, weighted, arc, popularity, score, frequency, belady)");
         return HOBBIT_STATUS_ERROR_INVALID;
     }
     if (!belady && kind == cache_policy_kind::popularity && trace->popularity == nullptr) {

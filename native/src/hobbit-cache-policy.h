@@ -10,6 +10,8 @@
 // profile made before the run: the least often selected on calibration text goes first.
 // Score (importance-driven scheduling §5.3) ranks by the router's scores of the last tokens,
 // those of unselected experts included: a high score, even unselected, predicts reuse.
+// Frequency ranks by the run's own selections, aged, a profile counting as a few tokens' worth
+// before them: LFU that starts from Fiddler's placement.
 //
 // The pool decides which slots may be evicted (not pinned, not loading); the policy only
 // ranks them. The runtime and the offline simulator (hobbit-cache-sim) drive the same
@@ -48,21 +50,22 @@ struct cache_policy_weights {
     float lru = 1.0f, lfu = 0.0f, lhu = 0.0f, fld = 0.0f;
 };
 
-enum class cache_policy_kind { lru, lfu, lhu, fld, random, weighted, arc, popularity, score };
+enum class cache_policy_kind { lru, lfu, lhu, fld, random, weighted, arc, popularity, score, frequency };
 
-// "lru" | "lfu" | "lhu" | "fld" | "random" | "weighted" | "arc" | "popularity" | "score"; false for an unknown name
+// "lru" | "lfu" | "lhu" | "fld" | "random" | "weighted" | "arc" | "popularity" | "score" | "frequency"; false for an
+// unknown name
 bool cache_policy_parse(const std::string & name, cache_policy_kind & kind);
 const char * cache_policy_name(cache_policy_kind kind);
 // the kind hobbit.h's enum hobbit_policy names (the same order); false for a value outside it
 bool cache_policy_of(int policy, cache_policy_kind & kind);
 
 // weights are used by kind == weighted only; seed by random only; popularity ([n_layer][n_expert],
-// copied) by kind == popularity only, which returns nullptr without it; score averages the
-// last score_history tokens' scores (of a layer)
+// copied) by kind == popularity, which returns nullptr without it, and by frequency as its prior
+// (optional; n_expert_used scales it); score averages the last score_history tokens' scores (of a layer)
 std::unique_ptr<cache_policy_i> cache_policy_make(cache_policy_kind kind, int n_slot, int n_layer, int n_expert,
                                                   const cache_policy_weights & weights = {}, uint64_t seed = 0,
                                                   const float * popularity = nullptr,
-                                                  int score_history = HOBBIT_SCORE_HISTORY);
+                                                  int score_history = HOBBIT_SCORE_HISTORY, int n_expert_used = 1);
 
 // Belady (1966): evicts the expert whose next use lies farthest ahead, the fewest misses
 // possible. It knows the future from the trace, experts[step][n_expert_used] (-1 = none),

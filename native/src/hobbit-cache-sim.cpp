@@ -183,8 +183,8 @@ hobbit_stats cache_replay(const model_levels & levels, const hobbit_params & par
         }
         loads.clear();
     };
-    if (plan.warm) {
-        cache.warm(plan.warm_order(info.n_expert), [&](int il) { return plan.placed(il); }, loads);
+    if (plan.warm_deepest >= 0) {
+        cache.warm(plan.warm_order(info.n_expert), [&](int il) { return plan.placed(il); }, plan.warm_deepest, loads);
         complete();
     }
     std::vector<int32_t> ids;

@@ -33,7 +33,8 @@ expert_cache::expert_cache(const expert_cache_setup & setup, cache_env & env)
         pg.slots        = slot_table(n_layer_, n_expert_, ps.n_slot);
         pg.policy       = setup.make_policy ? setup.make_policy(ps.n_slot)
                                             : cache_policy_make(setup.policy, ps.n_slot, n_layer_, n_expert_,
-                                                                setup.policy_weights, setup.seed, setup.popularity);
+                                                                setup.policy_weights, setup.seed, setup.popularity,
+                                                                HOBBIT_SCORE_HISTORY, setup.n_expert_used);
         pg.level        = ps.level;
         pg.type         = ps.type;
         pg.expert_bytes = ps.expert_bytes;
@@ -617,9 +618,9 @@ void expert_cache::prefetch_layer_whole(int next, const std::vector<int> & order
 }
 
 void expert_cache::warm(const std::vector<std::pair<int, int>> & order, const std::function<const int8_t *(int)> & placed,
-                        std::vector<load_task> & loads) {
+                        int deepest, std::vector<load_task> & loads) {
     std::lock_guard<std::mutex> lock(mtx);
-    for (int l = n_level_ - 1; l >= 0; --l) {
+    for (int l = std::min(deepest, n_level_ - 1); l >= 0; --l) {
         for (const auto & [il, e] : order) {
             if (placed(il) && placed(il)[e] != l) {
                 continue; // a static placement: each expert at its own level only

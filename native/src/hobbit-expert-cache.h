@@ -150,10 +150,11 @@ public:
     // its pools have room for beside what is pinned
     void prefetch_layer_whole(int next, const std::vector<int> & order, const std::vector<bool> & low,
                               std::vector<load_task> & loads);
-    // fill the free slots in the background, the lowest level first, in this order of (layer,
-    // expert); placed(il): a static placement's levels of layer il (an expert only at its own), or nullptr
+    // fill the free slots of levels deepest up to 0 in the background, the deepest first, in this order
+    // of (layer, expert); placed(il): a static placement's levels of layer il (an expert only at its
+    // own), or nullptr
     void warm(const std::vector<std::pair<int, int>> & order, const std::function<const int8_t *(int)> & placed,
-              std::vector<load_task> & loads);
+              int deepest, std::vector<load_task> & loads);
 
     // a load has finished (error: it failed; its slot is emptied): counted, waiters woken
     void load_done(const load_task & task, bool ok, uint64_t n_bytes);

@@ -239,8 +239,14 @@ runtime_plan plan_runtime(const model_levels & levels, const hobbit_params & par
     }
     // with one level of the model's own experts a miss is served as well from the file, so the
     // pools fill as the run goes; a popularity profile says what deserves them from the start
-    // (a neuron layout is the model's own experts, read as needed)
-    plan.warm = params.warm_low && (levels.n_level > 1 || (levels.high && !plan.neuron_reads) || !plan.popularity.empty());
+    // (a neuron layout is the model's own experts, read as needed); with several levels and warm_low
+    // off a profile still fills the highest level's pools (the lowest's is left to the selections
+    // that want it)
+    if (params.warm_low && (levels.n_level > 1 || (levels.high && !plan.neuron_reads) || !plan.popularity.empty())) {
+        plan.warm_deepest = levels.n_level - 1;
+    } else if (!plan.popularity.empty() && levels.n_level > 1) {
+        plan.warm_deepest = 0;
+    }
     return plan;
 }
 

@@ -53,10 +53,12 @@ struct runtime_plan {
     std::vector<planned_pool> pools;
     int64_t pool_bytes = 0;                     // every pool's
     int64_t n_slot = 0;                         // every pool's
-    // the pools filled in the background from the start (params.warm_low where a miss is not served as
-    // well from the model's file: several levels, a high companion, a popularity profile), in this
+    // the pools filled in the background from the start, levels warm_deepest up to 0 (-1: none):
+    // every level with params.warm_low where a miss is not served as well from the model's file
+    // (several levels, a high companion, a popularity profile); else with a profile the highest
+    // level alone (its popular experts are what a frequency or popularity policy keeps), in this
     // order of (layer, expert): across the layers expert by expert, the most popular first with a profile
-    bool warm = false;
+    int warm_deepest = -1;
     std::vector<std::pair<int, int>> warm_order(int n_expert) const;
 
     // the static placement's levels of layer il's experts, or nullptr (the thresholds decide)

@@ -84,7 +84,7 @@ hobbit_runtime::hobbit_runtime(const llama_model * model, const std::string & pa
     stats_.direct_io    = io->direct_io();
     stats_.n_level      = levels.n_level;
 
-    if (plan.warm) {
+    if (plan.warm_deepest >= 0) {
         warm_pools();
     }
 }
@@ -232,7 +232,8 @@ void hobbit_runtime::describe_layers() {
 // overtake these: they are background loads)
 void hobbit_runtime::warm_pools() {
     std::vector<load_task> loads;
-    cache->warm(plan.warm_order(levels.index.info.n_expert), [&](int il) { return plan.placed(il); }, loads);
+    cache->warm(plan.warm_order(levels.index.info.n_expert), [&](int il) { return plan.placed(il); },
+                plan.warm_deepest, loads);
     submit(loads);
 }
 

@@ -125,6 +125,43 @@ void test_popularity() {
     printf("ok popularity\n");
 }
 
+void test_frequency() {
+    // one layer of 4 experts, top-1; the profile's prior (8 tokens' worth): 2 -> 4.8, 0 -> 3.2, 1 and 3 -> 0
+    const float profile[4] = { 2.0f, 0.0f, 3.0f, 0.0f };
+    auto fq = cache_policy_make(cache_policy_kind::frequency, 4, 1, 4, {}, 0, profile, HOBBIT_SCORE_HISTORY, 1);
+    for (int s = 0; s < 4; ++s) {
+        fq->on_insert(s, 0, s);
+    }
+    CHECK(fq->choose_victim({0, 1, 2, 3}) == 1);   // no uses: the prior, ties to the least recent (1 before 3)
+    for (int i = 0; i < 4; ++i) {
+        fq->on_access(1, true);                    // 4 uses: 1 outranks 0 (3.2) and 3 (0)
+    }
+    CHECK(fq->choose_victim({0, 1, 2, 3}) == 3);
+    CHECK(fq->choose_victim({0, 1, 2}) == 0);
+    for (int i = 0; i < 4; ++i) {
+        fq->on_access(3, true);                    // 3 ties 1 (4 + 0): 1 is the older
+    }
+    CHECK(fq->choose_victim({1, 3}) == 1);
+    fq->reset();                                   // a new sequence: the run's counts stay
+    CHECK(fq->choose_victim({0, 3}) == 0);
+    // without a profile: LFU, aged: 32 uses per expert of the table (128) halve every count
+    auto plain = cache_policy_make(cache_policy_kind::frequency, 2, 1, 4);
+    plain->on_insert(0, 0, 0);
+    plain->on_insert(1, 0, 1);
+    for (int i = 0; i < 100; ++i) {
+        plain->on_access(0, true);
+    }
+    for (int i = 0; i < 28; ++i) {
+        plain->on_access(1, true);                 // the 128th use halves: 50 against 14
+    }
+    CHECK(plain->choose_victim({0, 1}) == 1);
+    for (int i = 0; i < 40; ++i) {
+        plain->on_access(1, true);                 // 50 against 54 (unaged, 100 against 68)
+    }
+    CHECK(plain->choose_victim({0, 1}) == 0);
+    printf("ok frequency\n");
+}
+
 void test_score_policy() {
     // two slots hold experts 0 and 1 of one layer of 4; the last two tokens' scores average
     auto sp = cache_policy_make(cache_policy_kind::score, 2, 1, 4, {}, 0, nullptr, 2);

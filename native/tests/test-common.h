@@ -48,6 +48,7 @@ void test_lru();
 void test_lfu_lhu_fld();
 void test_arc();
 void test_popularity();
+void test_frequency();
 void test_score_policy();
 void test_take_slot();
 void test_simulator();

@@ -18,6 +18,7 @@ int main(int argc, char ** argv) {
     test_lfu_lhu_fld();
     test_arc();
     test_popularity();
+    test_frequency();
     test_score_policy();
     test_simulator();
     test_take_slot();

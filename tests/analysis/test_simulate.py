@@ -46,7 +46,8 @@ def test_belady_bounds_every_policy(model_dir):
     t = record_trace(path, PROMPTS, n_predict=16, n_ctx=128, lookahead=1)
     for n_slot in (4, 8, 16):
         results = {r.policy: r for r in simulate_all(t, [_slots_budget_mb(info, n_slot)])}
-        assert set(results) == {"lru", "lfu", "lhu", "fld", "arc", "popularity", "score", "random", "belady"}
+        assert set(results) == {"lru", "lfu", "lhu", "fld", "arc", "popularity", "score", "frequency", "random",
+                                "belady"}
         best = results["belady"].misses
         for r in results.values():
             assert r.misses >= best

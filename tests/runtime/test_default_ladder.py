@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from hobbitpy.runtime.default_ladder import (LOW_TYPE, MAX_MEAN_KL, NEXT_TYPE_GAIN, Calibration, Priced, calibration_text,
-                                             default_config, importance_path, ladder_placement, load_calibration,
-                                             low_copy_bytes, low_copy_layer_bytes, low_weight_share, placed_bytes,
-                                             remembered_failure, unfit_reason)
+from hobbitpy.runtime.default_ladder import (CACHE_POLICY, LOW_TYPE, MAX_MEAN_KL, NEXT_TYPE_GAIN, Calibration, Priced,
+                                             calibration_text, default_config, importance_path, kept_importance,
+                                             ladder_placement, load_calibration, low_copy_bytes, low_copy_layer_bytes,
+                                             low_weight_share, placed_bytes, remembered_failure, unfit_reason)
 from hobbitpy.errors import ExpertReadError
 from hobbitpy.runtime.llama import compare_ladder, measure_calibration
 from hobbitpy.plan.memory import ContextShape
@@ -332,7 +332,11 @@ def test_dynamic_precision_serves_where_the_ladders_are_beyond_the_limit(tmp_pat
 
     again, _ = _default_of(model, LESS_MEMORY, never, measure=never)
     assert again == served
-    with hobbitpy.Llama(model, offload=served, n_ctx=256, n_threads=2, verbose=False) as llm:
+    # the expert cache keeps the experts the calibration weighed most (warmed first), by CACHE_POLICY
+    assert served.policy == CACHE_POLICY and served.popularity == tuple(map(tuple, kept_importance(kept.importance)))
+    # in half the experts' memory (this machine has room for all of them, then warmed at the model's precision)
+    half = dataclasses.replace(served, cache_mb=hobbitpy.inspect_model(model).expert_bytes_total / 2 / MB)
+    with hobbitpy.Llama(model, offload=half, n_ctx=256, n_threads=2, verbose=False) as llm:
         llm.create_completion(PROMPT, max_tokens=8, temperature=0.0)
         stats = llm.offload_stats()
     assert stats["served"][1] > 0 and stats["expert_misses"] > 0, stats

@@ -54,7 +54,7 @@ def replay(model_path: str, params, experts: np.ndarray, weights: np.ndarray, ub
     t.ubatch_start = ffi.cast("const uint8_t *", starts.ctypes.data) if starts.size else ffi.NULL
     t.seq_start = ffi.cast("const uint8_t *", sequences.ctypes.data) if sequences.size else ffi.NULL
     return hobbit.stats_as_dict(hobbit.replay_trace(model_path, params, t))
-DEFAULT_POLICIES = ("lru", "lfu", "lhu", "fld", "arc", "popularity", "score", "random", "belady")
+DEFAULT_POLICIES = ("lru", "lfu", "lhu", "fld", "arc", "popularity", "score", "frequency", "random", "belady")
 
 
 @dataclass
@@ -125,7 +125,8 @@ def simulate(trace: Trace, budget_mb: float, policy: str, *, weights=(0.25, 0.25
     substitute_alpha: the runtime's substitution of low-score misses first (the importance
     preset; not for Belady, whose future is the trace as routed). popularity: the profile
     the popularity policy ranks by ([MoE layers, n_expert]); default the trace's own
-    selection counts (a profile of the very text replayed: Fiddler's best case).
+    selection counts (a profile of the very text replayed: Fiddler's best case); the
+    frequency policy's prior (default none).
     prefetch_layers: after each layer the next P layers' experts the trace's predictor guessed
     are loaded by the runtime's decode prefetch rule (pinned until their layer, one layer
     deeper only while all are cached; not for Belady). label: the name the
@@ -160,7 +161,7 @@ def simulate(trace: Trace, budget_mb: float, policy: str, *, weights=(0.25, 0.25
     if alpha > 0 or policy == "score":
         scores = router_scores(trace)
         t.scores = ffi.cast("const float *", scores.ctypes.data)
-    if policy == "popularity":
+    if policy == "popularity" or (policy == "frequency" and popularity is not None):
         profile = expert_popularity(trace) if popularity is None else popularity
         profile = np.ascontiguousarray(profile, dtype=np.float32)
         if profile.shape != (t.n_layer, t.n_expert):

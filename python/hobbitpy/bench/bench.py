@@ -233,7 +233,7 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
             stock = row["configs"][0]
             for cfg, s in zip(this_cap, row["configs"]):
                 s["settings"] = cfg.offload
-                s["lossy"] = is_lossy(cfg) or bool(s.get("default_settings"))
+                s["lossy"] = is_lossy(cfg) or bool(s.get("default_lossy"))
                 s["file_mb"] = inspect_model(cfg.model or model).file_bytes / MB
                 s["failed"] = s.get("decode_tok_s") is None  # every run of it failed
                 # a hobbitpy configuration whose every expert fit ran stock's own path: no ratio to claim

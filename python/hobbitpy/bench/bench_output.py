@@ -76,6 +76,7 @@ def summarize(name: str, runs: list[dict], disk_bw: float, stock_compute_s: floa
         "offloaded": ok[0]["offloaded"],
         "plan": ok[0]["plan"],
         "default_settings": ok[0].get("default_settings") or {},
+        "default_lossy": bool(ok[0].get("default_lossy")),
         "pool_hit_ratio": [round(statistics.median(r["pools"][i]["hit_ratio"] for r in ok), 4)
                            for i in range(len(ok[0]["pools"]))],
         "generated": ok[0]["generated"],

@@ -77,7 +77,7 @@ def run(spec: dict) -> dict:
                  if f.name != "auto" and getattr(llm.offload_config, f.name) != getattr(offload, f.name)}
         r = {"offloaded": llm.offloaded, "plan": llm.offload_plan.reason, "load_s": load_s, "repack": llm.repack,
              "budget_bytes": llm.offload_plan.budget_bytes or 0, "n_ubatch": int(llm.context_params.n_ubatch),
-             "default_settings": added}
+             "default_settings": added, "default_lossy": llm.offload_config.lossy}
         # time to first token per prompt length (JSON keys: strings); the shortest first, from a cold cache
         tok, first_ms = _first_token(llm, _prompt(llm, lengths[0]))
         r["ttft_ms"] = {str(lengths[0]): first_ms}

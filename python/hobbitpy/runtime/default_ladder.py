@@ -40,6 +40,9 @@ dialogue, code, arithmetic, three languages, scripture):
   they read nothing, while dynamic precision reads every miss (a token's less weighed ones in
   the copy's fewer bytes);
 - else the model's own experts (a copy made for nothing is removed).
+  Dynamic precision and the model's own experts are served through an expert cache that keeps
+  the experts selected most (CACHE_POLICY: LFU, aged, the calibration's importance its prior and
+  the order it is warmed in), where the calibration is at hand.
   The divergence, not the perplexity, decides: it is the perplexity increase to
   expect on text the model predicts well, and it does not hide behind a text the model
   predicts badly (on the KJV-trained ref-mixtral, Q2_K for every expert measured -1.1 %
@@ -128,6 +131,12 @@ DYNAMIC_PRICED = {**DYNAMIC, "hits": "exact", "level_shares": None}
 # precision. A ladder is priced this much below the budget's (_choose).
 VERDICT_SLACK_SHARE = 1 / 50
 VERDICT_SLACK_EXPERTS = 2
+# the policy of the expert cache where the calibration is at hand, its importance the prior: the
+# routers of a trained model favour some experts, and these stay (on the hardened Mixtral-depth
+# model's held-out text 120 slots for its 256 experts hit 0.60 of its selections, LRU's 0.50;
+# docs/BENCHMARKS.md). Which experts are cached never changes what a selection is served at
+# (dynamic precision is priced with every selection the rule sends low served low): the price holds.
+CACHE_POLICY = "frequency"
 
 
 @dataclass(frozen=True)
@@ -223,6 +232,12 @@ def load_calibration(model_path: str | os.PathLike, info: ModelInfo, text: str) 
     return calibration if ok else None
 
 
+def kept_importance(importance: np.ndarray) -> list[list[float]]:
+    """The importance as it is kept (six significant digits): a run that measured it and one that
+    read it back serve the same profile."""
+    return [[float(f"{x:.6g}") for x in row] for row in importance.tolist()]
+
+
 def save_calibration(model_path: str | os.PathLike, info: ModelInfo, text: str,
                      calibration: Calibration) -> pathlib.Path:
     """Write the calibration next to the model (replacing a stale one: it is hobbitpy's own cache)."""
@@ -230,7 +245,7 @@ def save_calibration(model_path: str | os.PathLike, info: ModelInfo, text: str,
     data = {"version": IMPORTANCE_VERSION, "model": os.path.basename(model_path), "model_bytes": info.file_bytes,
             "text": _text_digest(text), "n_tokens": calibration.n_tokens,
             "ladders": [dataclasses.asdict(p) for p in calibration.ladders],
-            "importance": [[float(f"{x:.6g}") for x in row] for row in calibration.importance.tolist()]}
+            "importance": kept_importance(calibration.importance)}
     with partial_output(path) as partial:
         partial.write_text(json.dumps(data) + "\n")
         return replace(partial, path)
@@ -409,8 +424,10 @@ def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, 
         served, line, beyond_verdict = _default_over(low_type, next_type, info, config, shape, available, measure, score,
                                                      threads)
         if beyond_verdict is None:
-            if beyond and line.startswith(_exact("")):  # exact for another reason: both said
-                line = f"{line}; {'; '.join(beyond)}; {_tune_hint(info)}"
+            if line.startswith(_exact("")):
+                served = _exact_served(info, config)
+                if beyond:  # exact for another reason: both said
+                    line = f"{line}; {'; '.join(beyond)}; {_tune_hint(info)}"
             return served, line
         beyond.append(line.removeprefix(_exact("")))
         if next_type is not None and not _next_type_may_be_within(beyond_verdict):
@@ -419,7 +436,7 @@ def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, 
             beyond.append(f"the ladder over {next_type} not tried (a {next_type} copy diverges at least "
                           f"1/{NEXT_TYPE_GAIN:g} as much as a {low_type} one)")
             break
-    return dataclasses.replace(config, auto=False), _exact(f"{'; '.join(beyond)}; {_tune_hint(info)}")
+    return _exact_served(info, config), _exact(f"{'; '.join(beyond)}; {_tune_hint(info)}")
 
 
 def _tune_hint(info: ModelInfo) -> str:
@@ -573,7 +590,7 @@ def _choose_dynamic(info: ModelInfo, config: OffloadConfig, budget: int, text: s
     the limit: the config and its line where it measures within, else None and why not. Measured
     once for every memory (DYNAMIC_PRICED), kept with the ladders; the copy made where missing."""
     low_path = default_companion_path(info.path, low_type)
-    dynamic = dataclasses.replace(config, low=str(low_path), auto=False, **DYNAMIC)
+    dynamic = with_profile(dataclasses.replace(config, low=str(low_path), auto=False, **DYNAMIC), calibration)
     verdict = calibration.dynamic_verdict(low_type)
     if verdict is not None and not verdict.within:
         return None, f"dynamic precision over {low_type} measured {_measured(verdict)}"
@@ -598,6 +615,19 @@ def _choose_dynamic(info: ModelInfo, config: OffloadConfig, budget: int, text: s
         if not verdict.within:
             return None, f"dynamic precision over {low_type} measured {_measured(verdict)}"
     return dynamic, describe_dynamic(info, budget, verdict)
+
+
+def with_profile(config: OffloadConfig, calibration: Calibration) -> OffloadConfig:
+    """The config with CACHE_POLICY, the calibration's importance its prior."""
+    return dataclasses.replace(config, policy=CACHE_POLICY,
+                               popularity=tuple(map(tuple, kept_importance(calibration.importance))))
+
+
+def _exact_served(info: ModelInfo, config: OffloadConfig) -> OffloadConfig:
+    """The model's own experts, with CACHE_POLICY where a calibration is kept next to the model."""
+    exact = dataclasses.replace(config, auto=False)
+    calibration = load_calibration(info.path, info, calibration_text())
+    return exact if calibration is None else with_profile(exact, calibration)
 
 
 def describe_dynamic(info: ModelInfo, budget_bytes: int, verdict: Priced) -> str:

@@ -37,7 +37,8 @@ def _enum_names(enum: str, prefix: str) -> dict[str, int]:
 # HOBBIT's multidimensional policy, the weighted mix of eq. 3 ("weighted" is its old name);
 # "arc" the adaptive replacement cache Fate uses (§4.4); "popularity" Fiddler's placement
 # (the least often selected in a profile evicted first); "score" importance-driven
-# scheduling's (the lowest router score over the last tokens evicted first)
+# scheduling's (the lowest router score over the last tokens evicted first); "frequency" LFU,
+# aged, with a profile as its prior (the default's, with the calibration's importance)
 def _policy_names() -> dict[str, int]:
     """hobbit_policy's values by name, with "hobbit" beside "weighted" (the same policy)."""
     names = {}
@@ -50,6 +51,8 @@ def _policy_names() -> dict[str, int]:
 
 _NATIVE_POLICY = _policy_names()
 POLICIES = tuple(_NATIVE_POLICY)
+# the policies that read a popularity profile: popularity ranks by it, frequency starts from it
+PROFILE_POLICIES = ("popularity", "frequency")
 
 # where a missed expert runs (hobbit.h enum hobbit_mode, in its order)
 MODES = tuple(_enum_names("hobbit_mode", "HOBBIT_MODE_"))
@@ -321,7 +324,9 @@ class OffloadConfig:
         DEFAULT_POLICY, "which cached expert to evict (hobbit: HOBBIT's eq. 3 mix of lru, lfu, lhu and fld; weighted "
         "is its old name; arc: adaptive replacement, as Fate evicts; popularity: the least often selected in a "
         "profile (--popularity), Fiddler's placement; score: the lowest router score over the last tokens, selected "
-        "or not, importance-driven scheduling's)", flag="--policy", choices=POLICIES, profile=True)
+        "or not, importance-driven scheduling's; frequency: the least often selected in this run, aged, a profile "
+        "(--popularity, optional) counting as a few tokens' selections before the first)", flag="--policy",
+        choices=POLICIES, profile=True)
     policy_weights: tuple[float, float, float, float] = option(
         DEFAULT_POLICY_WEIGHTS, "weights of LRU, LFU, LHU and FLD in HOBBIT's eq. 3 (--policy hobbit); they sum to 1",
         flag="--policy-weights", metavar="LRU,LFU,LHU,FLD", parse="numbers4", profile=True)
@@ -386,7 +391,8 @@ class OffloadConfig:
     popularity: tuple[tuple[float, ...], ...] | None = option(
         None, "Fiddler's profile for the popularity policy: how often each expert is selected (per MoE layer; on the "
               "command line: counted in a `hobbitpy trace` of calibration text). The pools are warmed most popular "
-              "first and the least popular cached expert is evicted, so the popular ones stay for the session",
+              "first and the least popular cached expert is evicted, so the popular ones stay for the session; the "
+              "frequency policy takes it as its prior (warmed the same way)",
         flag="--popularity", metavar="TRACE", parse="trace_popularity", profile=True,
         default_text="none (the popularity policy needs it)")
 
@@ -444,9 +450,11 @@ class OffloadConfig:
                 raise ValueError("placed_mb places the experts by importance: it needs --placed")
             if not 0 < self.placed_mb < float("inf"):
                 raise ValueError(f"placed_mb must be a positive number of MB, got {self.placed_mb}")
-        if (self.policy == "popularity") != (self.popularity is not None):
-            raise ValueError("the popularity policy needs a popularity profile (--popularity TRACE), and a profile is "
-                             "read by that policy only (--policy popularity)")
+        if self.policy == "popularity" and self.popularity is None:
+            raise ValueError("the popularity policy needs a popularity profile (--popularity TRACE)")
+        if self.popularity is not None and self.policy not in PROFILE_POLICIES:
+            raise ValueError(f"a popularity profile is read by the {' and '.join(PROFILE_POLICIES)} policies only "
+                             f"(--policy {PROFILE_POLICIES[0]})")
         if self.popularity is not None:
             rows = self.popularity
             if not rows or any(len(row) != len(rows[0]) or not row for row in rows):
