@@ -12,6 +12,7 @@ bandwidth measured at the start (expert-sized O_DIRECT reads, as the loader does
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import dataclasses
 import json
 import os
@@ -70,7 +71,10 @@ def worker_start_bytes(memcap: MemoryCap | None) -> int:
 
 def _run_one(model: str, cfg: BenchConfig, cap: Cap, memcap: MemoryCap | None, n_predict: int, threads: int,
              prompt_tokens: tuple[int, ...], fallback_budget_mb: float | None, cold_files: set[str] = frozenset(),
-             beams: int = 1) -> dict:
+             beams: int = 1, disk: Callable[[], float] | None = None) -> dict:
+    """One run in a worker process under the cap. disk: measures the disk's read speed, then
+    called just before and just after the run, their mean kept as the run's (this VM's disk
+    moves by 2-4x within one invocation: the bytes' disk time is priced at the run's own speed)."""
     offload = cfg.offload
     if offload is not None and memcap is None and cap.limit_bytes is not None and offload.get("cache_mb") is None:
         offload = dict(offload, cache_mb=fallback_budget_mb)  # no cgroup: the budget stands in for the cap
@@ -86,6 +90,7 @@ def _run_one(model: str, cfg: BenchConfig, cap: Cap, memcap: MemoryCap | None, n
     # cgroup after the run that read it has exited
     for path in cold_files:
         drop_from_page_cache(path)
+    disk_before = disk() if disk is not None else None
     if memcap is not None:
         memcap.set_limit(cap.limit_bytes)
     t0 = time.perf_counter()
@@ -102,6 +107,8 @@ def _run_one(model: str, cfg: BenchConfig, cap: Cap, memcap: MemoryCap | None, n
     r["wall_s"] = wall
     r["peak_bytes"] = memcap.peak_bytes() if memcap is not None else None
     r["times_at_cap"] = memcap.times_at_limit() if memcap is not None and cap.limit_bytes is not None else None
+    if disk is not None:
+        r["disk_bytes_per_s"] = (disk_before + disk()) / 2
     return r
 
 
@@ -165,6 +172,9 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
             path, made = make_uniform_quant(model, q, quant_dir or default_quant_dir(model), threads)
             log(f"{'made' if made else 'reusing'} {path}: {os.path.getsize(path) / MB:.0f} MB")
             quant_configs.append(BenchConfig(quant_name(q), None, model=str(path)))
+        def disk() -> float:
+            return measure_read_bandwidth(model, info.expert_bytes or (1 << 20), n_threads=2)[0]
+
         disk_bw, direct = measure_read_bandwidth(model, info.expert_bytes or (1 << 20), n_threads=2)
         log(f"disk: {disk_bw / 1e9:.2f} GB/s with {'O_DIRECT' if direct else 'buffered'} reads of "
             f"{info.expert_bytes / MB:.1f} MB, 2 readers")
@@ -217,7 +227,7 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
                     if bar is not None:
                         bar.set_postfix_str(f"cap {cap.label} {cfg.name}")
                     r = _run_one(model, cfg, cap, memcap, n_predict, threads, prompt_tokens, fallbacks[cap.label],
-                                 every_file, beams=beams)
+                                 every_file, beams=beams, disk=disk)
                     runs[cap.label, cfg.name].append(r)
                     # each run in one line as it ends: a long bench stopped halfway keeps what it measured
                     if bar is not None:

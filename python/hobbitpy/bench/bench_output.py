@@ -48,10 +48,15 @@ def _median(runs: list[dict], key: str):
 
 
 def summarize(name: str, runs: list[dict], disk_bw: float, stock_compute_s: float | None) -> dict:
+    """A configuration's runs under one cap: medians, and the bound of the bytes read at the disk's
+    speed measured around its runs (their median), else disk_bw (the invocation's start)."""
     ok = [r for r in runs if "error" not in r]
     s = {"config": name, "n_runs": len(runs), "errors": [r["error"] for r in runs if "error" in r]}
     if not ok:
         return s
+    around = [r["disk_bytes_per_s"] for r in ok if r.get("disk_bytes_per_s")]
+    disk_bw = statistics.median(around) if around else disk_bw
+    s["disk_bytes_per_s"] = disk_bw
     s.update({
         "decode_tok_s": _median(ok, "decode_tok_s"),
         "all_decode_tok_s": [round(r["decode_tok_s"], 3) for r in ok if r.get("decode_tok_s")],
@@ -119,7 +124,8 @@ def format_run(cap: Cap, cfg: BenchConfig, r: dict) -> str:
     tok_s = r.get("decode_tok_s")
     return head + ((f"{tok_s:.3f} tok/s" if tok_s else "no decode") + f", load {r.get('load_s', 0.0):.1f} s"
                    + (f", {mb_read / MB:.1f} MB read a token" if mb_read is not None else "")
-                   + (f", peak {r['peak_bytes'] / MB:.0f} MB" if r.get("peak_bytes") else ""))
+                   + (f", peak {r['peak_bytes'] / MB:.0f} MB" if r.get("peak_bytes") else "")
+                   + (f", disk {r['disk_bytes_per_s'] / 1e9:.2f} GB/s" if r.get("disk_bytes_per_s") else ""))
 
 
 def format_row(row: dict) -> str:

@@ -97,8 +97,11 @@ def render_run(name: str, run: dict) -> str:
     if run.get("finished"):
         same_day = run["finished"][:10] == when[:10]
         when += "–" + (run["finished"][11:] if same_day else run["finished"])
-    facts = [f"`docs/bench/{name}.json`", when,
-             f"disk {run['disk_bytes_per_s'] / 1e9:.2f} GB/s at the start"]
+    around = [c["disk_bytes_per_s"] for row in run["rows"] for c in row["configs"] if c.get("disk_bytes_per_s")]
+    disk = f"disk {run['disk_bytes_per_s'] / 1e9:.2f} GB/s at the start"
+    if around:  # measured around each run (a configuration's bound uses its runs' median)
+        disk += f", {min(around) / 1e9:.2f}–{max(around) / 1e9:.2f} around the runs"
+    facts = [f"`docs/bench/{name}.json`", when, disk]
     if run.get("stock_compute_ms"):
         facts.append(f"stock's warm compute {run['stock_compute_ms']:.1f} ms a token")
     if run.get("quality"):
