@@ -255,6 +255,8 @@ def test_a_ladder_far_beyond_the_limit_leaves_the_next_type_untried(tmp_path):
     # dynamic precision over the Q2_K copy is measured instead (beyond too, ten times as sensitive)
     assert not kept.dynamic_verdict("Q2_K").within and "dynamic precision over Q2_K measured" in line, line
     assert served.low is None and "(exact)" in line and "the ladder over Q3_K not tried" in line, line
+    # the model's own experts through the cache that keeps what the calibration weighed most
+    assert served.policy == CACHE_POLICY and served.popularity == tuple(map(tuple, kept_importance(kept.importance)))
     assert all(name.endswith("Q2_K.gguf") for name, *_ in scored), scored
     assert not default_companion_path(model, "Q2_K").exists() and not default_companion_path(model, "Q3_K").exists()
 

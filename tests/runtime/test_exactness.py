@@ -169,3 +169,17 @@ def test_a_file_whose_layers_mix_expert_types_is_exact_with_one_level_and_two(mo
     assert_bit_equal(scores, ref_scores)
     assert stats["served"][0] > 0 and stats["served"][1] > 0, stats["served"]
 
+
+
+def test_the_defaults_cache_policy_is_exact(model_dir):
+    # the frequency policy with a profile as its prior (the default's, the calibration's importance):
+    # the pools warmed in the profile's order, then its own counts; one precision, stock's bits
+    path = tiny_model(model_dir, "llama", n_expert=16, n_expert_used=4)
+    ref_scores, ref_text, _, info = reference(path)
+    profile = np.random.default_rng(3).gamma(0.5, size=(info.n_layer_moe, info.n_expert))
+    config = hobbitpy.OffloadConfig(cache_mb=info.expert_bytes_total / 3 / MB, mode=POOL, policy="frequency",
+                                    popularity=tuple(map(tuple, profile.tolist())))
+    scores, text, stats, _ = run_logits(path, config)
+    assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
+    assert text == ref_text
+    assert stats["warm_loads"] > 0 and stats["expert_hits"] > 0 and stats["expert_misses"] > 0, stats
