@@ -7,7 +7,8 @@ cache before every run. Per configuration and cap it reports medians over the re
 of decode tok/s, time to first token for a short and a long prompt, bytes read from
 disk per decoded token, hit ratio per pool, the cgroup's peak memory, the ratio to
 stock in the same run, and the disk bound: bytes read per token over the read
-bandwidth measured at the start (expert-sized O_DIRECT reads, as the loader does).
+bandwidth measured around the configuration's runs (expert-sized O_DIRECT reads, as the
+loader does, before and after each run; the median of its runs).
 """
 
 from __future__ import annotations
@@ -172,6 +173,7 @@ def run_bench(model: str, configs: list[BenchConfig], caps: list[Cap], *, repeat
             path, made = make_uniform_quant(model, q, quant_dir or default_quant_dir(model), threads)
             log(f"{'made' if made else 'reusing'} {path}: {os.path.getsize(path) / MB:.0f} MB")
             quant_configs.append(BenchConfig(quant_name(q), None, model=str(path)))
+
         def disk() -> float:
             return measure_read_bandwidth(model, info.expert_bytes or (1 << 20), n_threads=2)[0]
 
