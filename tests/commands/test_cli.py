@@ -165,6 +165,38 @@ def test_chat_keeps_history_and_ends_on_eof(model_dir):
     assert p.stdout.count("> ") == 3  # two turns, then the prompt that met the end of input
 
 
+def test_ctrl_c_inside_a_sampler_callback_stops_the_reply(model_dir):
+    # a logits processor (llama-cpp-python's logit_bias, hence --ignore-eos, is one) runs in a
+    # ctypes callback of llama.cpp's sampler: KeyboardInterrupt raised there is printed and dropped
+    # by ctypes, and the reply went on. run's CtrlC keeps it and raises it after the token.
+    import os
+    import signal
+
+    import llama_cpp
+
+    from hobbitpy.cli.ctrl_c import CtrlC
+
+    path = tiny_model(model_dir, "llama")
+    calls = []
+
+    def interrupted_on_the_third(input_ids, logits):
+        calls.append(len(input_ids))
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # delivered while the callback runs
+        return logits
+
+    processors = llama_cpp.LogitsProcessorList([interrupted_on_the_third])
+    with hobbitpy.Llama(path, n_ctx=256, n_threads=2, verbose=False) as llm:
+        chunks = llm.create_completion("Once upon a time", max_tokens=40, temperature=0.0, stream=True,
+                                       logits_processor=processors)
+        with pytest.raises(KeyboardInterrupt):
+            with CtrlC() as ctrl_c:
+                for _ in chunks:
+                    ctrl_c.check()
+        chunks.close()
+    assert len(calls) == 3
+
+
 def test_chat_survives_a_person(model_dir, tmp_path):
     # Ctrl-C during an answer ended the whole chat; it stops the answer and the chat goes on
     import signal

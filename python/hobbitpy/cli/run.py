@@ -10,6 +10,7 @@ from .common import (CTX_HELP, add_force_arg, add_gpu_layers_arg, add_memory_arg
                      add_sampling_args, add_technique_args, add_verbosity_args, default_model, fail, gpu_layers,
                      json_target_error, log, offload_config_from_args, process_escapes, sampling_error,
                      sampling_keywords, threads_arg, write_json)
+from .ctrl_c import CtrlC
 
 
 def add_parser(sub) -> None:
@@ -179,17 +180,22 @@ def _generate(llm, args, grammar) -> int:
         sys.stdout.write(args.prompt)
     finish, n_generated = None, 0
     try:
-        if messages is None:
-            chunks = llm.create_completion(args.prompt, stream=True, grammar=grammar, **_generation_keywords(llm, args))
-        else:
-            chunks = llm.create_chat_completion(messages, stream=True, grammar=grammar, **_generation_keywords(llm, args))
-        for chunk in chunks:
-            choice = chunk["choices"][0]
-            piece = choice["text"] if messages is None else choice["delta"].get("content") or ""
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-            finish = choice.get("finish_reason") or finish
-            n_generated += 1
+        with CtrlC() as ctrl_c:
+            if messages is None:
+                chunks = llm.create_completion(args.prompt, stream=True, grammar=grammar,
+                                               **_generation_keywords(llm, args))
+            else:
+                chunks = llm.create_chat_completion(messages, stream=True, grammar=grammar,
+                                                    **_generation_keywords(llm, args))
+            for chunk in chunks:
+                choice = chunk["choices"][0]
+                piece = choice["text"] if messages is None else choice["delta"].get("content") or ""
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+                finish = choice.get("finish_reason") or finish
+                n_generated += 1
+                ctrl_c.check()
+            ctrl_c.check()
     except (HobbitError, ValueError) as e:  # ValueError: llama_cpp's "exceed context window"
         sys.stdout.write("\n")
         return fail(str(e) if isinstance(e, HobbitError) else f"{args.model}: {e}")
@@ -282,11 +288,14 @@ def _chat(llm, args, grammar) -> int:
             continue
         reply = []
         try:
-            for chunk in _chain(first, chunks):
-                piece = chunk["choices"][0]["delta"].get("content") or ""
-                reply.append(piece)
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+            with CtrlC() as ctrl_c:
+                for chunk in _chain(first, chunks):
+                    piece = chunk["choices"][0]["delta"].get("content") or ""
+                    reply.append(piece)
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+                    ctrl_c.check()
+                ctrl_c.check()
         except KeyboardInterrupt:
             chunks.close()
             log.info("stopped (Ctrl-C at the prompt, or Ctrl-D, ends the chat)")
