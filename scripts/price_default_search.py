@@ -86,7 +86,7 @@ def main() -> int:
             configs[f"dynamic over {next(iter(lows))} (T1 {t1:g}, hits exact)"] = OffloadConfig(
                 cache_mb=mb, low=first, hits="exact", t1=t1, t2=1.0, auto=False)
             configs[f"dynamic over {next(iter(lows))} (T1 {t1:g}, the default's: hits at-least)"] = OffloadConfig(
-                cache_mb=mb, low=first, auto=False, **{**DYNAMIC, "t1": t1})
+                cache_mb=mb, low=first, auto=False, t1=t1, t2=1.0, **DYNAMIC)
         for name, config in configs.items():
             r = evaluate_against(a.model, reference, config, n_ubatch=1, n_threads=threads)
             s = r.stats or {}

@@ -5,6 +5,7 @@ reusing it, and staying exact with --exact, a preset or --no-prepare."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 import re
@@ -16,7 +17,8 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from hobbitpy.runtime.default_ladder import (CACHE_POLICY, LOW_TYPE, MAX_MEAN_KL, NEXT_TYPE_GAIN, Calibration, Priced,
+from hobbitpy.runtime.default_ladder import (CACHE_POLICY, DYNAMIC_THRESHOLDS, LOW_TYPE, MAX_MEAN_KL, NEXT_TYPE_GAIN,
+                                             Calibration, Priced,
                                              calibration_text, default_config, importance_path, kept_importance,
                                              ladder_placement, load_calibration, low_copy_bytes, low_copy_layer_bytes,
                                              low_weight_share, placed_bytes, remembered_failure, unfit_reason)
@@ -252,8 +254,11 @@ def test_a_ladder_far_beyond_the_limit_leaves_the_next_type_untried(tmp_path):
     kept = load_calibration(model, hobbitpy.inspect_model(model), calibration_text())
     ladders = [p for p in kept.ladders if not p.dynamic]
     assert ladders and all(p.low == "Q2_K" and p.mean_kl > NEXT_TYPE_GAIN * MAX_MEAN_KL for p in ladders), ladders
-    # dynamic precision over the Q2_K copy is measured instead (beyond too, ten times as sensitive)
-    assert not kept.dynamic_verdict("Q2_K").within and "dynamic precision over Q2_K measured" in line, line
+    # dynamic precision over the Q2_K copy is measured instead, at each of its thresholds (beyond too,
+    # ten times as sensitive)
+    dynamic = [p for p in kept.ladders if p.dynamic]
+    assert {(p.t1, p.t2) for p in dynamic} == set(DYNAMIC_THRESHOLDS) and not any(p.within for p in dynamic), dynamic
+    assert "dynamic precision over Q2_K measured" in line, line
     assert served.low is None and "(exact)" in line and "the ladder over Q3_K not tried" in line, line
     # the model's own experts through the cache that keeps what the calibration weighed most
     assert served.policy == CACHE_POLICY and served.popularity == tuple(map(tuple, kept_importance(kept.importance)))
@@ -261,7 +266,9 @@ def test_a_ladder_far_beyond_the_limit_leaves_the_next_type_untried(tmp_path):
     assert not default_companion_path(model, "Q2_K").exists() and not default_companion_path(model, "Q3_K").exists()
 
     # stopped early, and said so; the whole text measures more, as far beyond what decided
-    assert [stop for _, stop, _, _ in scored] == [NEXT_TYPE_GAIN * MAX_MEAN_KL] * (len(scored) - 1) + [MAX_MEAN_KL]
+    n_dynamic = len(DYNAMIC_THRESHOLDS)
+    assert [stop for _, stop, _, _ in scored] == ([NEXT_TYPE_GAIN * MAX_MEAN_KL] * (len(scored) - n_dynamic)
+                                                  + [MAX_MEAN_KL] * n_dynamic)
     stopped = [(stop, c, n_text) for _, stop, c, n_text in scored if not c.complete]
     assert stopped and sum(p.at_least for p in kept.ladders) == len(stopped) and "at least" in line, (scored, line)
     stop, c, n_text = stopped[0]
@@ -325,7 +332,11 @@ def test_dynamic_precision_serves_where_the_ladders_are_beyond_the_limit(tmp_pat
     assert "HOBBIT's dynamic precision" in line and "the ladder memory allows" in line, line
     kept = load_calibration(model, hobbitpy.inspect_model(model), calibration_text())
     ladder = kept.verdict(0, "Q2_K")
-    assert ladder.mean_kl > NEXT_TYPE_GAIN * MAX_MEAN_KL and kept.dynamic_verdict("Q2_K").within, kept.ladders
+    # served with the first thresholds (the fewest bytes a token) that measured within
+    thresholds = (served.t1, served.t2)
+    first = DYNAMIC_THRESHOLDS.index(thresholds)
+    assert ladder.mean_kl > NEXT_TYPE_GAIN * MAX_MEAN_KL and kept.dynamic_verdict("Q2_K", thresholds).within, kept.ladders
+    assert not any(kept.dynamic_verdict("Q2_K", t).within for t in DYNAMIC_THRESHOLDS[:first]), kept.ladders
     # priced with every selection the rule sends low served low (hits "exact"), whatever the cache holds
     assert scored[-1] == "exact" and copy.is_file() and not default_companion_path(model, "Q3_K").exists()
 
@@ -342,6 +353,71 @@ def test_dynamic_precision_serves_where_the_ladders_are_beyond_the_limit(tmp_pat
         llm.create_completion(PROMPT, max_tokens=8, temperature=0.0)
         stats = llm.offload_stats()
     assert stats["served"][1] > 0 and stats["expert_misses"] > 0, stats
+
+
+def test_dynamic_precision_serves_the_first_thresholds_within_the_limit(tmp_path):
+    """Dynamic precision's thresholds are tried the fewest bytes a token first: each measured once
+    and kept, the first within the limit served, none after it measured. Measured on the shipped
+    model, its divergences scaled so that the first thresholds (skips) measure beyond and the next
+    (every selection but a token's first low, none skipped) within. Thresholds whose successor, which
+    sends low and skips fewer selections, measured beyond are not measured."""
+    info = hobbitpy.inspect_model(MODEL)
+    thresholds_of = {}  # the thresholds measured, in order, with their unscaled mean KL
+
+    def score_scaled(scale, model):
+        """Dynamic precision's divergence (whole text) times scale; a ladder's as measured."""
+        def score(reference, config, stop_beyond):
+            if config.hits != "exact":  # a ladder (its hits "found"): beyond at LESS_MEMORY
+                return compare_ladder(str(model), reference, config, 2, stop_beyond)
+            assert config.skip_cached  # priced with every selection it skips skipped, whatever is cached
+            c = compare_ladder(str(model), reference, config, 2)
+            thresholds_of[(config.t1, config.t2)] = c.mean_kl
+            return dataclasses.replace(c, mean_kl=scale * c.mean_kl)
+        return score
+
+    # every one beyond: each measured, the model's own experts serve
+    model = tmp_path / "all" / "m.gguf"
+    model.parent.mkdir()
+    shutil.copy(MODEL, model)
+    served, line = _default_of(model, LESS_MEMORY, score_scaled(10 ** 6, model))
+    assert served.low is None and list(thresholds_of) == list(DYNAMIC_THRESHOLDS), (thresholds_of, line)
+    kl = [thresholds_of[t] for t in DYNAMIC_THRESHOLDS]
+    assert kl[0] > kl[1] > 0, kl  # skips diverge more
+    assert not default_companion_path(model, "Q2_K").exists()
+
+    # scaled between the first two: the second serves, the third is not measured
+    model = tmp_path / "between" / "m.gguf"
+    model.parent.mkdir()
+    shutil.copy(MODEL, model)
+    thresholds_of.clear()
+    scale = MAX_MEAN_KL / (kl[0] * kl[1]) ** 0.5
+    served, line = _default_of(model, LESS_MEMORY, score_scaled(scale, model))
+    assert list(thresholds_of) == list(DYNAMIC_THRESHOLDS[:2]), thresholds_of
+    assert (served.t1, served.t2) == DYNAMIC_THRESHOLDS[1] and served.hits == "at-least" and not served.skip_cached
+    assert f"T1 = {DYNAMIC_THRESHOLDS[1][0]:g}" in line and "HOBBIT's dynamic precision" in line, line
+    kept = load_calibration(model, info, calibration_text())
+    assert not kept.dynamic_verdict("Q2_K", DYNAMIC_THRESHOLDS[0]).within
+    assert kept.dynamic_verdict("Q2_K", DYNAMIC_THRESHOLDS[1]).within
+    assert kept.dynamic_verdict("Q2_K", DYNAMIC_THRESHOLDS[2]) is None
+
+    def never(*args):
+        raise AssertionError("measured again")
+
+    assert _default_of(model, LESS_MEMORY, never, measure=never)[0] == served
+
+    # the second kept beyond, the third not measured yet: only the third is (the first, which
+    # sends low and skips every selection the second does, is beyond as surely)
+    path = importance_path(model)
+    data = json.loads(path.read_text())
+    second = {"t1": DYNAMIC_THRESHOLDS[1][0], "t2": DYNAMIC_THRESHOLDS[1][1]}
+    data["ladders"] = [dict(p, mean_kl=10 * MAX_MEAN_KL) if p.get("dynamic") and {k: p[k] for k in second} == second
+                       else p for p in data["ladders"] if not (p.get("dynamic") and p["t1"] == DYNAMIC_THRESHOLDS[0][0]
+                                                              and p["t2"] == DYNAMIC_THRESHOLDS[0][1])]
+    path.write_text(json.dumps(data))
+    thresholds_of.clear()
+    served, line = _default_of(model, LESS_MEMORY, score_scaled(1, model))
+    assert list(thresholds_of) == [DYNAMIC_THRESHOLDS[2]], thresholds_of
+    assert (served.t1, served.t2) == DYNAMIC_THRESHOLDS[2], line
 
 
 def _run(model, cap: MemoryCap, *flags: str) -> subprocess.CompletedProcess:

@@ -34,11 +34,13 @@ dialogue, code, arithmetic, three languages, scripture):
   take tens of minutes);
 - where the ladder over the last type tried is beyond too, HOBBIT's dynamic precision over its
   copy (DYNAMIC): the model's own experts for every hit, the copy only for a miss a token weighs
-  less. Its divergence is measured once for every memory, with every selection the rule sends
-  low served low whatever the cache holds (a prompt served level by level, as decode serves
-  it): what dynamic precision serves, or worse. Ladders first: where their copy fits in memory
-  they read nothing, while dynamic precision reads every miss (a token's less weighed ones in
-  the copy's fewer bytes);
+  less, a miss it weighs least skipped. Its thresholds are searched (DYNAMIC_THRESHOLDS, the
+  fewest bytes a token first: the first within the limit is served). Each divergence is measured
+  once for every memory, with every selection the rule sends low served low and every one it
+  skips skipped whatever the cache holds (a prompt served level by level, as decode serves it):
+  what dynamic precision serves, or worse. Ladders first: where their copy fits in memory they
+  read nothing, while dynamic precision reads every miss (a token's less weighed ones in the
+  copy's fewer bytes);
 - else the model's own experts (a copy made for nothing is removed).
   Dynamic precision and the model's own experts are served through an expert cache that keeps
   the experts selected most (CACHE_POLICY: LFU, aged, the calibration's importance its prior and
@@ -79,7 +81,7 @@ import pathlib
 
 import numpy as np
 
-from ..settings.config import DEFAULT_T1, MAX_MEAN_KL, MB, OffloadConfig
+from ..settings.config import DEFAULT_T1, DEFAULT_T2, MAX_MEAN_KL, MB, OffloadConfig
 from ..system.disk import drop_from_page_cache
 from ..errors import BudgetError, HobbitError, ModelFileError
 from ..analysis.likelihood import Comparison, Reference, scoring_bytes
@@ -115,16 +117,23 @@ CALIBRATION_CTX = 512
 CALIBRATION_TOKENS = 1024
 IMPORTANCE_VERSION = 2
 # HOBBIT's dynamic precision (§3.2), tried over a low copy where the ladder memory allows over it
-# measures beyond the limit: the model's own experts for every hit, the copy only for a miss whose
-# eq. 2 score is above T1 (a token's less weighed experts; HOBBIT's T1), nothing skipped; the low
-# pool small, since what it holds serves only the selections that want it low (on the hardened
-# Mixtral-depth model, docs/BENCHMARKS.md: a fifth fewer bytes read than the exact default at 45 % of
-# its experts cached, 0.003 nats)
-DYNAMIC = {"hits": "at-least", "t1": DEFAULT_T1, "t2": 1.0, "level_shares": (0.95, 0.05), "warm": False}
-# ... priced with hits "exact": every selection the rule sends low served low, whatever the cache
-# holds (a prompt served level by level, as decode serves it): what "at-least" serves or worse (a
-# cached copy at the model's precision serves a selection that wants it low), whatever the memory
-DYNAMIC_PRICED = {**DYNAMIC, "hits": "exact", "level_shares": None}
+# measures beyond the limit: the model's own experts for every hit, the copy for a miss whose eq. 2
+# score is above T1 (a token's less weighed experts), a miss whose score is above T2 skipped (the
+# least weighed: nothing read); the low pool small, since what it holds serves only the selections
+# that want it low (on the hardened Mixtral-depth model, docs/BENCHMARKS.md: a fifth fewer bytes
+# read than the exact default at 45 % of its experts cached, 0.003 nats)
+DYNAMIC = {"hits": "at-least", "level_shares": (0.95, 0.05), "warm": False}
+# its thresholds (T1, T2), the fewest bytes a token first: each sends low or skips every selection
+# the next one does, and more. Every selection but a token's first from the copy; HOBBIT's own values
+# for Mixtral-8x7B (§3.2: a missed expert under a tenth of the weight skipped); those without skips.
+# Replayed through the runtime's cache on the hardened Mixtral's held-out routing (120 of its 256
+# experts cached), they read 1.88, 2.03 and 2.29 GB a token (docs/BENCHMARKS.md)
+DYNAMIC_THRESHOLDS = ((0.5, DEFAULT_T2), (DEFAULT_T1, DEFAULT_T2), (DEFAULT_T1, 1.0))
+# ... priced with hits "exact": every selection the rule sends low served low and every one it skips
+# skipped, whatever the cache holds (a prompt served level by level, as decode serves it): what
+# "at-least" serves or worse (a cached copy at the model's precision serves a selection that wants
+# it low or skipped), whatever the memory
+DYNAMIC_PRICED = {**DYNAMIC, "hits": "exact", "level_shares": None, "skip_cached": True}
 # the memory by which runs under the same limit differ (the heap a pass leaves, the page cache's
 # accounting: a MB or two on the small models, one expert at the model's precision more or less),
 # with room to spare: a fiftieth of the ladder's bytes, at least two experts at the model's
@@ -151,6 +160,9 @@ class Priced:
     # the measurement stopped once the calibration text could no longer end within what decides
     # (likelihood.compare_to_reference's stop_beyond): mean_kl is the least the whole text measures
     at_least: bool = False
+    # dynamic precision's thresholds (DYNAMIC_THRESHOLDS); a ladder has none
+    t1: float | None = None
+    t2: float | None = None
 
     @property
     def within(self) -> bool:
@@ -178,13 +190,15 @@ class Calibration:
         beyond = [p for p in ladders if p.n_high >= (n_high if n_beyond is None else n_beyond) and not p.within]
         return within[-1] if within else beyond[0] if beyond else None
 
-    def dynamic_verdict(self, low: str) -> Priced | None:
-        """The measurement of dynamic precision over the low copy of that type (one for every memory), or None."""
-        return next((p for p in self.ladders if p.low == low and p.dynamic), None)
+    def dynamic_verdict(self, low: str, thresholds: tuple[float, float]) -> Priced | None:
+        """The measurement of dynamic precision over the low copy of that type with these
+        thresholds (T1, T2; one for every memory), or None."""
+        return next((p for p in self.ladders if p.low == low and p.dynamic and (p.t1, p.t2) == thresholds), None)
 
     def priced(self, measured: Priced) -> "Calibration":
-        kept = ({(p.low, p.dynamic, p.n_high): p for p in self.ladders}
-                | {(measured.low, measured.dynamic, measured.n_high): measured})
+        def key(p: Priced) -> tuple:
+            return p.low, p.dynamic, p.n_high, p.t1 or 0.0, p.t2 or 0.0
+        kept = {key(p): p for p in self.ladders} | {key(measured): measured}
         return dataclasses.replace(self, ladders=tuple(kept[k] for k in sorted(kept)))
 
 
@@ -221,15 +235,21 @@ def load_calibration(model_path: str | os.PathLike, info: ModelInfo, text: str) 
         if (data.get("version") != IMPORTANCE_VERSION or data.get("model_bytes") != info.file_bytes
                 or data.get("text") != _text_digest(text)):
             return None
-        ladders = tuple(Priced(int(p["n_high"]), float(p["mean_kl"]), float(p["ppl_increase"]),
-                               str(p.get("low", LOW_TYPE)), bool(p.get("dynamic", False)),
-                               bool(p.get("at_least", False))) for p in data["ladders"])
+        ladders = tuple(_kept_priced(p) for p in data["ladders"])
         calibration = Calibration(np.array(data["importance"], np.float64), int(data["n_tokens"]), ladders)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     ok = (calibration.importance.shape == (info.n_layer_moe, info.n_expert)
           and all(math.isfinite(p.mean_kl) for p in ladders))
     return calibration if ok else None
+
+
+def _kept_priced(p: dict) -> Priced:
+    """A measurement as kept (one of dynamic precision kept without thresholds was HOBBIT's T1, nothing skipped)."""
+    dynamic = bool(p.get("dynamic", False))
+    t1, t2 = (float(p.get("t1") or DEFAULT_T1), float(p.get("t2") or 1.0)) if dynamic else (None, None)
+    return Priced(int(p["n_high"]), float(p["mean_kl"]), float(p["ppl_increase"]), str(p.get("low", LOW_TYPE)),
+                  dynamic, bool(p.get("at_least", False)), t1, t2)
 
 
 def kept_importance(importance: np.ndarray) -> list[list[float]]:
@@ -587,34 +607,65 @@ def _choose_dynamic(info: ModelInfo, config: OffloadConfig, budget: int, text: s
                     measure: Measure, score: Score, threads: int, made: list, low_type: str
                     ) -> tuple[OffloadConfig | None, str]:
     """Dynamic precision over the copy of that type (DYNAMIC) where the ladder over it is beyond
-    the limit: the config and its line where it measures within, else None and why not. Measured
-    once for every memory (DYNAMIC_PRICED), kept with the ladders; the copy made where missing."""
+    the limit: with the first thresholds of DYNAMIC_THRESHOLDS (the fewest bytes a token first)
+    that measure within, the config and its line; else None and why not. Each is measured once for
+    every memory (DYNAMIC_PRICED) and kept with the ladders; one whose successor, sending low and
+    skipping fewer selections, measured beyond is not measured; the copy made where missing."""
+    for i, thresholds in enumerate(DYNAMIC_THRESHOLDS):
+        verdict = calibration.dynamic_verdict(low_type, thresholds)
+        if verdict is None and any(p is not None and not p.within for p in
+                                   (calibration.dynamic_verdict(low_type, t) for t in DYNAMIC_THRESHOLDS[i + 1:])):
+            continue  # sends low or skips every selection one measured beyond does, and more
+        if verdict is None:
+            calibration, verdict, why_not = _price_dynamic(info, config, budget, text, calibration, measure, score,
+                                                           threads, made, low_type, thresholds)
+            if why_not is not None:
+                return None, why_not
+        if verdict.within:
+            why_not = _make_copy(info, config, low_type, threads, made)
+            if why_not is not None:
+                return None, why_not
+            t1, t2 = thresholds
+            low_path = default_companion_path(info.path, low_type)
+            dynamic = dataclasses.replace(config, low=str(low_path), auto=False, t1=t1, t2=t2, **DYNAMIC)
+            return with_profile(dynamic, calibration), describe_dynamic(info, budget, verdict)
+    # the thresholds that read the most were measured (none follows them) and are beyond
+    return None, f"dynamic precision over {low_type} measured {_measured(verdict)} ({_thresholds(verdict)})"
+
+
+def _price_dynamic(info: ModelInfo, config: OffloadConfig, budget: int, text: str, calibration: Calibration,
+                   measure: Measure, score: Score, threads: int, made: list, low_type: str,
+                   thresholds: tuple[float, float]) -> tuple[Calibration, Priced | None, str | None]:
+    """Dynamic precision over the copy of that type with these thresholds, measured on the
+    calibration text as DYNAMIC_PRICED serves it and kept: the calibration with the measurement,
+    the measurement; or why it could not be made (the copy, made where missing)."""
+    if calibration.reference is None:  # kept from an earlier run: its distributions are not
+        calibration = _measure(info.path, info, text, measure, calibration)
     low_path = default_companion_path(info.path, low_type)
-    dynamic = with_profile(dataclasses.replace(config, low=str(low_path), auto=False, **DYNAMIC), calibration)
-    verdict = calibration.dynamic_verdict(low_type)
-    if verdict is not None and not verdict.within:
-        return None, f"dynamic precision over {low_type} measured {_measured(verdict)}"
-    if verdict is None:
-        if calibration.reference is None:  # kept from an earlier run: its distributions are not
-            calibration = _measure(info.path, info, text, measure, calibration)
-        priced = dataclasses.replace(config, low=str(low_path), auto=False, **DYNAMIC_PRICED)
-        room = _measuring_room(info, calibration.reference, priced, low_type)  # before a copy is made for nothing
+    t1, t2 = thresholds
+    priced = dataclasses.replace(config, low=str(low_path), auto=False, t1=t1, t2=t2, **DYNAMIC_PRICED)
+    room = _measuring_room(info, calibration.reference, priced, low_type)  # before a copy is made for nothing
     why_not = _make_copy(info, config, low_type, threads, made)
     if why_not is not None:
-        return None, why_not
-    if verdict is None:
-        log.info(f"measuring dynamic precision over {low_type} on hobbitpy's calibration text (every selection the "
-                 f"rule sends low served low)")
-        try:
-            c = score(calibration.reference, dataclasses.replace(priced, cache_mb=min(budget, room) / MB),
-                      MAX_MEAN_KL)
-        finally:
-            _release(info.path, low_path)
-        verdict = Priced(-1, c.mean_kl, c.ppl_increase, low_type, dynamic=True, at_least=not c.complete)
-        _keep(info.path, info, text, calibration.priced(verdict))
-        if not verdict.within:
-            return None, f"dynamic precision over {low_type} measured {_measured(verdict)}"
-    return dynamic, describe_dynamic(info, budget, verdict)
+        return calibration, None, why_not
+    log.info(f"measuring dynamic precision over {low_type} ({_thresholds_of(t1, t2)}) on hobbitpy's calibration text "
+             f"(every selection the rule sends low served low, every one it skips skipped)")
+    try:
+        c = score(calibration.reference, dataclasses.replace(priced, cache_mb=min(budget, room) / MB), MAX_MEAN_KL)
+    finally:
+        _release(info.path, low_path)
+    verdict = Priced(-1, c.mean_kl, c.ppl_increase, low_type, dynamic=True, at_least=not c.complete, t1=t1, t2=t2)
+    calibration = calibration.priced(verdict)
+    _keep(info.path, info, text, calibration)
+    return calibration, verdict, None
+
+
+def _thresholds_of(t1: float, t2: float) -> str:
+    return f"T1 = {t1:g}, " + ("nothing skipped" if t2 >= 1.0 else f"skipped above T2 = {t2:g}")
+
+
+def _thresholds(p: Priced) -> str:
+    return _thresholds_of(p.t1, p.t2)
 
 
 def with_profile(config: OffloadConfig, calibration: Calibration) -> OffloadConfig:
@@ -633,9 +684,10 @@ def _exact_served(info: ModelInfo, config: OffloadConfig) -> OffloadConfig:
 def describe_dynamic(info: ModelInfo, budget_bytes: int, verdict: Priced) -> str:
     """The line dynamic precision is announced with."""
     low_total = low_copy_bytes(info, verdict.low)
+    skips = "" if verdict.t2 >= 1.0 else f", a miss it weighs least skipped (score above T2 = {verdict.t2:g})"
     return (f"the model's own experts for every hit of the expert cache ({budget_bytes / MB:.0f} MB), a {verdict.low} "
             f"copy ({low_total / MB:.0f} MB) for a miss a token weighs less (HOBBIT's dynamic precision: eq. 2 score "
-            f"above T1 = {DYNAMIC['t1']:g}); with every such selection served low {_measured(verdict)} (lossy; "
+            f"above T1 = {verdict.t1:g}){skips}; with every such selection served so {_measured(verdict)} (lossy; "
             "--exact serves the model's own experts only)")
 
 
