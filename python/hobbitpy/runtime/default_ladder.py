@@ -247,7 +247,7 @@ def load_calibration(model_path: str | os.PathLike, info: ModelInfo, text: str) 
 def _kept_priced(p: dict) -> Priced:
     """A measurement as kept (one of dynamic precision kept without thresholds was HOBBIT's T1, nothing skipped)."""
     dynamic = bool(p.get("dynamic", False))
-    t1, t2 = (float(p.get("t1") or DEFAULT_T1), float(p.get("t2") or 1.0)) if dynamic else (None, None)
+    t1, t2 = (float(p.get("t1", DEFAULT_T1)), float(p.get("t2", 1.0))) if dynamic else (None, None)
     return Priced(int(p["n_high"]), float(p["mean_kl"]), float(p["ppl_increase"]), str(p.get("low", LOW_TYPE)),
                   dynamic, bool(p.get("at_least", False)), t1, t2)
 
