@@ -282,3 +282,10 @@ def test_the_replay_counts_what_the_runtime_counted_on_prompts_and_decode_over_t
     with hobbitpy.Llama(path, cache_mb=budget, prefetch_layers=1, n_ctx=64, verbose=False) as llm:
         with pytest.raises(HobbitError, match="without prediction"):
             llm.replay(routing)
+        # a routing llama.cpp cannot give whole (its last layer routes only the rows it outputs) or
+        # prompts that are text, not token ids: said, not a count that disagrees or a TypeError
+        with pytest.raises(HobbitError, match="needs a Llama made with logits_all=True"):
+            llm.record_routing(prompts, n_predict=2)
+    with hobbitpy.Llama(path, cache_mb=budget, n_ctx=64, logits_all=True, verbose=False) as llm:
+        with pytest.raises(HobbitError, match="each prompt as a list of token ids"):
+            llm.record_routing(["and the people of the town"])

@@ -279,6 +279,9 @@ def test_llama_cpps_spellings_mean_what_they_mean_there(tmp_path):
     flags = ["-no-cnv", "-fa", "-b", "64", "-ub", "32", "--ignore-eos", "--jinja", "--color", "--mlock"]
     escaped = run(MODEL, "-p", "In\\tthe beginning", "-n", "4", "--temp", "0", "-c", "64", *flags)
     assert escaped.stdout.startswith("In\tthe beginning"), escaped.stdout
+    # \xNN is a byte, as llama.cpp reads it: two of them make one "é" (before: "Ã©")
+    accented = run(MODEL, "-p", "caf\\xc3\\xa9", "-n", "2", "--temp", "0")
+    assert accented.returncode == 0 and accented.stdout.startswith("café"), accented.stdout
     assert "--ctx-size 64 rounded up to 256" in escaped.stderr
     from hobbitpy.system.devices import gpu_usable
 

@@ -52,7 +52,11 @@ def test_a_request_leaving_every_setting_out_generates_the_same_text_everywhere(
 def test_the_same_values_are_refused_everywhere(tmp_path):
     cases = [({"max_tokens": 0}, ["-n", "0"], "at least 1, or -1"),
              ({"top_p": 2}, ["--top-p", "2"], "must be in [0, 1]"),
-             ({"temperature": float("inf")}, ["--temp", "inf"], "finite")]
+             ({"temperature": float("inf")}, ["--temp", "inf"], "finite"),
+             ({"presence_penalty": 3}, ["--presence-penalty", "3"], "must be in [-2, 2], got 3"),
+             ({"frequency_penalty": -3}, ["--frequency-penalty", "-3"], "must be in [-2, 2], got -3"),
+             # an empty stop string ends the text before it starts: refused by run, taken by the others
+             ({"stop": [""]}, ["--stop", ""], "needs some text")]
     proc, base = start_server()
     try:
         with hobbitpy.Llama(MODEL, n_ctx=256, n_threads=2, verbose=False) as llm:

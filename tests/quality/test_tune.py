@@ -49,6 +49,9 @@ def test_tune_meets_its_budget_on_held_out_text(model_dir, tmp_path):
     assert "chosen:" in p.stdout
     a = json.loads(first.read_text())
     rows, left = a["calibration"]["candidates"], a["calibration"]["not_scored"]
+    # priced for the context run gives itself in that memory (before: 512, whatever run's was)
+    from hobbitpy.plan.memory import default_context
+    assert a["calibration"]["run_context"] == default_context(hobbitpy.inspect_model(path), memory_mb * 2**20)
     # every candidate scored, or left out because it costs more than one within the limit
     assert {r["name"] for r in rows} | {r["name"] for r in left} == set(CANDIDATES.split(","))
     chosen = next(r for r in rows if r["name"] == a["calibration"]["chosen"])

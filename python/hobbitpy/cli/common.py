@@ -92,12 +92,13 @@ def sampling_keywords(args) -> dict:
         {"stop": args.stop, "seed": args.seed}
 
 
-_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
+_ESCAPES = {"n": b"\n", "r": b"\r", "t": b"\t", "'": b"'", '"': b'"', "\\": b"\\"}
 
 
 def process_escapes(text: str) -> str:
     """The text with llama.cpp's escapes read (common.cpp's string_process_escapes): \\n, \\r,
-    \\t, \\', \\", \\\\ and \\xNN; any other backslash stays as written."""
+    \\t, \\', \\", \\\\ and \\xNN, a byte (\\xc3\\xa9 is one "é": the bytes are read as UTF-8
+    together, and a sequence that is no UTF-8 becomes U+FFFD); any other backslash stays as written."""
     out, i = [], 0
     while i < len(text):
         c = text[i]
@@ -108,12 +109,12 @@ def process_escapes(text: str) -> str:
                 i += 2
                 continue
             if nxt == "x" and len(text) >= i + 4 and all(h in "0123456789abcdefABCDEF" for h in text[i + 2:i + 4]):
-                out.append(chr(int(text[i + 2:i + 4], 16)))
+                out.append(bytes([int(text[i + 2:i + 4], 16)]))
                 i += 4
                 continue
-        out.append(c)
+        out.append(c.encode("utf-8", "surrogateescape"))
         i += 1
-    return "".join(out)
+    return b"".join(out).decode("utf-8", "replace")
 
 
 def sampling_error(args) -> str | None:
@@ -121,11 +122,9 @@ def sampling_error(args) -> str | None:
     from hobbitpy.settings.generation import GENERATION_DEFAULTS, generation_error
 
     if why := generation_error(sampling_keywords(args)):
-        for d in GENERATION_DEFAULTS:  # the flag a person typed, not the API's keyword
-            why = why.replace(d.name, d.flag, 1) if why.startswith(d.name + " ") else why
-        return why
-    if args.stop is not None and any(not s for s in args.stop):
-        return "--stop needs some text"
+        flags = {d.name: d.flag for d in GENERATION_DEFAULTS} | {"stop": "--stop"}
+        name = why.split(" ", 1)[0]  # the flag a person typed, not the API's keyword
+        return flags[name] + why[len(name):] if name in flags else why
     return None
 
 

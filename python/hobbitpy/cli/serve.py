@@ -42,6 +42,7 @@ def add_parser(sub) -> None:
 def _serve(args) -> int:
     from hobbitpy import HobbitError, inspect_model
     from hobbitpy.plan.memory import available_memory_bytes, default_context, padded_context
+    from hobbitpy.runtime.chat_template import chat_format_error
     from hobbitpy.runtime.serve import serve
 
     if args.model_flag is not None:
@@ -54,6 +55,8 @@ def _serve(args) -> int:
             return fail("no model given and no default model installed")
     if not 0 < args.port < 65536:
         return fail(f"--port must be 1..65535, got {args.port}")
+    if args.chat_format is not None and (why := chat_format_error(args.chat_format)):
+        return fail(f"--chat-format: {why}")
     api_key = args.api_key or os.environ.get("HOBBITPY_API_KEY") or None
     if args.api_key_file is not None:
         try:
@@ -75,7 +78,6 @@ def _serve(args) -> int:
         n_ctx = (padded_context(args.ctx) if args.ctx is not None else
                  default_context(inspect_model(args.model), available_memory_bytes()))
         offload = offload_config_from_args(args, args.model, auto_profile=True)
-        log.info(f"serving {args.model} on http://{args.host}:{args.port} (OpenAI API under /v1, /health, /metrics)")
         serve(args.model, offload, host=args.host, port=args.port, n_ctx=n_ctx, n_threads=args.threads,
               n_gpu_layers=gpu_layers(args), alias=args.alias, chat_format=args.chat_format, api_key=api_key,
               verbose=args.verbose, cors_origins=tuple(args.cors_origin), max_body_mb=max_body_mb)

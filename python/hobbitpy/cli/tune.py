@@ -27,8 +27,9 @@ def add_parser(sub) -> None:
                         "in nats a token, the default's own limit (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=default_of(tune, "max_tokens"),
                    help="tokens of the text scored per candidate (default %(default)s)")
-    p.add_argument("--ctx", type=int, default=512,
-                   help="context length the runs will use (its buffers come out of the memory; default 512, as run's)")
+    p.add_argument("--ctx", type=int, default=None,
+                   help="context length the runs will use (its buffers come out of the memory; default run's: the "
+                        "model's training context as far as the memory allows)")
     p.add_argument("--candidates", type=lambda t: [c.strip() for c in t.split(",") if c.strip()], default=None,
                    metavar="NAME,...", help="score only these candidates (names as printed)")
     p.add_argument("--time-limit", type=float, default=None, metavar="MINUTES",
@@ -44,8 +45,8 @@ def add_parser(sub) -> None:
 
 
 def _tune(args) -> int:
-    from hobbitpy import HobbitError
-    from hobbitpy.plan.memory import ContextShape
+    from hobbitpy import HobbitError, inspect_model
+    from hobbitpy.plan.memory import ContextShape, available_memory_bytes, default_context
     from hobbitpy.measure.tune import check_candidate_names
 
     out, text, why = profile_inputs(args)
@@ -65,9 +66,13 @@ def _tune(args) -> int:
         return fail(f"--max-kl must be a number of nats >= 0, got {args.max_kl}")
     if args.time_limit is not None and not args.time_limit > 0:
         return fail(f"--time-limit must be a positive number of minutes, got {args.time_limit}")
+    if args.ctx is not None and args.ctx < 16:
+        return fail(f"--ctx must be at least 16, got {args.ctx}")
     try:
+        n_ctx = args.ctx if args.ctx is not None else default_context(inspect_model(args.model),
+                                                                      memory or available_memory_bytes())
         profile, _ = tune(args.model, text, memory_bytes=memory, max_mean_kl=args.max_kl,
-                          max_tokens=args.max_tokens, run_shape=ContextShape(n_ctx=args.ctx), threads=args.threads,
+                          max_tokens=args.max_tokens, run_shape=ContextShape(n_ctx=n_ctx), threads=args.threads,
                           names=args.candidates,
                           time_limit_s=None if args.time_limit is None else 60 * args.time_limit, keep=args.keep)
         profile.save(out, args.force)

@@ -140,3 +140,13 @@ def bounded_templates():
         yield
     finally:
         llama_chat_format.Jinja2ChatFormatter = original
+
+
+def chat_format_error(name: str) -> str | None:
+    """Why `name` is no chat format llama-cpp-python knows (it would only say so at each
+    conversation); None when it is one."""
+    try:
+        llama_chat_format.LlamaChatCompletionHandlerRegistry().get_chat_completion_handler_by_name(name)
+    except llama_chat_format.LlamaChatCompletionHandlerNotFoundException as e:  # its words name the known ones
+        return str(e)
+    return None

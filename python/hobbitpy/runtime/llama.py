@@ -251,9 +251,16 @@ class Llama(llama_cpp.Llama):
         chose for every evaluated token (the runtime's trace; an offloaded Llama only).
         lookahead: also record the top-k of the routers 1..lookahead layers ahead applied to
         each layer's router input; with_inputs: the router inputs themselves; after_prompt(i):
-        called once prompt i is evaluated, its logits still in place (one pass serves both)."""
+        called once prompt i is evaluated, its logits still in place (one pass serves both).
+        Needs a Llama made with logits_all=True (or n_batch=1): otherwise llama.cpp routes in its
+        last layer only the tokens whose logits it keeps."""
         if self._runtime == ffi.NULL:
             raise HobbitError(f"{self.model_path}: the expert runtime did not attach; cannot record routing")
+        if not self._logits_all and self.n_batch > 1:
+            raise HobbitError("record_routing needs a Llama made with logits_all=True (without, llama.cpp's last layer "
+                              "routes only the tokens whose logits it keeps)")
+        if any(isinstance(ids, (str, bytes)) or not all(isinstance(t, (int, np.integer)) for t in ids) for ids in prompts):
+            raise HobbitError("record_routing takes each prompt as a list of token ids (llm.tokenize(text.encode()))")
         hobbit.trace_begin(self._runtime, lookahead, with_inputs)
         try:
             tokens: list[int] = []

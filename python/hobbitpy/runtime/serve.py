@@ -18,6 +18,7 @@ import contextvars
 import gc
 import hmac
 import json
+import logging
 import pathlib
 import socket
 
@@ -28,6 +29,7 @@ from ..settings.generation import DEFAULTS, for_llama_cpp_python, generation_err
 from .llama import Llama
 from ..files.tokens import UNENCODABLE, out_of_vocabulary
 
+log = logging.getLogger("hobbitpy")
 
 # A completion's prompts when the route cannot carry them, on their way from the guard to the
 # served model: llama-cpp-python's request model takes one prompt of text, OpenAI's takes token
@@ -609,6 +611,7 @@ def serve(model_path: str, offload: OffloadConfig, *, host: str, port: int, n_ct
     except OSError as e:
         raise HobbitError(f"{host}:{port}: cannot listen there ({e.strerror}); choose another --port or --host") from None
     with listening:
+        log.info(f"serving {model_path} on http://{host}:{port} (OpenAI API under /v1, /health, /metrics)")
         app = create_app(model_path, offload, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, alias=alias,
                          chat_format=chat_format, api_key=api_key, verbose=verbose, cors_origins=cors_origins,
                          max_body_mb=max_body_mb)

@@ -28,16 +28,16 @@ GENERATION_DEFAULTS = (
     GenerationDefault("top_p", "--top-p", 0.95, "nucleus sampling threshold"),
     GenerationDefault("min_p", "--min-p", 0.05, "drop tokens below P times the likeliest"),
     GenerationDefault("repeat_penalty", "--repeat-penalty", 1.0, "penalty for repeated tokens; 1: none"),
-    GenerationDefault("presence_penalty", "--presence-penalty", 0.0, "penalty for a token seen at all"),
-    GenerationDefault("frequency_penalty", "--frequency-penalty", 0.0, "penalty per earlier use of a token"),
+    GenerationDefault("presence_penalty", "--presence-penalty", 0.0, "penalty for a token seen at all, in [-2, 2]"),
+    GenerationDefault("frequency_penalty", "--frequency-penalty", 0.0, "penalty per earlier use of a token, in [-2, 2]"),
 )
 DEFAULTS = {d.name: d.value for d in GENERATION_DEFAULTS}
 
 
 def generation_error(settings: dict) -> str | None:
-    """Why these generation settings (keywords of create_completion, any subset) cannot be
-    used, in one sentence naming the setting; None when they can. Not a number, or not finite,
-    is refused everywhere."""
+    """Why these generation settings (keywords of create_completion, any subset, stop among
+    them) cannot be used, in one sentence naming the setting; None when they can. Not a number,
+    or not finite, is refused everywhere."""
     for name in DEFAULTS:
         value = settings.get(name)
         if value is None:
@@ -54,6 +54,12 @@ def generation_error(settings: dict) -> str | None:
             return f"{name} must be in [0, 1], got {settings[name]}"
     if settings.get("repeat_penalty") is not None and settings["repeat_penalty"] <= 0:
         return f"repeat_penalty must be above 0, got {settings['repeat_penalty']}"
+    for name in ("presence_penalty", "frequency_penalty"):  # OpenAI's range, as llama-cpp-python's server checks it
+        if settings.get(name) is not None and not -2 <= settings[name] <= 2:
+            return f"{name} must be in [-2, 2], got {settings[name]}"
+    stop = settings.get("stop")
+    if stop == "" or (isinstance(stop, list) and "" in stop):  # it would end every text before its first token
+        return "stop needs some text: an empty stop string ends the text before it starts"
     return None
 
 
