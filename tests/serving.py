@@ -52,8 +52,9 @@ def start_server(*flags: str, model: pathlib.Path = MODEL, alias: str | None = "
     port = free_port()
     named = ["--alias", alias] if alias is not None else []
     out = subprocess.PIPE if log is None else open(log, "w")
+    # -t: llama-server's spelling of --threads, as run's
     proc = subprocess.Popen([sys.executable, "-m", "hobbitpy", "serve", str(model), "--cache-mb", "8", "--port", str(port),
-                             "--threads", "2", *named, *flags], stdout=out, stderr=subprocess.STDOUT if log else out,
+                             "-t", "2", *named, *flags], stdout=out, stderr=subprocess.STDOUT if log else out,
                             text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120

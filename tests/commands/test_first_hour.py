@@ -16,7 +16,7 @@ import pytest
 
 import hobbitpy
 from conftest import MB, hand_trace, hobbitpy_cli, tiny_model
-from serving import MODEL, start_server, stop_server
+from serving import MODEL, http_post, start_server, stop_server
 
 PROMPT = "And God said"
 README = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
@@ -66,6 +66,16 @@ def test_grammar_and_json_schema_constrain_the_output_and_a_bad_one_is_one_line(
     odd = hobbitpy_cli("run", MODEL, "-p", "x", "-n", "2", "-j", '{"type": "foo"}')
     assert odd.returncode == 2 and "Traceback" not in odd.stderr, odd.stderr
     assert "the JSON schema cannot be turned into a grammar" in odd.stderr.strip().splitlines()[-1], odd.stderr
+    # the server refuses it in a chat's response_format in the same words (it answered 200, any JSON)
+    proc, base = start_server()
+    try:
+        status, answer = http_post(base + "/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+             "response_format": {"type": "json_object", "schema": {"type": "foo"}}}).encode())
+    finally:
+        stop_server(proc)
+    said = answer["error"]["message"]
+    assert status == 400 and "response_format.schema: the JSON schema cannot be turned into a grammar" in said, answer
 
 
 def test_every_run_ends_with_a_summary_and_the_first_says_how_to_see_offloading(model_dir):

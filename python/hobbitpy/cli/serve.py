@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=None, metavar="N", help=CTX_HELP)
-    p.add_argument("--threads", type=threads_arg, default=os.cpu_count() or 1, help="CPU threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=threads_arg, default=os.cpu_count() or 1, help="CPU threads (default: all cores)")
     add_gpu_layers_arg(p)
     p.add_argument("-a", "--alias", help="the model's id in the API (default: the file's name without .gguf); a "
                                          "request may name the model as its client likes: one model is served")

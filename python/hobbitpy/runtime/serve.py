@@ -26,6 +26,7 @@ from .. import __version__
 from ..settings.config import MAX_BODY_MB, OffloadConfig
 from ..errors import ChatTemplateError, HobbitError, RequestError
 from ..settings.generation import DEFAULTS, for_llama_cpp_python, generation_error
+from .grammars import json_schema_grammar
 from .llama import Llama
 from ..files.tokens import UNENCODABLE, out_of_vocabulary
 
@@ -148,7 +149,10 @@ class ExpertCacheCollector:
         perf = llama_cpp.llama_perf_context(llm._ctx.ctx)
         yield CounterMetricFamily("hobbitpy_prompt_tokens", "Prompt tokens evaluated (a reused prefix is not)",
                                   value=perf.n_p_eval)
-        yield CounterMetricFamily("hobbitpy_generated_tokens", "Tokens decoded", value=perf.n_eval)
+        # decode steps, what the decode speed is of: a reply's last sampled token is never evaluated
+        # (run's --stats-json: n_decode_evals; its n_tokens counts every token sampled)
+        yield CounterMetricFamily("hobbitpy_generated_tokens", "Tokens decoded: generated tokens evaluated one "
+                                  "decode step each (a reply's last one is sampled, never evaluated)", value=perf.n_eval)
         yield GaugeMetricFamily("hobbitpy_decode_tokens_per_second", "Decoded tokens per second of decoding, since load",
                                 value=perf.n_eval / (perf.t_eval_ms / 1000.0) if perf.t_eval_ms > 0 else 0.0)
         yield GaugeMetricFamily("hobbitpy_offloaded", "1 when the experts run through the expert cache",
@@ -299,6 +303,12 @@ def request_error(path: str, body: bytes, llm: Llama | None) -> str | None:
     grammar = request.get("grammar")
     if isinstance(grammar, str):
         return llm.grammar_error(grammar)
+    response_format = request.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") == "json_object" and "schema" in response_format:
+        try:  # as run -j refuses it (llama-cpp-python would constrain to any JSON instead)
+            return llm.grammar_error(json_schema_grammar(json.dumps(response_format["schema"])))
+        except HobbitError as e:
+            return f"response_format.schema: {e}"
     return None
 
 

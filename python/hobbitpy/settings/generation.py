@@ -28,8 +28,8 @@ GENERATION_DEFAULTS = (
     GenerationDefault("top_p", "--top-p", 0.95, "nucleus sampling threshold"),
     GenerationDefault("min_p", "--min-p", 0.05, "drop tokens below P times the likeliest"),
     GenerationDefault("repeat_penalty", "--repeat-penalty", 1.0, "penalty for repeated tokens; 1: none"),
-    GenerationDefault("presence_penalty", "--presence-penalty", 0.0, "penalty for a token seen at all, in [-2, 2]"),
-    GenerationDefault("frequency_penalty", "--frequency-penalty", 0.0, "penalty per earlier use of a token, in [-2, 2]"),
+    GenerationDefault("presence_penalty", "--presence-penalty", 0.0, "penalty for a token seen, -2..2"),
+    GenerationDefault("frequency_penalty", "--frequency-penalty", 0.0, "penalty per earlier use, -2..2"),
 )
 DEFAULTS = {d.name: d.value for d in GENERATION_DEFAULTS}
 
