@@ -133,7 +133,7 @@ def test_bad_arguments(model_dir, tmp_path):
     path = tiny_model(model_dir, "llama")
     assert cli(path, "--prompt", "hi", "--cache-mb", "1", "--no-offload").returncode == 2
     proc = cli(path, "--prompt", "hi", "--cache-mb", "-3")
-    assert proc.returncode == 2 and "cache_mb must be positive" in proc.stderr
+    assert proc.returncode == 2 and "--cache-mb must be positive" in proc.stderr
     proc = cli(path, "--prompt", "hi", "--stats-json", tmp_path / "no" / "such" / "dir" / "s.json")
     assert proc.returncode == 2 and "cannot write there" in proc.stderr
 
@@ -313,7 +313,7 @@ def test_trace_never_writes_through_a_symlink(model_dir, tmp_path):
 def test_io_threads_out_of_range_is_one_clear_error(model_dir):
     model = tiny_model(model_dir, "llama")
     p = cli(str(model), "-p", "hello", "-n", "1", "--cache-mb", "64", "--io-threads", "100000", timeout=60)
-    assert p.returncode == 2 and "io_threads must be 1..64" in p.stderr and "Traceback" not in p.stderr
+    assert p.returncode == 2 and "--io-threads must be 1..64" in p.stderr and "Traceback" not in p.stderr
 
 
 @pytest.mark.slow
@@ -335,10 +335,10 @@ def test_a_companion_of_another_model_with_the_same_shapes_is_refused(model_dir,
 def test_out_of_range_numbers_and_odd_files_are_one_line_errors(model_dir, tmp_path):
     model = tiny_model(model_dir, "llama")
     cases = [
-        (["--cache-mb", "inf"], "cache_mb must be positive and at most"),
-        (["--cache-mb", "1e30"], "cache_mb must be positive and at most"),
-        (["--policy", "hobbit", "--policy-weights", "nan,0,0,1"], "policy_weights must be"),
-        (["--low", "Q2_K", "--level-shares", "inf,1"], "level_shares must be"),
+        (["--cache-mb", "inf"], "--cache-mb must be positive and at most"),
+        (["--cache-mb", "1e30"], "--cache-mb must be positive and at most"),
+        (["--policy", "hobbit", "--policy-weights", "nan,0,0,1"], "--policy-weights must be"),
+        (["--low", "Q2_K", "--level-shares", "inf,1"], "--level-shares must be"),
     ]
     for flags, message in cases:
         p = cli(str(model), "-p", "hello", "-n", "1", *flags, timeout=60)

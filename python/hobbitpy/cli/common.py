@@ -278,9 +278,15 @@ def offload_config_from_args(args, model_path: str | None = None, *, auto_profil
 
     flags = {f.name: getattr(args, _dest(f)) for f in dataclasses.fields(OffloadConfig)
              if option_of(f).flag is not None and getattr(args, _dest(f)) is not None}
-    config, profile = resolve_offload(model_path, profile=args.profile,
-                                      profile_next_to_model=auto_profile and not args.no_profile,
-                                      preset=getattr(args, "preset", None), settings=flags)
+    try:
+        config, profile = resolve_offload(model_path, profile=args.profile,
+                                          profile_next_to_model=auto_profile and not args.no_profile,
+                                          preset=getattr(args, "preset", None), settings=flags)
+    except ValueError as e:  # a value given by a flag is refused by the flag's name, not the keyword's
+        name = str(e).split(" ", 1)[0]
+        if name not in flags:
+            raise
+        raise ValueError(option_of(OffloadConfig.__dataclass_fields__[name]).flag + str(e)[len(name):]) from None
     if profile is not None:
         log.info(f"settings from {profile}")
     return config
