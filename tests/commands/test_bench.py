@@ -74,8 +74,10 @@ def test_bench_bad_input(model_dir, tmp_path):
     assert p.returncode == 2 and "bad flags in configuration" in p.stderr
     p = _bench([str(path), "--config", "x=--policy nonsense", "--no-progress"])
     assert p.returncode == 2 and "invalid choice" in p.stderr
-    p = _bench([str(path), "--caps", "-1", "--no-progress"])
-    assert p.returncode == 2 and "cap fraction" in p.stderr
+    for cap in ("-1", "abc"):  # "abc" was Python's own words: could not convert string to float
+        p = _bench([str(path), "--caps", cap, "--no-progress"])
+        assert p.returncode == 2 and f"--caps: a cap is a fraction of the model's file in (0, 4], or none; got '{cap}'" \
+            in p.stderr, p.stderr
     p = _bench([str(path), "--prompt-tokens", "16,0", "--no-progress"])
     assert p.returncode == 2 and "--prompt-tokens" in p.stderr and "Traceback" not in p.stderr
 

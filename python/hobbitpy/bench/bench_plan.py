@@ -4,6 +4,7 @@ before any run."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..copies.companions import default_companion_path, resolve_levels
@@ -53,9 +54,12 @@ def parse_caps(fractions: list[str], mbs: list[float], model_bytes: int) -> list
         if f == "none":
             caps.append(Cap("none", None))
             continue
-        v = float(f)
+        try:
+            v = float(f)
+        except ValueError:
+            v = math.nan
         if not 0 < v <= 4:
-            raise ValueError(f"a cap fraction must be in (0, 4], got {f}")
+            raise ValueError(f"--caps: a cap is a fraction of the model's file in (0, 4], or none; got {f!r}")
         caps.append(Cap(f"{v:g}", int(v * model_bytes)))
     caps += [Cap(f"{mb:g}MB", int(mb * MB)) for mb in mbs]
     return caps
