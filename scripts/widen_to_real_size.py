@@ -5,7 +5,9 @@ llama.cpp's quantizer does (Q4_K_M, as published; Q3_K_M and Q2_K, the smaller f
 would download instead), written tensor by tensor (never the whole model in memory).
 
 The source is an F32 GGUF of scripts/train_reference_moe.py ("qwen3-30b-a3b" or
-"mixtral-8x7b"): the routing is learned, the file has the real depth, expert count, top-k,
+"mixtral-8x7b"), or this script's output of it at its own size (--n-embd and --n-ff the
+source's: the seed a repository can keep, a few tens of MB, whose blocks the real-size file
+is assembled from byte for byte, as from the F32 file): the routing is learned, the file has the real depth, expert count, top-k,
 hidden size and expert width, so every expert is as many bytes as the real model's and the
 routers choose as a trained router does. What stays small: the vocabulary (4,096 tokens, not
 151,936 or 32,000) and the attention heads, so the resident weights are smaller than the real
@@ -43,6 +45,10 @@ from hobbitpy.files.gguf_fields import field_value
 from hobbitpy.files.inflate import write_gguf
 
 
+# source types read as numbers (and quantized here); any other is a seed's bytes, copied
+FLOATS = (QT.F32, QT.F16)
+
+
 def use_more_bits(i_layer: int, n_layer: int) -> bool:  # llama-quant.cpp
     return i_layer < n_layer // 8 or i_layer >= 7 * n_layer // 8 or (i_layer - n_layer // 8) % 3 == 2
 
@@ -77,20 +83,25 @@ def llama_quant_type(ftype: str, name: str, n_layer: int, n_expert: int, n_gqa: 
     return default
 
 
-def widened_rows(values: np.ndarray, row_source: np.ndarray, n_cols: int, qtype: QT) -> np.ndarray:
+def widened_rows(values: np.ndarray, row_source: np.ndarray, n_cols: int, qtype: QT, quantized: bool) -> np.ndarray:
     """values [..., R, C] -> [..., len(row_source), n_cols] in qtype: row j is row row_source[j]
-    padded with zero columns, or all zeros where row_source[j] < 0. Returns bytes (or float32)."""
-    lead, (n_real_rows, n_real_cols) = values.shape[:-2], values.shape[-2:]
+    padded with zero columns, or all zeros where row_source[j] < 0. values are float32, or
+    (quantized) the rows' bytes in qtype already, whole blocks. Returns bytes (or float32)."""
+    lead, n_real_rows = values.shape[:-2], values.shape[-2]
     has_source = row_source >= 0
     if qtype == QT.F32:
         out = np.zeros(lead + (len(row_source), n_cols), np.float32)
-        out[..., has_source, :n_real_cols] = values[..., row_source[has_source], :]
+        out[..., has_source, :values.shape[-1]] = values[..., row_source[has_source], :]
         return out
-    block, _ = gguf.GGML_QUANT_SIZES[qtype]
-    n_quantized = -(-n_real_cols // block) * block  # the blocks that hold real numbers
-    real = np.zeros((int(np.prod(lead, dtype=np.int64)) * n_real_rows, n_quantized), np.float32)
-    real[:, :n_real_cols] = values.reshape(-1, n_real_cols)
-    real_bytes = quantize_rows(real, qtype).reshape(lead + (n_real_rows, -1))
+    if quantized:
+        real_bytes = values
+    else:
+        block, _ = gguf.GGML_QUANT_SIZES[qtype]
+        n_real_cols = values.shape[-1]
+        n_quantized = -(-n_real_cols // block) * block  # the blocks that hold real numbers
+        real = np.zeros((int(np.prod(lead, dtype=np.int64)) * n_real_rows, n_quantized), np.float32)
+        real[:, :n_real_cols] = values.reshape(-1, n_real_cols)
+        real_bytes = quantize_rows(real, qtype).reshape(lead + (n_real_rows, -1))
     zero_row = quantize_rows(np.zeros((1, n_cols), np.float32), qtype)[0]
     out = np.empty(lead + (len(row_source), len(zero_row)), np.uint8)
     out[...] = zero_row
@@ -100,7 +111,7 @@ def widened_rows(values: np.ndarray, row_source: np.ndarray, n_cols: int, qtype:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("src", help="F32 GGUF of train_reference_moe.py")
+    ap.add_argument("src", help="F32 GGUF of train_reference_moe.py, or this script's output of it at its own size")
     ap.add_argument("dst")
     ap.add_argument("--n-embd", type=int, required=True, help="the real hidden size (the small one times 4^k)")
     ap.add_argument("--n-ff", type=int, required=True, help="the real expert width (a multiple of the small one)")
@@ -124,9 +135,6 @@ def main() -> int:
     k = (ratio.bit_length() - 1) // 2
     if a.n_embd % n_embd or 4 ** k != ratio or a.n_ff % n_ff:
         print(f"{src}: --n-embd must be {n_embd} x 4^k and --n-ff a multiple of {n_ff}", file=sys.stderr)
-        return 2
-    if any(QT(t.tensor_type) != QT.F32 for t in reader.tensors):
-        print(f"{src}: every tensor must be F32 (train_reference_moe.py --types F32)", file=sys.stderr)
         return 2
 
     norms = ("attn_norm.weight", "ffn_norm.weight", "output_norm.weight")
@@ -156,25 +164,32 @@ def main() -> int:
             return 2
 
     def new_data(t, kind):
-        values = np.asarray(t.data, np.float32)  # numpy order: innermost dimension last
+        _, _, _, qtype = by_tensor[t.name]
+        quantized = QT(t.tensor_type) not in FLOATS  # its rows' bytes in qtype already (checked below)
+        values = np.asarray(t.data, np.uint8 if quantized else np.float32)  # numpy order: innermost dimension last
         if kind == "norm":
             out = np.zeros(a.n_embd, np.float32)
             out[:n_embd] = values / np.float32(2 ** k)
             return out
-        _, _, _, qtype = by_tensor[t.name]
         if kind == "hidden_cols":  # [rows, n_embd] -> [rows, N]
-            return widened_rows(values, np.arange(values.shape[0]), a.n_embd, qtype)
+            return widened_rows(values, np.arange(values.shape[0]), a.n_embd, qtype, quantized)
         if kind == "hidden_rows":  # [n_embd, cols] -> [N, cols]: zero rows
             source = np.where(np.arange(a.n_embd) < n_embd, np.arange(a.n_embd), -1)
-            return widened_rows(values, source, values.shape[1], qtype)
+            return widened_rows(values, source, int(t.shape[0]), qtype, quantized)
         if kind == "neurons":  # [E, n_ff, n_embd] -> [E, N_ff, N]: copied rows, zero columns
-            return widened_rows(values, np.arange(a.n_ff) % n_ff, a.n_embd, qtype)
+            return widened_rows(values, np.arange(a.n_ff) % n_ff, a.n_embd, qtype, quantized)
         if kind == "down":  # [E, n_embd, n_ff] -> [E, N, N_ff]: zero rows, the new neurons' columns zero
             source = np.where(np.arange(a.n_embd) < n_embd, np.arange(a.n_embd), -1)
-            return widened_rows(values, source, a.n_ff, qtype)
+            return widened_rows(values, source, a.n_ff, qtype, quantized)
         raise AssertionError(kind)
 
     by_tensor = {t.name: (t, kind, shape, qtype) for t, kind, shape, qtype in plan}
+    for t, _, _, qtype in plan:  # a quantized source is this script's output at the same size (a seed)
+        if QT(t.tensor_type) not in (*FLOATS, qtype):
+            print(f"{src}: {t.name} is {QT(t.tensor_type).name}, not F32, F16 or the {qtype.name} of {a.ftype}: widen "
+                  f"train_reference_moe.py's F32 file, or this script's {a.ftype} of it at its own size",
+                  file=sys.stderr)
+            return 2
     for t, _, shape, qtype in plan:
         if shape[0] % gguf.GGML_QUANT_SIZES[qtype][0]:
             print(f"{src}: {t.name}: rows of {shape[0]} are not whole {qtype.name} blocks", file=sys.stderr)

@@ -137,6 +137,12 @@ def test_bad_arguments(model_dir, tmp_path):
     proc = cli(path, "--prompt", "hi", "--stats-json", tmp_path / "no" / "such" / "dir" / "s.json")
     assert proc.returncode == 2 and "cannot write there" in proc.stderr
 
+    # stock llama.cpp serves every expert: a technique, a preset or a profile would be ignored
+    for flags, named in ((["--low", "Q2_K"], "--low"), (["--preset", "hobbit"], "--preset"),
+                         (["--policy", "lfu", "--t1", "0.5"], "--policy, --t1")):
+        proc = cli(path, "--prompt", "hi", "--no-offload", *flags)
+        assert proc.returncode == 2 and f"{named} cannot go with --no-offload" in proc.stderr, proc.stderr[-400:]
+
 
 # (change, mode): the model's file cut at its experts, cut to nothing (the resident weights
 # too: a SIGBUS in the compute threads before, in every mode), written over in place

@@ -44,6 +44,7 @@ def with_imatrix(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr
     path = folder / "ref-mixtral-Q8_0.imatrix.gguf"
     assert f"wrote {path}" in proc.stdout
+    assert proc.stderr == "", proc.stderr  # llama.cpp's own log lines (loading, closing) stay off the terminal
     return model, path, calibration, held_out
 
 

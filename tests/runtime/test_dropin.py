@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 import hobbitpy
@@ -131,6 +132,20 @@ def test_misspelt_keywords_are_type_errors_naming_them(model_dir):
         hobbitpy.Llama(path, policy="fifo")
     with pytest.raises(TypeError, match="not both"):
         hobbitpy.Llama(path, offload={"cache_mb": 8}, profile="x.json")
+
+
+def test_a_setting_of_the_wrong_type_is_a_type_error_naming_it(model_dir):
+    """A number given as text is said so by the setting's name, not by a comparison deep
+    in the checks ("'<' not supported between instances of 'int' and 'str'")."""
+    path = tiny_model(model_dir, "llama")
+    with pytest.raises(TypeError, match=r"^cache_mb must be a number or None, got '4'$"):
+        hobbitpy.Llama(path, cache_mb="4")
+    with pytest.raises(TypeError, match=r"^io_threads must be an integer, got 2.5$"):
+        hobbitpy.Llama(path, offload={"io_threads": 2.5})
+    with pytest.raises(TypeError, match=r"^warm must be True or False, got 1$"):
+        hobbitpy.OffloadConfig(warm=1)
+    config = hobbitpy.OffloadConfig(cache_mb=np.float32(8), io_threads=np.int64(2))  # numpy's numbers are numbers,
+    assert type(config.cache_mb) is float and type(config.io_threads) is int  # kept as Python's (JSON writes them)
 
 
 def test_shipped_models_chat_in_the_format_they_were_trained_on():

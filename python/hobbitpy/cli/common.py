@@ -122,10 +122,15 @@ def sampling_error(args) -> str | None:
     from hobbitpy.settings.generation import GENERATION_DEFAULTS, generation_error
 
     if why := generation_error(sampling_keywords(args)):
-        flags = {d.name: d.flag for d in GENERATION_DEFAULTS} | {"stop": "--stop"}
-        name = why.split(" ", 1)[0]  # the flag a person typed, not the API's keyword
-        return flags[name] + why[len(name):] if name in flags else why
+        return said_with_flags(why, {d.name: d.flag for d in GENERATION_DEFAULTS} | {"stop": "--stop"})
     return None
+
+
+def said_with_flags(why: str, flags: dict[str, str]) -> str:
+    """A check's words with the flag a person typed in place of the API keyword they start
+    with ("cache_mb must be positive" → "--cache-mb must be positive"); flags: keyword → flag."""
+    name = why.split(" ", 1)[0]
+    return flags[name] + why[len(name):] if name in flags else why
 
 
 def default_model() -> str | None:
@@ -266,10 +271,13 @@ def _add_option_flags(p, wanted) -> None:
                                 help=f"the same as {opt.flag} {value}")
 
 
-def offload_config_from_args(args, model_path: str | None = None, *, auto_profile: bool = False):
+def offload_config_from_args(args, model_path: str | None = None, *, auto_profile: bool = False,
+                             with_stock: tuple[str, ...] = ()):
     """The OffloadConfig of the flags, in profile.resolve_offload's order: the built-in
     defaults, the profile (--profile, or with auto_profile the one next to model_path unless
-    --no-profile), the preset, then the flags given."""
+    --no-profile), the preset, then the flags given. With --no-offload a technique flag or a
+    preset is refused (stock llama.cpp would serve every expert and ignore it), except the
+    fields the command reads with stock too (with_stock: eval prices --neurons there)."""
     import dataclasses
 
     from hobbitpy import OffloadConfig
@@ -278,15 +286,23 @@ def offload_config_from_args(args, model_path: str | None = None, *, auto_profil
 
     flags = {f.name: getattr(args, _dest(f)) for f in dataclasses.fields(OffloadConfig)
              if option_of(f).flag is not None and getattr(args, _dest(f)) is not None}
+    if flags.get("enabled") is False:
+        ignored = [option_of(OffloadConfig.__dataclass_fields__[name]).flag for name in flags
+                   if name != "enabled" and name not in with_stock]
+        ignored += [flag for flag, given in (("--profile", args.profile), ("--preset", getattr(args, "preset", None)))
+                    if given is not None]
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)} cannot go with --no-offload: stock llama.cpp serves every "
+                             f"expert from the model's file")
     try:
         config, profile = resolve_offload(model_path, profile=args.profile,
                                           profile_next_to_model=auto_profile and not args.no_profile,
                                           preset=getattr(args, "preset", None), settings=flags)
     except ValueError as e:  # a value given by a flag is refused by the flag's name, not the keyword's
-        name = str(e).split(" ", 1)[0]
-        if name not in flags:
+        given = {name: option_of(OffloadConfig.__dataclass_fields__[name]).flag for name in flags}
+        if (said := said_with_flags(str(e), given)) == str(e):
             raise
-        raise ValueError(option_of(OffloadConfig.__dataclass_fields__[name]).flag + str(e)[len(name):]) from None
+        raise ValueError(said) from None
     if profile is not None:
         log.info(f"settings from {profile}")
     return config

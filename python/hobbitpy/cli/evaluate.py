@@ -45,7 +45,7 @@ def _eval(args) -> int:
     if why:
         return fail(why)
     try:
-        offload = offload_config_from_args(args, args.model)
+        offload = offload_config_from_args(args, args.model, with_stock=("neurons", "neuron_limit"))
         neurons = None  # stock's path prices CORM with a graph callback; the runtime masks in its own graph
         if not offload.enabled and offload.neurons is not None:
             neurons = NeuronMaskSpec(offload.neurons, predicted=not args.neuron_oracle, limit=offload.neuron_limit)

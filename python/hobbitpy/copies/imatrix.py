@@ -69,9 +69,9 @@ def collect_imatrix(model_path: str | os.PathLike, text_path: str | os.PathLike,
     collector = hobbit.imatrix_collector()
     # the backends, as llama_cpp.Llama loads them first (a portable build's CPU backend is a
     # module nothing has loaded yet); loading again later is a no-op
-    llama_cpp.llama_backend_init()
     model_params = llama_cpp.llama_model_default_params()
     with llama_cpp._utils.suppress_stdout_stderr(disable=False):  # llama.cpp's load log: not for the terminal
+        llama_cpp.llama_backend_init()  # ggml's "loaded ... backend" line
         model = _internals.LlamaModel(path_model=os.fspath(model_path), params=model_params, verbose=False)
     params = llama_cpp.llama_context_default_params()
     params.n_ctx = params.n_batch = params.n_ubatch = n_ctx
@@ -93,9 +93,10 @@ def collect_imatrix(model_path: str | os.PathLike, text_path: str | os.PathLike,
     except RuntimeError as e:  # llama_decode's status
         raise HobbitError(f"{model_path}: llama.cpp could not decode the text ({e})") from None
     finally:
-        batch.close()
-        context.close()
-        model.close()
+        with llama_cpp._utils.suppress_stdout_stderr(disable=False):  # the context's closing log line
+            batch.close()
+            context.close()
+            model.close()
     entries = _entries(collector)
     if not entries:
         raise HobbitError(f"{model_path}: no expert matmul was seen while decoding; no importance matrix")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 import json
 import math
+import numbers
 import os
 import types
 import typing
@@ -211,22 +212,26 @@ def _of_json(hint, value):
         return _NOT_OF_TYPE if any(item is _NOT_OF_TYPE for item in items) else items
     if isinstance(value, bool) and hint is not bool:  # JSON's true is no number
         return _NOT_OF_TYPE
-    if hint is float and isinstance(value, (int, float)):
+    if hint is float and isinstance(value, numbers.Real):  # numpy's numbers too
         try:
             return float(value)
         except OverflowError:  # an integer of 400 digits
             return _NOT_OF_TYPE
+    if hint is int and isinstance(value, numbers.Integral):
+        return int(value)
     return value if isinstance(value, hint) else _NOT_OF_TYPE
 
 
-def _json_type_name(hint, plural: bool = False) -> str:
+def _json_type_name(hint, plural: bool = False, python: bool = False) -> str:
+    """The type as a profile's JSON spells it, or (python) as Python does."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_json_type_name(a, plural) for a in args)
+        return " or ".join(_json_type_name(a, plural, python) for a in args)
     if origin is tuple:
         count = "" if args[-1] is Ellipsis else f"{len(args)} "
-        return ("lists of " if plural else "a list of ") + count + _json_type_name(args[0], True)
-    names = {type(None): ("null", "nulls"), bool: ("true or false", "booleans"), int: ("an integer", "integers"),
+        return ("lists of " if plural else "a list of ") + count + _json_type_name(args[0], True, python)
+    names = {type(None): ("None", "Nones") if python else ("null", "nulls"),
+             bool: ("True or False" if python else "true or false", "booleans"), int: ("an integer", "integers"),
              float: ("a number", "numbers"), str: ("a string", "strings")}
     return names[hint][plural]
 
@@ -402,6 +407,11 @@ class OffloadConfig:
                 object.__setattr__(self, name, tuple(tuple(float(x) for x in row) for row in getattr(self, name)))
         if isinstance(self.level_shares, list):  # a profile's JSON list (the fate preset's split)
             object.__setattr__(self, "level_shares", tuple(self.level_shares))
+        for name, hint in _SCALAR_HINTS.items():  # the checks below compare: Llama(cache_mb="4") is told so
+            value = _of_json(hint, getattr(self, name))
+            if value is _NOT_OF_TYPE:
+                raise TypeError(f"{name} must be {_json_type_name(hint, python=True)}, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, value)  # numpy's numbers as Python's: a profile writes them as JSON
         if self.cache_mb is not None and not 0 < self.cache_mb <= MAX_CACHE_MB:
             raise ValueError(f"cache_mb must be positive and at most {MAX_CACHE_MB:.0f} MiB (a PiB), got {self.cache_mb}")
         for name, c_field in RANGED_OPTIONS.items():
@@ -548,3 +558,15 @@ class OffloadConfig:
             params.expert_popularity = keep[-1]
             params.n_expert_popularity = len(keep[-1])
         return params, keep
+
+
+def _scalar_hints() -> dict:
+    """The fields that hold a number or a boolean (or None), by their type hints."""
+    def scalar(hint) -> bool:
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            return all(scalar(a) for a in typing.get_args(hint))
+        return hint in (float, int, bool, type(None))
+    return {name: hint for name, hint in typing.get_type_hints(OffloadConfig).items() if scalar(hint)}
+
+
+_SCALAR_HINTS = _scalar_hints()
