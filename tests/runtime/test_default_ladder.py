@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import hobbitpy
-from hobbitpy.runtime.default_ladder import (CACHE_POLICY, DYNAMIC_THRESHOLDS, LOW_TYPE, MAX_MEAN_KL, NEXT_TYPE_GAIN,
-                                             Calibration, Priced,
+from hobbitpy.runtime.default_ladder import (CACHE_POLICY, DYNAMIC_PREFETCH_LAYERS, DYNAMIC_THRESHOLDS, LOW_TYPE,
+                                             MAX_MEAN_KL, NEXT_TYPE_GAIN, Calibration, Priced,
                                              calibration_text, default_config, importance_path, kept_importance,
                                              ladder_placement, load_calibration, low_copy_bytes, low_copy_layer_bytes,
                                              low_weight_share, placed_bytes, remembered_failure, unfit_reason)
@@ -138,10 +138,11 @@ def test_the_calibration_leaves_out_what_the_vocabulary_cannot_encode(tmp_path):
 LESS_MEMORY, SOME_MEMORY, MORE_MEMORY = 34 * MB, 40 * MB, 45 * MB
 
 
-def _default_of(model: pathlib.Path, available: int, score, measure=None):
+def _default_of(model: pathlib.Path, available: int, score, measure=None, **chosen):
     info = hobbitpy.inspect_model(model)
     measure = measure or (lambda text: measure_calibration(str(model), text, 2))
-    return default_config(info, hobbitpy.OffloadConfig(), ContextShape(n_ctx=256), available, measure, score, 2)
+    return default_config(info, hobbitpy.OffloadConfig(**chosen), ContextShape(n_ctx=256), available, measure, score,
+                          2)
 
 
 def test_a_failed_measurement_is_kept_and_the_copy_made_for_it_removed(tmp_path):
@@ -345,6 +346,9 @@ def test_dynamic_precision_serves_where_the_ladders_are_beyond_the_limit(tmp_pat
 
     again, _ = _default_of(model, LESS_MEMORY, never, measure=never)
     assert again == served
+    # the next layer's predicted experts read ahead, unless the user chose a depth
+    assert served.prefetch_layers == DYNAMIC_PREFETCH_LAYERS > 0, served
+    assert _default_of(model, LESS_MEMORY, never, measure=never, prefetch_layers=2)[0].prefetch_layers == 2
     # the expert cache keeps the experts the calibration weighed most (warmed first), by CACHE_POLICY
     assert served.policy == CACHE_POLICY and served.popularity == tuple(map(tuple, kept_importance(kept.importance)))
     # in half the experts' memory (this machine has room for all of them, then warmed at the model's precision)
