@@ -29,6 +29,7 @@ from hobbitpy.system.disk import drop_from_page_cache
 from hobbitpy.files.inflate import inflate
 from hobbitpy.system.memory_cgroup import MemoryCap
 from hobbitpy.copies.companions import default_companion_path
+from hobbitpy.copies.prepare import prepare_companion
 
 from conftest import MB, model_without_byte_tokens
 
@@ -357,6 +358,33 @@ def test_dynamic_precision_serves_where_the_ladders_are_beyond_the_limit(tmp_pat
         llm.create_completion(PROMPT, max_tokens=8, temperature=0.0)
         stats = llm.offload_stats()
     assert stats["served"][1] > 0 and stats["expert_misses"] > 0, stats
+
+
+def test_a_copy_that_cannot_be_made_costs_no_measurement_at_the_next_start(tmp_path):
+    """With SOME_MEMORY the Q2_K ladder measures beyond the limit but close enough for a Q3_K copy
+    to bring it within (test_the_default_tries_a_q3_k_ladder_where_the_q2_k_one_is_beyond_the_limit).
+    Where that copy can be neither found nor made (here --no-prepare beside the Q2_K copy `prepare`
+    made; a disk without room for it alike), the model's own experts serve and the line says why;
+    the next start knows it before the model's own pass over the calibration text, so it measures
+    nothing (at real size that pass is a minute and more)."""
+    model = tmp_path / "m.gguf"
+    shutil.copy(MODEL, model)
+    q2, q3 = default_companion_path(model, "Q2_K"), default_companion_path(model, "Q3_K")
+    prepare_companion(model, "Q2_K", q2, threads=2, progress=False)
+    score = lambda reference, config, stop_beyond: compare_ladder(str(model), reference, config, 2, stop_beyond)
+
+    served, line = _default_of(model, SOME_MEMORY, score, prepare=False)
+    kept = load_calibration(model, hobbitpy.inspect_model(model), calibration_text())
+    ladders = [p for p in kept.ladders if not p.dynamic]
+    assert ladders and not ladders[-1].within and ladders[-1].mean_kl <= NEXT_TYPE_GAIN * MAX_MEAN_KL, kept.ladders
+    assert served.low is None and "(exact)" in line and "Q3_K" in line and "--no-prepare" in line, line
+    assert q2.is_file() and not q3.exists()  # the user's copy kept: it was not made for this run
+
+    def never(*args):
+        raise AssertionError("measured again")
+
+    again, again_line = _default_of(model, SOME_MEMORY, never, measure=never, prepare=False)
+    assert again == served and again_line == line
 
 
 def test_dynamic_precision_serves_the_first_thresholds_within_the_limit(tmp_path):

@@ -89,7 +89,7 @@ from ..analysis.likelihood import Comparison, Reference, scoring_bytes
 from ..plan.memory import (ContextShape, available_memory_bytes, context_sizes, fit_ubatch, plan_offload,
                            return_freed_memory)
 from ..files.model_file import ModelInfo, layer_expert_bytes, model_parts
-from ..system.outputs import partial_output, replace
+from ..system.outputs import NotEnoughSpaceError, check_free_space, partial_output, replace
 from ..plan.placement import place_by_importance
 from ..copies.companions import copy_layer_bytes, default_companion_path, estimated_copy
 from ..copies.prepare import prepare_companion
@@ -541,6 +541,11 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
     n_priced = ladder_placement(info, model_layer_bytes, priced_bytes, calibration.importance, low_type)[1]
     verdict = calibration.verdict(n_high, low_type, n_priced)
     if verdict is None:
+        # a copy that can be neither found nor made: known before the model's own pass is made again
+        # for nothing (at real size a minute and more at every start)
+        why_not = _why_no_copy(info, config, low_type)
+        if why_not is not None:
+            return exact, _exact(why_not), None
         if calibration.reference is None:  # kept from an earlier run: its distributions are not
             calibration = _measure(model_path, info, text, measure, calibration)
         # no room to measure: known before the copy is made for nothing
@@ -591,14 +596,30 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
     return served, describe(info, budget, calibration.importance, placement, verdict), None
 
 
-def _make_copy(info: ModelInfo, config: OffloadConfig, low_type: str, threads: int, made: list) -> str | None:
-    """The low copy of that type next to the model, made where it is missing (named in `made`);
-    None where it is there, else why not."""
+def _why_no_copy(info: ModelInfo, config: OffloadConfig, low_type: str) -> str | None:
+    """Why the low copy of that type can be neither found next to the model nor made there (None:
+    it can): what making it would fail on, said without trying."""
     low_path = default_companion_path(info.path, low_type)
     if low_path.is_file():
         return None
     if not config.prepare:
         return f"the default needs a {low_type} copy of the experts, {low_path} does not exist and --no-prepare was given"
+    try:
+        check_free_space(low_path.parent, low_copy_bytes(info, low_type), str(low_path))
+    except NotEnoughSpaceError as e:
+        return f"the {low_type} copy could not be made ({e})"
+    except OSError as e:  # the folder gone or unreadable: making it would fail on the same
+        return f"the {low_type} copy could not be made ({low_path.parent}: {e.strerror or e})"
+    return None
+
+
+def _make_copy(info: ModelInfo, config: OffloadConfig, low_type: str, threads: int, made: list) -> str | None:
+    """The low copy of that type next to the model, made where it is missing (named in `made`);
+    None where it is there, else why not."""
+    why_not = _why_no_copy(info, config, low_type)
+    low_path = default_companion_path(info.path, low_type)
+    if why_not is not None or low_path.is_file():
+        return why_not
     need = low_copy_bytes(info, low_type)
     log.info(f"making a {low_type} copy of the experts for the default ({need / 1e9:.2f} GB, once): {low_path}")
     try:
