@@ -85,6 +85,13 @@ def test_a_measured_ladder_settles_the_ladders_it_bounds():
     assert c.verdict(2) == two and c.verdict(1) == two and c.verdict(3) is None and c.verdict(5) == four
     # ... and for a ladder whose n_beyond (the one a little less memory allows) has as few or fewer
     assert c.verdict(3, n_beyond=2) == two and c.verdict(3, n_beyond=3) is None and c.verdict(5, n_beyond=2) == four
+    # ... and, priced a slack below a budget's own, every budget up to a slack above that one: a run
+    # finding an expert more memory than the one that measured it measures nothing (runs under the
+    # same memory differ by about that); measured for itself (every expert at the copy), no more
+    priced_below = Priced(2, MAX_MEAN_KL * 3, -0.01, stands_for=3)
+    slack_above = Calibration(np.ones((2, 4)), 100).priced(priced_below)
+    assert slack_above.verdict(4, n_beyond=3) == priced_below and slack_above.verdict(5, n_beyond=4) is None
+    assert Calibration(np.ones((2, 4)), 100).priced(two).verdict(4, n_beyond=3) is None
     assert c.ladders == (two, four) and not two.within and four.within
     # measured again: the new figure replaces the old
     assert c.priced(Priced(4, 0.0, 0.0)).ladders == (two, Priced(4, 0.0, 0.0))
@@ -305,6 +312,8 @@ def test_the_budgets_own_ladder_is_measured_first_and_every_expert_low_only_afte
         assert len(placed) == (2 if every_low_measured else 1), (placed, ladders)
         assert (placed[-1] == low_total) == every_low_measured, (placed, ladders)  # (after the one within)
         assert ladders[-1].within == every_low_measured, ladders  # the budget's own: most at the model's precision
+        # kept with the budget it was priced a slack below; every expert at the copy stands for itself
+        assert ladders[-1].stands_for >= ladders[-1].n_high and all(p.stands_for is None for p in ladders[:-1]), ladders
 
         def never(*args):
             raise AssertionError("measured again")

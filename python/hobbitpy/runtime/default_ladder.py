@@ -17,8 +17,8 @@ dialogue, code, arithmetic, three languages, scripture):
   progress bar; the disk it needs checked and said first; never with `--no-prepare`);
 - the ladder the memory allows, less a slack (VERDICT_SLACK_SHARE), is run over the same text
   (beyond the limit, so is every ladder with fewer experts at the model's precision, and it is
-  taken for the budget's own, a slack above it: a later run finding as much memory or less
-  measures nothing; within, so is every ladder with more: runs under the same memory find a MB
+  taken for the budget's own, a slack above it, and for up to a slack above that: a later run
+  finding as much memory, or up to a slack more, or less measures nothing; within, so is every ladder with more: runs under the same memory find a MB
   or two more or less than one another, and a later one finding up to a slack less measures
   nothing; one finding less than that measures its own, unless every expert at the copy is
   within);
@@ -53,7 +53,7 @@ dialogue, code, arithmetic, three languages, scripture):
   0.038 nats). What was measured is kept with the importance, per low type: a later run
   whose memory allows at least as many experts at the model's precision as a ladder found
   within reuses the verdict, as does one whose memory less the slack allows at most as many as
-  a ladder found beyond. The line served says which ladder was measured where it is not the
+  a ladder found beyond, or at most a slack more than the budget that ladder was priced for. The line served says which ladder was measured where it is not the
   one served.
   A measurement stops once the KL summed over the tokens run exceeds, spread over the whole
   text, the mean that decides: KL is never negative, so the rest of the text could not change
@@ -171,6 +171,9 @@ class Priced:
     # dynamic precision's thresholds (DYNAMIC_THRESHOLDS); a ladder has none
     t1: float | None = None
     t2: float | None = None
+    # a ladder priced a slack below a budget's own (_choose): that budget's experts at the model's
+    # precision; None where it was measured for itself (every expert at the copy, dynamic precision)
+    stands_for: int | None = None
 
     @property
     def within(self) -> bool:
@@ -192,10 +195,15 @@ class Calibration:
         the low copy of that type (more of them never diverge more: a placement raises the most
         weighed first), or None. A measurement beyond the limit settles a ladder with as many as
         it or fewer; given n_beyond (the ladder a slack less memory allows: the one _choose
-        prices), one whose n_beyond has as many or fewer."""
+        prices), one whose n_beyond has as many or fewer; and one priced a slack below a budget's
+        own settles every budget up to a slack above that one (runs under the same memory differ
+        by an expert or so: erring there serves dynamic precision or the model's own experts,
+        never a ladder beyond the limit)."""
         ladders = [p for p in self.ladders if p.low == low and not p.dynamic]
         within = [p for p in ladders if p.n_high <= n_high and p.within]
-        beyond = [p for p in ladders if p.n_high >= (n_high if n_beyond is None else n_beyond) and not p.within]
+        beyond = [p for p in ladders if not p.within and (
+            p.n_high >= (n_high if n_beyond is None else n_beyond)
+            or (p.stands_for is not None and n_high <= 2 * p.stands_for - p.n_high))]
         return within[-1] if within else beyond[0] if beyond else None
 
     def dynamic_verdict(self, low: str, thresholds: tuple[float, float]) -> Priced | None:
@@ -256,8 +264,9 @@ def _kept_priced(p: dict) -> Priced:
     """A measurement as kept (one of dynamic precision kept without thresholds was HOBBIT's T1, nothing skipped)."""
     dynamic = bool(p.get("dynamic", False))
     t1, t2 = (float(p.get("t1", DEFAULT_T1)), float(p.get("t2", 1.0))) if dynamic else (None, None)
+    stands_for = p.get("stands_for")
     return Priced(int(p["n_high"]), float(p["mean_kl"]), float(p["ppl_increase"]), str(p.get("low", LOW_TYPE)),
-                  dynamic, bool(p.get("at_least", False)), t1, t2)
+                  dynamic, bool(p.get("at_least", False)), t1, t2, None if stands_for is None else int(stands_for))
 
 
 def kept_importance(importance: np.ndarray) -> list[list[float]]:
@@ -562,7 +571,7 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
             # the budget's own ladder (less the slack): beyond, it settles every ladder with fewer
             # experts at the model's precision (a later run finding less memory measures nothing)
             verdict = _price(info, calibration, dataclasses.replace(served, placed_mb=priced_bytes / MB), n_priced,
-                             budget, score, low_type, _decisive_kl(next_type))
+                             budget, score, low_type, _decisive_kl(next_type), stands_for=n_high)
             calibration = calibration.priced(verdict)
             _keep(model_path, info, text, calibration)
             if verdict.within and calibration.verdict(0, low_type) is None:
@@ -762,7 +771,7 @@ def _measuring_room(info: ModelInfo, reference: Reference, ladder: OffloadConfig
 
 
 def _price(info: ModelInfo, calibration: Calibration, ladder: OffloadConfig, n_high: int, budget: int,
-           score: Score, low_type: str, decisive_kl: float) -> Priced:
+           score: Score, low_type: str, decisive_kl: float, stands_for: int | None = None) -> Priced:
     """A ladder (placed as ladder.placed_mb holds it, n_high experts at the model's precision)
     measured against the model on the calibration windows, through the cache the memory leaves
     now beside the measurement's arrays (every token's logits: a smaller cache than the run's
@@ -771,4 +780,4 @@ def _price(info: ModelInfo, calibration: Calibration, ladder: OffloadConfig, n_h
     log.info(f"measuring the default ladder on hobbitpy's calibration text ({n_high} experts at the model's precision, "
              f"the rest at {low_type})")
     c = score(calibration.reference, dataclasses.replace(ladder, cache_mb=min(budget, room) / MB), decisive_kl)
-    return Priced(n_high, c.mean_kl, c.ppl_increase, low_type, at_least=not c.complete)
+    return Priced(n_high, c.mean_kl, c.ppl_increase, low_type, at_least=not c.complete, stands_for=stands_for)
