@@ -18,10 +18,10 @@ dialogue, code, arithmetic, three languages, scripture):
 - the ladder the memory allows, less a slack (VERDICT_SLACK_SHARE), is run over the same text
   (beyond the limit, so is every ladder with fewer experts at the model's precision, and it is
   taken for the budget's own, a slack above it, and for up to a slack above that: a later run
-  finding as much memory, or up to a slack more, or less measures nothing; within, so is every ladder with more: runs under the same memory find a MB
-  or two more or less than one another, and a later one finding up to a slack less measures
-  nothing; one finding less than that measures its own, unless every expert at the copy is
-  within);
+  finding less memory, as much, or up to a slack more measures nothing; within, so is every
+  ladder with more: runs under the same memory find a MB or two more or less than one another,
+  and a later one finding up to a slack less measures nothing; one finding less than that
+  measures its own, unless every expert at the copy is within);
   it is served when its next-token distributions are within MAX_MEAN_KL of the model's (then the
   ladder with every expert at the low copy is measured too: within, no expert is kept at the
   model's precision; every expert at the copy is not measured first, as it would settle every
@@ -53,8 +53,8 @@ dialogue, code, arithmetic, three languages, scripture):
   0.038 nats). What was measured is kept with the importance, per low type: a later run
   whose memory allows at least as many experts at the model's precision as a ladder found
   within reuses the verdict, as does one whose memory less the slack allows at most as many as
-  a ladder found beyond, or at most a slack more than the budget that ladder was priced for. The line served says which ladder was measured where it is not the
-  one served.
+  a ladder found beyond, or at most a slack more than the budget that ladder was priced for.
+  The line served says which ladder was measured where it is not the one served.
   A measurement stops once the KL summed over the tokens run exceeds, spread over the whole
   text, the mean that decides: KL is never negative, so the rest of the text could not change
   the decision. It is checked after each window and after the first quarter of the first (at
@@ -625,9 +625,11 @@ def _why_no_copy(info: ModelInfo, config: OffloadConfig, low_type: str) -> str |
 def _make_copy(info: ModelInfo, config: OffloadConfig, low_type: str, threads: int, made: list) -> str | None:
     """The low copy of that type next to the model, made where it is missing (named in `made`);
     None where it is there, else why not."""
-    why_not = _why_no_copy(info, config, low_type)
     low_path = default_companion_path(info.path, low_type)
-    if why_not is not None or low_path.is_file():
+    if low_path.is_file():
+        return None
+    why_not = _why_no_copy(info, config, low_type)
+    if why_not is not None:
         return why_not
     need = low_copy_bytes(info, low_type)
     log.info(f"making a {low_type} copy of the experts for the default ({need / 1e9:.2f} GB, once): {low_path}")
