@@ -369,24 +369,35 @@ def test_dynamic_precision_serves_where_the_ladders_are_beyond_the_limit(tmp_pat
     assert stats["served"][1] > 0 and stats["expert_misses"] > 0, stats
 
 
-def test_a_copy_that_cannot_be_made_costs_no_measurement_at_the_next_start(tmp_path):
+def test_a_copy_that_cannot_be_made_leaves_dynamic_precision_over_the_one_at_hand(tmp_path):
     """With SOME_MEMORY the Q2_K ladder measures beyond the limit but close enough for a Q3_K copy
     to bring it within (test_the_default_tries_a_q3_k_ladder_where_the_q2_k_one_is_beyond_the_limit).
     Where that copy can be neither found nor made (here --no-prepare beside the Q2_K copy `prepare`
-    made; a disk without room for it alike), the model's own experts serve and the line says why;
-    the next start knows it before the model's own pass over the calibration text, so it measures
-    nothing (at real size that pass is a minute and more)."""
+    made; a disk without room for it alike), dynamic precision over the Q2_K copy is measured and
+    serves where within, else the model's own experts do; the line says why no Q3_K ladder was.
+    The next start measures nothing (at real size the model's own pass is a minute and more)."""
     model = tmp_path / "m.gguf"
     shutil.copy(MODEL, model)
     q2, q3 = default_companion_path(model, "Q2_K"), default_companion_path(model, "Q3_K")
     prepare_companion(model, "Q2_K", q2, threads=2, progress=False)
-    score = lambda reference, config, stop_beyond: compare_ladder(str(model), reference, config, 2, stop_beyond)
+    scored = []
+
+    def score(reference, config, stop_beyond):
+        scored.append(config.hits)
+        return compare_ladder(str(model), reference, config, 2, stop_beyond)
 
     served, line = _default_of(model, SOME_MEMORY, score, prepare=False)
     kept = load_calibration(model, hobbitpy.inspect_model(model), calibration_text())
     ladders = [p for p in kept.ladders if not p.dynamic]
     assert ladders and not ladders[-1].within and ladders[-1].mean_kl <= NEXT_TYPE_GAIN * MAX_MEAN_KL, kept.ladders
-    assert served.low is None and "(exact)" in line and "Q3_K" in line and "--no-prepare" in line, line
+    assert all(p.low == "Q2_K" for p in kept.ladders), kept.ladders
+    assert "the ladder over Q3_K not tried" in line and "--no-prepare" in line, line
+    dynamic = [p for p in kept.ladders if p.dynamic]
+    assert dynamic and scored[-1] == "exact", (kept.ladders, scored)  # priced as DYNAMIC_PRICED serves it
+    if any(p.within for p in dynamic):
+        assert served.low == str(q2) and served.hits == "at-least" and "HOBBIT's dynamic precision" in line, line
+    else:
+        assert served.low is None and "(exact)" in line, line
     assert q2.is_file() and not q3.exists()  # the user's copy kept: it was not made for this run
 
     def never(*args):

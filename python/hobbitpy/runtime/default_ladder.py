@@ -32,8 +32,9 @@ dialogue, code, arithmetic, three languages, scripture):
   read; docs/BENCHMARKS.md) unless the Q2_K ladder measured so far beyond the limit that a
   Q3_K copy cannot bring it within (NEXT_TYPE_GAIN: at real size the copy and its measurement
   take tens of minutes);
-- where the ladder over the last type tried is beyond too, HOBBIT's dynamic precision over its
-  copy (DYNAMIC): the model's own experts for every hit, the copy only for a miss a token weighs
+- where the ladder over the last type tried is beyond too (or the next type's copy can be
+  neither found nor made: no room on the disk, `--no-prepare`), HOBBIT's dynamic precision over
+  its copy (DYNAMIC): the model's own experts for every hit, the copy only for a miss a token weighs
   less, a miss it weighs least skipped, the next layer's predicted experts read ahead
   (DYNAMIC_PREFETCH_LAYERS). Its thresholds are searched (DYNAMIC_THRESHOLDS, the
   fewest bytes a token first: the first within the limit is served). Each divergence is measured
@@ -594,7 +595,12 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
         ladder_beyond = (f"the ladder memory allows ({n_high} experts at the model's precision, the rest at "
                          f"{low_type}) measured {_measured(verdict, n_high)}")
         if next_type is not None and _next_type_may_be_within(verdict):
-            return exact, _exact(ladder_beyond), verdict
+            unmakeable = _why_no_copy(info, config, next_type)
+            if unmakeable is None:
+                return exact, _exact(ladder_beyond), verdict
+            # no ladder over the next type can be served here: dynamic precision over this one is next
+            # (at real size with no cap it decoded 1.18x the model's own experts, same window)
+            ladder_beyond += f"; the ladder over {next_type} not tried ({unmakeable})"
         dynamic, line = _choose_dynamic(info, config, budget, text, calibration,
                                         measure, score, threads, made, low_type)
         if dynamic is None:
