@@ -33,7 +33,9 @@ dialogue, code, arithmetic, three languages, scripture):
   Q3_K copy cannot bring it within (NEXT_TYPE_GAIN: at real size the copy and its measurement
   take tens of minutes);
 - where the ladder over the last type tried is beyond too (or the next type's copy can be
-  neither found nor made: no room on the disk, `--no-prepare`), HOBBIT's dynamic precision over
+  neither found nor made: no room on the disk, `--no-prepare`) and the expert cache leaves enough
+  of the routers' weight to the disk (DYNAMIC_MIN_MISSED: else the model's own experts decode
+  faster), HOBBIT's dynamic precision over
   its copy (DYNAMIC): the model's own experts for every hit, the copy only for a miss a token weighs
   less, a miss it weighs least skipped, the next layer's predicted experts read ahead
   (DYNAMIC_PREFETCH_LAYERS). Its thresholds are searched (DYNAMIC_THRESHOLDS, the
@@ -131,6 +133,15 @@ DYNAMIC = {"hits": "at-least", "level_shares": (0.95, 0.05), "warm": False}
 # faster for 5 % more bytes read, two layers deep 1.06x (docs/BENCHMARKS.md). Not priced apart: it
 # changes only what the cache holds, and DYNAMIC_PRICED's price holds whatever the cache holds
 DYNAMIC_PREFETCH_LAYERS = 1
+# ... tried only where the expert cache, holding the experts the calibration weighs most at the
+# model's precision, leaves at least this share of the routers' weight to the disk: with fewer
+# misses the model's own experts (CACHE_POLICY, warmed) decode faster, dynamic precision's second
+# pass a layer and its low pool costing more than its reads save. On the real-size hardened Mixtral,
+# one invocation under 12/16/20 GiB and another with no cap (docs/BENCHMARKS.md): 22 % and 12 % of
+# the weight left, dynamic precision over Q2_K decoded 1.48x and 1.25x the model's own experts;
+# 4 % and 1 % left, 0.97x and 0.88x. Even near 5 %: there the lossless choice is kept. Measured on
+# this VM's disk (1.1-1.6 GB/s) and 2 cores: a faster disk makes misses cheaper and moves the line up
+DYNAMIC_MIN_MISSED = 0.07
 # its thresholds (T1, T2), the fewest bytes a token first: each sends low or skips every selection
 # the next one does, and more. Every selection but a token's first from the copy; HOBBIT's own values
 # for Mixtral-8x7B (§3.2: a missed expert under a tenth of the weight skipped); those without skips.
@@ -367,6 +378,14 @@ def low_copy_bytes(info: ModelInfo, low: str = LOW_TYPE) -> int:
     return int(low_copy_layer_bytes(info, low).sum()) * info.n_expert
 
 
+def missed_weight_share(model_layer_bytes: np.ndarray, budget_bytes: int, importance: np.ndarray) -> float:
+    """The share of the routers' weight carried by the experts an expert cache of this budget
+    cannot hold at the model's precision, the most weighed held first (CACHE_POLICY keeps them):
+    what the model's own experts leave to the disk."""
+    placement = place_by_importance(importance, [model_layer_bytes, np.zeros_like(model_layer_bytes)], budget_bytes)
+    return low_weight_share(importance, placement)
+
+
 def low_weight_share(importance: np.ndarray, placement: tuple[tuple[int, ...], ...]) -> float:
     """The share of the routers' weight that a placement serves from the lowest level."""
     levels = np.array(placement)
@@ -599,8 +618,12 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
             if unmakeable is None:
                 return exact, _exact(ladder_beyond), verdict
             # no ladder over the next type can be served here: dynamic precision over this one is next
-            # (at real size with no cap it decoded 1.18x the model's own experts, same window)
             ladder_beyond += f"; the ladder over {next_type} not tried ({unmakeable})"
+        missed = missed_weight_share(model_layer_bytes, budget, calibration.importance)
+        if missed < DYNAMIC_MIN_MISSED:
+            return exact, _exact(f"{ladder_beyond}; dynamic precision not tried: the expert cache holds the experts "
+                                 f"that carry {100 * (1 - missed):.0f} % of the routers' weight, and with so few misses "
+                                 "the model's own experts decode faster"), None
         dynamic, line = _choose_dynamic(info, config, budget, text, calibration,
                                         measure, score, threads, made, low_type)
         if dynamic is None:
