@@ -35,9 +35,9 @@ dialogue, code, arithmetic, three languages, scripture):
 - where the ladder over the last type tried is beyond too (or the next type's copy can be
   neither found nor made: no room on the disk, `--no-prepare`) and the expert cache leaves enough
   of the routers' weight to the disk (DYNAMIC_MIN_MISSED: else the model's own experts decode
-  faster), HOBBIT's dynamic precision over
-  its copy (DYNAMIC): the model's own experts for every hit, the copy only for a miss a token weighs
-  less, a miss it weighs least skipped, the next layer's predicted experts read ahead
+  faster), HOBBIT's dynamic precision over its copy (DYNAMIC): the model's own experts for
+  every hit, the copy only for a miss a token weighs less, a miss it weighs least skipped, the
+  next layer's predicted experts read ahead
   (DYNAMIC_PREFETCH_LAYERS). Its thresholds are searched (DYNAMIC_THRESHOLDS, the
   fewest bytes a token first: the first within the limit is served). Each divergence is measured
   once for every memory, with every selection the rule sends low served low and every one it
