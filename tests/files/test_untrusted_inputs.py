@@ -182,7 +182,7 @@ WRONG_TYPES = [({"policy_weights": 5}, "policy_weights must be a list of 4 numbe
                ({"t1": "0.5"}, 't1 must be a number, got "0.5"'),
                ({"low": {}}, "low must be a string or null, got {}"),
                ({"t2": [0.9]}, "t2 must be a number, got [0.9]"),
-               ({"policy": None}, "policy must be a string, got null"),
+               ({"policy": 3}, "policy must be a string or null, got 3"),
                ({"warm": "no"}, 'warm must be true or false, got "no"'),
                ({"prefetch_layers": 1.5}, "prefetch_layers must be an integer, got 1.5"),
                ({"importance": [[1.0, "a"]]}, "importance must be a list of lists of numbers or null"),

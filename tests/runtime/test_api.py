@@ -42,7 +42,7 @@ def test_native_defaults_are_offload_configs():
 
     c, py = lib.hobbit_default_params(), OffloadConfig()
     assert (c.policy_weights.lru, c.policy_weights.lfu, c.policy_weights.lhu, c.policy_weights.fld) == py.policy_weights
-    assert c.policy == 0 and py.policy == "lru"
+    assert c.policy == 0 and py.policy is None and py.cache_policy == "lru"  # (None: chosen by the run, else lru)
     assert (c.prefetch_layers, c.prefetch_width, c.direct_io, c.n_io_threads, c.seed) == (
         py.prefetch_layers, py.prefetch_width, py.direct_io, py.io_threads, py.seed)
     assert abs(c.t1 - py.t1) < 1e-6 and abs(c.t2 - py.t2) < 1e-6 and abs(c.t_mid - (py.t1 + py.t2) / 2) < 1e-6

@@ -21,7 +21,8 @@ from hobbitpy.runtime.default_ladder import (CACHE_POLICY, DYNAMIC_MIN_MISSED, D
                                              DYNAMIC_THRESHOLDS, LOW_TYPE, MAX_MEAN_KL, NEXT_TYPE_GAIN, Calibration, Priced,
                                              calibration_text, default_config, importance_path, kept_importance,
                                              ladder_placement, load_calibration, low_copy_bytes, low_copy_layer_bytes,
-                                             low_weight_share, placed_bytes, remembered_failure, unfit_reason)
+                                             low_weight_share, placed_bytes, remembered_failure, save_calibration,
+                                             unfit_reason, with_kept_prior)
 from hobbitpy.errors import ExpertReadError
 from hobbitpy.runtime.llama import compare_ladder, measure_calibration
 from hobbitpy.plan.memory import ContextShape
@@ -269,8 +270,8 @@ def test_a_ladder_far_beyond_the_limit_leaves_the_next_type_untried(tmp_path):
     assert {(p.t1, p.t2) for p in dynamic} == set(DYNAMIC_THRESHOLDS) and not any(p.within for p in dynamic), dynamic
     assert "dynamic precision over Q2_K measured" in line, line
     assert served.low is None and "(exact)" in line and "the ladder over Q3_K not tried" in line, line
-    # the model's own experts through the cache that keeps what the calibration weighed most
-    assert served.policy == CACHE_POLICY and served.popularity == tuple(map(tuple, kept_importance(kept.importance)))
+    # the model's own experts, through the cache that keeps what the calibration weighed most
+    _served_with_kept_prior(model, served, kept)
     assert all(name.endswith("Q2_K.gguf") for name, *_ in scored), scored
     assert not default_companion_path(model, "Q2_K").exists() and not default_companion_path(model, "Q3_K").exists()
 
@@ -284,6 +285,45 @@ def test_a_ladder_far_beyond_the_limit_leaves_the_next_type_untried(tmp_path):
     assert 0 < c.n_tokens < n_text and 10 * c.mean_kl > stop
     assert whole[0].complete and whole[0].n_tokens == n_text
     assert whole[0].mean_kl >= c.mean_kl and 10 * whole[0].mean_kl > stop, (whole, c)
+
+
+def _served_with_kept_prior(model: pathlib.Path, served: hobbitpy.OffloadConfig, kept: Calibration) -> None:
+    """The model's own experts the default serves go through the cache that keeps what the
+    calibration weighed most, as every run serving them with no policy chosen does."""
+    info = hobbitpy.inspect_model(model)
+    assert served.policy is None and served.n_level == 1, served
+    prior, line = with_kept_prior(info, served)
+    assert prior.policy == CACHE_POLICY and prior.popularity == tuple(map(tuple, kept_importance(kept.importance)))
+    assert str(importance_path(model)) in line
+
+
+def test_the_model_own_experts_take_the_kept_calibration_as_their_cache_prior(tmp_path):
+    """`--exact` and `--cache-mb` runs (no policy chosen) serve the model's own experts through the
+    cache the default serves them through, where the default has kept a calibration next to the
+    model: LFU, the calibration's importance its prior and the order the pools are filled in (at
+    real size 1.30x a cold LRU cache's decode). Stock's logits all the same; a chosen policy is kept."""
+    model = tmp_path / "m.gguf"
+    shutil.copy(MODEL, model)
+    info = hobbitpy.inspect_model(model)
+
+    def run(**chosen):
+        config = hobbitpy.OffloadConfig(auto=False, cache_mb=info.expert_bytes_total / 3 / MB, **chosen)
+        with hobbitpy.Llama(model, offload=config, n_ctx=256, n_threads=2, logits_all=True, verbose=False) as llm:
+            llm.eval(llm.tokenize(PROMPT.encode()))
+            return llm.offload_config, llm.offload_stats(), np.array(llm.scores[:llm.n_tokens])
+
+    cold, cold_stats, logits = run()  # nothing kept: the runtime's own policy, nothing read before it is wanted
+    assert cold.policy is None and cold.popularity is None and cold_stats["warm_loads"] == 0, cold_stats
+    kept = measure_calibration(str(model), calibration_text(), 2)
+    save_calibration(model, info, calibration_text(), kept)
+    served, stats, prior_logits = run()
+    assert served.policy == CACHE_POLICY, served
+    assert served.popularity == tuple(map(tuple, kept_importance(kept.importance)))
+    assert stats["warm_loads"] > 0 and "the routers select most" in stats["reason"], stats
+    assert np.array_equal(prior_logits, logits)
+    chosen, chosen_stats, chosen_logits = run(policy="lru")
+    assert chosen.policy == "lru" and chosen.popularity is None and chosen_stats["warm_loads"] == 0, chosen_stats
+    assert "select most" not in chosen_stats["reason"] and np.array_equal(chosen_logits, logits)
 
 
 # a memory whose expert cache holds the experts that carry all but a few % of the routers' weight on
@@ -313,7 +353,7 @@ def test_dynamic_precision_is_not_tried_where_the_cache_leaves_few_misses(tmp_pa
     assert missed and 100 - int(missed.group(1)) < 100 * DYNAMIC_MIN_MISSED, line
     assert served.low is None and "(exact)" in line and "dynamic precision not tried" in line, line
     assert "exact" not in scored and not any(p.dynamic for p in kept.ladders), (scored, kept.ladders)
-    assert served.policy == CACHE_POLICY and served.popularity == tuple(map(tuple, kept_importance(kept.importance)))
+    _served_with_kept_prior(model, served, kept)
     assert not default_companion_path(model, "Q2_K").exists()  # made for the ladder, and for nothing
 
     scored.clear()
@@ -579,6 +619,8 @@ def test_run_under_a_cap_measures_the_ladder_once_serves_it_within_the_limit_and
             assert exact.returncode == 0, exact.stderr[-3000:]
             assert "expert cache" in exact.stderr and "every expert in memory" not in exact.stderr, exact.stderr
             assert exact.stdout == stock.stdout
+            # through the cache the calibration kept primes, unless the flags chose a policy
+            assert ("the routers select most" in exact.stderr) == (flags == ["--exact"]), exact.stderr
 
         # a cap whose cache holds little more than the copy: the ladder it allows (Q2_K for nearly
         # every expert: 0.02-0.05 nats from the model, by the MB the run finds) measures beyond the

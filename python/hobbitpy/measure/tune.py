@@ -509,7 +509,7 @@ def _plan(model: str, info: ModelInfo, cand: Candidate, settings: dict, availabl
         level_paths = tuple(None if spec is None else level.path for spec, level in zip(specs, levels))
         cost = replayed_cost(scored, info, levels, config, budget, level_paths, placement)
     else:
-        cost = modeled_cost(scored, layer_bytes, placement, budget, config.policy)
+        cost = modeled_cost(scored, layer_bytes, placement, budget, config.cache_policy)
     return _Plan(cand, settings, static, specs, levels, layer_bytes,
                  tuple(spec for spec, f in zip(specs, found) if not f[2]), budget, ubatch, cost)
 

@@ -49,12 +49,13 @@ def check_offload_allowed(info: ModelInfo, offload: OffloadConfig) -> None:
 
 def plan_run(info: ModelInfo, offload: OffloadConfig, shape: ContextShape, available: int, *,
              gpu_bytes: int | None = None, vocab_only: bool = False, lora_path: str | None = None,
-             default_reason: str | None = None) -> RunPlan:
+             default_reason: str | None = None, cache_reason: str | None = None) -> RunPlan:
     """The run a config gives on this model with `available` bytes of memory (and gpu_bytes free
     on a GPU with memory of its own that holds every layer: plan_offload). Raises what the run
     would fail on (a refused architecture, a context that does not fit, a profile of another
     model, an adapter on offloaded experts) before anything is loaded. default_reason: the
-    default's line (default_ladder.py), put before the plan's own."""
+    default's line (default_ladder.py), put before the plan's own; cache_reason: what chose the
+    expert cache's policy (default_ladder.with_kept_prior), put after it where there is a cache."""
     check_offload_allowed(info, offload)
     level_paths: tuple[str | None, ...] = (
         resolve_levels(info.path, offload.high_file, offload.mid, offload.low, offload.high_flag)
@@ -73,7 +74,8 @@ def plan_run(info: ModelInfo, offload: OffloadConfig, shape: ContextShape, avail
     if plan.shared_pool:  # a pool per layer does not fit: the plan falls back to one
         offload = dataclasses.replace(offload, shallow_layers=None)
     if plan.budget_bytes is not None:
-        plan = dataclasses.replace(plan, reason=f"{plan.reason}; ubatches of {shape.n_ubatch} tokens")
+        reasons = (plan.reason, f"ubatches of {shape.n_ubatch} tokens", cache_reason)
+        plan = dataclasses.replace(plan, reason="; ".join(filter(None, reasons)))
     if default_reason:
         plan = dataclasses.replace(plan, reason=f"{default_reason}; {plan.reason}")
     if offload.enabled:

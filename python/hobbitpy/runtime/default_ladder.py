@@ -160,11 +160,14 @@ DYNAMIC_PRICED = {**DYNAMIC, "hits": "exact", "level_shares": None, "skip_cached
 # precision. A ladder is priced this much below the budget's (_choose).
 VERDICT_SLACK_SHARE = 1 / 50
 VERDICT_SLACK_EXPERTS = 2
-# the policy of the expert cache where the calibration is at hand, its importance the prior: the
-# routers of a trained model favour some experts, and these stay (on the hardened Mixtral-depth
-# model's held-out text 120 slots for its 256 experts hit 0.60 of its selections, LRU's 0.50;
-# docs/BENCHMARKS.md). Which experts are cached never changes what a selection is served at
-# (dynamic precision is priced with every selection the rule sends low served low): the price holds.
+# the policy of the expert cache where the calibration is at hand and no policy was chosen, its
+# importance the prior and the order the pools are warmed in: the routers of a trained model favour
+# some experts, and these stay (on the hardened Mixtral-depth model's held-out text 120 slots for
+# its 256 experts hit 0.60 of its selections, LRU's 0.50; at real size with no cap the model's own
+# experts decoded 1.30x faster so than through a cold LRU cache; docs/BENCHMARKS.md). Which experts
+# are cached never changes what a selection is served at (dynamic precision is priced with every
+# selection the rule sends low served low): the price holds, and the model's own experts give
+# stock's logits whatever the policy. `--exact` and `--cache-mb` runs take it too (with_kept_prior)
 CACHE_POLICY = "frequency"
 
 
@@ -481,10 +484,8 @@ def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, 
         served, line, beyond_verdict = _default_over(low_type, next_type, info, config, shape, available, measure, score,
                                                      threads)
         if beyond_verdict is None:
-            if line.startswith(_exact("")):
-                served = _exact_served(info, config)
-                if beyond:  # exact for another reason: both said
-                    line = f"{line}; {'; '.join(beyond)}; {_tune_hint(info)}"
+            if line.startswith(_exact("")) and beyond:  # exact for another reason: both said
+                line = f"{line}; {'; '.join(beyond)}; {_tune_hint(info)}"
             return served, line
         beyond.append(line.removeprefix(_exact("")))
         if next_type is not None and not _next_type_may_be_within(beyond_verdict):
@@ -493,7 +494,7 @@ def default_config(info: ModelInfo, config: OffloadConfig, shape: ContextShape, 
             beyond.append(f"the ladder over {next_type} not tried (a {next_type} copy diverges at least "
                           f"1/{NEXT_TYPE_GAIN:g} as much as a {low_type} one)")
             break
-    return _exact_served(info, config), _exact(f"{'; '.join(beyond)}; {_tune_hint(info)}")
+    return dataclasses.replace(config, auto=False), _exact(f"{'; '.join(beyond)}; {_tune_hint(info)}")
 
 
 def _tune_hint(info: ModelInfo) -> str:
@@ -735,16 +736,28 @@ def _thresholds_of(t1: float, t2: float) -> str:
 
 
 def with_profile(config: OffloadConfig, calibration: Calibration) -> OffloadConfig:
-    """The config with CACHE_POLICY, the calibration's importance its prior."""
+    """The config with CACHE_POLICY, the calibration's importance its prior, unless a policy was chosen."""
+    if config.policy is not None:
+        return config
     return dataclasses.replace(config, policy=CACHE_POLICY,
                                popularity=tuple(map(tuple, kept_importance(calibration.importance))))
 
 
-def _exact_served(info: ModelInfo, config: OffloadConfig) -> OffloadConfig:
-    """The model's own experts, with CACHE_POLICY where a calibration is kept next to the model."""
-    exact = dataclasses.replace(config, auto=False)
+def with_kept_prior(info: ModelInfo, config: OffloadConfig) -> tuple[OffloadConfig, str | None]:
+    """A config serving the model's own experts at one precision, whole, with no policy or profile
+    chosen (the default's exact path, `--exact`, `--cache-mb`): with CACHE_POLICY where a
+    calibration is kept next to the model (the default writes it on its first run), and the line
+    saying so; otherwise unchanged, and None."""
+    if not (config.enabled and config.policy is None and config.popularity is None and config.n_level == 1
+            and config.high is None and config.neurons is None):
+        return config, None
     calibration = load_calibration(info.path, info, calibration_text())
-    return exact if calibration is None else with_profile(exact, calibration)
+    if calibration is None:
+        return config, None
+    return with_profile(config, calibration), (
+        f"the expert cache filled first with, and keeping, the experts the routers select most (LFU, its prior the "
+        f"calibration kept in {importance_path(info.path)}; --policy lru for none)")
+
 
 
 def describe_dynamic(info: ModelInfo, budget_bytes: int, verdict: Priced) -> str:

@@ -31,7 +31,8 @@ from ..analysis.simulate import replay
 from ..binding import hobbit
 from ..binding.native import ffi
 from ..settings.config import OffloadConfig
-from .default_ladder import CALIBRATION_CTX, CALIBRATION_TOKENS, Calibration, applies, default_config, quiet
+from .default_ladder import (CALIBRATION_CTX, CALIBRATION_TOKENS, Calibration, applies, default_config, quiet,
+                             with_kept_prior)
 from ..system.devices import gpu_free_bytes, say_if_gpu_unusable
 from ..errors import BudgetError, ExpertReadError, HobbitError, ModelFileError, SettingError, TokenizeError
 from .gbnf import gbnf_bound_error
@@ -169,9 +170,13 @@ class Llama(llama_cpp.Llama):
         # model's own experts are served)
         if applies(offload) and self.model_info.is_moe and not kwargs.get("vocab_only") and gpu_bytes is None:
             offload, default_reason = self._default_offload(offload, kwargs)
+        prior_reason = None  # the line saying the expert cache's policy came with the calibration kept
+        if self.model_info.is_moe and not kwargs.get("vocab_only"):
+            offload, prior_reason = with_kept_prior(self.model_info, offload)
         plan = plan_run(self.model_info, offload, ContextShape.of(kwargs), available_memory_bytes(),
                         gpu_bytes=gpu_bytes, vocab_only=bool(kwargs.get("vocab_only")),
-                        lora_path=kwargs.get("lora_path"), default_reason=default_reason)
+                        lora_path=kwargs.get("lora_path"), default_reason=default_reason,
+                        cache_reason=prior_reason)
         self.offload_config = plan.offload
         # the file of each precision level, high to low; None: the model's own experts (the
         # runtime checks that companions hold this model's experts)

@@ -325,13 +325,16 @@ class OffloadConfig:
         _C_DEFAULTS.neuron_bridge, "with --neuron-layout: read a gap of at most N rows between two runs of kept "
         "neurons with them, one request instead of two for the gap's bytes (for a disk whose small requests are "
         "dear); 0: the kept rows only", flag="--neuron-bridge", metavar="N")
-    policy: str = option(
-        DEFAULT_POLICY, "which cached expert to evict (hobbit: HOBBIT's eq. 3 mix of lru, lfu, lhu and fld; weighted "
+    policy: str | None = option(
+        None, "which cached expert to evict (hobbit: HOBBIT's eq. 3 mix of lru, lfu, lhu and fld; weighted "
         "is its old name; arc: adaptive replacement, as Fate evicts; popularity: the least often selected in a "
         "profile (--popularity), Fiddler's placement; score: the lowest router score over the last tokens, selected "
         "or not, importance-driven scheduling's; frequency: the least often selected in this run, aged, a profile "
         "(--popularity, optional) counting as a few tokens' selections before the first)", flag="--policy",
-        choices=POLICIES, profile=True)
+        choices=POLICIES, profile=True,
+        default_text="frequency, its prior the calibration the default keeps next to the model "
+                     "(MODEL.hobbit-importance.json), where the experts are served at the model's precision and one "
+                     f"is kept; else {DEFAULT_POLICY}")
     policy_weights: tuple[float, float, float, float] = option(
         DEFAULT_POLICY_WEIGHTS, "weights of LRU, LFU, LHU and FLD in HOBBIT's eq. 3 (--policy hobbit); they sum to 1",
         flag="--policy-weights", metavar="LRU,LFU,LHU,FLD", parse="numbers4", profile=True)
@@ -424,7 +427,7 @@ class OffloadConfig:
                 raise ValueError(f"{name} must be {allowed.text()}, got {value}")
         if self.shallow_layers is not None and self.importance is not None:
             raise ValueError("a pool per layer (shallow_layers) and experts placed by importance do not go together")
-        if self.policy not in POLICIES:
+        if self.policy is not None and self.policy not in POLICIES:
             raise ValueError(f"unknown cache policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         w = self.policy_weights
         if len(w) != 4 or not all(0 <= x <= 1 for x in w) or abs(sum(w) - 1.0) > 1e-6:  # NaN fails 0 <= x
@@ -495,6 +498,12 @@ class OffloadConfig:
         return "--neuron-layout" if self.neuron_layout is not None else "--high"
 
     @property
+    def cache_policy(self) -> str:
+        """The policy the runtime evicts by: the one chosen, else the runtime's default (a run
+        serving the model's own experts chooses first: default_ladder.with_kept_prior)."""
+        return self.policy or DEFAULT_POLICY
+
+    @property
     def n_level(self) -> int:
         """Precision levels: the model's own, then mid and low when given."""
         return 1 + (self.low is not None) + (self.mid is not None)
@@ -529,7 +538,7 @@ class OffloadConfig:
         params.n_io_threads = self.io_threads
         params.n_row_readers = self.row_readers
         params.neuron_bridge = self.neuron_bridge
-        params.policy = _NATIVE_POLICY[self.policy]
+        params.policy = _NATIVE_POLICY[self.cache_policy]
         params.policy_weights = {"lru": self.policy_weights[0], "lfu": self.policy_weights[1],
                                  "lhu": self.policy_weights[2], "fld": self.policy_weights[3]}
         params.seed = self.seed
