@@ -163,11 +163,12 @@ VERDICT_SLACK_EXPERTS = 2
 # the policy of the expert cache where the calibration is at hand and no policy was chosen, its
 # importance the prior and the order the pools are warmed in: the routers of a trained model favour
 # some experts, and these stay (on the hardened Mixtral-depth model's held-out text 120 slots for
-# its 256 experts hit 0.60 of its selections, LRU's 0.50; at real size with no cap the model's own
-# experts decoded 1.30x faster so than through a cold LRU cache; docs/BENCHMARKS.md). Which experts
-# are cached never changes what a selection is served at (dynamic precision is priced with every
-# selection the rule sends low served low): the price holds, and the model's own experts give
-# stock's logits whatever the policy. `--exact` and `--cache-mb` runs take it too (with_kept_prior)
+# its 256 experts hit 0.60 of its selections, LRU's 0.50; at real size the model's own experts
+# decoded 1.28x as fast so as through an LRU cache under 12 GiB, 1.05x under 8 GiB and 1.30x with
+# no cap; docs/BENCHMARKS.md). Which experts are cached never changes what a selection is served
+# at (dynamic precision is priced with every selection the rule sends low served low): the price
+# holds, and the model's own experts give stock's logits whatever the policy. `--exact` and
+# `--cache-mb` runs take it too (with_kept_prior)
 CACHE_POLICY = "frequency"
 
 
@@ -757,7 +758,6 @@ def with_kept_prior(info: ModelInfo, config: OffloadConfig) -> tuple[OffloadConf
     return with_profile(config, calibration), (
         f"the expert cache filled first with, and keeping, the experts the routers select most (LFU, its prior the "
         f"calibration kept in {importance_path(info.path)}; --policy lru for none)")
-
 
 
 def describe_dynamic(info: ModelInfo, budget_bytes: int, verdict: Priced) -> str:
