@@ -164,7 +164,7 @@ VERDICT_SLACK_EXPERTS = 2
 # importance the prior and the order the pools are warmed in: the routers of a trained model favour
 # some experts, and these stay (on the hardened Mixtral-depth model's held-out text 120 slots for
 # its 256 experts hit 0.60 of its selections, LRU's 0.50; at real size the model's own experts
-# decoded 1.28x as fast so as through an LRU cache under 12 GiB, 1.05x under 8 GiB and 1.30x with
+# decoded 1.28x as fast as through an LRU cache under 12 GiB, 1.05x under 8 GiB and 1.30x with
 # no cap; docs/BENCHMARKS.md). Which experts are cached never changes what a selection is served
 # at (dynamic precision is priced with every selection the rule sends low served low): the price
 # holds, and the model's own experts give stock's logits whatever the policy. `--exact` and
