@@ -3,9 +3,10 @@
 // On-demand loads (a layer is waiting for them) go before prefetches (background loads: the
 // next layers', the warm-up's, upgrades); within a class, first come first served. A queued
 // background load that a layer comes to wait for joins the on-demand loads (expedite): a start's
-// warm-up queues hundreds of loads, of every layer, before any prompt. Each load is cut into pieces of at most PIECE_BYTES that any
-// thread may read, so even a single missing expert keeps every reader busy (one read in
-// flight per thread, and one thread's bounce-buffer copy overlaps the other's read).
+// warm-up queues hundreds of loads, of every layer, before any prompt. Each load is cut into
+// pieces of at most PIECE_BYTES that any thread may read, so even a single missing expert keeps
+// every reader busy (one read in flight per thread, and one thread's bounce-buffer copy overlaps
+// the other's read).
 // Neuron rows (a load's ranges) are many small reads: with row readers they go to a queue of
 // their own, cut into reads of at most HOBBIT_ROW_READ_BYTES that row readers (a small buffer
 // each) take beside the expert readers, so that many are in flight at once (a disk's bandwidth
