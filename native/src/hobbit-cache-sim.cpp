@@ -21,7 +21,6 @@ struct sim_env : cache_env {
                                         const std::function<bool(int)> &) const override { return {}; }
     bool prepare_in_place(int, int) override { return true; }
     std::vector<load_task> drop_queued(const std::function<bool(const load_task &)> &) override { return {}; }
-    void expedite_queued(const std::function<bool(const load_task &)> &) override {}
     bool failed() const override { return has_failed; }
     void fail(const std::string &) override { has_failed = true; }
 };

@@ -289,7 +289,6 @@ wave_assignment expert_cache::apply_wave_locked(int il, const wave_plan & plan, 
                                                 std::unique_lock<std::mutex> & lock, std::vector<load_task> & loads) {
     wave_assignment a(n_expert_);
     std::vector<std::pair<int, int>> upgrade; // (expert, wanted level) hit at a lower precision
-    std::vector<std::pair<int, int>> hurried; // (pool, slot) hit while its read is still to finish
     bool plan_loads = false; // a miss of the plan's (not a dropped prefetch's read, which the disk's timing decides)
     const auto serve_in_place = [&](int e) {
         if (!env.prepare_in_place(il, e)) {
@@ -333,9 +332,6 @@ wave_assignment expert_cache::apply_wave_locked(int il, const wave_plan & plan, 
             pool_group & pg = pools[pool_of_[level][il]];
             counts.hits++;
             pg.hits++;
-            if (pg.slots[s].state == slot_state::loading) {
-                hurried.emplace_back(pool_of_[level][il], s);
-            }
             if (pg.slots[s].prefetched) {
                 counts.prefetch_used++;
                 pg.slots.set_prefetched(s, false);
@@ -374,15 +370,6 @@ wave_assignment expert_cache::apply_wave_locked(int il, const wave_plan & plan, 
         a.level_of[e] = level;
         served[e]     = true;
         counts.served[level] += sel.n_pairs[e];
-    }
-    // a hit whose background read (the warm-up's, a prefetch, an upgrade) has not started yet is
-    // waited for now: read before the background reads queued ahead of it. What the cache holds and
-    // counts does not change, only when the disk gets to it (after a start, a prompt's first layers
-    // would otherwise wait behind the warm-up's reads of every layer)
-    if (!hurried.empty()) {
-        env.expedite_queued([&](const load_task & t) {
-            return std::find(hurried.begin(), hurried.end(), std::make_pair(t.group, t.slot)) != hurried.end();
-        });
     }
     // the wanted precision of a lower-precision hit loads in the background: one a graph, from
     // a wave that loads nothing, so upgrades use the disk's idle time and never queue up ahead

@@ -46,8 +46,6 @@ public:
     virtual bool prepare_in_place(int il, int e) = 0;
     // the queued background reads pred accepts, taken off the I/O queue (they will not run)
     virtual std::vector<load_task> drop_queued(const std::function<bool(const load_task &)> & pred) = 0;
-    // the queued background reads pred accepts, read before the other background reads (a layer waits for them)
-    virtual void expedite_queued(const std::function<bool(const load_task &)> & pred) = 0;
     virtual bool failed() const = 0;
     virtual void fail(const std::string & msg) = 0; // the first failure sticks
 };

@@ -122,23 +122,6 @@ std::deque<load_task> io_scheduler::drop_prefetches(const std::function<bool(con
     return dropped;
 }
 
-int io_scheduler::expedite(const std::function<bool(const load_task &)> & pred) {
-    int n_moved = 0;
-    std::lock_guard<std::mutex> lock(mtx);
-    const load * last = nullptr;
-    for (auto it = prefetches.begin(); it != prefetches.end();) {
-        if (pred(it->ld->task)) {
-            n_moved += it->ld.get() != last; // a load's pieces are queued one after the other
-            last = it->ld.get();
-            on_demand.push_back(std::move(*it));
-            it = prefetches.erase(it);
-        } else {
-            ++it;
-        }
-    }
-    return n_moved;
-}
-
 int io_scheduler::background_in_flight() {
     std::lock_guard<std::mutex> lock(mtx);
     return n_background;

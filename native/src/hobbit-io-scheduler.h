@@ -1,12 +1,9 @@
 // hobbit-io-scheduler.h - I/O threads draining one priority queue of expert loads.
 //
-// On-demand loads (a layer is waiting for them) go before prefetches (background loads: the
-// next layers', the warm-up's, upgrades); within a class, first come first served. A queued
-// background load that a layer comes to wait for joins the on-demand loads (expedite): a start's
-// warm-up queues hundreds of loads, of every layer, before any prompt. Each load is cut into
-// pieces of at most PIECE_BYTES that any thread may read, so even a single missing expert keeps
-// every reader busy (one read in flight per thread, and one thread's bounce-buffer copy overlaps
-// the other's read).
+// On-demand loads (a layer is waiting for them) go before prefetches; within a class,
+// first come first served. Each load is cut into pieces of at most PIECE_BYTES that any
+// thread may read, so even a single missing expert keeps every reader busy (one read in
+// flight per thread, and one thread's bounce-buffer copy overlaps the other's read).
 // Neuron rows (a load's ranges) are many small reads: with row readers they go to a queue of
 // their own, cut into reads of at most HOBBIT_ROW_READ_BYTES that row readers (a small buffer
 // each) take beside the expert readers, so that many are in flight at once (a disk's bandwidth
@@ -71,11 +68,6 @@ public:
 
     // drop queued (not started) prefetches for which pred returns true; returns them
     std::deque<load_task> drop_prefetches(const std::function<bool(const load_task &)> & pred);
-
-    // the queued pieces of the background loads pred accepts, moved to the back of the on-demand
-    // queue: a layer waits for them now. They stay background loads, counted so; returns how many
-    // loads moved
-    int expedite(const std::function<bool(const load_task &)> & pred);
 
     // background (prefetch-class) loads queued or being read
     int background_in_flight();

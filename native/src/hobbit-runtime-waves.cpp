@@ -118,10 +118,6 @@ std::vector<load_task> hobbit_runtime::drop_queued(const std::function<bool(cons
     return std::vector<load_task>(dropped.begin(), dropped.end());
 }
 
-void hobbit_runtime::expedite_queued(const std::function<bool(const load_task &)> & pred) {
-    io->expedite(pred);
-}
-
 void hobbit_runtime::submit(std::vector<load_task> & loads) {
     for (load_task & t : loads) {
         if (t.ranges.empty()) { // a whole expert into its slot's tensors (rows come with their own targets)

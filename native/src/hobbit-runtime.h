@@ -75,7 +75,6 @@ private:
                                         const std::function<bool(int)> & either_way) const override;
     bool prepare_in_place(int il, int e) override;
     std::vector<load_task> drop_queued(const std::function<bool(const load_task &)> & pred) override;
-    void expedite_queued(const std::function<bool(const load_task &)> & pred) override;
     void fail(const std::string & msg) override; // the first failure sticks
     // the predictions the cache's background loads follow (hobbit-runtime-loads.cpp)
     void prefetch_next_layers(int il, const float * x, std::vector<load_task> & loads);

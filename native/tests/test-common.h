@@ -56,7 +56,6 @@ void test_slot_table();
 void test_expert_cache();
 void test_pool(const std::string & path);
 void test_scheduler(const std::string & path);
-void test_scheduler_expedite(const std::string & path);
 void test_precision_scorer();
 void test_level_budgets(const std::string & path);
 void test_per_layer_plan(const std::string & path);

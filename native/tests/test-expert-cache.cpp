@@ -14,7 +14,6 @@ namespace {
 struct fake_env : cache_env {
     std::vector<bool> in_place;        // [n_expert]: runs in place (with an in-place pass)
     std::vector<load_task> queued;     // background reads not yet run
-    std::vector<load_task> expedited;  // queued background reads moved ahead of the others
     std::vector<int> prepared;         // experts prepared to run in place
     bool has_failed = false;
     std::string why;
@@ -29,13 +28,6 @@ struct fake_env : cache_env {
         dropped.assign(keep, queued.end());
         queued.erase(keep, queued.end());
         return dropped;
-    }
-    void expedite_queued(const std::function<bool(const load_task &)> & pred) override {
-        for (const load_task & t : queued) {
-            if (pred(t)) {
-                expedited.push_back(t);
-            }
-        }
     }
     bool failed() const override { return has_failed; }
     void fail(const std::string & msg) override { if (!has_failed) { has_failed = true; why = msg; } }
@@ -330,38 +322,6 @@ static void test_sweep_victim() {
     printf("ok expert cache: a prompt's sweep victim\n");
 }
 
-// a hit on an expert whose warm-up read is still queued has that read expedited (the other background reads
-// stay behind), and counts as the hit it is; a miss loads on demand as always; a prediction does not expedite
-static void test_hit_expedites_its_queued_read() {
-    fake_env env;
-    expert_cache cache(setup_of({ 4 }), env);
-    std::vector<load_task> warm;
-    cache.warm({ { 2, 0 }, { 1, 0 }, { 0, 3 }, { 0, 1 } }, [](int) { return (const int8_t *) nullptr; }, 0, warm);
-    CHECK(warm.size() == 4 && cache.counters().warm_loads == 4);
-    env.queued = warm;
-    std::vector<load_task> predicted;
-    cache.prefetch_predicted({ { 0, { 1 }, { 0 } } }, predicted); // already warming: nothing queued, nothing expedited
-    CHECK(predicted.empty() && env.expedited.empty());
-    const wave_selection sel = selection({ { { 1, 0 }, { 2, 0 } } }, 1); // layer 0's 1 (warming, queued last) and 2
-    std::vector<load_task> loads;
-    cache.begin_wave(0, 0, sel, {});
-    const wave_plan plan = cache.plan_wave(0, 0, sel);
-    CHECK(choice_of(plan, 1).how == serve_as::hit && choice_of(plan, 2).how == serve_as::load);
-    const wave_assignment a = cache.apply_wave(0, plan, sel, loads);
-    CHECK(env.expedited.size() == 1 && env.expedited[0].layer == 0 && env.expedited[0].expert == 1);
-    CHECK(env.expedited[0].slot == a.slot_of[1]);
-    CHECK(loads.size() == 1 && loads[0].expert == 2 && !loads[0].prefetch);
-    CHECK(cache.counters().hits == 1 && cache.counters().misses == 1);
-    complete(cache, env.queued);
-    complete(cache, loads);
-    cache.wait_for_pins(0);
-    // served again, everything ready: nothing to expedite
-    env.expedited.clear();
-    serve(cache, 0, sel);
-    CHECK(env.expedited.empty() && cache.counters().hits == 3);
-    printf("ok expert cache: a hit expedites its queued read\n");
-}
-
 void test_expert_cache() {
     test_hits_before_misses();
     test_plan_changes_nothing();
@@ -374,5 +334,4 @@ void test_expert_cache() {
     test_in_place();
     test_dropped_prefetch();
     test_sweep_victim();
-    test_hit_expedites_its_queued_read();
 }

@@ -26,7 +26,6 @@ int main(int argc, char ** argv) {
     test_expert_cache();
     test_pool(path);
     test_scheduler(path);
-    test_scheduler_expedite(path);
     test_precision_scorer();
     test_companion_check(path, dir);
     test_level_budgets(path);
