@@ -61,6 +61,7 @@ def summarize(name: str, runs: list[dict], disk_bw: float, stock_compute_s: floa
         "decode_tok_s": _median(ok, "decode_tok_s"),
         "all_decode_tok_s": [round(r["decode_tok_s"], 3) for r in ok if r.get("decode_tok_s")],
         "ttft_ms": {n: statistics.median(r["ttft_ms"][n] for r in ok) for n in ok[0]["ttft_ms"]},
+        "first_token_read_mb": (_median(ok, "first_token_disk_bytes") or 0) / MB,
         "load_s": _median(ok, "load_s"),
         "bytes_per_token": _median(ok, "decode_disk_bytes_per_token"),
         "runtime_bytes_per_token": _median(ok, "runtime_bytes_per_token"),
@@ -122,7 +123,9 @@ def format_run(cap: Cap, cfg: BenchConfig, r: dict) -> str:
         return head + "failed: " + r["error"][:200]
     mb_read = r.get("decode_disk_bytes_per_token")
     tok_s = r.get("decode_tok_s")
+    first_mb = r.get("first_token_disk_bytes")
     return head + ((f"{tok_s:.3f} tok/s" if tok_s else "no decode") + f", load {r.get('load_s', 0.0):.1f} s"
+                   + (f", {first_mb / MB:.0f} MB read to the first token" if first_mb is not None else "")
                    + (f", {mb_read / MB:.1f} MB read a token" if mb_read is not None else "")
                    + (f", peak {r['peak_bytes'] / MB:.0f} MB" if r.get("peak_bytes") else "")
                    + (f", disk {r['disk_bytes_per_s'] / 1e9:.2f} GB/s" if r.get("disk_bytes_per_s") else ""))

@@ -78,9 +78,13 @@ def run(spec: dict) -> dict:
         r = {"offloaded": llm.offloaded, "plan": llm.offload_plan.reason, "load_s": load_s, "repack": llm.repack,
              "budget_bytes": llm.offload_plan.budget_bytes or 0, "n_ubatch": int(llm.context_params.n_ubatch),
              "default_settings": added, "default_lossy": llm.offload_config.lossy}
-        # time to first token per prompt length (JSON keys: strings); the shortest first, from a cold cache
+        # time to first token per prompt length (JSON keys: strings); the shortest first, from a cold cache;
+        # and what the process read from storage until then after its load (a warm-up's reads included):
+        # the disk's speed swings between runs, the bytes a first token waited behind do not
+        io_loaded = read_bytes_of_process()
         tok, first_ms = _first_token(llm, _prompt(llm, lengths[0]))
         r["ttft_ms"] = {str(lengths[0]): first_ms}
+        r["first_token_disk_bytes"] = read_bytes_of_process() - io_loaded
 
         # decode from the short prompt: greedy, one token per step; or a beam search, one
         # batch of every beam per step (its prompt decoded again first, not timed)
