@@ -33,6 +33,7 @@ def test_bench_reports_every_figure(model_dir, tmp_path):
     # each run is in the log as it ends: 2 caps x 3 configurations x 2 repeats
     assert len([l for l in p.stdout.splitlines() if l.startswith("run: cap ")]) == 12
     assert "run: cap 700MB lfu: " in p.stdout and " tok/s, load " in p.stdout and " MB read to the first token" in p.stdout
+    assert ", first token after a 16-token prompt " in p.stdout
     r = json.loads((out / "bench.json").read_text())
     assert r["disk_bytes_per_s"] > 0 and r["stock_compute_ms"] > 0
     assert [row["cap"] for row in r["rows"]] == ["none", "700MB"]
@@ -48,6 +49,7 @@ def test_bench_reports_every_figure(model_dir, tmp_path):
             # configuration's runs) plus compute
             assert s["compute_ms_per_token"] > 0 and s["bound_tok_s"] > 0 and s["time_over_bound"] > 0
             assert s["disk_bytes_per_s"] > 0 and s["first_token_read_mb"] >= 0
+            assert {n: len(v) for n, v in s["all_ttft_ms"].items()} == {n: s["n_runs"] for n in s["ttft_ms"]}
         assert not stock["offloaded"] and lru["offloaded"] and lfu["offloaded"]
         # every expert of the tiny model fits: stock keeps its whole-batch ubatch (the planner's
         # choice for this file, bench_worker), as do runs with an explicit budget

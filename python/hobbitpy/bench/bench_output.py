@@ -61,6 +61,8 @@ def summarize(name: str, runs: list[dict], disk_bw: float, stock_compute_s: floa
         "decode_tok_s": _median(ok, "decode_tok_s"),
         "all_decode_tok_s": [round(r["decode_tok_s"], 3) for r in ok if r.get("decode_tok_s")],
         "ttft_ms": {n: statistics.median(r["ttft_ms"][n] for r in ok) for n in ok[0]["ttft_ms"]},
+        # each run's, in run order: a first token's time swings with the disk more than a decode's
+        "all_ttft_ms": {n: [round(r["ttft_ms"][n]) for r in ok] for n in ok[0]["ttft_ms"]},
         "first_token_read_mb": (_median(ok, "first_token_disk_bytes") or 0) / MB,
         "load_s": _median(ok, "load_s"),
         "bytes_per_token": _median(ok, "decode_disk_bytes_per_token"),
@@ -124,7 +126,9 @@ def format_run(cap: Cap, cfg: BenchConfig, r: dict) -> str:
     mb_read = r.get("decode_disk_bytes_per_token")
     tok_s = r.get("decode_tok_s")
     first_mb = r.get("first_token_disk_bytes")
+    ttft = ", ".join(f"{int(n)}-token prompt {ms / 1000:.1f} s" for n, ms in r.get("ttft_ms", {}).items())
     return head + ((f"{tok_s:.3f} tok/s" if tok_s else "no decode") + f", load {r.get('load_s', 0.0):.1f} s"
+                   + (f", first token after a {ttft}" if ttft else "")
                    + (f", {first_mb / MB:.0f} MB read to the first token" if first_mb is not None else "")
                    + (f", {mb_read / MB:.1f} MB read a token" if mb_read is not None else "")
                    + (f", peak {r['peak_bytes'] / MB:.0f} MB" if r.get("peak_bytes") else "")
