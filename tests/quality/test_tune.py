@@ -326,6 +326,45 @@ def test_a_static_candidate_is_priced_by_what_the_runtime_counts_decoding_it(mod
     assert price == pytest.approx(measured_cost(ran, (level,), info, n), rel=1e-9)
 
 
+def test_the_model_own_experts_are_priced_through_the_cache_a_run_serves_them_with(tmp_path):
+    # where the default has kept its calibration next to the model, a run serving the model's own
+    # experts with no policy chosen keeps what the calibration weighed most (with_kept_prior), and
+    # tune prices them through that cache: priced by LRU they would look dearer than they run, and a
+    # lossy candidate cheaper than that price but dearer than the run could be chosen over them
+    import shutil
+
+    from hobbitpy.analysis.candidate_cost import replayed_cost, routing_trace
+    from hobbitpy.measure.tune import Candidate, _plan
+    from hobbitpy.plan.memory import ContextShape
+    from hobbitpy.plan.placement import importance_of
+    from hobbitpy.runtime.default_ladder import Calibration, calibration_text, save_calibration, with_kept_prior
+
+    model = tmp_path / "m.gguf"  # trained routers: what they weigh most recurs
+    shutil.copy(pathlib.Path(__file__).resolve().parents[2] / "models" / "ref-mixtral-8x7b-hardened-Q4_K_M.gguf", model)
+    info = hobbitpy.inspect_model(model)
+    with hobbitpy.Llama(model, offload=OffloadConfig(cache_mb=0.9 * info.expert_bytes_total / 2**20), n_ctx=512,
+                        n_batch=512, n_ubatch=512, n_threads=2, logits_all=True, verbose=False) as llm:
+        weighed = llm.record_routing([llm.tokenize(calibration_text().encode())[:500]])
+        held_out = llm.record_routing([llm.tokenize(TEXT.encode())[:500]])
+    scored = routing_trace(held_out.experts, held_out.weights, info)
+    available = 50 * 2**20  # an expert cache of about half the experts' bytes
+
+    def price():
+        plan = _plan(str(model), info, Candidate("model", {}), {}, available, ContextShape(), scored)
+        assert 0 < plan.budget < info.expert_bytes_total / 2  # it misses
+        config, _ = with_kept_prior(info, OffloadConfig())
+        return plan.cost, config, replayed_cost(scored, info, (info,), config, plan.budget, (None,), None)
+
+    lru_cost, config, replayed = price()  # nothing kept: LRU, as a run would serve them
+    assert config.cache_policy == "lru" and lru_cost == replayed
+    save_calibration(model, info, calibration_text(),
+                     Calibration(importance=importance_of(weighed.experts, weighed.weights, info.n_expert),
+                                 n_tokens=len(weighed.tokens)))
+    cost, config, replayed = price()
+    assert config.cache_policy == "frequency" and cost == replayed
+    assert cost < 0.9 * lru_cost, (cost, lru_cost)  # (measured 0.79x)
+
+
 def test_tune_stops_at_its_time_limit(model_dir, tmp_path):
     import shutil
 

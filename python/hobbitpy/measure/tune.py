@@ -15,8 +15,9 @@ size and a quality budget, measured rather than guessed, in minutes at any model
 3. Each priced at the expert budget `run` would plan for that memory (candidate_cost.py): a
    static candidate, whose outputs do not depend on what its cache holds nor on how tokens
    are batched (one level; a placed ladder), from the routing of the scored tokens replayed
-   token by token through the runtime's own expert cache, before it runs (modelled while a
-   level's file is still to be made, replayed once it is made); a dynamic one by the
+   token by token through the runtime's own expert cache with the policy a run would give
+   it, before it runs (modelled while a level's file is still to be made, replayed once it
+   is made); a dynamic one by the
    runtime's counters as it decodes, with only its floor known before.
 4. Scored cheapest first, against the reference: perplexity, KL, top-1. A static candidate in
    batches (prefill speed: its outputs are those of decoding); a dynamic one token by token,
@@ -52,6 +53,7 @@ from ..errors import BudgetError, HobbitError, ModelFileError
 from .evaluate import REFERENCE_UBATCH, evaluate_against
 from ..copies.imatrix import default_imatrix_path
 from ..analysis.likelihood import Reference, ReferenceTable, scoring_bytes, scoring_windows
+from ..runtime.default_ladder import with_kept_prior
 from ..runtime.llama import Llama
 from ..plan.memory import (ContextShape, available_memory_bytes, context_sizes, fit_ubatch, plan_offload,
                            process_resident_bytes, whole_memory_budget_mb)
@@ -496,7 +498,10 @@ def _plan(model: str, info: ModelInfo, cand: Candidate, settings: dict, availabl
     levels, layer_bytes = tuple(f[0] for f in found), [f[1] for f in found]
     if any(level is not info and level.expert_bytes_total >= info.expert_bytes_total for level in levels):
         raise _NotCheaper
-    config = OffloadConfig(**settings)
+    # priced through the cache a run would serve it with: the model's own experts with no policy
+    # chosen go through the kept calibration's LFU where the default has kept one (with_kept_prior;
+    # on ref-mixtral-8x7b-hardened at half the experts' bytes LRU reads 1.3x its bytes a token)
+    config, _ = with_kept_prior(info, OffloadConfig(**settings))
     budget, ubatch = expert_budget(info, available, run_shape, levels, config)
     if budget is None:
         budget = info.expert_bytes_total  # everything fits: stock would keep it all resident
