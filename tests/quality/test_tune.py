@@ -62,7 +62,7 @@ def test_tune_meets_its_budget_on_held_out_text(model_dir, tmp_path):
     assert all(r["ppl_increase_upper"] > r["ppl_increase"] or r["ppl_increase"] == 0 for r in rows)  # reported beside
     # a candidate's scoring stops once it cannot end within the limit (KL is never negative): fewer
     # windows, its KL the least the whole text measures; one within is always scored whole
-    whole = max(r["n_tokens"] for r in rows if r["scored"] == "batched")
+    whole = a["calibration"]["n_tokens"] - 1  # (the scored tokens: each but the first is predicted)
     stopped = [r for r in rows if r["at_least"]]
     assert stopped and all(r["mean_kl"] > LIMIT and r["n_tokens"] < whole for r in stopped), rows
     assert not chosen["at_least"] and ">=" in p.stdout
@@ -255,6 +255,12 @@ def test_which_candidates_are_static():
     assert {"model", "Q2_K", "Q4_K_M", "Q4_K/Q2_K placed", "Q4_K/IQ2_XXS placed", "preset lru"} <= static
     assert not static & {"Q4_K/Q2_K upgrade", "model/Q2_K found", "Q4_K/Q2_K placed skip", "preset hobbit",
                          "preset fate", "preset importance", "preset corm"}
+    # dynamic precision is scored as the default measures it: each selection at the level its score
+    # wants and skipped by T2 cached or not, whatever the cache holds; served, it is not static
+    dynamic = [c for c in candidates() if c.scored is not None]
+    assert len(dynamic) == 3 and all(quality_is_static(c.scored) and not quality_is_static(c.settings) for c in dynamic)
+    assert quality_is_static({"low": "Q2_K", "hits": "exact", "t2": 1.0})
+    assert not quality_is_static({"low": "Q2_K", "hits": "exact", "t2": 0.9})  # a hit above T2 served, a miss skipped
 
 
 @pytest.mark.slow
@@ -326,6 +332,29 @@ def test_a_static_candidate_is_priced_by_what_the_runtime_counts_decoding_it(mod
     assert price == pytest.approx(measured_cost(ran, (level,), info, n), rel=1e-9)
 
 
+HARDENED = pathlib.Path(__file__).resolve().parents[2] / "models" / "ref-mixtral-8x7b-hardened-Q4_K_M.gguf"
+
+
+def _routed(model: pathlib.Path, text: str):
+    """The routing of the first 500 tokens of text (trained routers: what they weigh most recurs)."""
+    info = hobbitpy.inspect_model(model)
+    with hobbitpy.Llama(model, offload=OffloadConfig(cache_mb=0.9 * info.expert_bytes_total / 2**20), n_ctx=512,
+                        n_batch=512, n_ubatch=512, n_threads=2, logits_all=True, verbose=False) as llm:
+        return llm.record_routing([llm.tokenize(text.encode())[:500]])
+
+
+def _keep_a_calibration(model: pathlib.Path) -> None:
+    """What the default keeps next to the model on its first run: the routers' weight on its text."""
+    from hobbitpy.plan.placement import importance_of
+    from hobbitpy.runtime.default_ladder import Calibration, calibration_text, save_calibration
+
+    info = hobbitpy.inspect_model(model)
+    weighed = _routed(model, calibration_text())
+    save_calibration(model, info, calibration_text(),
+                     Calibration(importance=importance_of(weighed.experts, weighed.weights, info.n_expert),
+                                 n_tokens=len(weighed.tokens)))
+
+
 def test_the_model_own_experts_are_priced_through_the_cache_a_run_serves_them_with(tmp_path):
     # where the default has kept its calibration next to the model, a run serving the model's own
     # experts with no policy chosen keeps what the calibration weighed most (with_kept_prior), and
@@ -336,16 +365,12 @@ def test_the_model_own_experts_are_priced_through_the_cache_a_run_serves_them_wi
     from hobbitpy.analysis.candidate_cost import replayed_cost, routing_trace
     from hobbitpy.measure.tune import Candidate, _plan
     from hobbitpy.plan.memory import ContextShape
-    from hobbitpy.plan.placement import importance_of
-    from hobbitpy.runtime.default_ladder import Calibration, calibration_text, save_calibration, with_kept_prior
+    from hobbitpy.runtime.default_ladder import with_kept_prior
 
-    model = tmp_path / "m.gguf"  # trained routers: what they weigh most recurs
-    shutil.copy(pathlib.Path(__file__).resolve().parents[2] / "models" / "ref-mixtral-8x7b-hardened-Q4_K_M.gguf", model)
+    model = tmp_path / "m.gguf"
+    shutil.copy(HARDENED, model)
     info = hobbitpy.inspect_model(model)
-    with hobbitpy.Llama(model, offload=OffloadConfig(cache_mb=0.9 * info.expert_bytes_total / 2**20), n_ctx=512,
-                        n_batch=512, n_ubatch=512, n_threads=2, logits_all=True, verbose=False) as llm:
-        weighed = llm.record_routing([llm.tokenize(calibration_text().encode())[:500]])
-        held_out = llm.record_routing([llm.tokenize(TEXT.encode())[:500]])
+    held_out = _routed(model, TEXT)
     scored = routing_trace(held_out.experts, held_out.weights, info)
     available = 50 * 2**20  # an expert cache of about half the experts' bytes
 
@@ -357,12 +382,45 @@ def test_the_model_own_experts_are_priced_through_the_cache_a_run_serves_them_wi
 
     lru_cost, config, replayed = price()  # nothing kept: LRU, as a run would serve them
     assert config.cache_policy == "lru" and lru_cost == replayed
-    save_calibration(model, info, calibration_text(),
-                     Calibration(importance=importance_of(weighed.experts, weighed.weights, info.n_expert),
-                                 n_tokens=len(weighed.tokens)))
+    _keep_a_calibration(model)
     cost, config, replayed = price()
     assert config.cache_policy == "frequency" and cost == replayed
     assert cost < 0.9 * lru_cost, (cost, lru_cost)  # (measured 0.79x)
+
+
+def test_dynamic_precision_is_a_candidate_as_the_default_serves_it_and_scored_in_batches(tmp_path):
+    # where the default serves HOBBIT's dynamic precision, tune scores it too, as the default measures
+    # it (in batches: token by token it would not be scored within the time limit at real size, and
+    # tune would write a profile of the model's own experts, slower than no profile at all); its
+    # profile serves it as the default does, through the cache the kept calibration primes
+    import shutil
+
+    from hobbitpy.measure.tune import tune
+    from hobbitpy.runtime.default_ladder import DYNAMIC_PREFETCH_LAYERS, dynamic_settings, kept_prior
+
+    model = tmp_path / "m.gguf"
+    shutil.copy(HARDENED, model)
+    _keep_a_calibration(model)
+    info = hobbitpy.inspect_model(model)
+    text = (pathlib.Path(__file__).resolve().parents[2] / "models" / "trace-prompts.txt").read_text()
+    dynamic = [c.name for c in candidates() if c.scored is not None]
+    # (a memory whose expert cache holds about half the experts' bytes)
+    profile, rows = tune(str(model), text, memory_bytes=50 * 2**20, process_bytes=0, max_tokens=512, n_ctx=128,
+                         threads=2, names=["model", *dynamic], log=lambda line: None)
+    chosen = next(r for r in rows if r["name"] == profile.calibration["chosen"])
+    assert chosen["name"] in dynamic and chosen["scored"] == "batched" and not chosen["at_least"], rows
+    assert chosen["mean_kl"] <= 0.01  # (measured 0.0071 with T1 0.5, T2 0.9)
+    t1, t2 = chosen["settings"]["t1"], chosen["settings"]["t2"]
+    assert chosen["settings"] == {"low": "Q2_K", **dynamic_settings(t1, t2), "prefetch_layers": DYNAMIC_PREFETCH_LAYERS,
+                                  **kept_prior(info)}
+    model_row = next(r for r in rows + profile.calibration["not_scored"] if r["name"] == "model")
+    assert chosen["cost"] < model_row["cost"], (chosen, model_row)
+    # the profile as run applies it
+    path = profile.save(tmp_path / "m.hobbit-profile.json")
+    with hobbitpy.Llama(model, profile=str(path), n_ctx=128, verbose=False) as llm:
+        served = llm.offload_config
+        assert llm.offloaded and (served.low, served.hits, served.t1, served.t2) == ("Q2_K", "at-least", t1, t2)
+        assert served.policy == "frequency" and served.prefetch_layers == DYNAMIC_PREFETCH_LAYERS
 
 
 def test_tune_stops_at_its_time_limit(model_dir, tmp_path):

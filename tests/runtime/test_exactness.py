@@ -183,3 +183,19 @@ def test_the_defaults_cache_policy_is_exact(model_dir):
     assert np.array_equal(scores.view(np.uint32), ref_scores.view(np.uint32))
     assert text == ref_text
     assert stats["warm_loads"] > 0 and stats["expert_hits"] > 0 and stats["expert_misses"] > 0, stats
+
+
+def test_a_deep_model_in_many_waves_a_layer_is_exact(model_dir):
+    """A ubatch wider than a layer's pools runs in waves, each a dispatch op and its own passes
+    through the expert matmuls (per pool and in place); on a deep model the graph's context must
+    have room for every wave of every layer (it had room for stock's graph only, and ggml
+    aborted the process: 32 layers, two levels, ubatches of 256 tokens). With a byte-identical
+    second level, still stock's bits."""
+    path = tiny_model(model_dir, "llama", n_layer=32)
+    ref_scores, ref_text, _, info = reference(path)
+    low = identical_companion(path, model_dir / f"{path.stem}.copy.gguf")
+    per_expert = info.expert_bytes_total / (info.n_layer_moe * info.n_expert)
+    config = hobbitpy.OffloadConfig(cache_mb=8 * per_expert / MB, low=str(low), t1=0.5, t2=1.0, hits="exact", mode=POOL)
+    scores, text, stats, _ = run_logits(path, config)
+    assert_bit_equal(scores, ref_scores)
+    assert text == ref_text and stats["served"][0] > 0 and stats["served"][1] > 0, stats["served"]

@@ -11,7 +11,9 @@ size and a quality budget, measured rather than guessed, in minutes at any model
    smaller quant: a ggml type written by `prepare`, or a llama.cpp mix such as Q3_K_M made by
    its quantizer), two levels (a low copy under a higher one; upgrade or found hits), two
    levels placed statically by the routers' weight (placement.py), also with T2's skip on
-   their resident experts, and the presets. Only copies cheaper than the model's own.
+   their resident experts, HOBBIT's dynamic precision as the default serves it (scored as
+   the default measures it: static, every selection at the level its score wants), and the
+   presets. Only copies cheaper than the model's own.
 3. Each priced at the expert budget `run` would plan for that memory (candidate_cost.py): a
    static candidate, whose outputs do not depend on what its cache holds nor on how tokens
    are batched (one level; a placed ladder), from the routing of the scored tokens replayed
@@ -48,12 +50,13 @@ from ..binding.ggml import block_size, type_size
 from ..analysis.candidate_cost import floor_cost, measured_cost, modeled_cost, replayed_cost, routing_trace
 from ..copies.companions import (companion_type, copy_layer_bytes, default_companion_path, estimated_copy,
                                  needs_imatrix, resolve_level)
-from ..settings.config import MAX_MEAN_KL, MB, OffloadConfig
+from ..settings.config import DEFAULT_T2, MAX_MEAN_KL, MB, OffloadConfig
 from ..errors import BudgetError, HobbitError, ModelFileError
 from .evaluate import REFERENCE_UBATCH, evaluate_against
 from ..copies.imatrix import default_imatrix_path
 from ..analysis.likelihood import Reference, ReferenceTable, scoring_bytes, scoring_windows
-from ..runtime.default_ladder import with_kept_prior
+from ..runtime.default_ladder import (DYNAMIC_PREFETCH_LAYERS, DYNAMIC_THRESHOLDS, LOW_TYPE, dynamic_settings,
+                                      kept_prior, with_kept_prior)
 from ..runtime.llama import Llama
 from ..plan.memory import (ContextShape, available_memory_bytes, context_sizes, fit_ubatch, plan_offload,
                            process_resident_bytes, whole_memory_budget_mb)
@@ -123,6 +126,9 @@ class Candidate:
     name: str
     settings: dict  # OffloadConfig fields (high, low, hits)
     placed: bool = False  # the experts placed by their importance on the text (a trace of it)
+    # the settings its quality is measured with where they differ from those served (dynamic
+    # precision as the default measures it: what it serves, or worse)
+    scored: dict | None = None
 
 
 def candidates() -> list[Candidate]:
@@ -132,6 +138,14 @@ def candidates() -> list[Candidate]:
         name = f"{high or 'model'}/{low}"
         for hits in ("upgrade", "found"):
             out.append(Candidate(f"{name} {hits}", {"high": high, "low": low, "hits": hits}))
+    # HOBBIT's dynamic precision as the default serves it where its ladders are beyond the limit, at
+    # each of the thresholds it searches (default_ladder.py), through the cache it serves it with; scored as
+    # the default measures it: every selection its rule sends low served low and every one it skips
+    # skipped, whatever the cache holds (static: in batches, where decoding it costs minutes at real size)
+    for t1, t2 in DYNAMIC_THRESHOLDS:
+        out.append(Candidate(f"model/{LOW_TYPE} dynamic T1 {t1:g}" + ("" if t2 >= 1.0 else f" T2 {t2:g}"),
+                             {"low": LOW_TYPE, **dynamic_settings(t1, t2), "prefetch_layers": DYNAMIC_PREFETCH_LAYERS},
+                             scored={"low": LOW_TYPE, **dynamic_settings(t1, t2, priced=True)}))
     out += [Candidate(f"{high or 'model'}/{low} placed", {"high": high, "low": low, "hits": "found"}, placed=True)
             for high, low in PLACED_LEVELS]
     # ... with T2's skip on resident experts too: every expert of a placed ladder is resident,
@@ -157,10 +171,15 @@ def quality_is_static(settings: dict) -> bool:
     """Whether a candidate's outputs are the same whatever its cache holds and however its tokens
     are batched: one level (a miss is read at the same precision), or a placed ladder (each
     expert has one copy, at the level placed), without the rules that decide per token and
-    pass (T2's skip of resident experts, substitution, neuron masks, a prompt's low share)."""
-    if any(settings.get(k) for k in ("skip_cached", "substitute_alpha", "neurons", "prefill_low_share")):
+    pass (T2's skip of resident experts, substitution, neuron masks, a prompt's low share); or
+    levels chosen by the scorer alone: each selection served at the level its score wants
+    (`--hits exact`), and skipped by T2 cached or not (`--skip-cached`) or never."""
+    if any(settings.get(k) for k in ("substitute_alpha", "neurons", "prefill_low_share")):
         return False
-    return "low" not in settings or settings.get("importance") is not None
+    if "low" not in settings or settings.get("importance") is not None:
+        return not settings.get("skip_cached")
+    return settings.get("hits") == "exact" and (bool(settings.get("skip_cached"))
+                                                 or settings.get("t2", DEFAULT_T2) >= 1.0)
 
 
 @dataclass
@@ -321,6 +340,13 @@ class _Plan:
     budget: int
     ubatch: int
     cost: float                 # modelled (static), or the floor (dynamic)
+    measured: dict              # the settings its quality is measured with (Candidate.scored, else settings)
+
+    @property
+    def at_floor(self) -> bool:
+        """Whether its cost is only its floor: a dynamic candidate before it runs, and one scored as
+        the default measures it while its copy is still to be made."""
+        return not self.static or (self.cand.scored is not None and bool(self.missing))
 
 
 class _OutOfTime(Exception):
@@ -371,9 +397,12 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_mean_kl: float 
     def say(name, what):
         log(f"  {name:<{width}} {what}")
 
+    prior = kept_prior(info)  # the cache dynamic precision is served through, as the default serves it
     plans = []
     for cand in chosen:
         settings = {k: v for k, v in cand.settings.items() if v is not None}
+        if cand.scored is not None:
+            settings.update(prior)
         if cand.placed:
             if measured.importance is None:
                 say(cand.name, f"skipped: {measured.unplaced}")
@@ -408,7 +437,7 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_mean_kl: float 
         for plan in sorted(plans, key=lambda p: (p.cost, p.cand.name)):
             name = plan.cand.name
             if best is not None and plan.cost > best["cost"]:
-                leave(plan, f"costs {'at least ' if not plan.static else ''}{plan.cost:.3g} MB/token, more than "
+                leave(plan, f"costs {'at least ' if plan.at_floor else ''}{plan.cost:.3g} MB/token, more than "
                             f"{best['name']} ({best['cost']:.3g}), within the limit")
                 continue
             making = [spec for spec in plan.missing if not _exists(model, spec)]
@@ -436,6 +465,10 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_mean_kl: float 
                     made.append(_make_level(model, spec, threads, log))
                 if plan.missing:  # the files as made: the plan again
                     plan = _plan(model, info, plan.cand, plan.settings, available, run_shape, measured.scored)
+                    if best is not None and plan.cost > best["cost"]:  # (priced at its floor until then)
+                        leave(plan, f"costs {plan.cost:.3g} MB/token, more than {best['name']} ({best['cost']:.3g}), "
+                                    "within the limit")
+                        continue
             except _NotCheaper:
                 say(name, "skipped: as made, a level is no smaller than the model's experts")
                 continue
@@ -505,18 +538,21 @@ def _plan(model: str, info: ModelInfo, cand: Candidate, settings: dict, availabl
     budget, ubatch = expert_budget(info, available, run_shape, levels, config)
     if budget is None:
         budget = info.expert_bytes_total  # everything fits: stock would keep it all resident
-    static = quality_is_static(settings)
+    measured = settings if cand.scored is None else {k: v for k, v in cand.scored.items() if v is not None}
+    static = quality_is_static(measured)
     placement = (place_by_importance(np.array(settings["importance"]), layer_bytes, budget)
                  if "importance" in settings else None)
-    if not static:
+    if not static or (cand.scored is not None and not all(f[2] for f in found)):
         cost = floor_cost(info, levels)
     elif all(f[2] for f in found):  # the files as they are: the runtime's cache replays the routing
         level_paths = tuple(None if spec is None else level.path for spec, level in zip(specs, levels))
-        cost = replayed_cost(scored, info, levels, config, budget, level_paths, placement)
+        # (as served, its reads ahead aside: a replay serves what the trace selects)
+        cost = replayed_cost(scored, info, levels, dataclasses.replace(config, prefetch_layers=0), budget, level_paths,
+                             placement)
     else:
         cost = modeled_cost(scored, layer_bytes, placement, budget, config.cache_policy)
     return _Plan(cand, settings, static, specs, levels, layer_bytes,
-                 tuple(spec for spec, f in zip(specs, found) if not f[2]), budget, ubatch, cost)
+                 tuple(spec for spec, f in zip(specs, found) if not f[2]), budget, ubatch, cost, measured)
 
 
 def _dynamic_windows(n_windows: int) -> int:
@@ -534,7 +570,7 @@ def _score(model: str, plan: _Plan, reference: Reference, threads: int, deadline
         return {"name": plan.cand.name, "settings": settings, "budget_mb": plan.budget / MB,
                 "perplexity": reference.perplexity, "ppl_increase": 0.0, "ppl_increase_upper": 0.0, "mean_kl": 0.0,
                 "top1_agreement": 1.0, "cost": plan.cost, "n_tokens": n, "scored": "exact", "at_least": False}
-    config = OffloadConfig(**settings, cache_mb=plan.budget / MB)
+    config = OffloadConfig(**plan.measured, cache_mb=plan.budget / MB)
     if plan.static:
         against = reference
         ubatch = max(1, min(reference.n_ctx, plan.ubatch or REFERENCE_UBATCH))

@@ -154,6 +154,14 @@ DYNAMIC_THRESHOLDS = ((0.5, DEFAULT_T2), (DEFAULT_T1, DEFAULT_T2), (DEFAULT_T1, 
 # "at-least" serves or worse (a cached copy at the model's precision serves a selection that wants
 # it low or skipped), whatever the memory
 DYNAMIC_PRICED = {**DYNAMIC, "hits": "exact", "level_shares": None, "skip_cached": True}
+
+
+def dynamic_settings(t1: float, t2: float, priced: bool = False) -> dict:
+    """The OffloadConfig fields of dynamic precision at these thresholds beside its low copy: as
+    it is served (DYNAMIC), or as it is measured (DYNAMIC_PRICED), which it serves no worse."""
+    return {**(DYNAMIC_PRICED if priced else DYNAMIC), "t1": t1, "t2": t2}
+
+
 # the memory by which runs under the same limit differ (the heap a pass leaves, the page cache's
 # accounting: a MB or two on the small models, one expert at the model's precision more or less),
 # with room to spare: a fiftieth of the ladder's bytes, at least two experts at the model's
@@ -696,9 +704,8 @@ def _choose_dynamic(info: ModelInfo, config: OffloadConfig, budget: int, text: s
             why_not = _make_copy(info, config, low_type, threads, made)
             if why_not is not None:
                 return None, why_not
-            t1, t2 = thresholds
             low_path = default_companion_path(info.path, low_type)
-            dynamic = dataclasses.replace(config, low=str(low_path), auto=False, t1=t1, t2=t2, **DYNAMIC,
+            dynamic = dataclasses.replace(config, low=str(low_path), auto=False, **dynamic_settings(*thresholds),
                                           prefetch_layers=config.prefetch_layers or DYNAMIC_PREFETCH_LAYERS)
             return with_profile(dynamic, calibration), describe_dynamic(info, budget, verdict)
     # the thresholds that read the most were measured (none follows them) and are beyond
@@ -715,7 +722,7 @@ def _price_dynamic(info: ModelInfo, config: OffloadConfig, budget: int, text: st
         calibration = _measure(info.path, info, text, measure, calibration)
     low_path = default_companion_path(info.path, low_type)
     t1, t2 = thresholds
-    priced = dataclasses.replace(config, low=str(low_path), auto=False, t1=t1, t2=t2, **DYNAMIC_PRICED)
+    priced = dataclasses.replace(config, low=str(low_path), auto=False, **dynamic_settings(t1, t2, priced=True))
     room = _measuring_room(info, calibration.reference, priced, low_type)  # before a copy is made for nothing
     why_not = _make_copy(info, config, low_type, threads, made)
     if why_not is not None:
@@ -740,8 +747,18 @@ def with_profile(config: OffloadConfig, calibration: Calibration) -> OffloadConf
     """The config with CACHE_POLICY, the calibration's importance its prior, unless a policy was chosen."""
     if config.policy is not None:
         return config
-    return dataclasses.replace(config, policy=CACHE_POLICY,
-                               popularity=tuple(map(tuple, kept_importance(calibration.importance))))
+    return dataclasses.replace(config, **_prior_of(calibration))
+
+
+def _prior_of(calibration: Calibration) -> dict:
+    return {"policy": CACHE_POLICY, "popularity": tuple(map(tuple, kept_importance(calibration.importance)))}
+
+
+def kept_prior(info: ModelInfo) -> dict:
+    """The cache's settings a calibration kept next to the model gives (CACHE_POLICY, its
+    importance the prior), or {} where none is kept."""
+    calibration = load_calibration(info.path, info, calibration_text())
+    return {} if calibration is None else _prior_of(calibration)
 
 
 def with_kept_prior(info: ModelInfo, config: OffloadConfig) -> tuple[OffloadConfig, str | None]:
@@ -752,10 +769,10 @@ def with_kept_prior(info: ModelInfo, config: OffloadConfig) -> tuple[OffloadConf
     if not (config.enabled and config.policy is None and config.popularity is None and config.n_level == 1
             and config.high is None and config.neurons is None):
         return config, None
-    calibration = load_calibration(info.path, info, calibration_text())
-    if calibration is None:
+    prior = kept_prior(info)
+    if not prior:
         return config, None
-    return with_profile(config, calibration), (
+    return dataclasses.replace(config, **prior), (
         f"the expert cache filled first with, and keeping, the experts the routers select most (LFU, its prior the "
         f"calibration kept in {importance_path(info.path)}; --policy lru for none)")
 
