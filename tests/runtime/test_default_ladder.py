@@ -28,6 +28,7 @@ from hobbitpy.runtime.llama import compare_ladder, measure_calibration
 from hobbitpy.plan.memory import ContextShape
 from hobbitpy.system.disk import drop_from_page_cache
 from hobbitpy.files.inflate import inflate
+from hobbitpy.files.model_file import layer_expert_bytes
 from hobbitpy.system.memory_cgroup import MemoryCap
 from hobbitpy.copies.companions import default_companion_path
 from hobbitpy.copies.prepare import prepare_companion
@@ -396,6 +397,55 @@ def test_the_budgets_own_ladder_is_measured_first_and_every_expert_low_only_afte
             _default_of(model, SOME_MEMORY, lambda r, c, stop: hits_scored.append(c.hits) or score(r, c, stop))
             # only dynamic precision (DYNAMIC_PRICED's hits), tried where the cache leaves more misses
             assert hits_scored and set(hits_scored) == {"exact"}, hits_scored
+
+
+@pytest.mark.parametrize("beyond", [1.02, 1.1])
+def test_where_the_ladder_a_slack_below_is_just_beyond_those_nearer_the_budget_are_measured(tmp_path, beyond):
+    """The ladder priced a slack below the budget's own keeps fewer experts at the model's
+    precision than the budget holds: where it measures beyond the limit, the one half a slack below
+    is measured, and where that is beyond too the budget's own; the first within serves (the
+    real-size hardened Mixtral with no cap measured 0.0123 nats with the slack's 174 experts at the
+    model's precision, 0.0067 with half a slack's 179, its budget's 184). Here the divergences are scaled so that
+    the slack's ladder measures `beyond` times the limit: just beyond, the next is within; a little
+    further, the budget's own. Kept: a later run with as much memory, or more, measures nothing,
+    and one with up to half a slack less neither where the half-slack ladder was within."""
+    model = tmp_path / "m.gguf"
+    shutil.copy(MODEL, model)
+    info = hobbitpy.inspect_model(model)
+    measured = []  # (experts at the model's precision, the unscaled divergence)
+    scale = []
+
+    def score(reference, config, stop_beyond):
+        n_high = -1 if config.placed_mb is None else ladder_placement(
+            info, layer_expert_bytes(model), round(config.placed_mb * MB), np.array(config.importance), LOW_TYPE)[1]
+        c = compare_ladder(str(model), reference, config, 2)
+        if not scale:  # the first ladder measured (the slack's)
+            scale.append(beyond * MAX_MEAN_KL / c.mean_kl)
+        measured.append((n_high, c.mean_kl))
+        return dataclasses.replace(c, mean_kl=scale[0] * c.mean_kl)
+
+    served, line = _default_of(model, MORE_MEMORY, score)
+    ladders = [(n, scale[0] * kl) for n, kl in measured if n > 0]  # (every expert at the copy: after one within)
+    assert len(ladders) >= 2 and [n for n, _ in ladders] == sorted({n for n, _ in ladders}), measured
+    *further, (n_within, kl_within) = ladders
+    assert all(kl > MAX_MEAN_KL for _, kl in further) and kl_within <= MAX_MEAN_KL, ladders
+    assert len(ladders) == (2 if beyond == 1.02 else 3), ladders  # (measured: 0.92 and 0.88 of the first)
+    assert served.low == str(default_companion_path(model, LOW_TYPE)), line
+    n_served = int(re.search(r"the (\d+) of \d+ experts the routers weigh most", line).group(1))
+    assert n_served == ladders[-1][0] if beyond == 1.1 else n_served > n_within, (line, ladders)
+    assert f"{kl_within:.4f} nats" in line, line
+    kept = [p for p in load_calibration(model, info, calibration_text()).ladders if not p.dynamic and p.n_high > 0]
+    assert [p.n_high for p in kept] == [n for n, _ in ladders] and {p.stands_for for p in kept} == {n_served}, kept
+
+    def never(*args):
+        raise AssertionError("measured again")
+
+    memories = [MORE_MEMORY, MORE_MEMORY + info.expert_bytes]
+    if beyond == 1.02:  # a run finding up to half a slack less
+        memories.append(MORE_MEMORY - info.expert_bytes)
+    for memory in memories:
+        again, line = _default_of(model, memory, never, measure=never)
+        assert again.low == served.low and f"{kl_within:.4f} nats" in line, (memory, line)
 
 
 def test_dynamic_precision_serves_where_the_ladders_are_beyond_the_limit(tmp_path):

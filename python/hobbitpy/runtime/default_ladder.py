@@ -21,8 +21,11 @@ dialogue, code, arithmetic, three languages, scripture):
   finding less memory, as much, or up to a slack more measures nothing; within, so is every
   ladder with more: runs under the same memory find a MB or two more or less than one another,
   and a later one finding up to a slack less measures nothing; one finding less than that
-  measures its own, unless every expert at the copy is within);
-  it is served when its next-token distributions are within MAX_MEAN_KL of the model's (then the
+  measures its own, unless every expert at the copy is within); where it measured beyond by less
+  than SLACK_GAIN times the limit, the ladder half a slack below is measured, and where that is
+  beyond too the budget's own (the experts the slack moved to the copy may be the difference:
+  _priced_steps), once for the budget;
+  a ladder is served when its next-token distributions are within MAX_MEAN_KL of the model's (then the
   ladder with every expert at the low copy is measured too: within, no expert is kept at the
   model's precision; every expert at the copy is not measured first, as it would settle every
   ladder only where it is within, and a real model's uniform Q2_K is 0.06-0.11 nats from it);
@@ -168,6 +171,11 @@ def dynamic_settings(t1: float, t2: float, priced: bool = False) -> dict:
 # precision. A ladder is priced this much below the budget's (_choose).
 VERDICT_SLACK_SHARE = 1 / 50
 VERDICT_SLACK_EXPERTS = 2
+# the most the experts a slack moves to the copy are taken to multiply a ladder's divergence by: a
+# ladder priced below a budget's that measures more than this many times the limit leaves the
+# budget's own beyond too, unmeasured (on the real-size hardened Mixtral with no cap half a slack's
+# five experts at the model's precision more halved it: 0.0123 nats, 0.0067)
+SLACK_GAIN = 4.0
 # the policy of the expert cache where the calibration is at hand and no policy was chosen, its
 # importance the prior and the order the pools are warmed in: the routers of a trained model favour
 # some experts, and these stay (on the hardened Mixtral-depth model's held-out text 120 slots for
@@ -195,8 +203,9 @@ class Priced:
     # dynamic precision's thresholds (DYNAMIC_THRESHOLDS); a ladder has none
     t1: float | None = None
     t2: float | None = None
-    # a ladder priced a slack below a budget's own (_choose): that budget's experts at the model's
-    # precision; None where it was measured for itself (every expert at the copy, dynamic precision)
+    # a ladder priced for a budget (a slack below its own, half a slack, or its own: _priced_steps):
+    # that budget's experts at the model's precision; None where it was measured for itself (every
+    # expert at the copy, dynamic precision)
     stands_for: int | None = None
 
     @property
@@ -229,6 +238,11 @@ class Calibration:
             p.n_high >= (n_high if n_beyond is None else n_beyond)
             or (p.stands_for is not None and n_high <= 2 * p.stands_for - p.n_high))]
         return within[-1] if within else beyond[0] if beyond else None
+
+    def measured(self, n_high: int, low: str = LOW_TYPE) -> Priced | None:
+        """The measurement of the ladder of exactly n_high experts at the model's precision over
+        that low type, or None."""
+        return next((p for p in self.ladders if p.low == low and not p.dynamic and p.n_high == n_high), None)
 
     def dynamic_verdict(self, low: str, thresholds: tuple[float, float]) -> Priced | None:
         """The measurement of dynamic precision over the low copy of that type with these
@@ -573,37 +587,57 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
     model_layer_bytes = layer_expert_bytes(model_path)
     placed = placed_bytes(info, budget, calibration, low_type)
     placement, n_high = ladder_placement(info, model_layer_bytes, placed, calibration.importance, low_type)
-    # the ladder priced: a slack below the budget's, so that a run finding a little less memory is
-    # settled by it within the limit, and beyond by it the budget's own (verdict's n_beyond)
-    slack = verdict_slack_bytes(info, placed)
-    priced_bytes = max(placed - slack, 0)
-    n_priced = ladder_placement(info, model_layer_bytes, priced_bytes, calibration.importance, low_type)[1]
+    # the ladders priced, in turn while each measures beyond the limit by less than SLACK_GAIN times
+    # it (each stopped once sure to be beyond): a slack below the budget's, so that a run finding a
+    # little less memory is settled by it within the limit, and beyond by it the budget's own
+    # (verdict's n_beyond); then half a slack below, then the budget's own (the experts the slack
+    # moved to the copy may be the difference: on the real-size hardened Mixtral with no cap 174
+    # experts at the model's precision measured 0.0123 nats, half a slack below the budget's 184,
+    # 179, 0.0067)
+    steps = _priced_steps(info, model_layer_bytes, placed, calibration.importance, low_type)
+    n_priced = steps[0][1]
     verdict = calibration.verdict(n_high, low_type, n_priced)
-    if verdict is None:
+    todo = steps if verdict is None else _steps_left(calibration, verdict, steps, n_high, low_type)
+    if todo:
         # a copy that can be neither found nor made: known before the model's own pass is made again
         # for nothing (at real size a minute and more at every start)
         why_not = _why_no_copy(info, config, low_type)
         if why_not is not None:
-            return exact, _exact(why_not), None
-        if calibration.reference is None:  # kept from an earlier run: its distributions are not
-            calibration = _measure(model_path, info, text, measure, calibration)
-        # no room to measure: known before the copy is made for nothing
-        _measuring_room(info, calibration.reference, dataclasses.replace(ladder, low=str(low_path)), low_type)
-    if verdict is None or verdict.within:
+            if verdict is None:
+                return exact, _exact(why_not), None
+            todo = []  # the ladder priced a slack below settles it
+        else:
+            if calibration.reference is None:  # kept from an earlier run: its distributions are not
+                calibration = _measure(model_path, info, text, measure, calibration)
+            # no room to measure: known before the copy is made for nothing (where a ladder priced
+            # below settles the budget, it serves as it is)
+            try:
+                _measuring_room(info, calibration.reference, dataclasses.replace(ladder, low=str(low_path)), low_type)
+            except BudgetError:
+                if verdict is None:
+                    raise
+                todo = []
+    if todo or verdict.within:
         why_not = _make_copy(info, config, low_type, threads, made)
         if why_not is not None:
             return exact, _exact(why_not), None
     # placed as measured: the run's own cache may come out a little different from this plan's
     served = dataclasses.replace(ladder, low=str(low_path), importance=tuple(map(tuple, calibration.importance.tolist())),
                                  placed_mb=placed / MB)
-    if verdict is None:
+    if todo:
         try:
-            # the budget's own ladder (less the slack): beyond, it settles every ladder with fewer
-            # experts at the model's precision (a later run finding less memory measures nothing)
-            verdict = _price(info, calibration, dataclasses.replace(served, placed_mb=priced_bytes / MB), n_priced,
-                             budget, score, low_type, _decisive_kl(next_type), stands_for=n_high)
-            calibration = calibration.priced(verdict)
-            _keep(model_path, info, text, calibration)
+            for priced_bytes, n_priced in todo:
+                # the first decides, beyond, whether the next type is tried (_decisive_kl); the
+                # later ones only whether they serve
+                priced = _price(info, calibration, dataclasses.replace(served, placed_mb=priced_bytes / MB), n_priced,
+                                budget, score, low_type, _decisive_kl(next_type) if verdict is None else MAX_MEAN_KL,
+                                stands_for=n_high)
+                calibration = calibration.priced(priced)
+                _keep(model_path, info, text, calibration)
+                if verdict is None or priced.within:
+                    verdict = priced
+                if priced.within or priced.mean_kl > SLACK_GAIN * MAX_MEAN_KL:
+                    break
             if verdict.within and calibration.verdict(0, low_type) is None:
                 # whether every expert at the copy is within too: then none is kept at the model's
                 # precision (placed_bytes)
@@ -642,6 +676,33 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
         return dynamic, f"{line}; {ladder_beyond}", None
     made.clear()  # served: not made for nothing
     return served, describe(info, budget, calibration.importance, placement, verdict), None
+
+
+def _priced_steps(info: ModelInfo, model_layer_bytes: np.ndarray, placed: int, importance: np.ndarray,
+                  low_type: str) -> list[tuple[int, int]]:
+    """The ladders a budget's is priced by, in the order measured, as (the bytes placed, the experts
+    at the model's precision): a slack below the budget's own (verdict_slack_bytes), half a slack
+    below, the budget's own; each with more experts at the model's precision than the one before."""
+    slack = verdict_slack_bytes(info, placed)
+    steps: list[tuple[int, int]] = []
+    for below in (slack, slack // 2, 0):
+        priced = max(placed - below, 0)
+        n = ladder_placement(info, model_layer_bytes, priced, importance, low_type)[1]
+        if not steps or n > steps[-1][1]:
+            steps.append((priced, n))
+    return steps
+
+
+def _steps_left(calibration: Calibration, verdict: Priced, steps: list[tuple[int, int]], n_high: int,
+                low_type: str) -> list[tuple[int, int]]:
+    """The steps still to measure where a kept verdict settles a budget's ladder: none, unless it
+    is a ladder priced below this very budget that measured beyond the limit by less than
+    SLACK_GAIN times it; then those with more experts at the model's precision not measured yet
+    (a run interrupted between them, or kept from before the steps). A run finding less memory
+    than the budget it was priced for takes the verdict, and measures nothing."""
+    if verdict.within or verdict.stands_for != n_high or verdict.mean_kl > SLACK_GAIN * MAX_MEAN_KL:
+        return []
+    return [(b, n) for b, n in steps if n > verdict.n_high and calibration.measured(n, low_type) is None]
 
 
 def _why_no_copy(info: ModelInfo, config: OffloadConfig, low_type: str) -> str | None:
