@@ -533,6 +533,58 @@ def test_a_copy_that_cannot_be_made_leaves_dynamic_precision_over_the_one_at_han
     assert again == served and again_line == line
 
 
+def test_a_verdict_measured_with_far_more_memory_does_not_send_the_run_to_the_next_type(tmp_path):
+    """A ladder measured beyond the limit with MORE_MEMORY (its divergences scaled so that it is
+    just beyond: near enough for a Q3_K copy, which --no-prepare keeps from being made there)
+    settles the smaller ladder LESS_MEMORY allows as beyond too, but only from below: that one
+    diverges more than NEXT_TYPE_GAIN times the limit. The run with LESS_MEMORY measures its own
+    ladder (once sure to be beyond NEXT_TYPE_GAIN times the limit), and neither makes nor measures
+    a Q3_K copy; a later run with as much memory measures nothing (the real-size hardened Mixtral
+    with no cap measured 174 experts at the model's precision at 0.0123 nats; taken for the
+    12 GiB ladder, which keeps none, it made a 19.4 GB Q3_K copy there)."""
+    model = tmp_path / "m.gguf"
+    shutil.copy(MODEL, model)
+    info = hobbitpy.inspect_model(model)
+    q2, q3 = default_companion_path(model, "Q2_K"), default_companion_path(model, "Q3_K")
+    prepare_companion(model, "Q2_K", q2, threads=2, progress=False)
+    scale = []
+    scored = []  # (the copy's name, experts at the model's precision or -1, stop_beyond, the scaled divergence)
+
+    def score(reference, config, stop_beyond):
+        n_high = -1 if config.placed_mb is None else ladder_placement(
+            info, layer_expert_bytes(model), round(config.placed_mb * MB), np.array(config.importance), LOW_TYPE)[1]
+        if not scale:  # the first ladder measured (MORE_MEMORY's, a slack below): twice the limit
+            scale.append(2 * MAX_MEAN_KL / compare_ladder(str(model), reference, config, 2).mean_kl)
+        c = compare_ladder(str(model), reference, config, 2, stop_beyond / scale[0])
+        scored.append((pathlib.Path(config.low).name, n_high, stop_beyond, scale[0] * c.mean_kl))
+        return dataclasses.replace(c, mean_kl=scale[0] * c.mean_kl)
+
+    _, line = _default_of(model, MORE_MEMORY, score, prepare=False)
+    assert "the ladder over Q3_K not tried" in line and "--no-prepare" in line, line
+    kept = load_calibration(model, info, calibration_text())
+    more = [p for p in kept.ladders if not p.dynamic]
+    assert more and all(MAX_MEAN_KL < p.mean_kl <= NEXT_TYPE_GAIN * MAX_MEAN_KL for p in more), more
+    n_more = min(p.n_high for p in more)
+    # (taken as it is, that verdict would settle the ladder LESS_MEMORY allows and send the run to Q3_K)
+    assert kept.verdict(0, "Q2_K", 0) == more[0]
+
+    scored.clear()
+    served, line = _default_of(model, LESS_MEMORY, score)
+    ladders = [(n, stop, kl) for name, n, stop, kl in scored if n >= 0]
+    assert len(ladders) == 1 and ladders[0][0] < n_more, (scored, n_more)
+    n_less, stop, kl = ladders[0]
+    assert stop == NEXT_TYPE_GAIN * MAX_MEAN_KL < kl, ladders
+    assert all(name == q2.name for name, *_ in scored) and not q3.exists(), scored
+    assert "the ladder memory allows" in line and "from a Q3_K copy" not in line, line
+    assert served.low in (None, str(q2)), served  # dynamic precision over Q2_K, or the model's own experts
+
+    def never(*args):
+        raise AssertionError("measured again")
+
+    again, again_line = _default_of(model, LESS_MEMORY, never, measure=never)
+    assert again == served and again_line == line
+
+
 def test_dynamic_precision_serves_the_first_thresholds_within_the_limit(tmp_path):
     """Dynamic precision's thresholds are tried the fewest bytes a token first: each measured once
     and kept, the first within the limit served, none after it measured. Measured on the shipped

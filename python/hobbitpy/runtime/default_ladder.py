@@ -18,7 +18,10 @@ dialogue, code, arithmetic, three languages, scripture):
 - the ladder the memory allows, less a slack (VERDICT_SLACK_SHARE), is run over the same text
   (beyond the limit, so is every ladder with fewer experts at the model's precision, and it is
   taken for the budget's own, a slack above it, and for up to a slack above that: a later run
-  finding less memory, as much, or up to a slack more measures nothing; within, so is every
+  finding less memory, as much, or up to a slack more measures nothing, unless it finds more than
+  a slack less and the verdict would send it to the next type: the verdict only bounds its ladder's
+  divergence from below, and whether that is too far for the next type is measured
+  (_only_bounds); within, so is every
   ladder with more: runs under the same memory find a MB or two more or less than one another,
   and a later one finding up to a slack less measures nothing; one finding less than that
   measures its own, unless every expert at the copy is within); where it measured beyond by less
@@ -597,6 +600,8 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
     steps = _priced_steps(info, model_layer_bytes, placed, calibration.importance, low_type)
     n_priced = steps[0][1]
     verdict = calibration.verdict(n_high, low_type, n_priced)
+    if verdict is not None and _only_bounds(info, config, verdict, n_priced, next_type):
+        verdict = None  # measured as if none were kept: what it measures decides whether the next type is tried
     todo = steps if verdict is None else _steps_left(calibration, verdict, steps, n_high, low_type)
     if todo:
         # a copy that can be neither found nor made: known before the model's own pass is made again
@@ -703,6 +708,22 @@ def _steps_left(calibration: Calibration, verdict: Priced, steps: list[tuple[int
     if verdict.within or verdict.stands_for != n_high or verdict.mean_kl > SLACK_GAIN * MAX_MEAN_KL:
         return []
     return [(b, n) for b, n in steps if n > verdict.n_high and calibration.measured(n, low_type) is None]
+
+
+def _only_bounds(info: ModelInfo, config: OffloadConfig, verdict: Priced, n_priced: int, next_type: str | None) -> bool:
+    """Whether a kept verdict beyond the limit, which settles a budget's ladder (n_priced experts
+    at the model's precision a slack below it) as beyond too, is no measure of how far beyond
+    where that decides whether the next type is tried: measured with more experts at the model's
+    precision than n_priced by more than its own slack (a run with much more memory; on the
+    real-size hardened Mixtral, with no cap 174 at the model's precision measured 0.0123 nats,
+    while under 12 GiB the budget's ladder keeps none and every expert at Q2_K measured 0.139:
+    taken as it was, it sent the run to a 19.4 GB Q3_K copy NEXT_TYPE_GAIN rules out), near enough
+    to the limit to send the next type, whose copy can be found or made. Runs under the same memory,
+    a slack more or less, take it as it is."""
+    if verdict.within or next_type is None or not _next_type_may_be_within(verdict):
+        return False
+    slack = 0 if verdict.stands_for is None else verdict.stands_for - verdict.n_high
+    return verdict.n_high - slack > n_priced and _why_no_copy(info, config, next_type) is None
 
 
 def _why_no_copy(info: ModelInfo, config: OffloadConfig, low_type: str) -> str | None:
