@@ -718,12 +718,13 @@ def _only_bounds(info: ModelInfo, config: OffloadConfig, verdict: Priced, n_pric
     real-size hardened Mixtral, with no cap 174 at the model's precision measured 0.0123 nats,
     while under 12 GiB the budget's ladder keeps none and every expert at Q2_K measured 0.139:
     taken as it was, it sent the run to a 19.4 GB Q3_K copy NEXT_TYPE_GAIN rules out), near enough
-    to the limit to send the next type, whose copy can be found or made. Runs under the same memory,
-    a slack more or less, take it as it is."""
+    to the limit to send the next type, whose copy can be found or made, as can the copy it was
+    measured over. Runs under the same memory, a slack more or less, take it as it is."""
     if verdict.within or next_type is None or not _next_type_may_be_within(verdict):
         return False
     slack = 0 if verdict.stands_for is None else verdict.stands_for - verdict.n_high
-    return verdict.n_high - slack > n_priced and _why_no_copy(info, config, next_type) is None
+    return (verdict.n_high - slack > n_priced and _why_no_copy(info, config, verdict.low) is None
+            and _why_no_copy(info, config, next_type) is None)
 
 
 def _why_no_copy(info: ModelInfo, config: OffloadConfig, low_type: str) -> str | None:
