@@ -399,6 +399,15 @@ def test_the_budgets_own_ladder_is_measured_first_and_every_expert_low_only_afte
             assert hits_scored and set(hits_scored) == {"exact"}, hits_scored
 
 
+def _experts_at_model_precision(info: hobbitpy.ModelInfo, model: pathlib.Path, config: hobbitpy.OffloadConfig) -> int:
+    """How many experts the Q2_K ladder a measured config is placed as keeps at the model's
+    precision (-1: dynamic precision, placed by no budget)."""
+    if config.placed_mb is None:
+        return -1
+    return ladder_placement(info, layer_expert_bytes(model), round(config.placed_mb * MB),
+                            np.array(config.importance), LOW_TYPE)[1]
+
+
 @pytest.mark.parametrize("beyond", [1.02, 1.1])
 def test_where_the_ladder_a_slack_below_is_just_beyond_those_nearer_the_budget_are_measured(tmp_path, beyond):
     """The ladder priced a slack below the budget's own keeps fewer experts at the model's
@@ -416,8 +425,7 @@ def test_where_the_ladder_a_slack_below_is_just_beyond_those_nearer_the_budget_a
     scale = []
 
     def score(reference, config, stop_beyond):
-        n_high = -1 if config.placed_mb is None else ladder_placement(
-            info, layer_expert_bytes(model), round(config.placed_mb * MB), np.array(config.importance), LOW_TYPE)[1]
+        n_high = _experts_at_model_precision(info, model, config)
         c = compare_ladder(str(model), reference, config, 2)
         if not scale:  # the first ladder measured (the slack's)
             scale.append(beyond * MAX_MEAN_KL / c.mean_kl)
@@ -551,8 +559,7 @@ def test_a_verdict_measured_with_far_more_memory_does_not_send_the_run_to_the_ne
     scored = []  # (the copy's name, experts at the model's precision or -1, stop_beyond, the scaled divergence)
 
     def score(reference, config, stop_beyond):
-        n_high = -1 if config.placed_mb is None else ladder_placement(
-            info, layer_expert_bytes(model), round(config.placed_mb * MB), np.array(config.importance), LOW_TYPE)[1]
+        n_high = _experts_at_model_precision(info, model, config)
         if not scale:  # the first ladder measured (MORE_MEMORY's, a slack below): twice the limit
             scale.append(2 * MAX_MEAN_KL / compare_ladder(str(model), reference, config, 2).mean_kl)
         c = compare_ladder(str(model), reference, config, 2, stop_beyond / scale[0])
@@ -572,7 +579,7 @@ def test_a_verdict_measured_with_far_more_memory_does_not_send_the_run_to_the_ne
     served, line = _default_of(model, LESS_MEMORY, score)
     ladders = [(n, stop, kl) for name, n, stop, kl in scored if n >= 0]
     assert len(ladders) == 1 and ladders[0][0] < n_more, (scored, n_more)
-    n_less, stop, kl = ladders[0]
+    _, stop, kl = ladders[0]
     assert stop == NEXT_TYPE_GAIN * MAX_MEAN_KL < kl, ladders
     assert all(name == q2.name for name, *_ in scored) and not q3.exists(), scored
     assert "the ladder memory allows" in line and "from a Q3_K copy" not in line, line
