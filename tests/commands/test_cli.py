@@ -197,10 +197,27 @@ def test_ctrl_c_inside_a_sampler_callback_stops_the_reply(model_dir):
     assert len(calls) == 3
 
 
-def test_chat_survives_a_person(model_dir, tmp_path):
-    # Ctrl-C during an answer ended the whole chat; it stops the answer and the chat goes on
-    import signal
+def _read_as_it_comes(stream, into: list[str]) -> None:
+    for piece in iter(lambda: stream.read(1), ""):
+        into.append(piece)
+
+
+def _within_two_minutes(condition) -> None:
+    """Wait for what the process shows, not for a time: a guard against a hang only."""
     import time
+
+    deadline = time.monotonic() + 120
+    while not condition():
+        assert time.monotonic() < deadline, "the chat did not get there in two minutes"
+        time.sleep(0.05)
+
+
+def test_chat_survives_a_person(model_dir, tmp_path):
+    # Ctrl-C during an answer ended the whole chat; it stops the answer and the chat goes on. Each
+    # Ctrl-C is sent once the chat shows where it is (the answer begun, then the prompt again): a
+    # second one sent after a fixed time could land before the first had stopped the answer
+    import signal
+    import threading
 
     path = tiny_model(model_dir, "llama")
     stats = tmp_path / "chat.json"
@@ -209,14 +226,22 @@ def test_chat_survives_a_person(model_dir, tmp_path):
                              "32768", "--temp", "0", "--threads", "2", "--ignore-eos", "--stats-json", str(stats)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=default_signals)
+    shown, said = [], []
+    readers = [threading.Thread(target=_read_as_it_comes, args=pipe, daemon=True)
+               for pipe in ((proc.stdout, shown), (proc.stderr, said))]
+    for reader in readers:
+        reader.start()
     proc.stdin.write("Hello there\n")
     proc.stdin.flush()
-    assert proc.stdout.read(4).startswith("> ")  # the prompt, and the answer has begun
-    time.sleep(0.5)
+    _within_two_minutes(lambda: len(shown) > len("> "))  # the prompt, and the answer has begun
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.5)
+    _within_two_minutes(lambda: "stopped" in "".join(said) and "".join(shown).endswith("\n> "))
     proc.send_signal(signal.SIGINT)  # at the prompt: the chat ends, with its line and statistics
-    out, err = proc.communicate(timeout=120)
+    proc.wait(timeout=120)
+    for reader in readers:
+        reader.join(timeout=120)
+    proc.stdin.close()
+    out, err = "".join(shown), "".join(said)
     assert proc.returncode == 130 and "Traceback" not in err, err
     # the answer stopped, the prompt again, then the chat's end
     assert "stopped (Ctrl-C at the prompt, or Ctrl-D, ends the chat)" in err and out.endswith("\n> \n"), (out[-200:], err)
