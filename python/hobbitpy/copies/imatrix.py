@@ -45,9 +45,6 @@ def collect_imatrix(model_path: str | os.PathLike, text_path: str | os.PathLike,
     tokens (default 512, at most the model's training context) and write the experts'
     importance matrix; return its path. A new file (with replace, over a regular file; never
     through a symlink)."""
-    import llama_cpp
-    from llama_cpp import _internals
-
     model_path = pathlib.Path(model_path)
     out = default_imatrix_path(model_path) if out_path is None else pathlib.Path(out_path)
     error = new_output_error(out, replace)  # checked before minutes of work, and again when written
@@ -65,11 +62,26 @@ def collect_imatrix(model_path: str | os.PathLike, text_path: str | os.PathLike,
     except (OSError, UnicodeDecodeError) as e:
         raise HobbitError(f"{text_path}: cannot read it as UTF-8 text ({e})") from None
     ids = tokenize_text(model_path, text, max_tokens)
+    entries, n_chunks = expert_input_sums(model_path, ids, n_ctx, n_threads)
+    return write_imatrix(out, entries, dataset=pathlib.Path(text_path).name, chunk_count=n_chunks, chunk_size=n_ctx,
+                         replace=replace)
+
+
+def expert_input_sums(model_path: str | os.PathLike, ids: list[int], n_ctx: int, n_threads: int | None = None,
+                      repack: bool = True) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], int]:
+    """Run stock llama.cpp (every expert mapped) over the tokens in windows of n_ctx, each from
+    an empty context, and return, for every expert tensor, ([n_expert, n_col] the sums of its
+    inputs' squares, [n_expert, 1] the tokens each expert saw), and the windows run. repack:
+    the CPU backend's repacked copy of the weights (off, the pass reads the mapping: a model
+    larger than the memory passes through the page cache)."""
+    import llama_cpp
+    from llama_cpp import _internals
 
     collector = hobbit.imatrix_collector()
     # the backends, as llama_cpp.Llama loads them first (a portable build's CPU backend is a
     # module nothing has loaded yet); loading again later is a no-op
     model_params = llama_cpp.llama_model_default_params()
+    model_params.use_extra_bufts = repack
     with llama_cpp._utils.suppress_stdout_stderr(disable=False):  # llama.cpp's load log: not for the terminal
         llama_cpp.llama_backend_init()  # ggml's "loaded ... backend" line
         model = _internals.LlamaModel(path_model=os.fspath(model_path), params=model_params, verbose=False)
@@ -100,8 +112,7 @@ def collect_imatrix(model_path: str | os.PathLike, text_path: str | os.PathLike,
     entries = _entries(collector)
     if not entries:
         raise HobbitError(f"{model_path}: no expert matmul was seen while decoding; no importance matrix")
-    return write_imatrix(out, entries, dataset=pathlib.Path(text_path).name, chunk_count=n_chunks, chunk_size=n_ctx,
-                         replace=replace)
+    return entries, n_chunks
 
 
 def _entries(collector) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -112,6 +123,13 @@ def _entries(collector) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         copy(sums, counts)
         entries[name] = (sums, counts)
     return entries
+
+
+def mean_squares(sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """[n_mat, n_col] each column's mean squared input, from the sums and [n_mat, 1] token counts
+    (llama-quantize's normalization: a matrix no token reached weighs every column 1)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(counts > 0, sums / np.where(counts > 0, counts, 1), 1.0).astype(np.float32)
 
 
 def write_imatrix(out: str | os.PathLike, entries: dict[str, tuple[np.ndarray, np.ndarray]], *, dataset: str,
@@ -168,8 +186,7 @@ def load_imatrix(path: str | os.PathLike) -> dict[str, np.ndarray]:
             raise ModelFileError(f"{path}: '{name}' holds {sums.size} values, not a whole row for each of {n_mat} matrices")
         sums = sums.reshape(n_mat, -1)
         counts = np.asarray(counts_tensor.data, np.float32).reshape(n_mat, 1)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            mean = np.where(counts > 0, sums / np.where(counts > 0, counts, 1), 1.0).astype(np.float32)
+        mean = mean_squares(sums, counts)
         if not np.all(np.isfinite(mean)) or np.any(mean < 0):
             raise ModelFileError(f"{path}: '{name}' holds values that are not finite or negative")
         result[weight] = mean

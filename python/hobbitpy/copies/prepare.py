@@ -48,7 +48,8 @@ from ..system.disk import drop_from_page_cache
 from ..errors import ModelFileError
 from ..files.gguf_fields import field_value
 from .imatrix import load_imatrix
-from ..files.model_file import inspect_model, model_fingerprint, model_parts
+from ..files.model_file import model_fingerprint
+from ..files.tensor_reads import ModelTensors, TensorReads, n_rows
 from ..system.outputs import check_free_space, partial_output, publish
 from ..system.progress import progress_bar
 
@@ -103,9 +104,9 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
     if not out.parent.is_dir():
         raise ValueError(f"{out}: cannot write it, {out.parent} is not a folder")
 
-    model = source = _Model(model_path)
+    model = source = ModelTensors(model_path)
     if source_path != model_path:
-        source = _Model(source_path)
+        source = ModelTensors(source_path)
         _check_same_model(model_path, model, source_path, source)
     source_tensors = {t.name: t for t in source.tensors}
     plan = []  # (source tensor, ggml shape written, type written, the down tensor bundled with it or None)
@@ -161,7 +162,7 @@ def prepare_companion(model_path: str | os.PathLike, type_name: str, out_path: s
         for row_type in {row_type for _, _, row_type, _ in plan}:
             prepare_quantizer(row_type)
         total = sum(int(t.n_bytes) + (int(down.n_bytes) if down is not None else 0) for t, _, _, down in plan)
-        reads = _SourceReads(source)
+        reads = TensorReads(source)
         pool = ThreadPoolExecutor(threads)
         # a tensor is written while the next one is quantized (the cores are the bound: they
         # should not wait for the disk)
@@ -217,25 +218,6 @@ def _row_type(target: QT, n_per_row: int, tensor: str, model_path: pathlib.Path)
     return fallback
 
 
-class _Model:
-    """A model's GGUF files as gguf reads them: the metadata of the first, the tensors of every
-    part (a split model's, llama.cpp's gguf-split), and which file holds each."""
-
-    def __init__(self, path: pathlib.Path):
-        info = inspect_model(path)  # the native indexer's errors: missing, not a GGUF, truncated, inconsistent
-        if not info.is_moe:
-            raise ModelFileError(f"{path}: no routed expert tensors (ffn_*_exps); a dense model has no experts to prepare")
-        self.parts = [pathlib.Path(p) for p in model_parts(path)]
-        try:
-            readers = [gguf.GGUFReader(p) for p in self.parts]
-        except ValueError as e:  # e.g. a tensor type newer than the gguf package
-            raise ModelFileError(f"{path}: the gguf package cannot read it ({e})") from e
-        self.fields = readers[0].fields
-        self.tensors = [t for r in readers for t in r.tensors]
-        self.file_of = {t.name: part for part, r in zip(self.parts, readers) for t in r.tensors}
-        self.header_bytes = sum(r.data_offset for r in readers)  # metadata and tensor infos
-
-
 def _check_readable(t, source_path: pathlib.Path) -> None:
     """Fail now, not after an hour of quantizing, on a tensor ggml cannot read back as numbers."""
     if not can_read_as_float(int(t.tensor_type)):
@@ -243,7 +225,7 @@ def _check_readable(t, source_path: pathlib.Path) -> None:
                              "read back as numbers; give an F16/BF16/F32 source")
 
 
-def _field(reader: gguf.GGUFReader | _Model, key: str):
+def _field(reader: gguf.GGUFReader | ModelTensors, key: str):
     if key not in reader.fields:
         return None
     value = field_value(reader.fields[key])[0]
@@ -272,7 +254,7 @@ def _check_same_model(model_path, model, source_path, source) -> None:
                              + "; ".join(differences))
 
 
-def _copy_metadata(model: _Model, writer: gguf.GGUFWriter, min_alignment: int | None = None) -> None:
+def _copy_metadata(model: ModelTensors, writer: gguf.GGUFWriter, min_alignment: int | None = None) -> None:
     """Every field of the model but the split layout (a companion is one file) and the
     reader's own GGUF.* entries; the tensors' alignment raised to min_alignment when given
     (both are powers of two, so the larger is a multiple of the other)."""
@@ -313,46 +295,6 @@ def _is_down(name: str) -> bool:
     return name.endswith(".ffn_down_exps.weight")
 
 
-class _SourceReads:
-    """The source's tensors read chunk by chunk with pread (threads read in parallel), each
-    tensor's pages dropped from the page cache once it is quantized: a real-size source
-    passes through without filling memory or pushing out what else the machine caches."""
-
-    def __init__(self, source: _Model):
-        self.file_of = source.file_of
-        self.fds = {}
-        try:
-            for part in source.parts:
-                self.fds[part] = os.open(part, os.O_RDONLY)
-        except OSError:
-            self.close()
-            raise
-
-    def path(self, t) -> pathlib.Path:
-        return self.file_of[t.name]
-
-    def rows(self, t, first: int, n: int) -> np.ndarray:
-        """Rows first..first+n-1 of tensor t (one ggml row of bytes each)."""
-        row_bytes = int(t.n_bytes) // _n_rows(t)
-        out = np.empty((n, row_bytes), np.uint8)
-        offset = int(t.data_offset) + first * row_bytes
-        if os.preadv(self.fds[self.path(t)], [out], offset) != out.nbytes:
-            raise ModelFileError(f"{self.path(t)}: tensor '{t.name}' ends early (the file was truncated?)")
-        return out
-
-    def done(self, t) -> None:
-        os.posix_fadvise(self.fds[self.path(t)], int(t.data_offset), int(t.n_bytes), os.POSIX_FADV_DONTNEED)
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds = {}
-
-
-def _n_rows(t) -> int:
-    return int(np.prod([int(n) for n in t.shape[1:]]))
-
-
 def _quantize_rows(values: np.ndarray, row_type: QT, dst: np.ndarray, importance: np.ndarray | None = None) -> int:
     """values [rows, n_per_row] float32 into dst (row_type's rows of bytes); the bytes written.
     Q2_K without an importance matrix goes through libhobbit's copy of ggml's quantizer (the
@@ -364,12 +306,12 @@ def _quantize_rows(values: np.ndarray, row_type: QT, dst: np.ndarray, importance
 
 
 def _quantize_transposed(t, n_embd: int, row_type: QT, pool: ThreadPoolExecutor, on_bytes_read,
-                         reads: _SourceReads) -> np.ndarray:
+                         reads: TensorReads) -> np.ndarray:
     """Stacked experts `t` ([n_ff, n_embd, n_expert] in ggml order) with each expert's matrix
     transposed, [n_embd, n_ff]: row f is neuron f's column, quantized by itself in row_type;
     [n_expert, n_ff, row bytes]."""
     n_ff = int(t.shape[0])
-    n_expert = _n_rows(t) // n_embd
+    n_expert = n_rows(t) // n_embd
     row_bytes = row_size(row_type, n_embd)
     quantized = np.empty((n_expert, n_ff, row_bytes), np.uint8)
 
@@ -389,16 +331,16 @@ def _quantize_transposed(t, n_embd: int, row_type: QT, pool: ThreadPoolExecutor,
     return quantized
 
 
-def _quantize(t, n_per_row: int, row_type: QT, pool: ThreadPoolExecutor, on_bytes_read, reads: _SourceReads,
+def _quantize(t, n_per_row: int, row_type: QT, pool: ThreadPoolExecutor, on_bytes_read, reads: TensorReads,
               importance: np.ndarray | None = None) -> np.ndarray:
     """Tensor `t` in row_type, quantized chunk by chunk of rows on the pool's threads;
     importance: [n_expert, n_per_row] column weights (chunks then stay within one expert)."""
-    n_rows = _n_rows(t)
+    n_total = n_rows(t)
     row_bytes = row_size(row_type, n_per_row)
-    quantized = np.empty((n_rows, row_bytes), np.uint8)
+    quantized = np.empty((n_total, row_bytes), np.uint8)
     step = max(1, _CHUNK_ELEMENTS // n_per_row)
     n_matrix = importance.shape[0] if importance is not None else 1
-    rows_per_matrix = n_rows // n_matrix
+    rows_per_matrix = n_total // n_matrix
     starts = [(m, first) for m in range(n_matrix)
               for first in range(m * rows_per_matrix, (m + 1) * rows_per_matrix, step)]
 

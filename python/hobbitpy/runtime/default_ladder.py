@@ -99,9 +99,10 @@ from ..plan.memory import (ContextShape, available_memory_bytes, context_sizes, 
                            return_freed_memory)
 from ..files.model_file import ModelInfo, layer_expert_bytes, model_parts
 from ..system.outputs import NotEnoughSpaceError, check_free_space, partial_output, replace
-from ..plan.placement import place_by_importance
+from ..plan.placement import expected_error, place_by_importance
 from ..copies.companions import copy_layer_bytes, default_companion_path, estimated_copy
 from ..copies.prepare import prepare_companion
+from ..copies.rounding_error import rounding_error
 
 log = logging.getLogger("hobbitpy")
 
@@ -125,7 +126,7 @@ NEXT_TYPE_GAIN = 4.0
 # all (at real size each pass reads every expert once: two passes of 512 tokens)
 CALIBRATION_CTX = 512
 CALIBRATION_TOKENS = 1024
-IMPORTANCE_VERSION = 2
+IMPORTANCE_VERSION = 3
 # HOBBIT's dynamic precision (§3.2), tried over a low copy where the ladder memory allows over it
 # measures beyond the limit: the model's own experts for every hit, the copy for a miss whose eq. 2
 # score is above T1 (a token's less weighed experts), a miss whose score is above T2 skipped (the
@@ -223,8 +224,21 @@ class Calibration:
     importance: np.ndarray  # [moe_layers][n_expert]: the routers' squared gate weights (placement.importance_of)
     n_tokens: int           # tokens evaluated
     ladders: tuple[Priced, ...] = ()  # by low type, fewest experts at the model's precision first
+    # by low type, [moe_layers][n_expert]: the squared error that type's copy adds to each expert's
+    # outputs (rounding_error.py), priced once its copy is at hand
+    rounding_error: dict[str, np.ndarray] = dataclasses.field(default_factory=dict, compare=False)
     # the model's next-token distributions, which a ladder is compared with (this process only)
     reference: Reference | None = dataclasses.field(default=None, compare=False)
+    # the experts' mean squared inputs by tensor (an importance matrix: rounding_error.py's
+    # input_power), from the same text (this process only)
+    input_power: dict[str, np.ndarray] | None = dataclasses.field(default=None, compare=False)
+
+    def order(self, low: str = LOW_TYPE) -> np.ndarray:
+        """[moe_layers][n_expert]: the order a ladder over that low type raises experts to the
+        model's precision in (placement.expected_error): the routers' weight times what the
+        copy loses, where that is priced (the copy at hand), else the routers' weight."""
+        error = self.rounding_error.get(low)
+        return self.importance if error is None else expected_error(self.importance, error)
 
     def verdict(self, n_high: int, low: str = LOW_TYPE, n_beyond: int | None = None) -> Priced | None:
         """The measurement that settles a ladder of n_high experts at the model's precision over
@@ -251,6 +265,9 @@ class Calibration:
         """The measurement of dynamic precision over the low copy of that type with these
         thresholds (T1, T2; one for every memory), or None."""
         return next((p for p in self.ladders if p.low == low and p.dynamic and (p.t1, p.t2) == thresholds), None)
+
+    def with_rounding_error(self, low: str, error: np.ndarray) -> "Calibration":
+        return dataclasses.replace(self, rounding_error=self.rounding_error | {low: error})
 
     def priced(self, measured: Priced) -> "Calibration":
         def key(p: Priced) -> tuple:
@@ -293,11 +310,13 @@ def load_calibration(model_path: str | os.PathLike, info: ModelInfo, text: str) 
                 or data.get("text") != _text_digest(text)):
             return None
         ladders = tuple(_kept_priced(p) for p in data["ladders"])
-        calibration = Calibration(np.array(data["importance"], np.float64), int(data["n_tokens"]), ladders)
+        errors = {str(low): np.array(error, np.float64) for low, error in data.get("rounding_error", {}).items()}
+        calibration = Calibration(np.array(data["importance"], np.float64), int(data["n_tokens"]), ladders, errors)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    ok = (calibration.importance.shape == (info.n_layer_moe, info.n_expert)
-          and all(math.isfinite(p.mean_kl) for p in ladders))
+    shape = (info.n_layer_moe, info.n_expert)
+    ok = (calibration.importance.shape == shape and all(math.isfinite(p.mean_kl) for p in ladders)
+          and all(e.shape == shape and np.all(np.isfinite(e)) for e in errors.values()))
     return calibration if ok else None
 
 
@@ -323,7 +342,8 @@ def save_calibration(model_path: str | os.PathLike, info: ModelInfo, text: str,
     data = {"version": IMPORTANCE_VERSION, "model": os.path.basename(model_path), "model_bytes": info.file_bytes,
             "text": _text_digest(text), "n_tokens": calibration.n_tokens,
             "ladders": [dataclasses.asdict(p) for p in calibration.ladders],
-            "importance": kept_importance(calibration.importance)}
+            "importance": kept_importance(calibration.importance),
+            "rounding_error": {low: kept_importance(error) for low, error in calibration.rounding_error.items()}}
     with partial_output(path) as partial:
         partial.write_text(json.dumps(data) + "\n")
         return replace(partial, path)
@@ -461,7 +481,7 @@ def describe(info: ModelInfo, budget_bytes: int, importance: np.ndarray, placeme
     where = ("every expert in memory" if budget_bytes >= low_total else
              f"the {low} copy ({low_total / MB:.0f} MB) read through the expert cache ({budget_bytes / MB:.0f} MB)")
     what = (f"every expert from a {low} copy (the fewest bytes a token within the limit)" if n_high == 0 else
-            f"the {n_high} of {n_experts} experts the routers weigh most at the model's precision, the rest "
+            f"the {n_high} of {n_experts} experts that lose most at {low} at the model's precision, the rest "
             f"({100 * low_weight_share(importance, placement):.0f} % of the routers' weight) from a {low} copy")
     return f"{where}: {what}; {_measured(verdict, n_high)} (lossy; --exact serves the model's own experts only)"
 
@@ -589,7 +609,7 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
         calibration = _measure(model_path, info, text, measure, calibration)
     model_layer_bytes = layer_expert_bytes(model_path)
     placed = placed_bytes(info, budget, calibration, low_type)
-    placement, n_high = ladder_placement(info, model_layer_bytes, placed, calibration.importance, low_type)
+    placement, n_high = ladder_placement(info, model_layer_bytes, placed, calibration.order(low_type), low_type)
     # the ladders priced, in turn while each measures beyond the limit by less than SLACK_GAIN times
     # it (each stopped once sure to be beyond): a slack below the budget's, so that a run finding a
     # little less memory is settled by it within the limit, and beyond by it the budget's own
@@ -597,7 +617,7 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
     # moved to the copy may be the difference: on the real-size hardened Mixtral with no cap 174
     # experts at the model's precision measured 0.0123 nats, half a slack below the budget's 184,
     # 179, 0.0067)
-    steps = _priced_steps(info, model_layer_bytes, placed, calibration.importance, low_type)
+    steps = _priced_steps(info, model_layer_bytes, placed, calibration.order(low_type), low_type)
     n_priced = steps[0][1]
     verdict = calibration.verdict(n_high, low_type, n_priced)
     if verdict is not None and _only_bounds(info, config, verdict, n_priced, next_type):
@@ -626,8 +646,16 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
         why_not = _make_copy(info, config, low_type, threads, made)
         if why_not is not None:
             return exact, _exact(why_not), None
+        if low_type not in calibration.rounding_error and calibration.input_power is not None:
+            # priced before the first ladder over this copy is measured, kept with what it measures:
+            # every ladder over it is placed in this order
+            calibration = calibration.with_rounding_error(low_type, _rounding_error(info, low_path, calibration, threads))
+            _keep(model_path, info, text, calibration)
+            placement, n_high = ladder_placement(info, model_layer_bytes, placed, calibration.order(low_type), low_type)
+            steps = _priced_steps(info, model_layer_bytes, placed, calibration.order(low_type), low_type)
+            todo = steps if verdict is None else _steps_left(calibration, verdict, steps, n_high, low_type)
     # placed as measured: the run's own cache may come out a little different from this plan's
-    served = dataclasses.replace(ladder, low=str(low_path), importance=tuple(map(tuple, calibration.importance.tolist())),
+    served = dataclasses.replace(ladder, low=str(low_path), importance=tuple(map(tuple, calibration.order(low_type).tolist())),
                                  placed_mb=placed / MB)
     if todo:
         try:
@@ -656,7 +684,7 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
             _release(model_path, low_path)
         if verdict.within:  # what was measured may allow fewer at the model's precision
             placed = placed_bytes(info, budget, calibration, low_type)
-            placement, n_high = ladder_placement(info, model_layer_bytes, placed, calibration.importance, low_type)
+            placement, n_high = ladder_placement(info, model_layer_bytes, placed, calibration.order(low_type), low_type)
             served = dataclasses.replace(served, placed_mb=placed / MB)
             verdict = calibration.verdict(n_high, low_type)
     if not verdict.within:  # (a copy made for nothing is removed by the caller: the verdicts are kept)
@@ -681,6 +709,16 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
         return dynamic, f"{line}; {ladder_beyond}", None
     made.clear()  # served: not made for nothing
     return served, describe(info, budget, calibration.importance, placement, verdict), None
+
+
+def _rounding_error(info: ModelInfo, low_path: pathlib.Path, calibration: Calibration, threads: int) -> np.ndarray:
+    """What the copy at low_path loses expert by expert (rounding_error.py), as it is kept."""
+    log.info(f"pricing what {low_path.name} loses, expert by expert (a pass over the model's experts and the copy's)")
+    try:
+        error = rounding_error(info.path, low_path, calibration.input_power, threads)
+    finally:
+        _release(info.path, low_path)
+    return np.array(kept_importance(error), np.float64)
 
 
 def _priced_steps(info: ModelInfo, model_layer_bytes: np.ndarray, placed: int, importance: np.ndarray,
@@ -886,7 +924,7 @@ def _measure(model_path: str | os.PathLike, info: ModelInfo, text: str, measure:
     """The model's own experts on the calibration text (the ladders kept priced stay priced)."""
     calibration = measure(text)
     if kept is not None:
-        calibration = dataclasses.replace(calibration, ladders=kept.ladders)
+        calibration = dataclasses.replace(calibration, ladders=kept.ladders, rounding_error=kept.rounding_error)
     _keep(model_path, info, text, calibration)
     _release(model_path)
     return calibration
