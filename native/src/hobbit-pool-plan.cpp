@@ -12,6 +12,21 @@ static std::string mib(int64_t n_bytes) {
     return buf;
 }
 
+// what the rounding down left over goes to whichever groups it still buys a slot in: a budget of
+// exactly every expert gives every expert a slot, in every group
+static void give_what_is_left(std::vector<pool_plan_group> & groups, int64_t left, const hobbit_model_info & info) {
+    for (bool more = true; more;) {
+        more = false;
+        for (auto & g : groups) {
+            if (left >= g.expert_bytes && g.n_slot < (int64_t) info.n_expert * (int64_t) g.layers.size()) {
+                g.n_slot++;
+                left -= g.expert_bytes;
+                more = true;
+            }
+        }
+    }
+}
+
 std::vector<pool_plan_group> pool_plan_make(const expert_index & index, int64_t budget_bytes) {
     const hobbit_model_info & info = index.info;
     if (budget_bytes < info.min_budget_bytes) {
@@ -44,18 +59,27 @@ std::vector<pool_plan_group> pool_plan_make(const expert_index & index, int64_t 
         g.n_slot = (int) std::min<int64_t>(info.n_expert_used + extra, (int64_t) info.n_expert * g.layers.size());
         left -= (g.n_slot - info.n_expert_used) * g.expert_bytes;
     }
-    // what the rounding down left over goes to whichever groups it still buys a slot in: a
-    // budget of exactly every expert gives every expert a slot, in every group
-    for (bool more = true; more;) {
-        more = false;
-        for (auto & g : groups) {
-            if (left >= g.expert_bytes && g.n_slot < (int64_t) info.n_expert * (int64_t) g.layers.size()) {
-                g.n_slot++;
-                left -= g.expert_bytes;
-                more = true;
-            }
+    give_what_is_left(groups, left, info);
+    return groups;
+}
+
+std::vector<pool_plan_group> pool_plan_make_placed(const expert_index & index, int64_t budget_bytes,
+                                                   const std::vector<int> & n_placed) {
+    std::vector<pool_plan_group> groups = pool_plan_make(index, budget_bytes);
+    const hobbit_model_info & info = index.info;
+    int64_t left = budget_bytes - info.min_budget_bytes;
+    for (auto & g : groups) {
+        int64_t placed = 0;
+        for (int il : g.layers) {
+            placed += n_placed[il];
         }
+        g.n_slot = (int) std::clamp<int64_t>(placed, info.n_expert_used, (int64_t) info.n_expert * g.layers.size());
+        left -= (g.n_slot - info.n_expert_used) * g.expert_bytes;
     }
+    if (left < 0) {
+        return pool_plan_make(index, budget_bytes); // less than the placement: shared by bytes, as without one
+    }
+    give_what_is_left(groups, left, info);
     return groups;
 }
 

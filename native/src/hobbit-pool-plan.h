@@ -2,7 +2,7 @@
 //
 // The budget is split among the precision levels; within a level, one pool per expert
 // signature (projection shapes and types), each with one token's top-k, the rest shared
-// in proportion to each signature's expert bytes. Pure arithmetic on the file indexes.
+// in proportion to each signature's expert bytes (with a static placement: by what it places). Pure arithmetic on the file indexes.
 #pragma once
 
 #include "hobbit-expert-store.h"
@@ -18,6 +18,14 @@ struct pool_plan_group {
 
 // throws hobbit_error if the budget is below info.min_budget_bytes
 std::vector<pool_plan_group> pool_plan_make(const expert_index & index, int64_t budget_bytes);
+
+// with a static placement: each signature's pool gets a slot for every expert placed at this
+// level in its layers (n_placed[il], by layer; at least one token's top-k), not a share in
+// proportion to its bytes: a placement that favours some layers (those whose experts lose most
+// at the copy) would otherwise leave some of its experts without a slot, read at every use. The
+// rest as pool_plan_make gives it; where the budget holds less than the placement, pool_plan_make's.
+std::vector<pool_plan_group> pool_plan_make_placed(const expert_index & index, int64_t budget_bytes,
+                                                   const std::vector<int> & n_placed);
 
 // Fate's shallow-favoring allocation (§4.4): one pool per MoE layer, so a layer's misses evict
 // only its own experts. Every layer gets one token's top-k; then the first n_shallow MoE

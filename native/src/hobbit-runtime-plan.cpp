@@ -163,15 +163,28 @@ std::vector<int64_t> level_budgets(const model_levels & levels, const hobbit_par
 
 // every level's pools: one per expert signature, or (Fate) one per layer at the highest level
 std::vector<planned_pool> plan_pools(const model_levels & levels, const hobbit_params & params, bool neuron_reads,
-                                     const std::vector<int64_t> & budgets) {
+                                     const std::vector<int64_t> & budgets,
+                                     const std::vector<std::vector<int8_t>> & placement) {
     const hobbit_model_info & info = levels.index.info;
     std::vector<planned_pool> pools;
     for (int l = 0; l < levels.n_level; ++l) {
         const expert_index & li = levels.level(l);
         // Fate's pool per layer holds the precision decode serves (the highest); a lower one
         // (the low copies of a prompt's least popular experts) is one pool shared by every layer
-        std::vector<pool_plan_group> plan = params.shallow_layers >= 0 && l == 0
-            ? pool_plan_make_per_layer(li, budgets[l], params.shallow_layers) : pool_plan_make(li, budgets[l]);
+        std::vector<pool_plan_group> plan;
+        if (params.shallow_layers >= 0 && l == 0) {
+            plan = pool_plan_make_per_layer(li, budgets[l], params.shallow_layers);
+        } else if (!placement.empty()) {
+            std::vector<int> n_placed(info.n_layer, 0);
+            for (int il = 0; il < info.n_layer && il < (int) placement.size(); ++il) {
+                for (int8_t level : placement[il]) {
+                    n_placed[il] += level == l;
+                }
+            }
+            plan = pool_plan_make_placed(li, budgets[l], n_placed);
+        } else {
+            plan = pool_plan_make(li, budgets[l]);
+        }
         int64_t planned = 0; // the bytes of the plan's whole slots: what a budget of rows shares out, with the rest
         for (const pool_plan_group & g : plan) {
             planned += g.n_slot * g.expert_bytes;
@@ -232,7 +245,7 @@ runtime_plan plan_runtime(const model_levels & levels, const hobbit_params & par
     plan.neuron_reads = check_neuron_options(levels, params, plan.moe_layers, path);
     plan.placement    = take_placement(info, params, levels.n_level, plan.moe_layers, path);
     plan.popularity   = take_popularity(info, params, plan.moe_layers, plan.policy, path);
-    plan.pools        = plan_pools(levels, params, plan.neuron_reads, level_budgets(levels, params, plan));
+    plan.pools        = plan_pools(levels, params, plan.neuron_reads, level_budgets(levels, params, plan), plan.placement);
     for (const planned_pool & pp : plan.pools) {
         plan.pool_bytes += pp.bytes;
         plan.n_slot     += pp.cache.n_slot;

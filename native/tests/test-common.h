@@ -59,6 +59,7 @@ void test_scheduler(const std::string & path);
 void test_precision_scorer();
 void test_level_budgets(const std::string & path);
 void test_per_layer_plan(const std::string & path);
+void test_placed_plan(const std::string & path);
 void test_stacked_predictor();
 void test_predicted_expert_counts();
 void test_substitution();

@@ -30,6 +30,7 @@ int main(int argc, char ** argv) {
     test_companion_check(path, dir);
     test_level_budgets(path);
     test_per_layer_plan(path);
+    test_placed_plan(path);
     test_stacked_predictor();
     test_predicted_expert_counts();
     test_substitution();

@@ -88,3 +88,24 @@ void test_per_layer_plan(const std::string & path) {
     CHECK(refused);
     printf("ok per-layer plan\n");
 }
+
+// with a static placement: a slot for every expert placed at the level, not a share by bytes
+// (one signature here, MoE layers 0 and 2 of 4 experts, top-2: the minimum is 2 slots)
+void test_placed_plan(const std::string & path) {
+    const expert_index idx = expert_index::from_file(path);
+    const int64_t e = (int64_t) idx.info.expert_bytes, min = idx.info.min_budget_bytes;
+    auto slots = [&](int64_t budget, std::vector<int> n_placed) {
+        n_placed.resize(idx.info.n_layer, 0);
+        int n = 0;
+        for (const pool_plan_group & g : pool_plan_make_placed(idx, budget, n_placed)) {
+            n += g.n_slot;
+        }
+        return n;
+    };
+    CHECK(slots(min + 3 * e, { 3, 0, 2 }) == 5);      // exactly what is placed
+    CHECK(slots(min + 5 * e, { 3, 0, 2 }) == 7);      // and what the rest of the budget buys
+    CHECK(slots(min + 3 * e, { 1, 0, 0 }) == 5);      // at least one token's top-k, the rest given
+    CHECK(slots(min + 1 * e, { 4, 0, 4 }) == 3);      // less than the placement: pool_plan_make's
+    CHECK(slots(min + 1 * e, { 4, 0, 4 }) == slots(min + 1 * e, {}) && pool_plan_make(idx, min + e)[0].n_slot == 3);
+    printf("ok placed plan\n");
+}

@@ -137,3 +137,34 @@ def test_placed_from_a_trace_on_the_command_line(placed):
     assert p.returncode == 0, p.stderr
     stats = json.loads((model.parent / "skip.json").read_text())
     assert stats["n_skipped"] > 0
+
+
+def test_a_placement_that_favours_some_layers_gets_a_slot_for_every_expert_it_places(tmp_path):
+    """The hardened model's layers have two expert signatures (Q4_K_M's down projections are Q6_K
+    in some layers, Q4_K in the rest), one pool each. A placement that raises the first layers'
+    experts (as the default's order does where their inputs are large) gets a slot at each level
+    for every expert placed there, in its own signature's pool, and reads each once: pools shared
+    in proportion to each signature's bytes left some of them without one, read at every use (at
+    real size 47 MB a token with every expert meant to be in memory)."""
+    model = tmp_path / "h.gguf"
+    shutil.copy(REPO / "models" / "ref-mixtral-8x7b-hardened-Q4_K_M.gguf", model)
+    prepare_companion(model, "Q2_K", progress=False)
+    info = hobbitpy.inspect_model(model)
+    low = layer_expert_bytes(model.with_name(f"{model.stem}.experts-Q2_K.gguf"))
+    assert len(set(layer_expert_bytes(model).tolist())) == 2  # two signatures at the model's precision
+    first_layers_first = np.repeat(np.arange(info.n_layer_moe, 0, -1, dtype=np.float64)[:, None], info.n_expert, 1)
+    low_total = int(low.sum()) * info.n_expert
+    budget = low_total + (info.expert_bytes_total - low_total) // 3
+    llm = hobbitpy.Llama(model, low="Q2_K", hits="found", importance=first_layers_first.tolist(), cache_mb=budget / MB,
+                         n_ctx=256, verbose=False, n_threads=2)
+    try:
+        placement = np.array(llm.placement)
+        slots = {0: 0, 1: 0}
+        for pool in llm.pool_stats():
+            slots[pool["level"]] += pool["n_slot"]
+        assert slots == {0: int((placement == 0).sum()), 1: int((placement == 1).sum())}, slots
+        llm.create_completion("In the beginning", max_tokens=16, temperature=0.0)
+        s = llm.offload_stats()
+        assert s["expert_misses"] + s["warm_loads"] <= placement.size, s  # every expert read once, at its level
+    finally:
+        llm.close()

@@ -3,16 +3,19 @@ model's experts do not all fit in memory and nothing else was asked for.
 
 Served at one precision, the experts that do not fit are read from the disk, token after
 token: exact, and as slow as the disk. The frontier measured on the reference models
-(docs/BENCHMARKS.md at 5f63b2a) is elsewhere: the experts the routers weigh most at the model's own
-precision and the rest from a low-precision copy (placement.py, HOBBIT's premise placed
-once), every expert in memory where the copy fits, else the copy read through the expert
+(docs/BENCHMARKS.md at 5f63b2a) is elsewhere: the experts that lose most at a low-precision copy
+at the model's own precision and the rest from the copy (placement.py, HOBBIT's premise placed
+once; what an expert loses: the routers' weight on it times the squared error the copy's
+rounding adds to its outputs for its inputs, rounding_error.py), every expert in memory where the copy fits, else the copy read through the expert
 cache in fewer bytes than the model's own experts. Whether that ladder costs too much is
 measured, not guessed, on a text that ships with hobbitpy (data/calibration.txt: prose,
 dialogue, code, arithmetic, three languages, scripture):
 
 - one batched run of the model's own experts over the text gives how much the routers weigh
   each expert (kept next to the model, MODEL.hobbit-importance.json) and its next-token
-  distributions (kept for the run, in a temporary file);
+  distributions (kept for the run, in a temporary file), and a stock pass over the same windows
+  the experts' mean squared inputs (an importance matrix), with which each copy's rounding error
+  is priced expert by expert once the copy is at hand (kept beside the verdicts, per low type);
 - the low copy is `prepare`'s Q2_K companion next to the model, made on first use (a
   progress bar; the disk it needs checked and said first; never with `--no-prepare`);
 - the ladder the memory allows, less a slack (VERDICT_SLACK_SHARE), is run over the same text
