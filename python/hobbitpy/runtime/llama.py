@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 import difflib
 import inspect
+import logging
 import os
 import sys
 import threading
@@ -48,6 +49,8 @@ from ..plan.run_plan import check_offload_allowed, plan_run
 from ..plan.profile import resolve_offload
 from ..system.progress import progress_bar
 from ..files.tokens import out_of_vocabulary
+
+log = logging.getLogger("hobbitpy")
 
 # llama_cpp.Llama's own keywords (it swallows any other one silently)
 LLAMA_KEYWORDS = frozenset(inspect.signature(llama_cpp.Llama.__init__).parameters) - {"self", "model_path", "kwargs"}
@@ -544,11 +547,15 @@ def measure_calibration(model_path: str, text: str, n_threads: int) -> Calibrati
     # the experts' inputs (an importance matrix), from stock llama.cpp over the same windows: the
     # expert cache's matmuls run on its pools, which the matrix's callback does not know; with it
     # a low copy's rounding error is priced expert by expert (rounding_error.py)
-    sums, _ = expert_input_sums(model_path, ids, n, n_threads, repack=False)
+    try:
+        sums, _ = expert_input_sums(model_path, ids, n, n_threads, repack=False)
+        input_power = {name: mean_squares(total, counts) for name, (total, counts) in sums.items()}
+    except HobbitError as e:  # expert matmuls the callback does not know: the ladders placed by the routers' weight
+        log.info(f"the experts' inputs could not be measured ({e}); a ladder keeps the experts the routers weigh most")
+        input_power = None
     return_freed_memory()
     return Calibration(importance_of(routing.experts, routing.weights, info.n_expert), len(routing.tokens),
-                       reference=reference,
-                       input_power={name: mean_squares(total, counts) for name, (total, counts) in sums.items()})
+                       reference=reference, input_power=input_power)
 
 
 def compare_ladder(model_path: str, reference: Reference, offload: OffloadConfig, n_threads: int,
