@@ -2,7 +2,8 @@
 //
 // The budget is split among the precision levels; within a level, one pool per expert
 // signature (projection shapes and types), each with one token's top-k, the rest shared
-// in proportion to each signature's expert bytes (with a static placement: by what it places). Pure arithmetic on the file indexes.
+// in proportion to each signature's expert bytes (with a static placement: by what it
+// places). Pure arithmetic on the file indexes.
 #pragma once
 
 #include "hobbit-expert-store.h"
