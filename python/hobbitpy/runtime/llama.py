@@ -520,7 +520,8 @@ def measure_calibration(model_path: str, text: str, n_threads: int) -> Calibrati
     """The model's own experts on the calibration text's first CALIBRATION_TOKENS tokens, in
     windows of CALIBRATION_CTX (likelihood.py's), one batched pass each: how much the routers
     weigh each expert (placement.importance_of), the next-token distributions a ladder is
-    compared with, and the experts' mean squared inputs (an importance matrix, from a stock pass). The outputs do not depend on the cache, so it gets what memory allows."""
+    compared with, and the experts' mean squared inputs (an importance matrix, from a stock
+    pass). The outputs do not depend on the cache, so it gets what memory allows."""
     info = inspect_model(model_path)
     # logits_all: otherwise llama.cpp drops every row but the last before the last layer. Every
     # token's logits are then kept twice (llama.cpp's and llama_cpp's copy): 1.2 MB a token with a
