@@ -16,15 +16,14 @@ import os
 import sys
 
 from hobbitpy import OffloadConfig, inspect_model
-from hobbitpy.runtime.default_ladder import (LOW_TYPE, calibration_text, ladder_placement, low_copy_layer_bytes,
-                                             low_weight_share)
+from hobbitpy.runtime.default_ladder import (LOW_TYPE, calibration_text, copy_rounding_error, ladder_placement,
+                                             low_copy_layer_bytes, low_weight_share)
 from hobbitpy.measure.evaluate import evaluate_against, measure_reference
 from hobbitpy.files.tokens import tokenize_text
 from hobbitpy.runtime.llama import compare_ladder, measure_calibration
 from hobbitpy.files.model_file import layer_expert_bytes
 from hobbitpy.copies.companions import default_companion_path
 from hobbitpy.copies.prepare import prepare_companion
-from hobbitpy.copies.rounding_error import rounding_error
 from hobbitpy.plan.placement import expected_error
 
 MB = 1024 * 1024
@@ -44,7 +43,7 @@ def main() -> int:
     with open(text_path, encoding="utf-8") as f:
         held = measure_reference(model, tokenize_text(model, f.read(), n_tokens), n_ctx=256, n_threads=2)
     print(f"stock perplexity {held.perplexity:.4f} on {len(held.ids)} held-out tokens")
-    error = rounding_error(model, low_path, calibration.input_power, os.cpu_count() or 1)
+    error = copy_rounding_error(info, low_path, calibration.reference, os.cpu_count() or 1)
     orders = {"the default's": expected_error(calibration.importance, error), "routers' weight": calibration.importance}
     for share in shares:
         budget = int(low_total + share * (info.expert_bytes_total - low_total))

@@ -25,13 +25,18 @@ def add_parser(sub) -> None:
 def _imatrix(args) -> int:
     import time
 
-    from hobbitpy import HobbitError
+    from hobbitpy import HobbitError, inspect_model
     from hobbitpy.copies.imatrix import collect_imatrix
+    from hobbitpy.plan.memory import available_memory_bytes
+    from hobbitpy.plan.run_plan import repack_fits
 
     try:
         start = time.perf_counter()
+        # repacked as stock's best run in this memory has it: a 27 GB model's repacked copy does
+        # not fit in 24 GB, and the process would be killed
+        repack = repack_fits(inspect_model(args.model).file_bytes, available_memory_bytes())
         path = collect_imatrix(args.model, args.text, args.out, n_ctx=args.ctx, max_tokens=args.max_tokens,
-                               n_threads=args.threads, replace=args.force)
+                               n_threads=args.threads, replace=args.force, repack=repack)
     except (HobbitError, ValueError, OSError) as e:
         return fail(str(e))
     print(f"wrote {path} in {time.perf_counter() - start:.1f} s")

@@ -40,11 +40,12 @@ def default_imatrix_path(model_path: str | os.PathLike) -> pathlib.Path:
 
 def collect_imatrix(model_path: str | os.PathLike, text_path: str | os.PathLike, out_path: str | os.PathLike | None = None,
                     *, n_ctx: int | None = None, max_tokens: int | None = None, n_threads: int | None = None,
-                    replace: bool = False) -> pathlib.Path:
+                    replace: bool = False, repack: bool = True) -> pathlib.Path:
     """Run the model (stock llama.cpp, every expert mapped) over the text in windows of n_ctx
     tokens (default 512, at most the model's training context) and write the experts'
     importance matrix; return its path. A new file (with replace, over a regular file; never
-    through a symlink)."""
+    through a symlink). repack: expert_input_sums' (off where the file does not fit beside
+    the repacked copy: run_plan.repack_fits)."""
     model_path = pathlib.Path(model_path)
     out = default_imatrix_path(model_path) if out_path is None else pathlib.Path(out_path)
     error = new_output_error(out, replace)  # checked before minutes of work, and again when written
@@ -62,7 +63,7 @@ def collect_imatrix(model_path: str | os.PathLike, text_path: str | os.PathLike,
     except (OSError, UnicodeDecodeError) as e:
         raise HobbitError(f"{text_path}: cannot read it as UTF-8 text ({e})") from None
     ids = tokenize_text(model_path, text, max_tokens)
-    entries, n_chunks = expert_input_sums(model_path, ids, n_ctx, n_threads)
+    entries, n_chunks = expert_input_sums(model_path, ids, n_ctx, n_threads, repack)
     return write_imatrix(out, entries, dataset=pathlib.Path(text_path).name, chunk_count=n_chunks, chunk_size=n_ctx,
                          replace=replace)
 
@@ -113,6 +114,15 @@ def expert_input_sums(model_path: str | os.PathLike, ids: list[int], n_ctx: int,
     if not entries:
         raise HobbitError(f"{model_path}: no expert matmul was seen while decoding; no importance matrix")
     return entries, n_chunks
+
+
+def expert_input_power(model_path: str | os.PathLike, ids: list[int], n_ctx: int,
+                       n_threads: int | None = None) -> dict[str, np.ndarray]:
+    """tensor name -> [n_expert, n_col] each expert's mean squared input per column over the
+    tokens (expert_input_sums in windows of n_ctx, normalized as llama-quantize does). Repacking
+    off: the pass reads the mapping, as stock's best run does where memory is short."""
+    sums, _ = expert_input_sums(model_path, ids, n_ctx, n_threads, repack=False)
+    return {name: mean_squares(total, counts) for name, (total, counts) in sums.items()}
 
 
 def _entries(collector) -> dict[str, tuple[np.ndarray, np.ndarray]]:

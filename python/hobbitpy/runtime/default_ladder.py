@@ -13,9 +13,12 @@ dialogue, code, arithmetic, three languages, scripture):
 
 - one batched run of the model's own experts over the text gives how much the routers weigh
   each expert (kept next to the model, MODEL.hobbit-importance.json) and its next-token
-  distributions (kept for the run, in a temporary file), and a stock pass over the same windows
-  the experts' mean squared inputs (an importance matrix), with which each copy's rounding error
-  is priced expert by expert once the copy is at hand (kept beside the verdicts, per low type);
+  distributions (kept for the run, in a temporary file); once a copy is at hand and a ladder
+  over it with some experts at the model's precision is to be measured, a stock pass over the
+  same windows gives the experts' mean squared inputs (an importance matrix), with which the
+  copy's rounding error is priced expert by expert (kept beside the verdicts, per low type; where
+  every expert of the ladders is at the copy, the order they would be raised in changes nothing,
+  and neither pass is made);
 - the low copy is `prepare`'s Q2_K companion next to the model, made on first use (a
   progress bar; the disk it needs checked and said first; never with `--no-prepare`);
 - the ladder the memory allows, less a slack (VERDICT_SLACK_SHARE), is run over the same text
@@ -105,6 +108,7 @@ from ..system.outputs import NotEnoughSpaceError, check_free_space, partial_outp
 from ..plan.placement import expected_error, place_by_importance
 from ..copies.companions import copy_layer_bytes, default_companion_path, estimated_copy
 from ..copies.prepare import prepare_companion
+from ..copies.imatrix import expert_input_power
 from ..copies.rounding_error import rounding_error
 
 log = logging.getLogger("hobbitpy")
@@ -232,9 +236,6 @@ class Calibration:
     rounding_error: dict[str, np.ndarray] = dataclasses.field(default_factory=dict, compare=False)
     # the model's next-token distributions, which a ladder is compared with (this process only)
     reference: Reference | None = dataclasses.field(default=None, compare=False)
-    # the experts' mean squared inputs by tensor (an importance matrix: rounding_error.py's
-    # input_power), from the same text (this process only)
-    input_power: dict[str, np.ndarray] | None = dataclasses.field(default=None, compare=False)
 
     def order(self, low: str = LOW_TYPE) -> np.ndarray:
         """[moe_layers][n_expert]: the order a ladder over that low type raises experts to the
@@ -649,11 +650,15 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
         why_not = _make_copy(info, config, low_type, threads, made)
         if why_not is not None:
             return exact, _exact(why_not), None
-        if low_type not in calibration.rounding_error and calibration.input_power is not None:
-            # priced before the first ladder over this copy is measured, kept with what it measures:
-            # every ladder over it is placed in this order
-            calibration = calibration.with_rounding_error(low_type, _rounding_error(info, low_path, calibration, threads))
-            _keep(model_path, info, text, calibration)
+        if (low_type not in calibration.rounding_error and calibration.reference is not None
+                and any(n > 0 for _, n in todo)):
+            # priced before the first ladder over this copy with experts at the model's precision is
+            # measured, kept with what it measures: every such ladder over it is placed in this order
+            # (at real size under 12 GiB every expert is at the copy: the two passes, 5 minutes, spared)
+            error = copy_rounding_error(info, low_path, calibration.reference, threads)
+            if error is not None:
+                calibration = calibration.with_rounding_error(low_type, error)
+                _keep(model_path, info, text, calibration)
             placement, n_high = ladder_placement(info, model_layer_bytes, placed, calibration.order(low_type), low_type)
             steps = _priced_steps(info, model_layer_bytes, placed, calibration.order(low_type), low_type)
             todo = steps if verdict is None else _steps_left(calibration, verdict, steps, n_high, low_type)
@@ -714,11 +719,25 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
     return served, describe(info, budget, calibration.importance, placement, verdict), None
 
 
-def _rounding_error(info: ModelInfo, low_path: pathlib.Path, calibration: Calibration, threads: int) -> np.ndarray:
-    """What the copy at low_path loses expert by expert (rounding_error.py), as it is kept."""
-    log.info(f"pricing what {low_path.name} loses, expert by expert (a pass over the model's experts and the copy's)")
+def copy_rounding_error(info: ModelInfo, low_path: str | os.PathLike, reference: Reference,
+                        threads: int) -> np.ndarray | None:
+    """What the copy at low_path loses, expert by expert, as it is kept: the squared error its
+    rounding adds to each expert's outputs (rounding_error.py) for the inputs the experts see on
+    the reference's windows, from a stock pass over them (the expert cache's matmuls run on its
+    pools, which the importance matrix's callback does not know). None, said once, where that
+    pass sees no expert matmul: the ladders are then placed by the routers' weight."""
+    log.info(f"pricing what {pathlib.Path(low_path).name} loses, expert by expert (a stock pass over the calibration "
+             "text for the experts' inputs, then a pass over the model's experts and the copy's)")
     try:
-        error = rounding_error(info.path, low_path, calibration.input_power, threads)
+        power = expert_input_power(info.path, reference.ids, reference.n_ctx, threads)
+    except HobbitError as e:
+        log.info(f"the experts' inputs could not be measured ({e}); a ladder keeps the experts the routers weigh most")
+        return None
+    finally:
+        return_freed_memory()
+        _release(info.path)
+    try:
+        error = rounding_error(info.path, low_path, power, threads)
     finally:
         _release(info.path, low_path)
     return np.array(kept_importance(error), np.float64)

@@ -16,7 +16,6 @@ import dataclasses
 from dataclasses import dataclass
 import difflib
 import inspect
-import logging
 import os
 import sys
 import threading
@@ -44,13 +43,10 @@ from ..plan.memory import (COMPUTE_SHARE, MIN_UBATCH, ContextShape, OffloadPlan,
                            return_freed_memory, whole_memory_budget_mb)
 from ..files.model_file import ModelInfo, inspect_model
 from ..plan.placement import importance_of
-from ..copies.imatrix import expert_input_sums, mean_squares
 from ..plan.run_plan import check_offload_allowed, plan_run
 from ..plan.profile import resolve_offload
 from ..system.progress import progress_bar
 from ..files.tokens import out_of_vocabulary
-
-log = logging.getLogger("hobbitpy")
 
 # llama_cpp.Llama's own keywords (it swallows any other one silently)
 LLAMA_KEYWORDS = frozenset(inspect.signature(llama_cpp.Llama.__init__).parameters) - {"self", "model_path", "kwargs"}
@@ -519,9 +515,8 @@ def _bar(what: str):
 def measure_calibration(model_path: str, text: str, n_threads: int) -> Calibration:
     """The model's own experts on the calibration text's first CALIBRATION_TOKENS tokens, in
     windows of CALIBRATION_CTX (likelihood.py's), one batched pass each: how much the routers
-    weigh each expert (placement.importance_of), the next-token distributions a ladder is
-    compared with, and the experts' mean squared inputs (an importance matrix, from a stock
-    pass). The outputs do not depend on the cache, so it gets what memory allows."""
+    weigh each expert (placement.importance_of) and the next-token distributions a ladder is
+    compared with. The outputs do not depend on the cache, so it gets what memory allows."""
     info = inspect_model(model_path)
     # logits_all: otherwise llama.cpp drops every row but the last before the last layer. Every
     # token's logits are then kept twice (llama.cpp's and llama_cpp's copy): 1.2 MB a token with a
@@ -545,18 +540,8 @@ def measure_calibration(model_path: str, text: str, n_threads: int) -> Calibrati
             table.close()
             raise
     return_freed_memory()
-    # the experts' inputs (an importance matrix), from stock llama.cpp over the same windows: the
-    # expert cache's matmuls run on its pools, which the matrix's callback does not know; with it
-    # a low copy's rounding error is priced expert by expert (rounding_error.py)
-    try:
-        sums, _ = expert_input_sums(model_path, ids, n, n_threads, repack=False)
-        input_power = {name: mean_squares(total, counts) for name, (total, counts) in sums.items()}
-    except HobbitError as e:  # expert matmuls the callback does not know: the ladders placed by the routers' weight
-        log.info(f"the experts' inputs could not be measured ({e}); a ladder keeps the experts the routers weigh most")
-        input_power = None
-    return_freed_memory()
     return Calibration(importance_of(routing.experts, routing.weights, info.n_expert), len(routing.tokens),
-                       reference=reference, input_power=input_power)
+                       reference=reference)
 
 
 def compare_ladder(model_path: str, reference: Reference, offload: OffloadConfig, n_threads: int,
