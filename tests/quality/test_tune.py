@@ -146,6 +146,30 @@ def test_a_placed_ladder_keeps_the_importance_and_places_for_the_budget_a_run_ge
     assert highs[0] == 0 < highs[1]
 
 
+@pytest.mark.slow
+def test_a_placed_ladder_raises_experts_in_the_defaults_order_where_it_priced_the_copy(model_dir, tmp_path):
+    """Where the default's calibration kept next to the model priced what each expert loses at
+    the low copy, a placed ladder is ordered as the default's ladders are: the routers' weight on
+    the text times that loss (here nothing in the first layer: none of its experts comes first)."""
+    import shutil
+
+    import numpy as np
+
+    from hobbitpy.runtime.default_ladder import Calibration, calibration_text, save_calibration
+
+    path = tmp_path / "m.gguf"
+    shutil.copyfile(tiny_model(model_dir, "llama", n_embd=256), path)
+    info = hobbitpy.inspect_model(path)
+    error = np.ones((info.n_layer_moe, info.n_expert))
+    error[0] = 0.0
+    save_calibration(path, info, calibration_text(), Calibration(np.ones_like(error), 1, rounding_error={"Q2_K": error}))
+    (tmp_path / "tune.txt").write_text(TEXT)
+    p = _tune(path, tmp_path / "m.hobbit-profile.json", "--max-kl", "5", candidates="Q4_K/Q2_K placed")
+    assert p.returncode == 0, p.stderr
+    order = np.array(json.loads((tmp_path / "m.hobbit-profile.json").read_text())["settings"]["importance"])
+    assert order.shape == error.shape and (order[0] == 0).all() and (order[1:] > 0).any(), order
+
+
 def test_the_choice_is_the_cheapest_within_the_kl_limit_whatever_perplexity_says():
     # ref-deepseek's 1024 tokens at 0.55 (frontier-deepseek-5): perplexity ranked the candidates
     # badly (on other text the cheapest within +1 %, Q3_K, was +1.10 %; the lowest in KL, Q3_K_M,

@@ -10,7 +10,9 @@ size and a quality budget, measured rather than guessed, in minutes at any model
 2. Candidate ladders, high to low: one level (the model's own experts, or the experts of a
    smaller quant: a ggml type written by `prepare`, or a llama.cpp mix such as Q3_K_M made by
    its quantizer), two levels (a low copy under a higher one; upgrade or found hits), two
-   levels placed statically by the routers' weight (placement.py), also with T2's skip on
+   levels placed statically by the routers' weight on the text, times what each expert loses
+   at the low copy where the default's kept calibration priced it (placement.expected_error:
+   the default's order), also with T2's skip on
    their resident experts, HOBBIT's dynamic precision as the default serves it (scored as
    the default measures it: static, every selection at the level its score wants), and the
    presets. Only copies cheaper than the model's own.
@@ -56,13 +58,13 @@ from .evaluate import REFERENCE_UBATCH, evaluate_against
 from ..copies.imatrix import default_imatrix_path
 from ..analysis.likelihood import Reference, ReferenceTable, scoring_bytes, scoring_windows
 from ..runtime.default_ladder import (DYNAMIC_PREFETCH_LAYERS, DYNAMIC_THRESHOLDS, LOW_TYPE, dynamic_settings,
-                                      kept_prior, with_kept_prior)
+                                      kept_prior, kept_rounding_error, with_kept_prior)
 from ..runtime.llama import Llama
 from ..plan.memory import (ContextShape, available_memory_bytes, context_sizes, fit_ubatch, plan_offload,
                            process_resident_bytes, whole_memory_budget_mb)
 from ..files.model_file import ModelInfo, inspect_model, layer_expert_bytes
 from ..system.outputs import NotEnoughSpaceError, check_free_space
-from ..plan.placement import importance_of, place_by_importance
+from ..plan.placement import expected_error, importance_of, place_by_importance
 from ..copies.prepare import prepare_companion
 from ..settings.presets import preset_settings
 from ..plan.profile import Profile
@@ -398,6 +400,9 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_mean_kl: float 
         log(f"  {name:<{width}} {what}")
 
     prior = kept_prior(info)  # the cache dynamic precision is served through, as the default serves it
+    # a placed ladder raises experts in the default's order where it priced the low copy: the
+    # routers' weight on the text times what each expert loses at the copy (placement.expected_error)
+    rounding = kept_rounding_error(info)
     plans = []
     for cand in chosen:
         settings = {k: v for k, v in cand.settings.items() if v is not None}
@@ -407,7 +412,9 @@ def tune(model: str, text: str, *, memory_bytes: int | None, max_mean_kl: float 
             if measured.importance is None:
                 say(cand.name, f"skipped: {measured.unplaced}")
                 continue
-            settings["importance"] = tuple(tuple(float(f"{x:.6g}") for x in row) for row in measured.importance.tolist())
+            error = rounding.get(settings["low"])
+            order = measured.importance if error is None else expected_error(measured.importance, error)
+            settings["importance"] = tuple(tuple(float(f"{x:.6g}") for x in row) for row in order.tolist())
         larger = [settings[k] for k in ("high", "low") if k in settings and not _can_be_smaller(info, settings[k])]
         if larger:  # not made, not scored
             say(cand.name, f"skipped: a {larger[0]} copy is no smaller than the model's experts")

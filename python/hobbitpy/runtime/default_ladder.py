@@ -904,6 +904,13 @@ def kept_prior(info: ModelInfo) -> dict:
     return {} if calibration is None else _prior_of(calibration)
 
 
+def kept_rounding_error(info: ModelInfo) -> dict[str, np.ndarray]:
+    """By low type, what each expert loses at that copy (copy_rounding_error), as a calibration
+    kept next to the model priced it; {} where none is kept."""
+    calibration = load_calibration(info.path, info, calibration_text())
+    return {} if calibration is None else calibration.rounding_error
+
+
 def with_kept_prior(info: ModelInfo, config: OffloadConfig) -> tuple[OffloadConfig, str | None]:
     """A config serving the model's own experts at one precision, whole, with no policy or profile
     chosen (the default's exact path, `--exact`, `--cache-mb`): with CACHE_POLICY where a
