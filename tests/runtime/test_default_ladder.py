@@ -410,39 +410,44 @@ def _experts_at_model_precision(info: hobbitpy.ModelInfo, model: pathlib.Path, c
                             np.array(config.importance), LOW_TYPE)[1]
 
 
-@pytest.mark.parametrize("beyond", [1.02, 1.1])
-def test_where_the_ladder_a_slack_below_is_just_beyond_those_nearer_the_budget_are_measured(tmp_path, beyond):
+@pytest.mark.parametrize("n_beyond", [1, 2])
+def test_where_the_ladder_a_slack_below_is_just_beyond_those_nearer_the_budget_are_measured(tmp_path, n_beyond):
     """The ladder priced a slack below the budget's own keeps fewer experts at the model's
     precision than the budget holds: where it measures beyond the limit, the one half a slack below
     is measured, and where that is beyond too the budget's own; the first within serves (the
     real-size hardened Mixtral with no cap measured 0.0123 nats with the slack's 174 experts at the
-    model's precision, 0.0067 with half a slack's 179, its budget's 184). Here the divergences are scaled so that
-    the slack's ladder measures `beyond` times the limit: just beyond, the next is within; a little
-    further, the budget's own. Kept: a later run with as much memory, or more, measures nothing,
-    and one with up to half a slack less neither where the half-slack ladder was within."""
+    model's precision, 0.0067 with half a slack's 179, its budget's 184). Here the first n_beyond
+    ladders with experts at the model's precision are given just beyond the limit (1.1 and 1.05
+    times it), the next within (0.9 times), each measured first. Not a scale of the measured
+    divergences: on the shipped model the half-slack ladder (one expert more at the model's
+    precision) measures 0.906 of the slack's on an Intel Xeon and above 1/1.1 of it on the AMD
+    EPYC machines before, so a scale that puts the slack's at 1.1 times the limit posed one case
+    on one CPU and the other on the next. Kept: a later run with as much memory, or more,
+    measures nothing, and one with up to half a slack less neither where the half-slack ladder
+    was within."""
     model = tmp_path / "m.gguf"
     shutil.copy(MODEL, model)
     info = hobbitpy.inspect_model(model)
-    measured = []  # (experts at the model's precision, the unscaled divergence)
+    ladders = []  # (experts at the model's precision, the divergence the default was given)
     scale = []
+    given = (1.1, 1.05)[:n_beyond] + (0.9,)
 
     def score(reference, config, stop_beyond):
         n_high = _experts_at_model_precision(info, model, config)
         c = compare_ladder(str(model), reference, config, 2)
-        if not scale:  # the first ladder measured (the slack's)
-            scale.append(beyond * MAX_MEAN_KL / c.mean_kl)
-        measured.append((n_high, c.mean_kl))
-        return dataclasses.replace(c, mean_kl=scale[0] * c.mean_kl)
+        if not scale:  # the first ladder measured (the slack's): every expert at the copy scaled as it is
+            scale.append(given[0] * MAX_MEAN_KL / c.mean_kl)
+        if n_high <= 0:
+            return dataclasses.replace(c, mean_kl=scale[0] * c.mean_kl)
+        ladders.append((n_high, given[min(len(ladders), len(given) - 1)] * MAX_MEAN_KL))
+        return dataclasses.replace(c, mean_kl=ladders[-1][1])
 
     served, line = _default_of(model, MORE_MEMORY, score)
-    ladders = [(n, scale[0] * kl) for n, kl in measured if n > 0]  # (every expert at the copy: after one within)
-    assert len(ladders) >= 2 and [n for n, _ in ladders] == sorted({n for n, _ in ladders}), measured
-    *further, (n_within, kl_within) = ladders
-    assert all(kl > MAX_MEAN_KL for _, kl in further) and kl_within <= MAX_MEAN_KL, ladders
-    assert len(ladders) == (2 if beyond == 1.02 else 3), ladders  # (measured: 0.92 and 0.88 of the first)
+    assert len(ladders) == n_beyond + 1 and [n for n, _ in ladders] == sorted({n for n, _ in ladders}), ladders
+    n_within, kl_within = ladders[-1]
     assert served.low == str(default_companion_path(model, LOW_TYPE)), line
     n_served = int(re.search(r"the (\d+) of \d+ experts that lose most", line).group(1))
-    assert n_served == ladders[-1][0] if beyond == 1.1 else n_served > n_within, (line, ladders)
+    assert n_served == n_within if n_beyond == 2 else n_served > n_within, (line, ladders)
     assert f"{kl_within:.4f} nats" in line, line
     calibration = load_calibration(model, info, calibration_text())
     kept = [p for p in calibration.ladders if not p.dynamic and p.n_high > 0]
@@ -455,7 +460,7 @@ def test_where_the_ladder_a_slack_below_is_just_beyond_those_nearer_the_budget_a
         raise AssertionError("measured again")
 
     memories = [MORE_MEMORY, MORE_MEMORY + info.expert_bytes]
-    if beyond == 1.02:  # a run finding up to half a slack less
+    if n_beyond == 1:  # a run finding up to half a slack less
         memories.append(MORE_MEMORY - info.expert_bytes)
     for memory in memories:
         again, line = _default_of(model, memory, never, measure=never)
