@@ -25,6 +25,7 @@ from hobbitpy.runtime.default_ladder import (CACHE_POLICY, DYNAMIC_MIN_MISSED, D
                                              low_weight_share, placed_bytes, remembered_failure, save_calibration,
                                              unfit_reason, with_kept_prior)
 from hobbitpy.errors import ExpertReadError
+from hobbitpy.runtime import default_ladder
 from hobbitpy.runtime.llama import compare_ladder, measure_calibration
 from hobbitpy.plan.memory import ContextShape
 from hobbitpy.system.disk import drop_from_page_cache
@@ -200,6 +201,45 @@ def test_an_interrupted_measurement_removes_the_copy_and_keeps_no_failure(tmp_pa
         _default_of(model, SOME_MEMORY, interrupted)
     assert not default_companion_path(model, LOW_TYPE).exists()
     assert remembered_failure(model, hobbitpy.inspect_model(model), calibration_text()) is None
+
+def test_a_copy_whose_loss_cannot_be_priced_is_placed_by_the_routers_weight_and_not_priced_again(tmp_path, monkeypatch):
+    """Where the stock pass for the experts' inputs sees no expert matmul (a backend whose expert
+    matmuls the importance matrix's callback does not know), every expert is taken to lose alike at
+    that copy: its ladders are placed by the routers' weight, and that is kept, so a run with less
+    memory, which measures a ladder of its own over the copy, does not try the pass again."""
+    model = tmp_path / "m.gguf"
+    shutil.copy(MODEL, model)
+    info = hobbitpy.inspect_model(model)
+    priced = []  # the copies whose loss was priced, in turn
+
+    def no_expert_matmul_seen(model_path, *args):
+        raise hobbitpy.HobbitError(f"{model_path}: no expert matmul was seen while decoding; no importance matrix")
+
+    def pricing(info, low_path, *args):
+        priced.append(pathlib.Path(low_path).name)
+        return copy_rounding_error(info, low_path, *args)
+
+    monkeypatch.setattr(default_ladder, "expert_input_power", no_expert_matmul_seen)
+    monkeypatch.setattr(default_ladder, "copy_rounding_error", pricing)
+    measured = []  # (the copy, experts at the model's precision) of each ladder measured
+
+    def score(reference, config, stop_beyond):
+        measured.append((pathlib.Path(config.low).name, _experts_at_model_precision(info, model, config)))
+        return compare_ladder(str(model), reference, config, 2, stop_beyond)
+
+    q2_k = default_companion_path(model, LOW_TYPE).name
+    served, line = _default_of(model, MORE_MEMORY, score)
+    kept = load_calibration(model, info, calibration_text())
+    assert priced == [q2_k] and served.low is not None, (priced, line)
+    assert (kept.rounding_error[LOW_TYPE] == 1).all()
+    np.testing.assert_allclose(np.array(served.importance), kept.importance, rtol=1e-5)
+
+    measured.clear()
+    _default_of(model, SOME_MEMORY, score)
+    # a Q2_K ladder of its own, some experts at the model's precision, placed as kept: not priced again
+    assert any(name == q2_k and n > 0 for name, n in measured), measured
+    assert priced.count(q2_k) == 1 and len(set(priced)) == len(priced), priced
+
 
 @pytest.mark.slow  # (the run under a cap below may reach the Q3_K ladder too)
 def test_the_default_tries_a_q3_k_ladder_where_the_q2_k_one_is_beyond_the_limit(tmp_path):

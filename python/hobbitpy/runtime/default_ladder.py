@@ -232,7 +232,8 @@ class Calibration:
     n_tokens: int           # tokens evaluated
     ladders: tuple[Priced, ...] = ()  # by low type, fewest experts at the model's precision first
     # by low type, [moe_layers][n_expert]: the squared error that type's copy adds to each expert's
-    # outputs (rounding_error.py), priced once its copy is at hand
+    # outputs (rounding_error.py), priced once its copy is at hand (1 for every expert where the
+    # experts' inputs could not be measured: they are taken to lose alike)
     rounding_error: dict[str, np.ndarray] = dataclasses.field(default_factory=dict, compare=False)
     # the model's next-token distributions, which a ladder is compared with (this process only)
     reference: Reference | None = dataclasses.field(default=None, compare=False)
@@ -656,9 +657,11 @@ def _choose(info: ModelInfo, config: OffloadConfig, exact: OffloadConfig, ladder
             # measured, kept with what it measures: every such ladder over it is placed in this order
             # (at real size under 12 GiB every expert is at the copy: the two passes, 5 minutes, spared)
             error = copy_rounding_error(info, low_path, calibration.reference, threads)
-            if error is not None:
-                calibration = calibration.with_rounding_error(low_type, error)
-                _keep(model_path, info, text, calibration)
+            # where it cannot be priced, every expert is taken to lose alike (the routers' weight
+            # orders), and kept so: a later run does not try the stock pass again
+            calibration = calibration.with_rounding_error(
+                low_type, np.ones_like(calibration.importance) if error is None else error)
+            _keep(model_path, info, text, calibration)
             placement, n_high = ladder_placement(info, model_layer_bytes, placed, calibration.order(low_type), low_type)
             steps = _priced_steps(info, model_layer_bytes, placed, calibration.order(low_type), low_type)
             todo = steps if verdict is None else _steps_left(calibration, verdict, steps, n_high, low_type)
@@ -724,8 +727,8 @@ def copy_rounding_error(info: ModelInfo, low_path: str | os.PathLike, reference:
     """What the copy at low_path loses, expert by expert, as it is kept: the squared error its
     rounding adds to each expert's outputs (rounding_error.py) for the inputs the experts see on
     the reference's windows, from a stock pass over them (the expert cache's matmuls run on its
-    pools, which the importance matrix's callback does not know). None, said once, where that
-    pass sees no expert matmul: the ladders are then placed by the routers' weight."""
+    pools, which the importance matrix's callback does not know). None, said in one line, where
+    that pass sees no expert matmul."""
     log.info(f"pricing what {pathlib.Path(low_path).name} loses, expert by expert (a stock pass over the calibration "
              "text for the experts' inputs, then a pass over the model's experts and the copy's)")
     try:
