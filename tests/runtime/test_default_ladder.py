@@ -202,6 +202,7 @@ def test_an_interrupted_measurement_removes_the_copy_and_keeps_no_failure(tmp_pa
     assert not default_companion_path(model, LOW_TYPE).exists()
     assert remembered_failure(model, hobbitpy.inspect_model(model), calibration_text()) is None
 
+
 def test_a_copy_whose_loss_cannot_be_priced_is_placed_by_the_routers_weight_and_not_priced_again(tmp_path, monkeypatch):
     """Where the stock pass for the experts' inputs sees no expert matmul (a backend whose expert
     matmuls the importance matrix's callback does not know), every expert is taken to lose alike at
